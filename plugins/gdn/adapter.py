@@ -1,0 +1,256 @@
+"""Turns a transformers/FLA ``GatedDeltaNetForCausalLM`` into a :class:`specla.TargetAdapter`.
+
+The reference path: the whole model runs layer-major over the draft tree in PyTorch from the
+model's own weights (FLA's modules are Triton-only, so they cannot serve CPU users). Per layer:
+q/k/v/a/b/g projections, tree-aware short convolution + SiLU, L2-normalised q/k, gates
+``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, tree-masked GDN with factor
+records, gated RMSNorm, output projection, then the MLP; final norm and LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specla.config import SpecConfig
+from specla.interfaces import TargetAdapter, VerifyOutput
+from specla.records import Acceptance, PendingCommit, Record, path_end
+from specla.tree import DraftTree, inclusive_ancestor_mask
+
+from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
+from .reference import (
+    compute_dtype,
+    conv_ancestors,
+    conv_window_after,
+    conv_windows_per_node,
+    gdn_commit_factor,
+    gdn_commit_replay,
+    l2norm,
+    node_states,
+    tree_conv,
+    tree_gdn,
+)
+
+PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm computed in float32 (float64 for float64 inputs), returned in ``x.dtype`` (FLA)."""
+    xc = x.to(compute_dtype(x))
+    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xc.dtype)).to(x.dtype)
+
+
+@dataclass
+class _Layer:
+    """One GDN block's weights, converted once to the run's device and dtype."""
+
+    attn_norm: Tensor
+    attn_eps: float
+    w_qkv: Tensor  # [2 * H * K + HV * V, hidden]
+    w_a: Tensor  # [HV, hidden]
+    w_b: Tensor  # [HV, hidden]
+    w_g: Tensor | None  # [HV * V, hidden], None without output gate
+    conv_w: Tensor | None  # [Dc, C]
+    conv_b: Tensor | None  # [Dc]
+    A_log: Tensor  # [HV] float32
+    dt_bias: Tensor  # [HV] float32
+    o_norm: Tensor  # [V]
+    o_eps: float
+    gate_act: str  # swish | silu | sigmoid
+    w_o: Tensor  # [hidden, HV * V]
+    mlp_norm: Tensor
+    mlp_eps: float
+    w_gate: Tensor
+    w_up: Tensor
+    w_down: Tensor
+    H: int
+    HV: int
+    K: int
+    V: int
+    beta_scale: float  # 2 with allow_neg_eigval, else 1
+
+
+class GDNAdapter(TargetAdapter):
+    """Reference-path adapter for Gated DeltaNet (see module docstring).
+
+    State per sequence: ``recurrent[l]`` ``[B, HV, K, V]`` float32 (float64 for float64 runs),
+    ``conv[l]`` ``[B, C - 1, Dc]`` activation dtype (``None`` without short conv), ``roots``
+    ``[B]`` int64. Weights are read from ``model`` once; ``model`` itself is not modified.
+
+    Args:
+        model: a ``fla.models.GatedDeltaNetForCausalLM``.
+        config: the run's :class:`SpecConfig` (``dtype``/``device`` override the model's).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: SpecConfig):
+        self.config = config
+        ref = model.lm_head.weight
+        self.device = torch.device(config.device) if config.device else ref.device
+        self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
+        self.state_dtype = compute_dtype(torch.empty(0, dtype=self.dtype))
+        act = lambda p: p.detach().to(self.device, self.dtype)  # noqa: E731
+        st = lambda p: p.detach().to(self.device, self.state_dtype)  # noqa: E731
+        m = model.model
+        self.embed = act(m.embeddings.weight)
+        self.vocab_size = self.embed.shape[0]
+        self.norm, self.norm_eps = act(m.norm.weight), m.norm.eps
+        self.lm_head = act(model.lm_head.weight)
+        self.layers = []
+        for blk in m.layers:
+            a = blk.attn
+            conv = [a.q_conv1d, a.k_conv1d, a.v_conv1d] if a.use_short_conv else None
+            self.layers.append(
+                _Layer(
+                    attn_norm=act(blk.attn_norm.weight), attn_eps=blk.attn_norm.eps,
+                    w_qkv=act(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                    w_a=act(a.a_proj.weight), w_b=act(a.b_proj.weight),
+                    w_g=act(a.g_proj.weight) if a.use_gate else None,
+                    conv_w=act(torch.cat([c.weight[:, 0] for c in conv])) if conv else None,
+                    conv_b=act(torch.cat([c.bias for c in conv])) if conv and conv[0].bias is not None else None,
+                    A_log=st(a.A_log), dt_bias=st(a.dt_bias),
+                    o_norm=act(a.o_norm.weight), o_eps=a.o_norm.eps,
+                    gate_act=getattr(a.o_norm, "activation", "swish"),
+                    w_o=act(a.o_proj.weight),
+                    mlp_norm=act(blk.mlp_norm.weight), mlp_eps=blk.mlp_norm.eps,
+                    w_gate=act(blk.mlp.gate_proj.weight), w_up=act(blk.mlp.up_proj.weight),
+                    w_down=act(blk.mlp.down_proj.weight),
+                    H=a.num_heads, HV=a.num_v_heads, K=a.head_k_dim, V=a.head_v_dim,
+                    beta_scale=2.0 if a.allow_neg_eigval else 1.0,
+                )
+            )
+        self.conv_width = self.layers[0].conv_w.shape[1] if self.layers[0].conv_w is not None else 0
+        self.recurrent: list[Tensor] = []
+        self.conv: list[Tensor | None] = []
+        self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.pending: PendingCommit | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def batch_size(self) -> int:
+        return self._roots.shape[0]
+
+    @property
+    def roots(self) -> Tensor:
+        return self._roots
+
+    def _empty_state(self, B: int) -> None:
+        self.recurrent = [
+            torch.zeros(B, L.HV, L.K, L.V, dtype=self.state_dtype, device=self.device) for L in self.layers
+        ]
+        self.conv = [
+            torch.zeros(B, self.conv_width - 1, L.w_qkv.shape[0], dtype=self.dtype, device=self.device)
+            if L.conv_w is not None else None
+            for L in self.layers
+        ]
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._apply(self.pending.records, self.pending.path, self.pending.path_len)
+            self.pending = None
+
+    def select(self, index: Tensor) -> None:
+        index = index.to(self.device)
+        self.recurrent = [s.index_select(0, index) for s in self.recurrent]
+        self.conv = [c.index_select(0, index) if c is not None else None for c in self.conv]
+        self._roots = self._roots.index_select(0, index)
+        if self.pending is not None:
+            self.pending = self.pending.select(index)
+
+    # ------------------------------------------------------------------ model
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool = True):
+        """Run the model over a batch of trees hanging from the committed state.
+
+        Args:
+            tokens: ``[B, T]`` int64 node tokens (already validated).
+            parents: ``[B, T]`` int64, ``-1`` = child of the committed state.
+            records: which record type to build (``factor``, ``snapshot``, ``replay``).
+            logits: whether to compute the LM head (prefill skips it).
+        Returns:
+            ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records tuple)``.
+        """
+        mask = inclusive_ancestor_mask(parents)
+        anc = conv_ancestors(parents, self.conv_width) if self.conv_width else None
+        x = self.embed[tokens]
+        B, T = tokens.shape
+        out_records: list[Record] = []
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L.attn_norm, L.attn_eps)
+            proj = h @ L.w_qkv.T
+            qkv = tree_conv(proj, self.conv[li], L.conv_w, L.conv_b, anc) if anc is not None else F.silu(proj)
+            q, k, v = qkv.split([L.H * L.K, L.H * L.K, L.HV * L.V], dim=-1)
+            q, k = l2norm(q.view(B, T, L.H, L.K)), l2norm(k.view(B, T, L.H, L.K))
+            v = v.reshape(B, T, L.HV, L.V)
+            st = self.state_dtype
+            g = -torch.exp(L.A_log) * F.softplus((h @ L.w_a.T).to(st) + L.dt_bias)
+            beta = torch.sigmoid((h @ L.w_b.T).to(st)) * L.beta_scale
+            S0 = self.recurrent[li]
+            o, delta, G = tree_gdn(q, k, v, g, beta, S0, mask, L.K**-0.5)
+            conv_x = proj if anc is not None else None
+            if records == "factor":
+                out_records.append(GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x))
+            elif records == "snapshot":
+                wins = conv_windows_per_node(proj, self.conv[li], anc) if anc is not None else None
+                out_records.append(GDNSnapshotRecord(node_states(S0, k, delta, G, mask), wins))
+            else:
+                out_records.append(GDNReplayRecord(k=k, v=v.to(st), g=g, beta=beta, conv_x=conv_x))
+            o = rms_norm(o, L.o_norm, L.o_eps).to(st)
+            if L.w_g is not None:
+                gate = (h @ L.w_g.T).view(B, T, L.HV, L.V).to(st)
+                o = o * (torch.sigmoid(gate) if L.gate_act == "sigmoid" else F.silu(gate))
+            x = x + o.reshape(B, T, -1).to(self.dtype) @ L.w_o.T
+            h = rms_norm(x, L.mlp_norm, L.mlp_eps)
+            x = x + (F.silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+        out = rms_norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
+        return out, x, tuple(out_records)
+
+    def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
+        """Commit ``path`` (``[B, P]``, ``path_len [B]``) to every layer from its records."""
+        end = path_end(path, path_len)
+        for li, rec in enumerate(records):
+            S0, win = self.recurrent[li], self.conv[li]
+            if isinstance(rec, GDNFactorRecord):
+                self.recurrent[li] = gdn_commit_factor(S0, rec.k, rec.delta, rec.G, path, path_len)
+            elif isinstance(rec, GDNReplayRecord):
+                self.recurrent[li] = gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
+            else:
+                picked = rec.states[torch.arange(S0.shape[0], device=S0.device), end.clamp(min=0)]
+                self.recurrent[li] = torch.where((path_len > 0)[:, None, None, None], picked, S0)
+            if win is None:
+                continue
+            if isinstance(rec, GDNSnapshotRecord):
+                picked = rec.conv_windows[torch.arange(win.shape[0], device=win.device), end.clamp(min=0)]
+                self.conv[li] = torch.where((path_len > 0)[:, None, None], picked, win)
+            else:
+                self.conv[li] = conv_window_after(rec.conv_x, win, path, path_len)
+
+    # ------------------------------------------------------------------ contract
+    def _prefill(self, prompts: list[list[int]]) -> None:
+        self.pending = None
+        self._empty_state(len(prompts))
+        bodies = [p[:-1] for p in prompts]
+        longest = max(len(b) for b in bodies)
+        for start in range(0, longest, PREFILL_CHUNK):
+            chunks = [b[start : start + PREFILL_CHUNK] for b in bodies]
+            tree = DraftTree.from_lists([(c, list(range(-1, len(c) - 1))) for c in chunks], self.device)
+            _, _, recs = self.forward(tree.tokens, tree.parents, "factor", logits=False)
+            path = torch.where(tree.valid, torch.arange(tree.width, device=self.device), -1)
+            self._apply(recs, path, tree.num_nodes)
+        self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
+
+    def _verify(self, tree: DraftTree) -> VerifyOutput:
+        self.flush()  # delayed commit: the reference path applies it just before verifying
+        tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
+        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, self.config.commit)
+        return VerifyOutput(logits=logits, hidden=hidden, records=recs)
+
+    def _commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None:
+        pending = PendingCommit(out.records, acceptance.path, acceptance.path_len)
+        if self.config.commit == "factor":
+            self.pending = pending
+        else:
+            self._apply(pending.records, pending.path, pending.path_len)
+        self._roots = acceptance.bonus.to(self.device)

@@ -1,0 +1,161 @@
+"""Sequential pure-PyTorch references for GDN: explicit loops, one token at a time.
+
+Executable documentation and the oracle every faster path (the batched reference in
+``reference.py``, the Triton kernels) is tested against. Slow on purpose: each tree node is
+computed by walking its own root path from the committed state, exactly as autoregressive
+decoding would. Formulas: DESIGN.md section 4 and FLA's ``naive_recurrent_gated_delta_rule``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    """Node indices from the first node below the committed state down to ``node``."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def gdn_step(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float):
+    """One gated delta rule step for one head (FLA convention).
+
+    Args:
+        S: ``[K, V]`` state; q, k: ``[K]`` (L2-normalised); v: ``[V]``; g, beta: scalars (0-dim).
+    Returns:
+        ``(S_new [K, V], o [V], delta [V])``.
+    """
+    S = torch.exp(g) * S
+    delta = beta * (v - S.T @ k)
+    S = S + torch.outer(k, delta)
+    return S, S.T @ (scale * q), delta
+
+
+def naive_tree_gdn(q, k, v, g, beta, S0, parents, scale):
+    """Per-path sequential GDN over a batch of trees.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g, beta: ``[B, T, HV]``; S0: ``[B, HV, K, V]``;
+        parents: ``[B, T]`` int64 (``-1`` = child of the committed state); scale: float.
+    Returns:
+        ``o [B, T, HV, V]``, ``delta [B, T, HV, V]``, ``G [B, T, HV]`` (log decay summed along
+        the path), ``states [B, T, HV, K, V]`` (state after each node), all in ``S0.dtype``.
+    """
+    B, T, H, _ = k.shape
+    HV = v.shape[2]
+    ct = S0.dtype
+    o = torch.zeros(B, T, HV, v.shape[-1], dtype=ct)
+    delta, G = torch.zeros_like(o), torch.zeros(B, T, HV, dtype=ct)
+    states = torch.zeros(B, T, *S0.shape[1:], dtype=ct)
+    for b in range(B):
+        par = parents[b].tolist()
+        for i in range(T):
+            for hv in range(HV):
+                h = hv // (HV // H)
+                S, Gs = S0[b, hv].clone(), torch.zeros((), dtype=ct)
+                for j in root_path(par, i):
+                    S, out, d = gdn_step(
+                        S, q[b, j, h].to(ct), k[b, j, h].to(ct), v[b, j, hv].to(ct),
+                        g[b, j, hv].to(ct), beta[b, j, hv].to(ct), scale,
+                    )
+                    Gs = Gs + g[b, j, hv].to(ct)
+                o[b, i, hv], delta[b, i, hv], G[b, i, hv], states[b, i, hv] = out, d, Gs, S
+    return o, delta, G, states
+
+
+def naive_tree_conv(x, window, weight, bias, parents):
+    """Per-path causal short convolution + SiLU over a batch of trees.
+
+    Args:
+        x: ``[B, T, D]``; window: ``[B, C - 1, D]`` (oldest first); weight: ``[D, C]``;
+        bias: ``[D]`` or None; parents: ``[B, T]`` int64.
+    Returns:
+        ``y [B, T, D]`` in x.dtype, ``windows [B, T, C - 1, D]`` (the conv window after each node).
+    """
+    B, T, D = x.shape
+    C = weight.shape[1]
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.zeros(B, T, D, dtype=ct)
+    windows = torch.zeros(B, T, C - 1, D, dtype=x.dtype)
+    for b in range(B):
+        par = parents[b].tolist()
+        for i in range(T):
+            seq = [window[b, t] for t in range(C - 1)] + [x[b, j] for j in root_path(par, i)]
+            last = torch.stack(seq[-C:]).to(ct)  # [C, D], oldest first: tap c meets last[c]
+            acc = (last.T * weight.to(ct)).sum(-1)
+            y[b, i] = acc + (bias.to(ct) if bias is not None else 0)
+            windows[b, i] = torch.stack(seq[len(seq) - (C - 1):]) if C > 1 else windows[b, i]
+    return F.silu(y).to(x.dtype), windows
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(x.dtype)
+
+
+@torch.no_grad()
+def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy autoregressive decoding of an FLA ``GatedDeltaNetForCausalLM``, one token per
+    step through every layer with the sequential recurrence (no trees, no factors).
+
+    Args:
+        model: the transformers/FLA model (weights are read; its Triton forward is not used).
+        prompt: non-empty token ids.
+        max_new_tokens: tokens to generate.
+    Returns:
+        the generated token ids (new tokens only).
+    """
+    cfg, m = model.config, model.model
+    dt = model.lm_head.weight.dtype
+    ct = torch.float64 if dt == torch.float64 else torch.float32
+    layers = [blk.attn for blk in m.layers]
+    states = [torch.zeros(a.num_v_heads, a.head_k_dim, a.head_v_dim, dtype=ct) for a in layers]
+    convs = [[] for _ in layers]  # past pre-conv inputs per layer
+    tokens, out = list(prompt), []
+    pos = 0
+    while len(out) < max_new_tokens:
+        x = m.embeddings.weight[tokens[pos]]
+        for li, blk in enumerate(m.layers):
+            a = blk.attn
+            h = _rms(x, blk.attn_norm.weight, blk.attn_norm.eps).to(dt)
+            proj = torch.cat([h @ a.q_proj.weight.T, h @ a.k_proj.weight.T, h @ a.v_proj.weight.T])
+            if a.use_short_conv:
+                w = torch.cat([a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight])[:, 0].to(ct)
+                C = w.shape[1]
+                convs[li].append(proj)
+                hist = ([torch.zeros_like(proj)] * C + convs[li])[-C:]
+                qkv = F.silu((torch.stack(hist).to(ct).T * w).sum(-1)).to(dt)
+            else:
+                qkv = F.silu(proj.to(ct)).to(dt)
+            q, k, v = qkv.split([a.key_dim, a.key_dim, a.value_dim])
+            # FLA's in-kernel l2norm: x / sqrt(sum(x^2) + 1e-6)
+            q, k = (t.view(a.num_heads, -1).to(ct) for t in (q, k))
+            q, k = (t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+            v = v.view(a.num_v_heads, -1).to(ct)
+            g = -torch.exp(a.A_log.to(ct)) * F.softplus((h @ a.a_proj.weight.T).to(ct) + a.dt_bias.to(ct))
+            beta = torch.sigmoid((h @ a.b_proj.weight.T).to(ct)) * (2 if a.allow_neg_eigval else 1)
+            o = torch.zeros(a.num_v_heads, a.head_v_dim, dtype=ct)
+            grp = a.num_v_heads // a.num_heads
+            for hv in range(a.num_v_heads):
+                states[li][hv], o[hv], _ = gdn_step(
+                    states[li][hv], q[hv // grp], k[hv // grp], v[hv], g[hv], beta[hv], a.head_k_dim**-0.5
+                )
+            o = _rms(o, a.o_norm.weight, a.o_norm.eps)
+            if a.use_gate:
+                gate = (h @ a.g_proj.weight.T).view(a.num_v_heads, -1).to(ct)
+                o = o * (torch.sigmoid(gate) if a.o_norm.activation == "sigmoid" else F.silu(gate))
+            x = x + (o.reshape(-1).to(dt) @ a.o_proj.weight.T)
+            h = _rms(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(dt)
+            mlp = blk.mlp
+            x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+        pos += 1
+        if pos >= len(tokens):
+            logits = _rms(x, m.norm.weight, m.norm.eps).to(dt) @ model.lm_head.weight.T
+            tokens.append(int(logits.argmax()))
+            out.append(tokens[-1])
+    return out

@@ -1,0 +1,209 @@
+"""Pure-PyTorch tree-masked GDN operators: the reference path that runs on CPU and GPU.
+
+These are the batched, factorized forms of DESIGN.md section 4 (no loops over nodes except to
+build masks). ``naive.py`` holds the sequential per-path twins they are tested against; the Triton
+kernels are tested against the same twins.
+
+Shapes: ``B`` sequences, ``T`` tree nodes (root-explicit trees have ``T = N + 1``), ``H`` key
+heads, ``HV`` value heads (``HV % H == 0``; value head ``hv`` reads key head ``hv // (HV // H)``,
+as FLA), ``K``/``V`` head dims, ``D`` channels, ``C`` conv width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specla.records import path_end
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 stays float64 (exactness tests); every other dtype computes in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def expand_heads(x: Tensor, num_v_heads: int) -> Tensor:
+    """Repeat key heads for grouped value heads: ``[B, T, H, K] -> [B, T, HV, K]`` (FLA mapping)."""
+    return x.repeat_interleave(num_v_heads // x.shape[2], dim=2)
+
+
+def conv_ancestors(parents: Tensor, width: int) -> Tensor:
+    """Index, into ``cat([window, x], 1)``, of each node's last ``width`` inputs along its root path.
+
+    The extended sequence is the committed conv window (``width - 1`` entries, oldest first)
+    followed by the ``T`` nodes; a root child's predecessor is the newest window entry.
+
+    Args:
+        parents: ``[B, T]`` int64, ``-1`` = child of the committed state.
+        width: conv kernel width ``C``.
+    Returns:
+        ``[B, T, C]`` int64; column ``c`` is the input multiplied by conv tap ``c`` (column
+        ``C - 1`` is the node itself), matching ``torch.nn.Conv1d`` causal taps.
+    """
+    W = width - 1
+    B, T = parents.shape
+    window_parent = torch.arange(-1, W - 1, device=parents.device).expand(B, W)
+    node_parent = torch.where(parents >= 0, parents + W, torch.full_like(parents, W - 1))
+    ext_parent = torch.cat([window_parent, node_parent], 1).clamp(min=0)  # [B, W + T]
+    cols = [torch.arange(W, W + T, device=parents.device).expand(B, T)]
+    for _ in range(W):
+        cols.append(ext_parent.gather(1, cols[-1]))
+    return torch.stack(cols[::-1], dim=-1)
+
+
+def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, anc: Tensor) -> Tensor:
+    """Tree-aware causal short convolution + SiLU (DESIGN.md section 4, short convolution).
+
+    Args:
+        x: ``[B, T, D]`` node inputs (pre-conv projections).
+        window: ``[B, C - 1, D]`` committed inputs, oldest first.
+        weight: ``[D, C]`` depthwise taps (FLA ``ShortConvolution.weight[:, 0]``).
+        bias: ``[D]`` or ``None``.
+        anc: ``[B, T, C]`` from :func:`conv_ancestors`.
+    Returns:
+        ``[B, T, D]`` in ``x.dtype``: ``silu(sum_c weight[:, c] * x_ext[anc[..., c]] + bias)``.
+    """
+    ext = torch.cat([window, x], 1)
+    B, T, C = anc.shape
+    taps = ext.gather(1, anc.reshape(B, T * C, 1).expand(-1, -1, ext.shape[-1])).view(B, T, C, -1)
+    ct = compute_dtype(x)
+    y = torch.einsum("btcd,dc->btd", taps.to(ct), weight.to(ct))
+    if bias is not None:
+        y = y + bias.to(ct)
+    return F.silu(y).to(x.dtype)
+
+
+def conv_window_after(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
+    """Conv window after committing an accepted path.
+
+    Args:
+        x: ``[B, T, D]`` node inputs; window: ``[B, C - 1, D]`` (oldest first);
+        path: ``[B, P]`` int64 root-to-leaf node indices, ``-1`` padded; path_len: ``[B]`` int64.
+    Returns:
+        ``[B, C - 1, D]``: the last ``C - 1`` inputs of ``window`` followed by the path's inputs;
+        bit-identical to ``window`` where ``path_len == 0``.
+    """
+    W = window.shape[1]
+    if W == 0:
+        return window
+    pos = path_len[:, None] + torch.arange(W, device=x.device)  # position in [window, path inputs]
+    node = path.gather(1, (pos - W).clamp(0, max(path.shape[1] - 1, 0))) if path.shape[1] else pos * 0
+    idx = torch.where(pos < W, pos, W + node)
+    return torch.cat([window, x], 1).gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def conv_windows_per_node(x: Tensor, window: Tensor, anc: Tensor) -> Tensor:
+    """Conv window after each node's root path (for the snapshot strategy).
+
+    Args: x ``[B, T, D]``, window ``[B, C - 1, D]``, anc ``[B, T, C]`` from :func:`conv_ancestors`.
+    Returns: ``[B, T, C - 1, D]``.
+    """
+    B, T, C = anc.shape
+    ext = torch.cat([window, x], 1)
+    idx = anc[..., 1:].reshape(B, T * (C - 1), 1).expand(-1, -1, ext.shape[-1])
+    return ext.gather(1, idx).view(B, T, C - 1, -1)
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, in the compute dtype (FLA ``l2norm``)."""
+    x = x.to(compute_dtype(x))
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def tree_gdn(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, mask: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Tree-masked factorized gated delta rule (DESIGN.md section 4; SpecLA eq. for verify).
+
+    Every node's output equals the serial recurrence run along that node's root path from ``S0``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` L2-normalised (float32/float64).
+        v: ``[B, T, HV, V]``.
+        g: ``[B, T, HV]`` log decay (<= 0), float32/float64.
+        beta: ``[B, T, HV]`` in (0, 2).
+        S0: ``[B, HV, K, V]`` committed state, float32/float64.
+        mask: ``[B, T, T]`` bool inclusive-ancestor mask ``M_incl``.
+        scale: query scale (``K ** -0.5``).
+    Returns:
+        ``o [B, T, HV, V]``, ``delta [B, T, HV, V]``, ``G [B, T, HV]`` in ``S0.dtype``.
+    """
+    HV = v.shape[2]
+    ct = S0.dtype
+    qh = (expand_heads(q, HV).to(ct) * scale).transpose(1, 2)  # [B, HV, T, K]
+    kh = expand_heads(k, HV).to(ct).transpose(1, 2)
+    vh = v.to(ct).transpose(1, 2)  # [B, HV, T, V]
+    gh, bh = g.to(ct).transpose(1, 2), beta.to(ct).transpose(1, 2)  # [B, HV, T]
+    m = mask[:, None]  # [B, 1, T, T]
+    G = torch.einsum("bij,bhj->bhi", mask.to(ct), gh)  # path-summed, not a node-order cumsum
+    # mask the exponent before exp: off-path pairs must be exactly 0, never exp(-G) overflows
+    gam = torch.exp(torch.where(m, G[..., :, None] - G[..., None, :], float("-inf")))
+    eye = torch.eye(mask.shape[-1], dtype=torch.bool, device=mask.device)
+    A = torch.where(m & ~eye, bh[..., :, None] * (kh @ kh.transpose(-1, -2)) * gam, 0.0)
+    rhs = bh[..., None] * (vh - torch.exp(G)[..., None] * (kh @ S0))
+    I = torch.eye(A.shape[-1], dtype=ct, device=A.device)
+    delta = torch.linalg.solve_triangular(I + A, rhs, upper=False, unitriangular=True)
+    o = torch.exp(G)[..., None] * (qh @ S0) + ((qh @ kh.transpose(-1, -2)) * gam) @ delta
+    return o.transpose(1, 2), delta.transpose(1, 2), G.transpose(1, 2)
+
+
+def node_states(S0: Tensor, k: Tensor, delta: Tensor, G: Tensor, mask: Tensor) -> Tensor:
+    """State after every node's root path (for the snapshot strategy), from factors.
+
+    Args: as :func:`gdn_commit_factor`, plus ``mask`` ``[B, T, T]`` bool.
+    Returns:
+        ``[B, T, HV, K, V]``: ``exp(G_i) S0 + sum_{j <= i on path} exp(G_i - G_j) k_j delta_j^T``.
+    """
+    kh = expand_heads(k, delta.shape[2]).to(S0.dtype)
+    w = torch.exp(torch.where(mask[:, :, None, :], G[:, :, :, None] - G.transpose(1, 2)[:, None], float("-inf")))
+    return torch.exp(G)[..., None, None] * S0[:, None] + torch.einsum("bihj,bjhk,bjhv->bihkv", w, kh, delta)
+
+
+def gdn_commit_factor(S0: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
+    """Closed-form commit of an accepted path from factor records (DESIGN.md section 4).
+
+    Args:
+        S0: ``[B, HV, K, V]`` pre-step state.
+        k: ``[B, T, H, K]``; delta: ``[B, T, HV, V]``; G: ``[B, T, HV]`` (a :class:`GDNFactorRecord`).
+        path: ``[B, P]`` int64 root-to-leaf node indices, ``-1`` padded.
+        path_len: ``[B]`` int64; ``0`` returns ``S0[b]`` bit-identical.
+    Returns:
+        ``[B, HV, K, V]`` new state, ``S0.dtype``.
+    """
+    end = path_end(path, path_len)
+    HV = delta.shape[2]
+    Ga = G.gather(1, end.clamp(min=0)[:, None, None].expand(-1, 1, HV))[:, 0]  # [B, HV]
+    idx = path.clamp(min=0)
+    on = path >= 0
+    Gp = G.gather(1, idx[..., None].expand(-1, -1, HV))  # [B, P, HV]
+    kp = expand_heads(k.gather(1, idx[..., None, None].expand(-1, -1, *k.shape[2:])), HV).to(S0.dtype)
+    dp = delta.gather(1, idx[..., None, None].expand(-1, -1, *delta.shape[2:]))
+    w = torch.exp(torch.where(on[..., None], Ga[:, None] - Gp, float("-inf")))
+    S = torch.exp(Ga)[..., None, None] * S0 + torch.einsum("bph,bphk,bphv->bhkv", w, kp, dp)
+    return torch.where((path_len > 0)[:, None, None, None], S, S0)
+
+
+def gdn_commit_replay(
+    S0: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, path_len: Tensor
+) -> Tensor:
+    """Token-replay commit: run the serial recurrence over the accepted nodes (FLA-SD style).
+
+    Args: ``S0 [B, HV, K, V]``, per-node ``k [B, T, H, K]``, ``v [B, T, HV, V]``,
+        ``g``/``beta`` ``[B, T, HV]``, ``path [B, P]``, ``path_len [B]``.
+    Returns:
+        ``[B, HV, K, V]``; sequences with shorter paths stop updating at their end.
+    """
+    HV = v.shape[2]
+    S = S0
+    for t in range(path.shape[1]):
+        n = path[:, t].clamp(min=0)
+        kt = expand_heads(k[torch.arange(k.shape[0]), n][:, None], HV)[:, 0].to(S.dtype)  # [B, HV, K]
+        vt = v[torch.arange(v.shape[0]), n].to(S.dtype)
+        gt = g[torch.arange(g.shape[0]), n].to(S.dtype)
+        bt = beta[torch.arange(beta.shape[0]), n].to(S.dtype)
+        Sd = torch.exp(gt)[..., None, None] * S
+        d = bt[..., None] * (vt - torch.einsum("bhkv,bhk->bhv", Sd, kt))
+        Sn = Sd + kt[..., :, None] * d[..., None, :]
+        S = torch.where((t < path_len)[:, None, None, None], Sn, S)
+    return S

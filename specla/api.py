@@ -1,0 +1,132 @@
+"""Public entry points: :func:`run` and the reusable :class:`SpecDecoder`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import SpecConfig
+from .drafters import make_drafter
+from .engine import Engine, RunStats
+from .interfaces import ArchitecturePlugin, Drafter
+from .registry import detect_plugin, get_plugin
+
+ModelLike = torch.nn.Module | str | Path
+
+
+@dataclass
+class RunResult:
+    """Result of a run.
+
+    Attributes:
+        outputs: generated token ids per prompt (new tokens only), in prompt order.
+        texts: the decoded outputs when a tokenizer is known, else ``None``.
+        stats: :class:`~specla.engine.RunStats` (steps, acceptance, tokens/s, time split).
+    """
+
+    outputs: list[list[int]]
+    texts: list[str] | None
+    stats: RunStats
+
+
+def _as_config(config: SpecConfig | dict[str, Any] | None) -> SpecConfig:
+    if config is None:
+        return SpecConfig()
+    if isinstance(config, SpecConfig):
+        return config
+    if isinstance(config, dict):
+        return SpecConfig.model_validate(config)
+    raise TypeError(f"config must be a SpecConfig, a dict of its fields or None, got {type(config).__name__}")
+
+
+class SpecDecoder:
+    """A target, a drafter and a config, prepared once and reused across :meth:`generate` calls
+    (weights are converted and plugins resolved only here).
+
+    Args:
+        model: a loaded model (e.g. ``fla.models.GatedDeltaNetForCausalLM``) or a checkpoint
+            directory in transformers format.
+        plugin: architecture plugin name (``"gdn"``), or ``None`` to detect it from
+            ``config.model_type``.
+        drafter: ``"ngram"`` or a :class:`~specla.interfaces.Drafter` instance.
+        config: a :class:`SpecConfig` or a dict of its fields.
+        tokenizer: a transformers tokenizer, a tokenizer directory, or ``None`` (a checkpoint
+            directory's own tokenizer is used when it has one).
+
+    Raises:
+        UnknownPluginError: unknown plugin or drafter name (lists the available ones).
+        UnsupportedModelError: the plugin cannot run the model (or none matches it).
+        pydantic.ValidationError: invalid config fields (e.g. ``temperature != 0``).
+    """
+
+    def __init__(
+        self,
+        model: ModelLike,
+        plugin: str | None = "gdn",
+        *,
+        drafter: str | Drafter = "ngram",
+        config: SpecConfig | dict[str, Any] | None = None,
+        tokenizer: Any = None,
+    ):
+        self.config = _as_config(config)
+        self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin else detect_plugin(model)
+        if isinstance(model, (str, Path)):
+            path = Path(model)
+            if tokenizer is None and (path / "tokenizer.json").is_file():
+                tokenizer = path
+            dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
+            model = self.plugin.load_model(path, dtype=dtype, device=self.config.device)
+        if isinstance(tokenizer, (str, Path)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = self.plugin.make_adapter(model, self.config)
+        self.drafter = make_drafter(drafter)
+
+    def encode(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        """Token ids of each prompt.
+
+        Raises:
+            TypeError: ``prompts`` is not a list of strings or a list of token-id lists.
+            ValueError: string prompts without a tokenizer.
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        if all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: pass tokenizer= or token-id lists")
+            return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
+        if all(isinstance(p, (list, tuple)) for p in prompts):
+            return [[int(t) for t in p] for p in prompts]
+        raise TypeError("prompts must be all strings or all token-id lists")
+
+    def generate(self, prompts: list[str] | list[list[int]]) -> RunResult:
+        """Decode ``prompts`` (strings with a tokenizer, or token-id lists) as one batch.
+
+        Raises:
+            InvalidTokenError: an empty prompt or an out-of-vocabulary id (state untouched).
+        """
+        ids = self.encode(prompts)
+        outputs, stats = Engine(self.adapter, self.drafter, self.config).generate(ids)
+        texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if self.tokenizer else None
+        return RunResult(outputs=outputs, texts=texts, stats=stats)
+
+
+def run(
+    model: ModelLike,
+    plugin: str | None = "gdn",
+    *,
+    prompts: list[str] | list[list[int]],
+    drafter: str | Drafter = "ngram",
+    config: SpecConfig | dict[str, Any] | None = None,
+    tokenizer: Any = None,
+) -> RunResult:
+    """Greedy speculative decoding of ``prompts`` with ``model``: one-shot form of
+    :class:`SpecDecoder` (same arguments and errors). The outputs are token-identical to greedy
+    autoregressive decoding of the same model (float32; see DESIGN.md section 7)."""
+    return SpecDecoder(model, plugin, drafter=drafter, config=config, tokenizer=tokenizer).generate(prompts)

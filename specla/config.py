@@ -1,0 +1,72 @@
+"""User-facing options, validated with pydantic v2."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CommitStrategy = Literal["factor", "snapshot", "replay"]
+DType = Literal["float32", "float64", "bfloat16", "float16"]
+
+
+class SpecConfig(BaseModel):
+    """Options of one speculative-decoding run.
+
+    Fields:
+        num_draft_tokens: draft budget ``N``, the most draft nodes verified per step per sequence
+            (the root, i.e. the last committed token, is not counted). ``0`` is plain
+            autoregressive decoding through the same engine.
+        max_depth: ``D``, the most draft tokens on one root-to-leaf path (so at most ``D`` tokens
+            are accepted per step, plus the bonus token); a depth beyond ``N`` cannot be filled
+            and acts as ``N``.
+        top_k: the most children per draft node; ``1`` gives chains.
+        tau_tree: confidence-pruning margin in nats (SpecLA section 6.3): drafters that score
+            nodes keep a node only if its path log-probability is within ``tau_tree`` of the best
+            one; ``inf`` disables pruning.
+        commit: how the accepted path reaches the recurrent state: ``factor`` (closed form from
+            factor records, delayed into the next verify), ``snapshot`` (one state per node, pick
+            the accepted one) or ``replay`` (re-run the accepted tokens from the pre-step state).
+        temperature: ``0`` is greedy decoding, the only mode implemented yet; any other value is
+            rejected with a ``pydantic.ValidationError`` (a ``ValueError``).
+        max_new_tokens: generated tokens per prompt, bonus tokens included.
+        stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
+            output).
+        dtype: activation/weight dtype the target runs in; ``None`` keeps the model's. Recurrent
+            states and gates stay float32 (float64 when activations are float64).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device.
+
+    Raises:
+        pydantic.ValidationError: on any out-of-range or unknown field.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_draft_tokens: int = Field(8, ge=0, le=1024)
+    max_depth: int = Field(8, ge=1, le=1024)
+    top_k: int = Field(1, ge=1, le=64)
+    tau_tree: float = Field(math.inf, ge=0.0)
+    commit: CommitStrategy = "factor"
+    temperature: float = Field(0.0, ge=0.0)
+    max_new_tokens: int = Field(64, ge=1)
+    stop_token_ids: tuple[int, ...] = ()
+    dtype: DType | None = None
+    device: str | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_only(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError(
+                f"temperature={value}: sampling is not supported yet; only greedy decoding "
+                "(temperature=0) is implemented"
+            )
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative_stops(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(t < 0 for t in value):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {value}")
+        return value

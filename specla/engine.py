@@ -1,0 +1,144 @@
+"""The speculative decoding loop: prefill -> (draft -> verify -> accept -> commit)* -> flush."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .acceptance import accept_greedy
+from .config import SpecConfig
+from .interfaces import Drafter, TargetAdapter
+from .tree import DraftTree
+
+
+@dataclass
+class RunStats:
+    """Figures of one :meth:`Engine.generate` call.
+
+    Attributes:
+        steps: verify passes (one pass serves the whole batch).
+        sequence_steps: sum over steps of the sequences active in that step.
+        generated_tokens: new tokens returned, all sequences.
+        accepted_histogram: ``accepted_histogram[a]`` = sequence-steps that accepted ``a`` drafts.
+        prefill_s, draft_s, verify_s, commit_s, wall_s: wall-clock seconds (CUDA synchronised).
+    """
+
+    steps: int = 0
+    sequence_steps: int = 0
+    generated_tokens: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Accepted draft tokens per sequence-step (the bonus token not counted)."""
+        total = sum(a * n for a, n in enumerate(self.accepted_histogram))
+        return total / max(self.sequence_steps, 1)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens committed per sequence-step: accepted drafts + 1 bonus (acceptance length)."""
+        return self.mean_accepted_tokens + 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time, prefill included."""
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """Every field and derived figure, JSON-ready."""
+        out = asdict(self)
+        out.update(
+            mean_accepted_tokens=self.mean_accepted_tokens,
+            tokens_per_step=self.tokens_per_step,
+            tokens_per_s=self.tokens_per_s,
+        )
+        return out
+
+
+class Engine:
+    """Runs greedy speculative decoding of a batch with one adapter and one drafter.
+
+    Args:
+        adapter: the target, prepared by its plugin.
+        drafter: proposes the draft trees.
+        config: budget, stop conditions (``adapter.config`` is used for the tree checks).
+    """
+
+    def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig):
+        self.adapter, self.drafter, self.config = adapter, drafter, config
+
+    def _clock(self) -> float:
+        if self.adapter.device.type == "cuda":
+            torch.cuda.synchronize(self.adapter.device)
+        return time.perf_counter()
+
+    def generate(self, prompts: list[list[int]]) -> tuple[list[list[int]], RunStats]:
+        """Decode every prompt until ``max_new_tokens`` or a stop token.
+
+        Args:
+            prompts: ``B`` non-empty lists of token ids.
+        Returns:
+            ``(outputs, stats)``: the new token ids per prompt (stop token included when hit).
+        Raises:
+            InvalidTokenError: empty prompt or id outside the vocabulary (nothing is run).
+            InvalidTreeError / BudgetError: the drafter produced an invalid tree.
+        """
+        cfg, adapter = self.config, self.adapter
+        stats = RunStats(accepted_histogram=[0] * (min(cfg.max_depth, cfg.num_draft_tokens) + 1))
+        start = self._clock()
+        adapter.prefill(prompts)
+        self.drafter.reset(prompts)
+        contexts = [list(p) for p in prompts]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        stops = set(cfg.stop_token_ids)
+        t = self._clock()
+        stats.prefill_s = t - start
+        while active:
+            tree = self.drafter.propose([contexts[i] for i in active], cfg) if cfg.num_draft_tokens else None
+            tree = tree if tree is not None else DraftTree.empty(len(active))
+            tree = DraftTree(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)))
+            t1 = self._clock()
+            out = adapter.verify(tree)
+            acceptance = accept_greedy(tree, out.logits)
+            t2 = self._clock()
+            adapter.commit(tree, out, acceptance)
+            self.drafter.on_commit(acceptance, out)
+            t3 = self._clock()
+            stats.draft_s += t1 - t
+            stats.verify_s += t2 - t1
+            stats.commit_s += t3 - t2
+            t = t3
+            stats.steps += 1
+            stats.sequence_steps += len(active)
+            num = acceptance.num_accepted.tolist()  # the one host synchronisation of the step
+            drafted = acceptance.tokens.tolist()
+            bonus = acceptance.bonus.tolist()
+            keep = []
+            for row, seq in enumerate(active):
+                stats.accepted_histogram[num[row]] += 1
+                done = False
+                for tok in drafted[row][: num[row]] + [bonus[row]]:
+                    outputs[seq].append(tok)
+                    contexts[seq].append(tok)
+                    if tok in stops or len(outputs[seq]) >= cfg.max_new_tokens:
+                        done = True
+                        break
+                if not done:
+                    keep.append(row)
+            if len(keep) < len(active):
+                index = torch.tensor(keep, dtype=torch.int64)
+                adapter.select(index)
+                self.drafter.select(index)
+                active = [active[r] for r in keep]
+        adapter.flush()
+        stats.wall_s = self._clock() - start
+        stats.generated_tokens = sum(len(o) for o in outputs)
+        return outputs, stats

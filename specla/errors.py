@@ -1,0 +1,34 @@
+"""Exceptions raised by specla.
+
+Every error a user can trigger with bad input derives from :class:`SpecError`, and also from the
+builtin class a caller would naturally catch (``ValueError``, ``LookupError``, ``TypeError``), so
+``except ValueError`` keeps working. They are raised before any recurrent state is touched.
+"""
+
+from __future__ import annotations
+
+
+class SpecError(Exception):
+    """Base class of every specla error."""
+
+
+class InvalidTreeError(SpecError, ValueError):
+    """A draft tree is malformed: a parent at or after its child, an out-of-range parent, a padding
+    node inside the valid prefix, or tensors of the wrong shape, dtype or device."""
+
+
+class BudgetError(InvalidTreeError):
+    """A draft tree holds more nodes, or is deeper, than the configured budget allows."""
+
+
+class InvalidTokenError(SpecError, ValueError):
+    """A token id is negative (a placeholder such as -1 or -100) or not below the vocabulary size,
+    or a prompt is empty."""
+
+
+class UnsupportedModelError(SpecError, TypeError):
+    """The model (or checkpoint) is not one the selected plugin can run, or no plugin matches it."""
+
+
+class UnknownPluginError(SpecError, LookupError):
+    """No registered plugin or drafter has the requested name. The message lists the known ones."""

@@ -1,0 +1,205 @@
+"""The contract between the engine, drafters and architecture plugins (DESIGN.md section 3).
+
+The core talks to a target model only through :class:`TargetAdapter`, made by an
+:class:`ArchitecturePlugin`; it never imports a concrete architecture.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .config import SpecConfig
+from .errors import InvalidTokenError, InvalidTreeError
+from .records import Acceptance, Record
+from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """What one verify pass returns.
+
+    Attributes:
+        logits: ``[B, N + 1, vocab]`` target logits (row 0: the root; row ``i + 1``: draft node
+            ``i``), each as if that node's root path had been decoded token by token.
+        hidden: ``[B, N + 1, hidden]`` last-layer hidden features (before the final norm), for
+            feature-level drafters.
+        records: one record per layer, of the type the commit strategy needs.
+    """
+
+    logits: Tensor
+    hidden: Tensor
+    records: tuple[Record, ...]
+
+
+class TargetAdapter(ABC):
+    """A target model prepared for speculative decoding of a batch of sequences.
+
+    The adapter owns, per sequence, the recurrent state of every layer (which holds every
+    committed token except the last) and the *root*: the last committed token, whose output is
+    computed by the next verify. Public methods check their inputs and raise before any state is
+    touched; subclasses implement the ``_``-prefixed methods.
+
+    Attributes:
+        config: the run's :class:`~specla.config.SpecConfig`.
+        vocab_size: number of token ids the embedding accepts.
+        device, dtype: where and in which activation dtype the model runs.
+    """
+
+    config: SpecConfig
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int:
+        """Number of sequences currently held."""
+
+    @property
+    @abstractmethod
+    def roots(self) -> Tensor:
+        """``[B]`` int64, the last committed token of every sequence."""
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Start a new batch: run every prompt but its last token into the state; the last token
+        becomes the root. Any previous batch (and pending commit) is discarded.
+
+        Args:
+            prompts: ``B`` non-empty lists of token ids.
+        Raises:
+            InvalidTokenError: an empty prompt, or an id outside ``0..vocab_size-1``.
+        """
+        if not prompts:
+            raise InvalidTokenError("no prompts given")
+        for b, p in enumerate(prompts):
+            if len(p) == 0:
+                raise InvalidTokenError(f"prompt {b} is empty; a prompt needs at least one token")
+            bad = [t for t in p if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise InvalidTokenError(
+                    f"prompt {b}: token id {bad[0]!r} is outside the vocabulary 0..{self.vocab_size - 1}"
+                )
+        self._prefill(prompts)
+
+    def verify(self, tree: DraftTree) -> VerifyOutput:
+        """Compute the target's output for every draft node (DESIGN.md section 3, Verify).
+
+        A pending commit is applied first (delayed commit); nothing else touches the state.
+
+        Args:
+            tree: ``B`` draft trees on this adapter's device.
+        Returns:
+            :class:`VerifyOutput`.
+        Raises:
+            InvalidTreeError: batch size or device mismatch; BudgetError: over ``N`` or ``D``;
+            InvalidTokenError: a draft token outside the vocabulary.
+        """
+        if tree.batch_size != self.batch_size:
+            raise InvalidTreeError(f"draft tree batch {tree.batch_size} != adapter batch {self.batch_size}")
+        if tree.tokens.device != self.device:
+            raise InvalidTreeError(f"draft tree is on {tree.tokens.device}, the model on {self.device}")
+        tree.validate(
+            vocab_size=self.vocab_size, max_nodes=self.config.num_draft_tokens, max_depth=self.config.max_depth
+        )
+        return self._verify(tree)
+
+    def commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None:
+        """Make the accepted path (root plus accepted drafts) part of the state and the bonus
+        token the new root, by the configured strategy (``factor`` keeps it pending until the next
+        verify or :meth:`flush`).
+
+        Raises:
+            ValueError: ``acceptance`` does not match the batch.
+        """
+        if acceptance.path.shape[0] != self.batch_size:
+            raise ValueError(f"acceptance batch {acceptance.path.shape[0]} != adapter batch {self.batch_size}")
+        self._commit(tree, out, acceptance)
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Apply a pending commit now (idempotent; a no-op when nothing is pending)."""
+
+    @abstractmethod
+    def select(self, index: Tensor) -> None:
+        """Keep only the sequences ``index`` (``[B']`` int64), e.g. when others finish."""
+
+    @abstractmethod
+    def _prefill(self, prompts: list[list[int]]) -> None: ...
+
+    @abstractmethod
+    def _verify(self, tree: DraftTree) -> VerifyOutput: ...
+
+    @abstractmethod
+    def _commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None: ...
+
+
+class ArchitecturePlugin(ABC):
+    """One architecture (GDN, GLA, Mamba2...), registered through the ``specla.plugins``
+    entry-point group by a hook returning an instance (see :mod:`specla.hookspecs`).
+
+    Attributes:
+        name: short unique name used as ``plugin=`` (e.g. ``"gdn"``).
+        model_types: transformers ``config.model_type`` values this plugin runs (used to
+            auto-detect the plugin).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+
+    @abstractmethod
+    def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
+        """Load a checkpoint directory (transformers format) into a model object.
+
+        Raises:
+            UnsupportedModelError: the checkpoint is not one this plugin runs.
+        """
+
+    @abstractmethod
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise :class:`~specla.errors.UnsupportedModelError` naming the reason if this plugin
+        cannot run ``model``; return ``None`` otherwise."""
+
+    @abstractmethod
+    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
+        """Prepare ``model`` for speculative decoding under ``config``.
+
+        Raises:
+            UnsupportedModelError: see :meth:`check_model`.
+        """
+
+
+class Drafter(ABC):
+    """Proposes draft trees from the current contexts.
+
+    Attributes:
+        name: short name used as ``drafter=`` in :func:`specla.run`.
+    """
+
+    name: str
+
+    def reset(self, prompts: list[list[int]]) -> None:
+        """Called once per batch before the first step (default: nothing)."""
+
+    @abstractmethod
+    def propose(self, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
+        """Propose one draft tree per sequence.
+
+        Args:
+            contexts: per active sequence, every token so far (prompt and generated); the last one
+                is the root the tree hangs from.
+            config: budget (``num_draft_tokens``, ``max_depth``, ``top_k``, ``tau_tree``).
+        Returns:
+            a CPU :class:`DraftTree` with ``len(contexts)`` rows within the budget.
+        """
+
+    def on_commit(self, acceptance: Acceptance, out: VerifyOutput) -> None:
+        """Called after each commit with the accepted paths and the verify output (default:
+        nothing; feature-level drafters follow the accepted path here)."""
+
+    def select(self, index: Tensor) -> None:
+        """Keep only the sequences ``index`` (default: nothing to keep)."""

@@ -1,0 +1,98 @@
+"""Factor records and pending commits (DESIGN.md section 3).
+
+A verify pass leaves, per layer, a record of exactly what commit needs. With the ``factor``
+strategy this is SpecLA's compact per-token factor record; ``snapshot`` and ``replay`` use their
+own record types so the three strategies can be compared behind one interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+R = TypeVar("R", bound="Record")
+
+
+@dataclass(frozen=True)
+class Record:
+    """Base of every per-layer record: a frozen dataclass whose fields are tensors with the batch
+    dimension ``B`` first (a field may be ``None`` when a layer has no such input, e.g. no short
+    convolution). Subclasses document each field's shape and dtype."""
+
+    def select(self: R, index: Tensor) -> R:
+        """Keep the sequences ``index`` (``[B']`` int64) of every field, in that order."""
+        return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
+
+    def nbytes_per_sequence(self) -> int:
+        """Bytes this record holds per sequence (all fields; used for memory reports)."""
+        total = 0
+        for f in fields(self):
+            x = getattr(self, f.name)
+            if isinstance(x, Tensor) and x.numel():
+                total += x.numel() * x.element_size() // x.shape[0]
+        return total
+
+
+def _take(x, index: Tensor):
+    return x.index_select(0, index.to(x.device)) if isinstance(x, Tensor) else x
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The outcome of accepting one verified step, per sequence.
+
+    Attributes:
+        path: ``[B, D + 1]`` int64 accepted nodes in root-explicit indexing (node 0 is the root,
+            draft node ``i`` is ``i + 1``); ``path[b, 0] == 0``, then the accepted draft nodes in
+            root-to-leaf order, padded with ``-1``.
+        num_accepted: ``[B]`` int64 accepted draft tokens, ``0..D``.
+        bonus: ``[B]`` int64, the target's token at the end of the accepted path (it becomes the
+            next root).
+        tokens: ``[B, D]`` int64 accepted draft tokens, padded with ``-1``.
+    """
+
+    path: Tensor
+    num_accepted: Tensor
+    bonus: Tensor
+    tokens: Tensor
+
+    @property
+    def path_len(self) -> Tensor:
+        """``[B]`` int64 tokens that reach the state on commit: the root plus the accepted drafts."""
+        return self.num_accepted + 1
+
+    def select(self, index: Tensor) -> "Acceptance":
+        """Keep the sequences ``index`` (``[B']`` int64)."""
+        return Acceptance(*(_take(x, index) for x in (self.path, self.num_accepted, self.bonus, self.tokens)))
+
+
+@dataclass(frozen=True)
+class PendingCommit:
+    """An accepted path not yet applied to the recurrent state (delayed commit, ``factor`` only).
+
+    Attributes:
+        records: one factor record per layer, from the verify pass that produced the path.
+        path: ``[B, P]`` int64 node indices of the accepted path (indexing of the verified tree),
+            root-to-leaf, padded with ``-1``.
+        path_len: ``[B]`` int64 nodes to commit per sequence; ``0`` leaves that sequence's state
+            bit-identical.
+    """
+
+    records: tuple[Record, ...]
+    path: Tensor
+    path_len: Tensor
+
+    def select(self, index: Tensor) -> "PendingCommit":
+        """Keep the sequences ``index`` (``[B']`` int64)."""
+        return PendingCommit(
+            tuple(r.select(index) for r in self.records), _take(self.path, index), _take(self.path_len, index)
+        )
+
+
+def path_end(path: Tensor, path_len: Tensor) -> Tensor:
+    """Last node of each path (``[B]`` int64; ``-1`` where ``path_len == 0``)."""
+    last = path.gather(1, (path_len - 1).clamp(min=0)[:, None]).squeeze(1)
+    return torch.where(path_len > 0, last, torch.full_like(last, -1))

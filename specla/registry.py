@@ -1,0 +1,102 @@
+"""Plugin discovery: a pluggy manager loading the ``specla.plugins`` entry points."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import pluggy
+import torch
+
+from . import hookspecs
+from .errors import UnknownPluginError, UnsupportedModelError
+from .interfaces import ArchitecturePlugin
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One registered architecture: its name, the distribution that installed it, and version."""
+
+    name: str
+    distribution: str
+    version: str
+    model_types: tuple[str, ...]
+
+
+@lru_cache(maxsize=1)
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, with every ``specla.plugins`` entry point loaded."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
+    return pm
+
+
+@lru_cache(maxsize=1)
+def _architectures() -> dict[str, tuple[ArchitecturePlugin, object]]:
+    """name -> (architecture, the registered plugin module that provided it)."""
+    found: dict[str, tuple[ArchitecturePlugin, object]] = {}
+    for impl in plugin_manager().hook.specla_architectures.get_hookimpls():
+        for arch in impl.function():
+            if arch.name in found:
+                raise RuntimeError(f"two plugins register the architecture name {arch.name!r}")
+            found[arch.name] = (arch, impl.plugin)
+    return found
+
+
+def available() -> list[str]:
+    """Sorted names of every registered architecture plugin."""
+    return sorted(_architectures())
+
+
+def get_plugin(name: str) -> ArchitecturePlugin:
+    """The architecture plugin called ``name``.
+
+    Raises:
+        UnknownPluginError: no such plugin; the message lists the available ones.
+    """
+    archs = _architectures()
+    if name not in archs:
+        raise UnknownPluginError(f"unknown plugin {name!r}; available plugins: {', '.join(sorted(archs)) or 'none'}")
+    return archs[name][0]
+
+
+def plugin_infos() -> list[PluginInfo]:
+    """Name, distribution and version of every registered architecture (for ``specla plugins``)."""
+    dists = {id(mod): dist for mod, dist in plugin_manager().list_plugin_distinfo()}
+    out = []
+    for name, (arch, module) in sorted(_architectures().items()):
+        dist = dists.get(id(module))
+        out.append(
+            PluginInfo(
+                name,
+                dist.project_name if dist else "?",
+                dist.version if dist else "?",
+                tuple(arch.model_types),
+            )
+        )
+    return out
+
+
+def model_type_of(model: torch.nn.Module | str | Path) -> str | None:
+    """``config.model_type`` of a loaded model or of a checkpoint directory's ``config.json``."""
+    if isinstance(model, (str, Path)):
+        cfg = Path(model) / "config.json"
+        return json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
+    """The plugin whose ``model_types`` contains the model's ``config.model_type``.
+
+    Raises:
+        UnsupportedModelError: no registered plugin runs this model type.
+    """
+    model_type = model_type_of(model)
+    for arch, _ in _architectures().values():
+        if model_type in arch.model_types:
+            return arch
+    known = {n: a.model_types for n, (a, _) in _architectures().items()}
+    raise UnsupportedModelError(f"no plugin runs model_type {model_type!r}; registered plugins: {known}")

@@ -1,0 +1,166 @@
+"""Run FLA's own GatedDeltaNetForCausalLM on CPU under the Triton interpreter.
+
+This is a test helper, not a test module: it gives tests an oracle implemented
+independently of specla (FLA's Triton kernels, executed by ``TRITON_INTERPRET=1``).
+
+Caller contract: ``os.environ["TRITON_INTERPRET"] = "1"`` must be set before
+anything imports ``triton`` (which ``fla`` and some ``torch`` paths do), e.g.
+at the very top of ``conftest.py``. Triton reads it when ``@triton.jit`` runs at
+kernel definition time, so setting it later silently leaves the kernels
+compiled for a GPU that does not exist. ``enable_fla_interpreter()`` checks it.
+
+Usage::
+
+    from tests.fla_oracle import enable_fla_interpreter, fla_forward_logits
+    enable_fla_interpreter()        # idempotent; before or after `import fla`
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(...)).float().eval()
+    logits = fla_forward_logits(model, input_ids)   # [B, T, vocab] float32
+
+Everything is done by monkeypatching Triton's Python runtime at run time; no
+file in site-packages is modified. The patches only affect interpreter mode.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+
+import torch
+
+__all__ = ["enable_fla_interpreter", "fla_forward_logits", "fla_greedy_generate"]
+
+_ENABLED = False
+# Name injected into the kernel module's globals for the rewritten loops.
+_RANGE_HELPER = "__fla_oracle_tensor_range__"
+
+
+def enable_fla_interpreter() -> None:
+    """Install the Triton-interpreter workarounds FLA needs (idempotent)."""
+    global _ENABLED
+    if _ENABLED:
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "fla_oracle needs TRITON_INTERPRET=1 in os.environ *before* triton is imported "
+            "(set it at the top of conftest.py, before importing torch/triton/fla).")
+    import triton.language as tl
+    from triton.runtime import autotuner, interpreter
+
+    # knobs read the env lazily, but @triton.jit decided at FLA import time: if fla was
+    # imported before TRITON_INTERPRET was set, its kernels are GPU JITFunctions.
+    mod = sys.modules.get("fla.ops.gated_delta_rule.fused_recurrent")
+    if mod is not None:
+        k = mod.fused_recurrent_gated_delta_rule_fwd_kernel
+        while not isinstance(k, interpreter.InterpretedFunction) and hasattr(k, "fn"):
+            k = k.fn
+        if not isinstance(k, interpreter.InterpretedFunction):
+            raise RuntimeError("fla was imported before TRITON_INTERPRET=1 was set; set it earlier.")
+
+    # 1) Autotuning: benchmarking needs a GPU driver ("0 active drivers"). Keep only
+    #    the first config that survives the kernel's own early pruning, so
+    #    Autotuner.run takes its no-benchmark path. Patched on the class, so it also
+    #    covers autotuners created by an earlier `import fla` (and FLA's
+    #    CachedAutotuner subclass).
+    orig_prune = autotuner.Autotuner.prune_configs
+
+    def prune_configs(self, kwargs):
+        return orig_prune(self, kwargs)[:1]
+
+    autotuner.Autotuner.prune_configs = prune_configs
+
+    # 2) Loop indices: compiled Triton makes `range(...)`/`tl.range(...)` loop
+    #    variables int32 tensors; the interpreter yields Python ints, so FLA code like
+    #    `i_t.to(tl.int64)` (chunk_delta_h.py) fails. Rewrite such loops (not
+    #    `tl.static_range`, whose index must stay a compile-time int) to yield
+    #    interpreter scalar tensors, by extending the interpreter's AST rewriter.
+    def tensor_range(it):
+        for i in it:
+            yield interpreter.interpreter_semantic.to_tensor(i)
+
+    class _Transformer(interpreter.ASTTransformer):
+        def visit_For(self, node):
+            node = self.generic_visit(node)
+            f = node.iter.func if isinstance(node.iter, ast.Call) else None
+            if (isinstance(f, ast.Name) and f.id == "range") or (isinstance(f, ast.Attribute) and f.attr == "range"):
+                node.iter = ast.Call(func=ast.Name(id=_RANGE_HELPER, ctx=ast.Load()), args=[node.iter], keywords=[])
+            return node
+
+    interpreter.FunctionRewriter.ast_transformer = _Transformer()
+    orig_rewrite_ast = interpreter.FunctionRewriter.rewrite_ast
+
+    def rewrite_ast(self):
+        # the rewritten function is exec'd in the kernel module's globals
+        self.fn.__globals__[_RANGE_HELPER] = tensor_range
+        return orig_rewrite_ast(self)
+
+    interpreter.FunctionRewriter.rewrite_ast = rewrite_ast
+    interpreter.InterpretedFunction.rewritten_fn.clear()  # drop functions rewritten before the patch
+
+    # 3) Speed only: the interpreter re-patches all of triton.language (inspect.getmembers
+    #    over tl, tl.tensor, tl.math) on *every* @triton.jit helper call (exp, softplus,
+    #    ... once per time step), which was >50% of the runtime. Inside a kernel launch
+    #    the patches are already in place, so skip re-patching the same modules.
+    orig_patch_lang = interpreter._patch_lang
+    orig_grid_call = interpreter.GridExecutor.__call__
+    state = {"patched": None}  # ids of tl/tl.core patched by the running launch
+
+    def _patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if state["patched"] is not None:
+            if langs and langs <= state["patched"]:
+                return interpreter._LangPatchScope()  # nothing new to patch / restore
+            state["patched"] |= langs
+        return orig_patch_lang(fn)
+
+    def grid_call(self, *args, **kwargs):
+        prev, state["patched"] = state["patched"], set()
+        try:
+            return orig_grid_call(self, *args, **kwargs)
+        finally:
+            state["patched"] = prev
+
+    interpreter._patch_lang = _patch_lang
+    interpreter.GridExecutor.__call__ = grid_call
+    _ENABLED = True
+
+
+@torch.no_grad()
+def _forward(model, input_ids: torch.LongTensor) -> torch.Tensor:
+    return model(input_ids=input_ids, use_cache=False).logits
+
+
+def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = False) -> torch.Tensor:
+    """Full-sequence forward, no cache. Returns logits [B, T, vocab] as float32.
+
+    By default runs under no_grad, where FLA's layer picks `fused_recurrent` for
+    T <= 64 (and its own `mode` otherwise). `chunk=True` runs with grad enabled,
+    which forces FLA's `chunk` kernels (an independent second code path; also
+    faster in the interpreter for T >~ 10).
+    """
+    enable_fla_interpreter()
+    if model.training:
+        raise ValueError("call model.eval() first (training mode forces chunk + dropout-free asserts)")
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if chunk:
+        with torch.enable_grad():
+            logits = model(input_ids=input_ids, use_cache=False).logits.detach()
+    else:
+        logits = _forward(model, input_ids)
+    return logits.float()
+
+
+def fla_greedy_generate(model, input_ids, max_new_tokens: int, *, chunk: bool = False) -> list[int]:
+    """Greedy decoding for batch 1 by re-running the full forward every step (no cache).
+
+    Returns only the newly generated token ids. Ties break to the lowest id (torch.argmax).
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(fla_forward_logits(model, ids, chunk=chunk)[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+    return out
