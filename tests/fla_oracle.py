@@ -4,10 +4,12 @@ This is a test helper, not a test module: it gives tests an oracle implemented
 independently of specla (FLA's Triton kernels, executed by ``TRITON_INTERPRET=1``).
 
 Caller contract: ``os.environ["TRITON_INTERPRET"] = "1"`` must be set before
-anything imports ``triton`` (which ``fla`` and some ``torch`` paths do), e.g.
-at the very top of ``conftest.py``. Triton reads it when ``@triton.jit`` runs at
-kernel definition time, so setting it later silently leaves the kernels
-compiled for a GPU that does not exist. ``enable_fla_interpreter()`` checks it.
+``fla`` (or anything else defining ``@triton.jit`` kernels) is imported; simplest
+is the very top of ``conftest.py``, before importing torch/triton/fla. The
+decorator picks interpreter vs. GPU compilation when the kernel is defined, so
+setting it later leaves FLA's kernels as GPU JITFunctions that cannot run here.
+``enable_fla_interpreter()`` raises RuntimeError if the variable is missing or
+if ``fla`` was already imported without it.
 
 Usage::
 
@@ -125,22 +127,19 @@ def enable_fla_interpreter() -> None:
     _ENABLED = True
 
 
-@torch.no_grad()
-def _forward(model, input_ids: torch.LongTensor) -> torch.Tensor:
-    return model(input_ids=input_ids, use_cache=False).logits
-
-
 def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = False) -> torch.Tensor:
     """Full-sequence forward, no cache. Returns logits [B, T, vocab] as float32.
 
-    By default runs under no_grad, where FLA's layer picks `fused_recurrent` for
-    T <= 64 (and its own `mode` otherwise). `chunk=True` runs with grad enabled,
-    which forces FLA's `chunk` kernels (an independent second code path; also
-    faster in the interpreter for T >~ 10).
+    FLA's GatedDeltaNet layer chooses its kernel from the grad mode: under no_grad
+    (default here) with T <= 64 and eval() it uses `fused_recurrent`; with grad
+    enabled it always uses `chunk`. `chunk=True` runs with grad enabled to get that
+    second, independent kernel path (often faster in the interpreter for longer T).
+    use_cache=False is passed, which makes FLA fuse the q/k/v short convs into one
+    causal_conv1d call and keeps any cache object out of the picture.
     """
     enable_fla_interpreter()
     if model.training:
-        raise ValueError("call model.eval() first (training mode forces chunk + dropout-free asserts)")
+        raise ValueError("call model.eval() first (in training mode FLA's layer forces the chunk path)")
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -148,7 +147,8 @@ def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = Fals
         with torch.enable_grad():
             logits = model(input_ids=input_ids, use_cache=False).logits.detach()
     else:
-        logits = _forward(model, input_ids)
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, use_cache=False).logits
     return logits.float()
 
 

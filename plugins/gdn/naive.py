@@ -98,38 +98,53 @@ def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(x.dtype)
 
 
-@torch.no_grad()
-def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy autoregressive decoding of an FLA ``GatedDeltaNetForCausalLM``, one token per
-    step through every layer with the sequential recurrence (no trees, no factors).
+class NaiveGDN:
+    """Plain autoregressive decoding of an FLA ``GatedDeltaNetForCausalLM``, one token per step
+    through every layer with the sequential recurrence (no trees, no factors, no batching).
+
+    Reads the model's weights; its Triton forward is not used. State: ``states[l]``
+    ``[HV, K, V]`` (float32, float64 for float64 models) and ``inputs[l]``, every pre-conv
+    projection so far (the conv window is its last ``C - 1`` rows).
 
     Args:
-        model: the transformers/FLA model (weights are read; its Triton forward is not used).
-        prompt: non-empty token ids.
-        max_new_tokens: tokens to generate.
-    Returns:
-        the generated token ids (new tokens only).
+        model: the transformers/FLA model.
     """
-    cfg, m = model.config, model.model
-    dt = model.lm_head.weight.dtype
-    ct = torch.float64 if dt == torch.float64 else torch.float32
-    layers = [blk.attn for blk in m.layers]
-    states = [torch.zeros(a.num_v_heads, a.head_k_dim, a.head_v_dim, dtype=ct) for a in layers]
-    convs = [[] for _ in layers]  # past pre-conv inputs per layer
-    tokens, out = list(prompt), []
-    pos = 0
-    while len(out) < max_new_tokens:
-        x = m.embeddings.weight[tokens[pos]]
+
+    def __init__(self, model):
+        self.model = model
+        self.dt = model.lm_head.weight.dtype
+        self.ct = torch.float64 if self.dt == torch.float64 else torch.float32
+        attns = [blk.attn for blk in model.model.layers]
+        self.states = [torch.zeros(a.num_v_heads, a.head_k_dim, a.head_v_dim, dtype=self.ct) for a in attns]
+        self.inputs: list[list[Tensor]] = [[] for _ in attns]
+
+    def window(self, layer: int) -> Tensor:
+        """``[C - 1, Dc]`` conv window of ``layer``: the last ``C - 1`` pre-conv inputs, zero-padded."""
+        a = self.model.model.layers[layer].attn
+        C = a.q_conv1d.weight.shape[-1]
+        Dc = 2 * a.key_dim + a.value_dim
+        hist = [torch.zeros(Dc, dtype=self.dt)] * (C - 1) + self.inputs[layer]
+        return torch.stack(hist[len(hist) - (C - 1):])
+
+    @torch.no_grad()
+    def step(self, token: int) -> Tensor:
+        """Feed one token; return the next-token logits ``[vocab]``."""
+        m, dt, ct = self.model.model, self.dt, self.ct
+        x = m.embeddings.weight[token]
         for li, blk in enumerate(m.layers):
             a = blk.attn
             h = _rms(x, blk.attn_norm.weight, blk.attn_norm.eps).to(dt)
             proj = torch.cat([h @ a.q_proj.weight.T, h @ a.k_proj.weight.T, h @ a.v_proj.weight.T])
+            self.inputs[li].append(proj)
             if a.use_short_conv:
-                w = torch.cat([a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight])[:, 0].to(ct)
+                convs = [a.q_conv1d, a.k_conv1d, a.v_conv1d]
+                w = torch.cat([c.weight for c in convs])[:, 0].to(ct)  # [Dc, C]
                 C = w.shape[1]
-                convs[li].append(proj)
-                hist = ([torch.zeros_like(proj)] * C + convs[li])[-C:]
-                qkv = F.silu((torch.stack(hist).to(ct).T * w).sum(-1)).to(dt)
+                hist = ([torch.zeros_like(proj)] * C + self.inputs[li])[-C:]
+                pre = (torch.stack(hist).to(ct).T * w).sum(-1)
+                if convs[0].bias is not None:
+                    pre = pre + torch.cat([c.bias for c in convs]).to(ct)
+                qkv = F.silu(pre).to(dt)
             else:
                 qkv = F.silu(proj.to(ct)).to(dt)
             q, k, v = qkv.split([a.key_dim, a.key_dim, a.value_dim])
@@ -142,8 +157,8 @@ def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[i
             o = torch.zeros(a.num_v_heads, a.head_v_dim, dtype=ct)
             grp = a.num_v_heads // a.num_heads
             for hv in range(a.num_v_heads):
-                states[li][hv], o[hv], _ = gdn_step(
-                    states[li][hv], q[hv // grp], k[hv // grp], v[hv], g[hv], beta[hv], a.head_k_dim**-0.5
+                self.states[li][hv], o[hv], _ = gdn_step(
+                    self.states[li][hv], q[hv // grp], k[hv // grp], v[hv], g[hv], beta[hv], a.head_k_dim**-0.5
                 )
             o = _rms(o, a.o_norm.weight, a.o_norm.eps)
             if a.use_gate:
@@ -153,9 +168,16 @@ def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[i
             h = _rms(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(dt)
             mlp = blk.mlp
             x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
-        pos += 1
-        if pos >= len(tokens):
-            logits = _rms(x, m.norm.weight, m.norm.eps).to(dt) @ model.lm_head.weight.T
-            tokens.append(int(logits.argmax()))
-            out.append(tokens[-1])
+        return _rms(x, m.norm.weight, m.norm.eps).to(dt) @ self.model.lm_head.weight.T
+
+
+def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy autoregressive decoding with :class:`NaiveGDN`; returns the new tokens only."""
+    dec = NaiveGDN(model)
+    for tok in prompt[:-1]:
+        dec.step(tok)
+    out, tok = [], prompt[-1]
+    while len(out) < max_new_tokens:
+        tok = int(dec.step(tok).argmax())
+        out.append(tok)
     return out
