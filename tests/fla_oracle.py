@@ -25,6 +25,7 @@ file in site-packages is modified. The patches only affect interpreter mode.
 from __future__ import annotations
 
 import ast
+import copy
 import os
 import sys
 
@@ -127,8 +128,19 @@ def enable_fla_interpreter() -> None:
     _ENABLED = True
 
 
+def _fla_dtype(model):
+    # FLA's kernels compute in fp32 and reject float64 models (fp32/fp64 operand and
+    # fp_downcast_rounding errors), so a float64 model runs as a float32 copy.
+    if any(p.dtype == torch.float64 for p in model.parameters()):
+        return copy.deepcopy(model).float()
+    return model
+
+
 def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = False) -> torch.Tensor:
     """Full-sequence forward, no cache. Returns logits [B, T, vocab] as float32.
+
+    A float64 model is run as a float32 copy (FLA has no fp64 kernels), so compare
+    with fp32-level tolerances (observed ~1e-6..5e-6 abs on tiny random models).
 
     FLA's GatedDeltaNet layer chooses its kernel from the grad mode: under no_grad
     (default here) with T <= 64 and eval() it uses `fused_recurrent`; with grad
@@ -140,6 +152,7 @@ def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = Fals
     enable_fla_interpreter()
     if model.training:
         raise ValueError("call model.eval() first (in training mode FLA's layer forces the chunk path)")
+    model = _fla_dtype(model)
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -158,6 +171,7 @@ def fla_greedy_generate(model, input_ids, max_new_tokens: int, *, chunk: bool = 
     Returns only the newly generated token ids. Ties break to the lowest id (torch.argmax).
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    model = _fla_dtype(model)  # convert once, not per step
     out: list[int] = []
     for _ in range(max_new_tokens):
         nxt = int(fla_forward_logits(model, ids, chunk=chunk)[0, -1].argmax())

@@ -1,0 +1,58 @@
+"""Test drafters (not collected)."""
+
+from specla import DraftTree, Drafter
+
+
+class OracleDrafter(Drafter):
+    """Knows each prompt's greedy autoregressive continuation and drafts from it, corrupting
+    chosen positions, so every acceptance pattern can be forced.
+
+    Patterns: ``all`` (every draft right), ``none`` (every draft wrong), ``alternating`` (every
+    other draft wrong, shifting each step), ``zero_after_many`` (a full right chain, then a step
+    with no drafts, repeating), ``tree`` (a wrong first child with its own subtree, then the right
+    chain as a second child).
+    """
+
+    name = "oracle"
+
+    def __init__(self, prompts, continuations, pattern, vocab_size):
+        self.prompts, self.refs, self.pattern, self.V = prompts, continuations, pattern, vocab_size
+        self.active = list(range(len(prompts)))
+        self.step = 0
+
+    def reset(self, prompts):
+        self.active = list(range(len(prompts)))
+        self.step = 0
+
+    def select(self, index):
+        self.active = [self.active[i] for i in index.tolist()]
+
+    def propose(self, contexts, config):
+        depth = min(config.max_depth, config.num_draft_tokens)
+        trees = []
+        for seq, ctx in zip(self.active, contexts):
+            pos = len(ctx) - len(self.prompts[seq])
+            true = self.refs[seq][pos : pos + depth]
+            wrong = [(t + 1) % self.V for t in true]
+            p = self.pattern
+            if p == "all":
+                toks = true
+            elif p == "none":
+                toks = wrong
+            elif p == "alternating":
+                toks = [w if (j + self.step) % 2 else t for j, (t, w) in enumerate(zip(true, wrong))]
+            elif p == "zero_after_many":
+                toks = true if self.step % 2 == 0 else []
+            elif p == "tree":
+                half = max(config.num_draft_tokens // 2, 1)
+                w = wrong[: min(half, depth)]
+                t = true[: config.num_draft_tokens - len(w)]
+                toks = w + t
+                parents = list(range(-1, len(w) - 1)) + [-1 if j == 0 else len(w) + j - 1 for j in range(len(t))]
+                trees.append((toks, parents))
+                continue
+            else:
+                raise ValueError(p)
+            trees.append((toks, list(range(-1, len(toks) - 1))))
+        self.step += 1
+        return DraftTree.from_lists(trees)

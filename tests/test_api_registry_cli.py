@@ -1,0 +1,132 @@
+"""Public API, plugin registry, configuration and CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pydantic
+import pytest
+import torch
+
+import specla
+from specla import SpecConfig, SpecDecoder, UnknownPluginError, UnsupportedModelError
+from specla.drafters import NgramDrafter, make_drafter
+from specla.registry import available, detect_plugin, get_plugin, plugin_infos
+from specla_gdn.naive import naive_greedy_decode
+from conftest import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny-random-gdn"
+
+
+def test_gdn_is_discovered_through_the_entry_point():
+    assert "gdn" in available()
+    info = {p.name: p for p in plugin_infos()}["gdn"]
+    assert info.distribution == "specla" and info.version == specla.__version__
+    assert info.model_types == ("gated_deltanet",)
+
+
+def test_unknown_plugin_and_drafter_list_the_known_ones():
+    with pytest.raises(UnknownPluginError, match=r"unknown plugin 'mamba9'; available plugins: .*gdn"):
+        get_plugin("mamba9")
+    with pytest.raises(UnknownPluginError, match=r"unknown drafter 'eagle9'; available drafters: ngram"):
+        make_drafter("eagle9")
+    with pytest.raises(UnknownPluginError, match="available plugins"):
+        specla.run(make_model(), "nope", prompts=[[1]])
+
+
+def test_plugin_autodetection_and_unsupported_models():
+    model = make_model()
+    assert detect_plugin(model).name == "gdn"
+    assert detect_plugin(TINY).name == "gdn"
+    result = specla.run(model, None, prompts=[[1, 2]], config=dict(max_new_tokens=4))
+    assert result.outputs == [naive_greedy_decode(model, [1, 2], 4)]
+    with pytest.raises(UnsupportedModelError, match="no plugin runs model_type None"):
+        detect_plugin(torch.nn.Linear(2, 2))
+    with pytest.raises(UnsupportedModelError, match="runs fla.models.GatedDeltaNetForCausalLM, got Linear"):
+        specla.run(torch.nn.Linear(2, 2), "gdn", prompts=[[1]])
+    from fla.models import GLAConfig, GLAForCausalLM
+
+    gla = GLAForCausalLM(GLAConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="got GLAForCausalLM"):
+        SpecDecoder(gla, "gdn")
+    with pytest.raises(UnsupportedModelError, match="no plugin runs model_type 'gla'"):
+        SpecDecoder(gla, None)
+
+
+def test_hybrid_attention_gdn_is_rejected():
+    # building FLA's hybrid needs flash-attn; the plugin decides from the config alone
+    model = make_model()
+    model.config.attn = {"layers": [1], "num_heads": 2}
+    with pytest.raises(UnsupportedModelError, match="softmax-attention layers"):
+        SpecDecoder(model, "gdn")
+
+
+def test_config_validation():
+    cfg = SpecConfig()
+    assert (cfg.num_draft_tokens, cfg.commit, cfg.temperature) == (8, "factor", 0.0)
+    with pytest.raises(pydantic.ValidationError, match="sampling is not supported yet"):
+        SpecConfig(temperature=0.7)
+    with pytest.raises(pydantic.ValidationError, match="sampling is not supported yet"):
+        specla.run(make_model(), "gdn", prompts=[[1]], config={"temperature": 1.0})
+    with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+        SpecConfig(tempature=0.0)
+    with pytest.raises(pydantic.ValidationError, match="commit"):
+        SpecConfig(commit="truncate")
+    with pytest.raises(pydantic.ValidationError, match="stop_token_ids must be non-negative"):
+        SpecConfig(stop_token_ids=[-1])
+    with pytest.raises(TypeError, match="config must be a SpecConfig"):
+        specla.run(make_model(), "gdn", prompts=[[1]], config=3)
+
+
+def test_prompt_type_errors():
+    dec = SpecDecoder(make_model(), "gdn")
+    with pytest.raises(TypeError, match="prompts must be a list"):
+        dec.generate("hello")
+    with pytest.raises(ValueError, match="string prompts need a tokenizer"):
+        dec.generate(["hello"])
+    with pytest.raises(specla.InvalidTokenError, match="prompt 0 is empty"):
+        dec.generate([[]])
+
+
+def test_checkpoint_directory_with_tokenizer(tmp_path):
+    model = make_model("expand_v2", dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    result = specla.run(tmp_path, "gdn", prompts=[[5, 6, 7, 5, 6]], config=dict(max_new_tokens=6))
+    assert result.outputs == [naive_greedy_decode(model, [5, 6, 7, 5, 6], 6)]
+    assert result.texts is None
+    # the bundled example carries its own tokenizer: strings in, text out
+    dec = SpecDecoder(TINY, config=dict(max_new_tokens=5), plugin=None)
+    out = dec.generate(["hello hello"])
+    ids = dec.tokenizer("hello hello")["input_ids"]
+    assert out.outputs == [naive_greedy_decode(dec.model, ids, 5)]
+    assert out.texts == [dec.tokenizer.decode(out.outputs[0], skip_special_tokens=True)]
+    with pytest.raises(UnsupportedModelError, match="no config.json"):
+        get_plugin("gdn").load_model(tmp_path / "missing", dtype=None, device=None)
+
+
+def test_ngram_drafter_trees():
+    d = NgramDrafter(max_ngram=2)
+    ctx = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2]
+    assert d.continuations(ctx, 3) == [[4, 8, 1], [3, 9, 1]]
+    chain = d.propose([ctx], SpecConfig(num_draft_tokens=8, max_depth=3, top_k=1))
+    assert chain.tokens.tolist() == [[4, 8, 1]] and chain.parents.tolist() == [[-1, 0, 1]]
+    tree = d.propose([ctx, [5, 6]], SpecConfig(num_draft_tokens=5, max_depth=3, top_k=2))
+    assert tree.tokens[0].tolist() == [4, 8, 1, 3, 9] and tree.parents[0].tolist() == [-1, 0, 1, -1, 3]
+    assert tree.num_nodes.tolist() == [5, 0]
+    none = d.propose([ctx], SpecConfig(num_draft_tokens=0))
+    assert none.width == 0
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "specla.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_plugins_and_generate():
+    out = run_cli("plugins")
+    assert out.returncode == 0 and "gdn" in out.stdout and "specla" in out.stdout
+    out = run_cli("generate", "--model", str(TINY), "--prompt", "abcabcabc", "--max-new-tokens", "12", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stats["generated_tokens"] == 12 and stats["device"] == "cpu" and stats["plugin"] == "gdn"

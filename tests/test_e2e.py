@@ -1,0 +1,99 @@
+"""End to end: greedy speculative output is token-identical to plain autoregressive decoding."""
+
+import pytest
+import torch
+
+import specla
+from specla import SpecConfig, SpecDecoder
+from specla_gdn.naive import naive_greedy_decode
+from conftest import make_model
+from drafters import OracleDrafter
+
+N = 6
+
+
+def reference(model, prompts, n):
+    return [naive_greedy_decode(model, p, n) for p in prompts]
+
+
+@pytest.mark.parametrize("pattern", ["all", "none", "alternating", "zero_after_many", "tree"])
+@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+def test_oracle_patterns_token_identical(pattern, commit, rng):
+    model = make_model("base")
+    V = model.config.vocab_size
+    # prompt lengths 1, N, N+1 and long (crosses a prefill chunk); ragged batch
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (1, N, N + 1, 70)]
+    new = 17
+    refs = reference(model, prompts, new + N)
+    drafter = OracleDrafter(prompts, refs, pattern, V)
+    cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit)
+    result = specla.run(model, "gdn", prompts=prompts, drafter=drafter, config=cfg)
+    assert result.outputs == [r[:new] for r in refs]
+    hist = result.stats.accepted_histogram
+    if pattern == "all":  # every step accepts a full chain (except at the very end)
+        assert result.stats.mean_accepted_tokens > N - 2
+    if pattern == "none":
+        assert hist[0] == result.stats.sequence_steps
+    if pattern == "zero_after_many":
+        assert hist[0] > 0 and hist[N] > 0
+
+
+@pytest.mark.parametrize("model_name", ["base", "expand_v2", "no_conv", "gva", "odd_nogate"])
+def test_ngram_drafter_token_identical(model_name, rng):
+    model = make_model(model_name)
+    V = model.config.vocab_size
+    motif = [rng.randrange(V) for _ in range(5)]
+    prompts = [motif * 4, [rng.randrange(V) for _ in range(9)], [motif[0]]]
+    for top_k in (1, 3):
+        cfg = dict(num_draft_tokens=8, max_depth=5, top_k=top_k, max_new_tokens=24)
+        result = specla.run(model, "gdn", prompts=prompts, config=cfg)
+        assert result.outputs == reference(model, prompts, 24)
+        assert result.stats.generated_tokens == 3 * 24
+
+
+def test_float32_token_identical(rng):
+    model = make_model("base", dtype=torch.float32, seed=3)
+    prompts = [[rng.randrange(61) for _ in range(12)] * 2]
+    result = specla.run(model, "gdn", prompts=prompts, config=dict(max_new_tokens=40, top_k=2))
+    assert result.outputs == reference(model, prompts, 40)
+
+
+def test_sequences_finish_at_different_steps_and_stop_tokens(rng):
+    model = make_model("base")
+    prompts = [[rng.randrange(61) for _ in range(n)] for n in (3, 10, 5)]
+    refs = reference(model, prompts, 30)
+    stop = refs[1][6]  # sequence 1 stops at its first occurrence of this token
+    first = {b: refs[b].index(stop) if stop in refs[b] else None for b in range(3)}
+    drafter = OracleDrafter(prompts, refs, "alternating", 61)
+    result = specla.run(model, "gdn", prompts=prompts, drafter=drafter,
+                        config=dict(max_new_tokens=30, stop_token_ids=[stop]))
+    for b in range(3):
+        end = 30 if first[b] is None else first[b] + 1
+        assert result.outputs[b] == refs[b][:end]
+    assert len({len(o) for o in result.outputs}) > 1
+
+
+def test_zero_budget_is_plain_autoregressive_and_decoder_is_reusable(rng):
+    model = make_model("gva")
+    dec = SpecDecoder(model, "gdn", config=dict(num_draft_tokens=0, max_new_tokens=9))
+    prompts = [[1, 2, 3], [4]]
+    first = dec.generate(prompts)
+    assert first.outputs == reference(model, prompts, 9)
+    assert first.stats.steps == 9 and first.stats.mean_accepted_tokens == 0
+    second = dec.generate([[7, 7, 7, 7]])
+    assert second.outputs == reference(model, [[7, 7, 7, 7]], 9)
+
+
+def test_stats_are_consistent(rng):
+    model = make_model("base")
+    motif = [rng.randrange(61) for _ in range(4)]
+    result = specla.run(model, "gdn", prompts=[motif * 5], config=dict(max_new_tokens=32))
+    s = result.stats
+    assert s.generated_tokens == 32
+    assert sum(s.accepted_histogram) == s.sequence_steps == s.steps
+    # every step emits accepted + 1 tokens, the last one possibly truncated by max_new_tokens
+    assert s.generated_tokens <= sum((a + 1) * n for a, n in enumerate(s.accepted_histogram))
+    assert s.generated_tokens > sum((a + 1) * n for a, n in enumerate(s.accepted_histogram)) - (N + 2)
+    assert s.wall_s >= s.draft_s + s.verify_s + s.commit_s > 0
+    d = s.to_dict()
+    assert d["tokens_per_step"] == pytest.approx(s.mean_accepted_tokens + 1)
