@@ -1,0 +1,76 @@
+"""Greedy tree acceptance (shared by every plugin)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specla import DraftTree, accept_greedy
+
+
+def logits_for(targets, vocab=10):
+    """Logits whose argmax at row r is targets[b][r]."""
+    t = torch.tensor(targets)
+    return torch.nn.functional.one_hot(t, vocab).float() * 5 + torch.rand(*t.shape, vocab)
+
+
+def test_walks_the_matching_branch_and_returns_the_bonus():
+    # root -> {0: 4, 1: 5}; 1 -> {2: 6, 3: 7}; 3 -> 4: 8
+    tree = DraftTree.from_lists([([4, 5, 6, 7, 8], [-1, -1, 1, 1, 3])])
+    # rows: root, n0..n4 ; target says 5 after root, 7 after n1, 8 after n3, 2 after n4
+    acc = accept_greedy(tree, logits_for([[5, 0, 7, 0, 8, 2]]))
+    assert acc.path.tolist() == [[0, 2, 4, 5]]
+    assert acc.num_accepted.tolist() == [3] and acc.bonus.tolist() == [2]
+    assert acc.tokens.tolist() == [[5, 7, 8]]
+
+
+def test_batch_with_no_match_empty_tree_and_padding():
+    tree = DraftTree.from_lists([([1, 2], [-1, 0]), ([], []), ([3], [-1])])
+    acc = accept_greedy(tree, logits_for([[9, 2, 0], [4, 0, 0], [3, 6, 0]]))
+    assert acc.num_accepted.tolist() == [0, 0, 1]
+    assert acc.bonus.tolist() == [9, 4, 6]
+    assert acc.path.tolist() == [[0, -1, -1], [0, -1, -1], [0, 1, -1]]
+    # a padding node (row 1, node 0 holds token 0 after canonicalisation) is never followed
+    assert accept_greedy(tree, logits_for([[9, 0, 0], [0, 0, 0], [0, 0, 0]])).num_accepted[1] == 0
+
+
+def test_rejects_wrong_logits_shape():
+    tree = DraftTree.from_lists([([1], [-1])])
+    with pytest.raises(ValueError, match=r"logits must be \[B=1, N\+1=2, vocab\]"):
+        accept_greedy(tree, torch.zeros(1, 1, 10))
+
+
+@st.composite
+def trees_and_targets(draw):
+    B = draw(st.integers(1, 3))
+    rows, targets = [], []
+    for _ in range(B):
+        n = draw(st.integers(0, 8))
+        parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+        tokens = [draw(st.integers(0, 3)) for _ in range(n)]
+        rows.append((tokens, parents))
+    N = max(len(t) for t, _ in rows)
+    for _ in range(B):
+        targets.append([draw(st.integers(0, 3)) for _ in range(N + 1)])
+    return rows, targets
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees_and_targets())
+def test_matches_sequential_walk(case):
+    rows, targets = case
+    tree = DraftTree.from_lists(rows)
+    acc = accept_greedy(tree, logits_for(targets, vocab=4))
+    for b, (tokens, parents) in enumerate(rows):
+        cur, path = -1, []
+        while True:  # reference: first child (lowest index) whose token is the target's argmax
+            want = targets[b][cur + 1]
+            kids = [i for i in range(len(tokens)) if parents[i] == cur and tokens[i] == want]
+            if not kids:
+                break
+            cur = kids[0]
+            path.append(cur)
+        assert acc.num_accepted[b] == len(path)
+        assert acc.path[b, : len(path) + 1].tolist() == [0] + [i + 1 for i in path]
+        assert acc.bonus[b] == targets[b][cur + 1]
+        assert acc.tokens[b, : len(path)].tolist() == [tokens[i] for i in path]
