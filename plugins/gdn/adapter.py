@@ -88,7 +88,10 @@ class GDNAdapter(TargetAdapter):
     def __init__(self, model: torch.nn.Module, config: SpecConfig):
         self.config = config
         ref = model.lm_head.weight
-        self.device = torch.device(config.device) if config.device else ref.device
+        device = torch.device(config.device) if config.device else ref.device
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
         self.state_dtype = compute_dtype(torch.empty(0, dtype=self.dtype))
         act = lambda p: p.detach().to(self.device, self.dtype)  # noqa: E731
