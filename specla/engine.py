@@ -22,7 +22,8 @@ class RunStats:
         sequence_steps: sum over steps of the sequences active in that step.
         generated_tokens: new tokens returned, all sequences.
         accepted_histogram: ``accepted_histogram[a]`` = sequence-steps that accepted ``a`` drafts.
-        prefill_s, draft_s, verify_s, commit_s, wall_s: wall-clock seconds (CUDA synchronised).
+        prefill_s, draft_s, verify_s, commit_s, wall_s: wall-clock seconds (CUDA synchronised);
+            ``draft_s`` includes the host bookkeeping between steps.
     """
 
     steps: int = 0

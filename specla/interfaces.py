@@ -7,6 +7,7 @@ The core talks to a target model only through :class:`TargetAdapter`, made by an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from numbers import Integral
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,7 @@ class TargetAdapter(ABC):
         for b, p in enumerate(prompts):
             if len(p) == 0:
                 raise InvalidTokenError(f"prompt {b} is empty; a prompt needs at least one token")
-            bad = [t for t in p if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            bad = [t for t in p if isinstance(t, bool) or not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
             if bad:
                 raise InvalidTokenError(
                     f"prompt {b}: token id {bad[0]!r} is outside the vocabulary 0..{self.vocab_size - 1}"

@@ -179,6 +179,7 @@ class DraftTree:
 
     @property
     def batch_size(self) -> int:
+        """``B``, the number of sequences."""
         return self.tokens.shape[0]
 
     @property
