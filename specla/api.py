@@ -11,6 +11,7 @@ import torch
 from .config import SpecConfig
 from .drafters import make_drafter
 from .engine import Engine, RunStats
+from .errors import InvalidTokenError, UnsupportedModelError
 from .interfaces import ArchitecturePlugin, Drafter
 from .registry import detect_plugin, get_plugin
 
@@ -56,9 +57,14 @@ class SpecDecoder:
         tokenizer: a transformers tokenizer, a tokenizer directory, or ``None`` (a checkpoint
             directory's own tokenizer is used when it has one).
 
+    The model's weights are read (and converted to the run's device and dtype) here, once: edit
+    weights before building a decoder, not after.
+
     Raises:
         UnknownPluginError: unknown plugin or drafter name (lists the available ones).
-        UnsupportedModelError: the plugin cannot run the model (or none matches it).
+        UnsupportedModelError: the plugin cannot run the model (or none matches it), or a path
+            is not a checkpoint directory.
+        FileNotFoundError: a tokenizer directory that does not exist.
         pydantic.ValidationError: invalid config fields (e.g. ``temperature != 0``).
     """
 
@@ -72,7 +78,9 @@ class SpecDecoder:
         tokenizer: Any = None,
     ):
         self.config = _as_config(config)
-        self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin else detect_plugin(model)
+        if isinstance(model, (str, Path)) and not (Path(model) / "config.json").is_file():
+            raise UnsupportedModelError(f"{model} is not a checkpoint directory (no config.json in it)")
+        self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin is not None else detect_plugin(model)
         if isinstance(model, (str, Path)):
             path = Path(model)
             if tokenizer is None and (path / "tokenizer.json").is_file():
@@ -80,6 +88,8 @@ class SpecDecoder:
             dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
             model = self.plugin.load_model(path, dtype=dtype, device=self.config.device)
         if isinstance(tokenizer, (str, Path)):
+            if not Path(tokenizer).is_dir():
+                raise FileNotFoundError(f"tokenizer directory {tokenizer} does not exist")
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
@@ -97,13 +107,16 @@ class SpecDecoder:
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        if not prompts:
+            raise InvalidTokenError("no prompts given")
         if all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer: pass tokenizer= or token-id lists")
             return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
-        if all(isinstance(p, (list, tuple)) for p in prompts):
-            return [[int(t) for t in p] for p in prompts]
-        raise TypeError("prompts must be all strings or all token-id lists")
+        rows = [p.tolist() if hasattr(p, "tolist") else p for p in prompts]  # tensors, numpy arrays
+        if all(isinstance(p, (list, tuple)) for p in rows):
+            return [list(p) for p in rows]  # ids are checked (not coerced) by the adapter
+        raise TypeError("prompts must be all strings or all token-id lists (or 1-D tensors/arrays)")
 
     def generate(self, prompts: list[str] | list[list[int]]) -> RunResult:
         """Decode ``prompts`` (strings with a tokenizer, or token-id lists) as one batch.
@@ -128,5 +141,5 @@ def run(
 ) -> RunResult:
     """Greedy speculative decoding of ``prompts`` with ``model``: one-shot form of
     :class:`SpecDecoder` (same arguments and errors). The outputs are token-identical to greedy
-    autoregressive decoding of the same model (float32; see DESIGN.md section 7)."""
+    autoregressive decoding of the same model (float32; see docs/DESIGN.md section 7)."""
     return SpecDecoder(model, plugin, drafter=drafter, config=config, tokenizer=tokenizer).generate(prompts)

@@ -1,4 +1,4 @@
-"""Command line: ``specla generate`` and ``specla plugins``."""
+"""Command line: ``specla demo``, ``specla generate`` and ``specla plugins``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import argparse
 import json
 import sys
 
+from pydantic import ValidationError
+
 from . import registry
 from .config import SpecConfig
+from .errors import SpecError
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -36,6 +39,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    summary = run_demo(device=args.device, max_new_tokens=args.max_new_tokens, drafter=args.drafter)
+    print(json.dumps(summary))
+    return 0 if summary["exact_match"] else 1
+
+
 def _plugins(args: argparse.Namespace) -> int:
     infos = registry.plugin_infos()
     print(f"{'name':<10} {'distribution':<24} {'version':<10} model types")
@@ -62,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=1, help="children per draft node (1 = chains)")
     gen.add_argument("--commit", default="factor", choices=["factor", "snapshot", "replay"])
     gen.set_defaults(func=_generate)
+    demo = sub.add_parser("demo", help="run the bundled tiny target on bundled prompts, against autoregressive")
+    demo.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--drafter", default="ngram")
+    demo.set_defaults(func=_demo)
     plug = sub.add_parser("plugins", help="list registered architecture plugins")
     plug.set_defaults(func=_plugins)
     return parser
@@ -69,8 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``specla`` console script."""
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValidationError as err:
+        # user mistakes (bad paths, options, prompts) get one line, not a traceback
+        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())
+        parser.exit(2, f"specla: error: {fields}\n")
+    except (SpecError, OSError, RuntimeError) as err:
+        parser.exit(2, f"specla: error: {err}\n")
 
 
 if __name__ == "__main__":

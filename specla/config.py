@@ -33,9 +33,11 @@ class SpecConfig(BaseModel):
         max_new_tokens: generated tokens per prompt, bonus tokens included.
         stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
             output).
+        stop_at_eos: also stop at the model's ``eos_token_id`` (as ``generate`` does).
         dtype: activation/weight dtype the target runs in; ``None`` keeps the model's. Recurrent
             states and gates stay float32 (float64 when activations are float64).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device. A CUDA
+            device is rejected when torch sees no GPU.
 
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.
@@ -51,6 +53,7 @@ class SpecConfig(BaseModel):
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(64, ge=1)
     stop_token_ids: tuple[int, ...] = ()
+    stop_at_eos: bool = True
     dtype: DType | None = None
     device: str | None = None
 
@@ -69,4 +72,21 @@ class SpecConfig(BaseModel):
     def _non_negative_stops(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if any(t < 0 for t in value):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {value}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        import torch
+
+        try:
+            device = torch.device(value)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device {value!r} is not a torch device (cpu, cuda, cuda:N)") from err
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {value!r}: specla runs on cpu or cuda")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {value!r} requested but torch sees no CUDA GPU")
         return value

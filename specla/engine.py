@@ -100,11 +100,18 @@ class Engine:
         outputs: list[list[int]] = [[] for _ in prompts]
         active = list(range(len(prompts)))
         stops = set(cfg.stop_token_ids)
+        if cfg.stop_at_eos and adapter.eos_token_id is not None:
+            stops.add(adapter.eos_token_id)
         t = self._clock()
         stats.prefill_s = t - start
         while active:
             tree = self.drafter.propose([contexts[i] for i in active], cfg) if cfg.num_draft_tokens else None
             tree = tree if tree is not None else DraftTree.empty(len(active))
+            if not isinstance(tree, DraftTree):
+                raise TypeError(f"drafter {self.drafter.name!r} returned {type(tree).__name__}, not a DraftTree")
+            # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
+            room = torch.tensor([cfg.max_new_tokens - len(outputs[i]) - 1 for i in active])
+            tree = tree.limit_depth(room)
             tree = DraftTree(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)))
             t1 = self._clock()
             out = adapter.verify(tree)

@@ -1,4 +1,4 @@
-"""The contract between the engine, drafters and architecture plugins (DESIGN.md section 3).
+"""The contract between the engine, drafters and architecture plugins (docs/DESIGN.md section 3).
 
 The core talks to a target model only through :class:`TargetAdapter`, made by an
 :class:`ArchitecturePlugin`; it never imports a concrete architecture.
@@ -48,11 +48,13 @@ class TargetAdapter(ABC):
     Attributes:
         config: the run's :class:`~specla.config.SpecConfig`.
         vocab_size: number of token ids the embedding accepts.
+        eos_token_id: the model's end-of-sequence token, or ``None``.
         device, dtype: where and in which activation dtype the model runs.
     """
 
     config: SpecConfig
     vocab_size: int
+    eos_token_id: int | None = None
     device: torch.device
     dtype: torch.dtype
 
@@ -88,7 +90,7 @@ class TargetAdapter(ABC):
         self._prefill(prompts)
 
     def verify(self, tree: DraftTree) -> VerifyOutput:
-        """Compute the target's output for every draft node (DESIGN.md section 3, Verify).
+        """Compute the target's output for every draft node (docs/DESIGN.md section 3, Verify).
 
         A pending commit is applied first (delayed commit); nothing else touches the state.
 
@@ -147,10 +149,13 @@ class ArchitecturePlugin(ABC):
         name: short unique name used as ``plugin=`` (e.g. ``"gdn"``).
         model_types: transformers ``config.model_type`` values this plugin runs (used to
             auto-detect the plugin).
+        demo_checkpoint: a small checkpoint directory shipped with the plugin that ``specla demo``
+            can run, or ``None``.
     """
 
     name: str
     model_types: tuple[str, ...]
+    demo_checkpoint: Path | None = None
 
     @abstractmethod
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:

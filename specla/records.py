@@ -1,4 +1,4 @@
-"""Factor records and pending commits (DESIGN.md section 3).
+"""Factor records and pending commits (docs/DESIGN.md section 3).
 
 A verify pass leaves, per layer, a record of exactly what commit needs. With the ``factor``
 strategy this is SpecLA's compact per-token factor record; ``snapshot`` and ``replay`` use their

@@ -1,6 +1,6 @@
 """Draft trees: the token candidates one speculative step submits for verification.
 
-Shapes (DESIGN.md section 2): ``B`` sequences, ``N`` draft nodes per sequence (root excluded).
+Shapes (docs/DESIGN.md section 2): ``B`` sequences, ``N`` draft nodes per sequence (root excluded).
 Node ``i`` of sequence ``b`` has token ``tokens[b, i]`` and parent ``parents[b, i]``; ``-1`` means
 the node is a child of the root (the last committed token, whose output the target has not yet
 computed). Nodes are in topological order (``parents[b, i] < i``). Sequences may hold fewer nodes
@@ -30,7 +30,7 @@ def inclusive_ancestor_mask(parents: Tensor) -> Tensor:
         parents: ``[B, T]`` int64, topologically ordered (``parents[b, i] < i``, ``-1`` = root child).
     Returns:
         ``[B, T, T]`` bool, lower triangular.
-    Formula: DESIGN.md section 3 (row ``i`` = row of its parent plus ``e_i``).
+    Formula: docs/DESIGN.md section 3 (row ``i`` = row of its parent plus ``e_i``).
     """
     B, T = parents.shape
     mask = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
@@ -71,7 +71,7 @@ class Chain:
 
 
 def heavy_light_chains(parents: list[int]) -> list[Chain]:
-    """Heavy-light decomposition of one sequence's tree into chains (DESIGN.md section 4, hybrid
+    """Heavy-light decomposition of one sequence's tree into chains (docs/DESIGN.md section 4, hybrid
     verify): the heavy child of a node is the child with the largest subtree (lowest index on ties).
     Any root-to-leaf path crosses O(log N) light edges, so there are O(log N) waves.
 
@@ -212,6 +212,20 @@ class DraftTree:
     def strict_ancestor_mask(self) -> Tensor:
         """``M_strict = M_incl - I`` ``[B, N, N]`` bool."""
         return self.ancestor_mask & ~torch.eye(self.width, dtype=torch.bool, device=self.tokens.device)
+
+    def limit_depth(self, limits: Tensor) -> "DraftTree":
+        """The same trees without nodes deeper than ``limits[b]`` (``[B]`` int64); the kept set is
+        ancestor-closed and keeps its order. Returns ``self`` when nothing is dropped."""
+        keep = self.valid & (self.depth <= limits.to(self.depth.device)[:, None])
+        if bool((keep == self.valid).all()):
+            return self
+        rows = []
+        for b in range(self.batch_size):
+            idx = keep[b].nonzero().flatten().tolist()
+            pos = {node: j for j, node in enumerate(idx)}
+            par = [int(self.parents[b, i]) for i in idx]
+            rows.append(([int(self.tokens[b, i]) for i in idx], [pos[p] if p >= 0 else -1 for p in par]))
+        return DraftTree.from_lists(rows, self.tokens.device)
 
     def path(self, b: int, node: int) -> list[int]:
         """Root-to-``node`` path of sequence ``b`` as node indices (the root itself excluded)."""

@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore", message=".*ShortConvolution is crucial.*")
 
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
 
-BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, vocab_size=61, expand_v=1,
+BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, vocab_size=61, expand_v=1, eos_token_id=None,
             initializer_range=0.1)
 # several shapes: with and without short conv, expand_v 1 and 2, more value heads than key heads,
 # no output gate, odd sizes

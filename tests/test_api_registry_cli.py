@@ -16,8 +16,7 @@ from specla.registry import available, detect_plugin, get_plugin, plugin_infos
 from specla_gdn.naive import naive_greedy_decode
 from conftest import make_model
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny-random-gdn"
+TINY = get_plugin("gdn").demo_checkpoint  # the trained tiny target shipped with the plugin
 
 
 def test_gdn_is_discovered_through_the_entry_point():
@@ -97,7 +96,7 @@ def test_checkpoint_directory_with_tokenizer(tmp_path):
     assert result.outputs == [naive_greedy_decode(model, [5, 6, 7, 5, 6], 6)]
     assert result.texts is None
     # the bundled example carries its own tokenizer: strings in, text out
-    dec = SpecDecoder(TINY, config=dict(max_new_tokens=5), plugin=None)
+    dec = SpecDecoder(TINY, config=dict(max_new_tokens=5, dtype="float64"), plugin=None)
     out = dec.generate(["hello hello"])
     ids = dec.tokenizer("hello hello")["input_ids"]
     assert out.outputs == [naive_greedy_decode(dec.model, ids, 5)]
@@ -126,7 +125,84 @@ def run_cli(*args):
 def test_cli_plugins_and_generate():
     out = run_cli("plugins")
     assert out.returncode == 0 and "gdn" in out.stdout and "specla" in out.stdout
-    out = run_cli("generate", "--model", str(TINY), "--prompt", "abcabcabc", "--max-new-tokens", "12", "--device", "cpu")
+    out = run_cli("generate", "--model", str(TINY), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
+                  "--device", "cpu")
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout.strip().splitlines()[-1])
-    assert stats["generated_tokens"] == 12 and stats["device"] == "cpu" and stats["plugin"] == "gdn"
+    assert 1 <= stats["generated_tokens"] <= 12 and stats["device"] == "cpu" and stats["plugin"] == "gdn"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--model", "/nonexistent", "--prompt", "hi"], "is not a checkpoint directory"),
+        (["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "gla"], "unknown plugin 'gla'"),
+        (["generate", "--model", str(TINY), "--prompt", "hi", "--drafter", "eagle9"], "unknown drafter"),
+        (["generate", "--model", str(TINY), "--prompt", "", "--device", "cpu"], "prompt 0 is empty"),
+        (["generate", "--model", str(TINY), "--prompt", "hi", "--device", "tpu"], "device 'tpu'"),
+    ],
+)
+def test_cli_errors_are_one_line(args, message):
+    out = run_cli(*args)
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("specla: error:") and message in last
+    assert "Traceback" not in out.stderr
+
+
+def test_demo_is_exact_and_reports_figures():
+    from specla.demo import run_demo
+
+    lines = []
+    summary = run_demo(device="cpu", max_new_tokens=24, echo=lines.append)
+    assert summary["exact_match"] is True
+    assert summary["prompts"] == 6 and sum(line.startswith("=== ") for line in lines) == 6
+    assert summary["mean_accepted_tokens"] > 0 and summary["speedup"] > 0
+    assert summary["speedup"] == pytest.approx(summary["tokens_per_s"] / summary["ar_tokens_per_s"])
+
+
+def test_input_robustness():
+    model = make_model()
+    with pytest.raises(specla.InvalidTokenError, match="no prompts given"):
+        specla.run(model, "gdn", prompts=[])
+    with pytest.raises(specla.InvalidTokenError, match="token id 2.9"):
+        specla.run(model, "gdn", prompts=[[5, 2.9]])
+    with pytest.raises(specla.InvalidTokenError, match="token id True"):
+        specla.run(model, "gdn", prompts=[[5, True]])
+    # tensors and arrays are accepted as token-id rows
+    out = specla.run(model, "gdn", prompts=[torch.tensor([5, 6, 7])], config=dict(max_new_tokens=3))
+    assert out.outputs == [naive_greedy_decode(model, [5, 6, 7], 3)]
+    with pytest.raises(FileNotFoundError, match="tokenizer directory /nonexistent"):
+        SpecDecoder(model, "gdn", tokenizer="/nonexistent")
+    with pytest.raises(pydantic.ValidationError, match="not a torch device"):
+        SpecConfig(device="tpu0x")
+    # "cpu:0" is the CPU: trees and the model must agree on it
+    out = specla.run(model, "gdn", prompts=[[5, 6, 5, 6, 5]], config=dict(device="cpu:0", max_new_tokens=4))
+    assert out.outputs == [naive_greedy_decode(model, [5, 6, 5, 6, 5], 4)]
+
+
+def test_max_new_tokens_caps_the_drafts_and_eos_stops():
+    model = make_model()
+    motif = [32, 52, 28, 56]
+    r = specla.run(model, "gdn", prompts=[motif * 5], config=dict(max_new_tokens=1))
+    assert r.stats.mean_accepted_tokens == 0 and r.outputs == [naive_greedy_decode(model, motif * 5, 1)]
+    ref = naive_greedy_decode(model, motif * 5, 12)
+    model.config.eos_token_id = ref[4]
+    r = specla.run(model, "gdn", prompts=[motif * 5], config=dict(max_new_tokens=12))
+    assert r.outputs == [ref[: ref.index(ref[4]) + 1]]
+    r = specla.run(model, "gdn", prompts=[motif * 5], config=dict(max_new_tokens=12, stop_at_eos=False))
+    assert r.outputs == [ref]
+
+
+def test_hybrid_checkpoint_rejected_before_loading(tmp_path):
+    model = make_model()
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["attn"] = {"layers": [1], "num_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="softmax-attention layers"):
+        SpecDecoder(tmp_path, "gdn")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UnsupportedModelError, match="not valid JSON"):
+        SpecDecoder(tmp_path, "gdn")

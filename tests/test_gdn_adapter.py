@@ -238,3 +238,26 @@ def test_state_dtype_stays_float32_with_bfloat16_activations():
     adapter.commit(t, out, acceptance_for(t, [1], [9]))
     adapter.flush()
     assert all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in adapter.recurrent)
+
+
+def test_score_is_teacher_forced_decoding_and_differentiable(rng):
+    model = make_model("base")
+    tokens = torch.tensor([[rng.randrange(61) for _ in range(70)] for _ in range(2)])  # crosses a chunk
+    adapter = get_plugin("gdn").make_adapter(model, SpecConfig())
+    logits = adapter.score(tokens)
+    for b in range(2):
+        dec = NaiveGDN(model)
+        for t in range(0, 70, 23):  # spot-check positions in both chunks
+            while len(dec.inputs[0]) <= t:
+                ref = dec.step(int(tokens[b, len(dec.inputs[0])]))
+            assert float((logits[b, t] - ref).abs().max()) < TOL
+    assert not logits.requires_grad  # inference adapters never build graphs
+    from specla_gdn.adapter import GDNAdapter
+
+    trainable = GDNAdapter(model, SpecConfig(), differentiable=True)
+    loss = torch.nn.functional.cross_entropy(trainable.score(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    for name in ("model.embeddings.weight", "model.layers.0.attn.A_log", "model.layers.1.attn.q_conv1d.weight",
+                 "model.layers.1.mlp.down_proj.weight"):
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0

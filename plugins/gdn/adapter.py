@@ -83,22 +83,30 @@ class GDNAdapter(TargetAdapter):
     Args:
         model: a ``fla.models.GatedDeltaNetForCausalLM``.
         config: the run's :class:`SpecConfig` (``dtype``/``device`` override the model's).
+        differentiable: build the weights without detaching them, so :meth:`score` can be
+            trained through (the target training recipe uses it; FLA's own training kernels
+            refuse Hopper GPUs with Triton < 3.7.1).
     """
 
-    def __init__(self, model: torch.nn.Module, config: SpecConfig):
+    def __init__(self, model: torch.nn.Module, config: SpecConfig, *, differentiable: bool = False):
         self.config = config
+        self.differentiable = differentiable
         ref = model.lm_head.weight
         device = torch.device(config.device) if config.device else ref.device
         if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = torch.empty(0, device=device).device  # canonical: "cpu:0" is "cpu"
         self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
         self.state_dtype = compute_dtype(torch.empty(0, dtype=self.dtype))
-        act = lambda p: p.detach().to(self.device, self.dtype)  # noqa: E731
-        st = lambda p: p.detach().to(self.device, self.state_dtype)  # noqa: E731
+        # differentiable: keep the autograd link to the model's parameters (training recipes)
+        keep = (lambda p: p) if differentiable else (lambda p: p.detach())  # noqa: E731
+        act = lambda p: keep(p).to(self.device, self.dtype)  # noqa: E731
+        st = lambda p: keep(p).to(self.device, self.state_dtype)  # noqa: E731
         m = model.model
         self.embed = act(m.embeddings.weight)
         self.vocab_size = self.embed.shape[0]
+        eos = getattr(model.config, "eos_token_id", None)
+        self.eos_token_id = eos if isinstance(eos, int) else None
         self.norm, self.norm_eps = act(m.norm.weight), m.norm.eps
         self.lm_head = act(model.lm_head.weight)
         self.layers = []
@@ -149,6 +157,7 @@ class GDNAdapter(TargetAdapter):
             for L in self.layers
         ]
 
+    @torch.no_grad()
     def flush(self) -> None:
         if self.pending is not None:
             self._apply(self.pending.records, self.pending.path, self.pending.path_len)
@@ -163,7 +172,6 @@ class GDNAdapter(TargetAdapter):
             self.pending = self.pending.select(index)
 
     # ------------------------------------------------------------------ model
-    @torch.no_grad()
     def forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool = True):
         """Run the model over a batch of trees hanging from the committed state.
 
@@ -175,6 +183,10 @@ class GDNAdapter(TargetAdapter):
         Returns:
             ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records tuple)``.
         """
+        with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
+            return self._forward(tokens, parents, records, logits)
+
+    def _forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool):
         mask = inclusive_ancestor_mask(parents)
         anc = conv_ancestors(parents, self.conv_width) if self.conv_width else None
         x = self.embed[tokens]
@@ -231,25 +243,59 @@ class GDNAdapter(TargetAdapter):
                 self.conv[li] = conv_window_after(rec.conv_x, win, path, path_len)
 
     # ------------------------------------------------------------------ contract
+    def _run_chunks(self, tokens: Tensor, lengths: Tensor, logits: bool) -> Tensor | None:
+        """Run every sequence's tokens into its state, ``PREFILL_CHUNK`` at a time (chains).
+
+        Args: tokens ``[B, T]`` int64 (right-padded), lengths ``[B]`` int64.
+        Returns: ``[B, T, vocab]`` logits when ``logits``, else ``None``.
+        """
+        out = []
+        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
+            chunk = tokens[:, start : start + PREFILL_CHUNK]
+            W = chunk.shape[1]
+            n = (lengths - start).clamp(0, W)
+            tree = DraftTree(chunk, torch.arange(-1, W - 1, device=self.device).expand_as(chunk).contiguous(), n)
+            lg, _, recs = self.forward(tree.tokens, tree.parents, "factor", logits=logits)
+            out.append(lg)
+            self._apply(recs, torch.where(tree.valid, torch.arange(W, device=self.device), -1), n)
+        return torch.cat(out, 1) if logits else None
+
+    def score(self, tokens: Tensor) -> Tensor:
+        """Teacher-forced logits of whole sequences from an empty state (chunked chains).
+
+        Args:
+            tokens: ``[B, T]`` int64, ``T >= 1``.
+        Returns:
+            ``[B, T, vocab]`` logits in the activation dtype; differentiable with respect to the
+            model's parameters when the adapter was built with ``differentiable=True``.
+        Discards any batch the adapter held.
+        """
+        self.pending = None
+        self._empty_state(tokens.shape[0])
+        self._roots = torch.zeros(tokens.shape[0], dtype=torch.int64, device=self.device)
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64, device=self.device)
+        return self._run_chunks(tokens.to(self.device), lengths, logits=True)
+
+    @torch.no_grad()
     def _prefill(self, prompts: list[list[int]]) -> None:
         self.pending = None
         self._empty_state(len(prompts))
         bodies = [p[:-1] for p in prompts]
-        longest = max(len(b) for b in bodies)
-        for start in range(0, longest, PREFILL_CHUNK):
-            chunks = [b[start : start + PREFILL_CHUNK] for b in bodies]
-            tree = DraftTree.from_lists([(c, list(range(-1, len(c) - 1))) for c in chunks], self.device)
-            _, _, recs = self.forward(tree.tokens, tree.parents, "factor", logits=False)
-            path = torch.where(tree.valid, torch.arange(tree.width, device=self.device), -1)
-            self._apply(recs, path, tree.num_nodes)
+        T = max(len(b) for b in bodies)
+        if T:
+            tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
+            lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
+            self._run_chunks(tokens, lengths, logits=False)
         self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
 
+    @torch.no_grad()
     def _verify(self, tree: DraftTree) -> VerifyOutput:
         self.flush()  # delayed commit: the reference path applies it just before verifying
         tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
         logits, hidden, recs = self.forward(tokens, tree.parents_with_root, self.config.commit)
         return VerifyOutput(logits=logits, hidden=hidden, records=recs)
 
+    @torch.no_grad()
     def _commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None:
         pending = PendingCommit(out.records, acceptance.path, acceptance.path_len)
         if self.config.commit == "factor":

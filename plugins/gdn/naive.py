@@ -3,7 +3,7 @@
 Executable documentation and the oracle every faster path (the batched reference in
 ``reference.py``, the Triton kernels) is tested against. Slow on purpose: each tree node is
 computed by walking its own root path from the committed state, exactly as autoregressive
-decoding would. Formulas: DESIGN.md section 4 and FLA's ``naive_recurrent_gated_delta_rule``.
+decoding would. Formulas: docs/DESIGN.md section 4 and FLA's ``naive_recurrent_gated_delta_rule``.
 """
 
 from __future__ import annotations

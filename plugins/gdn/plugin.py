@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,19 +20,40 @@ class GDNPlugin(ArchitecturePlugin):
 
     name = "gdn"
     model_types = ("gated_deltanet",)
+    # trained by benchmarks/targets/train_target.py --preset tiny (docs/targets.md)
+    demo_checkpoint = Path(__file__).resolve().parent / "assets" / "tiny"
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg_file = Path(path) / "config.json"
         if not cfg_file.is_file():
             raise UnsupportedModelError(f"{path} is not a checkpoint directory: no config.json")
-        model_type = json.loads(cfg_file.read_text()).get("model_type")
-        if model_type not in self.model_types:
-            raise UnsupportedModelError(f"{path}: model_type {model_type!r} is not one of {self.model_types}")
-        import fla  # noqa: F401  (registers FLA's classes with transformers' Auto* factories)
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as err:
+            raise UnsupportedModelError(f"{cfg_file} is not valid JSON: {err}") from err
+        if cfg.get("model_type") not in self.model_types:
+            raise UnsupportedModelError(f"{path}: model_type {cfg.get('model_type')!r} is not one of {self.model_types}")
+        self.check_config(cfg)  # before loading: a hybrid checkpoint would ask for flash-attn
+        with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
+            warnings.simplefilter("ignore")
+            import fla  # noqa: F401  (registers FLA's classes with transformers' Auto* factories)
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
         return model.to(device) if device else model
+
+    @staticmethod
+    def check_config(cfg: dict) -> None:
+        """Raise :class:`UnsupportedModelError` for GDN configurations the plugin cannot run.
+
+        Args: cfg: the model's config as a dict (``config.json`` or ``PretrainedConfig.to_dict()``).
+        """
+        if cfg.get("attn"):
+            raise UnsupportedModelError("GDN models with softmax-attention layers (config.attn) are not supported yet")
+        if cfg.get("attnres_block_size") is not None:
+            raise UnsupportedModelError("GDN models with attention residuals (attnres_block_size) are not supported")
+        if cfg.get("hidden_act", "swish") not in ("swish", "silu"):
+            raise UnsupportedModelError(f"MLP activation {cfg.get('hidden_act')!r} is not supported (swish/silu only)")
 
     def check_model(self, model: torch.nn.Module) -> None:
         from fla.models import GatedDeltaNetForCausalLM
@@ -40,13 +62,7 @@ class GDNPlugin(ArchitecturePlugin):
             raise UnsupportedModelError(
                 f"the gdn plugin runs fla.models.GatedDeltaNetForCausalLM, got {type(model).__name__}"
             )
-        cfg = model.config
-        if getattr(cfg, "attn", None):
-            raise UnsupportedModelError("GDN models with softmax-attention layers (config.attn) are not supported yet")
-        if getattr(cfg, "attnres_block_size", None) is not None:
-            raise UnsupportedModelError("GDN models with attention residuals (attnres_block_size) are not supported")
-        if cfg.hidden_act not in ("swish", "silu"):
-            raise UnsupportedModelError(f"MLP activation {cfg.hidden_act!r} is not supported (swish/silu only)")
+        self.check_config(model.config.to_dict())
 
     def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
         self.check_model(model)

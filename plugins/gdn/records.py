@@ -16,7 +16,7 @@ from specla.records import Record
 
 @dataclass(frozen=True)
 class GDNFactorRecord(Record):
-    """SpecLA's factor record (DESIGN.md section 4): all that the closed-form commit needs.
+    """SpecLA's factor record (docs/DESIGN.md section 4): all that the closed-form commit needs.
 
     ``S_new = exp(G_a) S0 + sum_{j on path(a)} exp(G_a - G_j) k_j Delta_j^T``.
     """

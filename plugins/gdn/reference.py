@@ -1,6 +1,6 @@
 """Pure-PyTorch tree-masked GDN operators: the reference path that runs on CPU and GPU.
 
-These are the batched, factorized forms of DESIGN.md section 4 (no loops over nodes except to
+These are the batched, factorized forms of docs/DESIGN.md section 4 (no loops over nodes except to
 build masks). ``naive.py`` holds the sequential per-path twins they are tested against; the Triton
 kernels are tested against the same twins.
 
@@ -53,7 +53,7 @@ def conv_ancestors(parents: Tensor, width: int) -> Tensor:
 
 
 def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, anc: Tensor) -> Tensor:
-    """Tree-aware causal short convolution + SiLU (DESIGN.md section 4, short convolution).
+    """Tree-aware causal short convolution + SiLU (docs/DESIGN.md section 4, short convolution).
 
     Args:
         x: ``[B, T, D]`` node inputs (pre-conv projections).
@@ -114,7 +114,7 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 def tree_gdn(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, mask: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Tree-masked factorized gated delta rule (DESIGN.md section 4; SpecLA eq. for verify).
+    """Tree-masked factorized gated delta rule (docs/DESIGN.md section 4; SpecLA eq. for verify).
 
     Every node's output equals the serial recurrence run along that node's root path from ``S0``.
 
@@ -161,7 +161,7 @@ def node_states(S0: Tensor, k: Tensor, delta: Tensor, G: Tensor, mask: Tensor) -
 
 
 def gdn_commit_factor(S0: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
-    """Closed-form commit of an accepted path from factor records (DESIGN.md section 4).
+    """Closed-form commit of an accepted path from factor records (docs/DESIGN.md section 4).
 
     Args:
         S0: ``[B, HV, K, V]`` pre-step state.

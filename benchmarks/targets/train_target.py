@@ -1,0 +1,157 @@
+"""Deterministic training recipe for specla's GDN targets (FLA's GatedDeltaNetForCausalLM).
+
+    python benchmarks/targets/train_target.py --preset tiny --corpus ../shared/data/corpus \
+        --tokenizer plugins/gdn/assets/tiny --out /tmp/tiny-target
+
+Presets fix the architecture, the token budget (steps x batch x sequence length), the learning
+rate schedule and the seed, so a rerun on the same GPU type rebuilds the same model up to
+kernel-level nondeterminism. The forward and backward run through specla's own differentiable
+PyTorch GDN path (``GDNAdapter(..., differentiable=True).score``), checked against FLA's model in
+the tests: FLA 0.6's training kernels refuse Hopper GPUs with Triton < 3.7.1. Writes a
+transformers checkpoint (config.json, model.safetensors, tokenizer files) and ``training.json``
+(losses, held-out loss, throughput, wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corpus import documents  # noqa: E402
+
+PRESETS = {
+    # ~7.7M parameters with an 8k vocabulary: fits the 20 MB embedded budget in bfloat16
+    "tiny": dict(
+        model=dict(hidden_size=256, num_hidden_layers=6, num_heads=3, head_dim=64, expand_v=2,
+                   tie_word_embeddings=True),
+        seq_len=512, batch=128, steps=700, lr=3e-3, warmup=50, save_dtype="bfloat16",
+    ),
+    # ~120M parameters with the Llama-2 vocabulary
+    "small": dict(
+        model=dict(hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128, expand_v=2,
+                   tie_word_embeddings=True),
+        seq_len=1024, batch=64, steps=1800, lr=1.5e-3, warmup=100, save_dtype="bfloat16",
+    ),
+}
+SEED = 0
+
+
+def token_stream(corpus: str, tokenizer, split: str, max_docs: int | None = None) -> np.ndarray:
+    """Every document of ``split`` tokenized, joined with EOS, as one int32 array."""
+    docs = [d for d, _ in zip(documents(corpus, split), range(max_docs or 10**9))]
+    ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    return np.fromiter((t for seq in ids for t in (*seq, eos)), dtype=np.int32)
+
+
+def heldout_starts(held: np.ndarray, seq_len: int, count: int = 128) -> np.ndarray:
+    """Start offsets of ``count`` evaluation windows spread evenly over the held-out stream (so
+    every corpus file is represented)."""
+    return np.linspace(0, len(held) - seq_len - 2, count).astype(np.int64)
+
+
+def lr_at(step: int, cfg: dict) -> float:
+    """Linear warm-up then cosine decay to 10% of the peak."""
+    if step < cfg["warmup"]:
+        return cfg["lr"] * (step + 1) / cfg["warmup"]
+    t = (step - cfg["warmup"]) / max(cfg["steps"] - cfg["warmup"], 1)
+    return cfg["lr"] * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=None, help="override the preset (smoke runs)")
+    ap.add_argument("--batch", type=int, default=None, help="override the preset (smoke runs)")
+    ap.add_argument("--max-docs", type=int, default=None, help="use only this many documents (smoke runs)")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+
+    import fla  # noqa: F401
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+    from transformers import AutoTokenizer
+
+    from specla import SpecConfig
+    from specla_gdn.adapter import GDNAdapter
+
+    cfg = dict(PRESETS[args.preset])
+    if args.steps is not None:
+        cfg["steps"] = args.steps
+    if args.batch is not None:
+        cfg["batch"] = args.batch
+    torch.manual_seed(SEED)
+    rng = np.random.default_rng(SEED)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    t0 = time.time()
+    train = token_stream(args.corpus, tok, "train", args.max_docs)
+    held = token_stream(args.corpus, tok, "heldout", args.max_docs)
+    print(f"tokens: train {len(train):,} heldout {len(held):,} ({time.time() - t0:.0f}s)", flush=True)
+
+    model_cfg = GatedDeltaNetConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                    eos_token_id=tok.eos_token_id, **cfg["model"])
+    dev = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = GatedDeltaNetForCausalLM(model_cfg).to(dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"parameters: {n_params:,}", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=cfg["lr"], betas=(0.9, 0.95))
+    L, Bsz = cfg["seq_len"], cfg["batch"]
+
+    def batch_at(stream: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.stack([stream[s : s + L + 1] for s in starts]).astype(np.int64)).to(dev)
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        # rebuilt every step: the adapter's fused weights (e.g. q|k|v) are views of this step's params
+        adapter = GDNAdapter(model, SpecConfig(), differentiable=True)
+        logits = adapter.score(x[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+    held_starts = heldout_starts(held, L)
+    log = []
+    model.train()
+    start = time.time()
+    for step in range(cfg["steps"]):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        x = batch_at(train, rng.integers(0, len(train) - L - 1, Bsz))
+        loss = loss_of(x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == cfg["steps"] - 1 or step < 3:
+            log.append({"step": step, "loss": loss.item(), "elapsed_s": time.time() - start})
+            print(json.dumps(log[-1]), flush=True)
+    train_s = time.time() - start
+    model.eval()
+    with torch.no_grad():
+        held_loss = float(np.mean([float(loss_of(batch_at(held, held_starts[i : i + 32])))
+                                   for i in range(0, len(held_starts), 32)]))
+    print(f"held-out loss {held_loss:.4f}, train {train_s:.0f}s", flush=True)
+    model.to(getattr(torch, cfg["save_dtype"])).save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    summary = dict(preset=args.preset, config=cfg, parameters=n_params, train_tokens=len(train),
+                   heldout_tokens=len(held), heldout_loss=held_loss, train_seconds=train_s,
+                   tokens_per_s=cfg["steps"] * Bsz * L / train_s,
+                   device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                   log=log)
+    (Path(args.out) / "training.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

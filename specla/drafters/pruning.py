@@ -1,0 +1,86 @@
+"""Draft-tree construction with confidence-guided pruning (SpecLA section 6.3, after EAGLE-2).
+
+Expansion is level-synchronous so that one drafter call serves a whole tree level of every
+sequence: at depth ``d`` the ``top_k`` best nodes of depth ``d`` (by path score) are expanded,
+each proposing its ``top_k`` most likely children. The path score of a node is the sum of the
+drafter's log-probabilities along its root path, ``q(v) = sum log p_draft``. After ``D`` levels,
+a node is kept only if ``q(v) >= q* - tau_tree`` (``q*`` the best score of the tree; checked
+before the budget), then the ``N`` best kept nodes form the tree. Scores never increase along a
+path, so the best ``N`` (ties broken by depth) are ancestor-closed. ``top_k = 1`` gives a chain.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..config import SpecConfig
+from ..tree import DraftTree
+
+# expand(parent_state [B, M, ...], tokens [B, M]) -> (state [B, M, ...], logp [B, M, top_k],
+# child_tokens [B, M, top_k]): the drafter's step for M frontier nodes per sequence.
+ExpandFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
+def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: SpecConfig) -> DraftTree:
+    """Best-first, confidence-pruned draft tree for a batch.
+
+    Args:
+        expand: the drafter step (see ``ExpandFn``); called ``D`` times with ``M <= top_k``.
+        root_state: ``[B, ...]`` the drafter state the roots are read with (for the EAGLE drafter:
+            the target feature at the last accepted node, ``[B, hidden]``).
+        roots: ``[B]`` int64, the roots' tokens (the last committed tokens).
+        config: ``num_draft_tokens`` (N), ``max_depth`` (D), ``top_k``, ``tau_tree`` (nats).
+    Returns:
+        a :class:`DraftTree` on ``roots.device`` with at most ``N`` nodes per sequence, nodes in
+        depth order (so parents come first).
+    """
+    N, k = config.num_draft_tokens, config.top_k
+    D = min(config.max_depth, N)
+    B, dev = roots.shape[0], roots.device
+    if N == 0:
+        return DraftTree.empty(B, dev)
+    state, toks = root_state[:, None], roots[:, None]  # frontier: [B, M, ...], [B, M]
+    ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # node ids of the frontier (-1: root)
+    fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
+    scores, tokens, parents, depths = [], [], [], []
+    count = 0
+    for d in range(1, D + 1):
+        state, logp, child = expand(state, toks)
+        cand = (fscore[..., None] + logp.float()).flatten(1)  # [B, M * k]
+        M = logp.shape[1]
+        scores.append(cand)
+        tokens.append(child.flatten(1))
+        parents.append(ids[..., None].expand(B, M, k).flatten(1))
+        depths.append(torch.full_like(cand, d, dtype=torch.int64))
+        level_ids = count + torch.arange(M * k, device=dev).expand(B, -1)
+        count += M * k
+        if d == D:
+            break
+        best = cand.topk(min(k, M * k), dim=1).indices  # the next frontier: best nodes of this level
+        slot = best // k  # which frontier node produced them
+        state = state.gather(1, slot.view(B, -1, *([1] * (state.dim() - 2))).expand(-1, -1, *state.shape[2:]))
+        toks = child.flatten(1).gather(1, best)
+        ids = level_ids.gather(1, best)
+        fscore = cand.gather(1, best)
+    score, token, parent, depth = (torch.cat(x, 1) for x in (scores, tokens, parents, depths))
+    best_score = score.max(1, keepdim=True).values
+    keep = score >= best_score - config.tau_tree
+    # rank: kept first, then higher score, then shallower (parents before equal-score children)
+    order = sorted_nodes(torch.where(keep, score, float("-inf")), depth)[:, :N]
+    trees = []
+    for b in range(B):
+        chosen = [int(i) for i in order[b] if bool(keep[b, i])]
+        chosen.sort(key=lambda i: (int(depth[b, i]), chosen.index(i)))  # topological: by depth
+        pos = {node: j for j, node in enumerate(chosen)}
+        trees.append(([int(token[b, i]) for i in chosen], [pos[int(parent[b, i])] if parent[b, i] >= 0 else -1 for i in chosen]))
+    return DraftTree.from_lists(trees, dev)
+
+
+def sorted_nodes(score: Tensor, depth: Tensor) -> Tensor:
+    """Node indices ``[B, M]`` by decreasing score, shallower first on ties (stable)."""
+    by_depth = torch.argsort(depth, dim=1, stable=True)
+    by_score = torch.argsort(score.gather(1, by_depth), dim=1, descending=True, stable=True)
+    return by_depth.gather(1, by_score)
