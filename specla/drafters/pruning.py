@@ -72,8 +72,9 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
     order = sorted_nodes(torch.where(keep, score, float("-inf")), depth)[:, :N]
     trees = []
     for b in range(B):
-        chosen = [int(i) for i in order[b] if bool(keep[b, i])]
-        chosen.sort(key=lambda i: (int(depth[b, i]), chosen.index(i)))  # topological: by depth
+        ranked = [int(i) for i in order[b] if bool(keep[b, i])]
+        rank = {node: r for r, node in enumerate(ranked)}
+        chosen = sorted(ranked, key=lambda i: (int(depth[b, i]), rank[i]))  # topological: by depth
         pos = {node: j for j, node in enumerate(chosen)}
         trees.append(([int(token[b, i]) for i in chosen], [pos[int(parent[b, i])] if parent[b, i] >= 0 else -1 for i in chosen]))
     return DraftTree.from_lists(trees, dev)

@@ -1,0 +1,107 @@
+"""Confidence-pruned best-first draft trees (specla/drafters/pruning.py)."""
+
+import math
+
+import pytest
+import torch
+
+from specla import DraftTree, SpecConfig
+from specla.drafters.pruning import build_tree
+
+V = 6
+
+
+def table(seed=0):
+    """A fixed next-token log-probability table: the 'drafter' predicts from the last token only."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(V, V, generator=g) * 2, dim=-1)
+
+
+def expand_with(logp_table, k):
+    calls = []
+
+    def expand(state, tokens):
+        calls.append(tokens.shape[1])
+        lp = logp_table[tokens]  # [B, M, V]
+        top = lp.topk(k, dim=-1)
+        return state, top.values, top.indices
+
+    return expand, calls
+
+
+def path_scores(tree, b, logp_table, root):
+    scores = []
+    for i in range(int(tree.num_nodes[b])):
+        s, prev = 0.0, root
+        for j in tree.path(b, i):
+            tok = int(tree.tokens[b, j])
+            s += float(logp_table[prev, tok])
+            prev = tok
+        scores.append(s)
+    return scores
+
+
+@pytest.mark.parametrize("N, D, k, tau", [(8, 4, 2, math.inf), (16, 5, 3, 2.0), (5, 5, 1, math.inf), (12, 3, 4, 0.5)])
+def test_tree_respects_budget_depth_branching_and_threshold(N, D, k, tau):
+    lp = table(N + D)
+    roots = torch.tensor([0, 3, 5])
+    expand, calls = expand_with(lp, k)
+    tree = build_tree(expand, torch.zeros(3, 1), roots, SpecConfig(num_draft_tokens=N, max_depth=D, top_k=k, tau_tree=tau))
+    assert isinstance(tree, DraftTree) and len(calls) == D and max(calls) <= k
+    for b in range(3):
+        n = int(tree.num_nodes[b])
+        assert 1 <= n <= N
+        par = tree.parents[b, :n].tolist()
+        assert all(p < i for i, p in enumerate(par))  # topological
+        assert int(tree.depth[b, :n].max()) <= D
+        assert max(par.count(p) for p in set(par)) <= k  # at most top_k children per node
+        scores = path_scores(tree, b, lp, int(roots[b]))
+        best = max(scores)
+        assert all(s >= best - tau - 1e-6 for s in scores)
+        # the best root child (q*) is always kept
+        assert best == pytest.approx(float(lp[int(roots[b])].max()), abs=1e-6)
+
+
+def test_chain_mode_is_the_greedy_chain():
+    lp = table(1)
+    expand, _ = expand_with(lp, 1)
+    tree = build_tree(expand, torch.zeros(1, 1), torch.tensor([2]), SpecConfig(num_draft_tokens=4, max_depth=4, top_k=1))
+    prev, chain = 2, []
+    for _ in range(4):
+        prev = int(lp[prev].argmax())
+        chain.append(prev)
+    assert tree.tokens[0].tolist() == chain and tree.parents[0].tolist() == [-1, 0, 1, 2]
+
+
+def test_best_nodes_are_kept_exhaustively_small_case():
+    # k = V and D = 2: every depth-1 node is a candidate; the tree is the N best paths overall
+    lp = table(2)
+    expand, _ = expand_with(lp, V)
+    cfg = SpecConfig(num_draft_tokens=7, max_depth=2, top_k=V)
+    tree = build_tree(expand, torch.zeros(1, 1), torch.tensor([1]), cfg)
+    got = sorted(path_scores(tree, 0, lp, 1), reverse=True)
+    # all depth-1 scores plus depth-2 scores of the V best depth-1 nodes (every node is expanded)
+    cands = [float(lp[1, a]) for a in range(V)] + [float(lp[1, a] + lp[a, c]) for a in range(V) for c in range(V)]
+    assert got == pytest.approx(sorted(cands, reverse=True)[:7], abs=1e-6)
+
+
+def test_tight_threshold_prunes_to_the_best_node():
+    lp = table(3)
+    expand, _ = expand_with(lp, 3)
+    tree = build_tree(expand, torch.zeros(1, 1), torch.tensor([4]), SpecConfig(num_draft_tokens=8, max_depth=3, top_k=3, tau_tree=0.0))
+    scores = path_scores(tree, 0, lp, 4)
+    assert max(scores) - min(scores) <= 1e-6  # only nodes tied with the best survive
+
+
+def test_zero_budget_gives_empty_trees():
+    expand, calls = expand_with(table(), 2)
+    tree = build_tree(expand, torch.zeros(2, 1), torch.tensor([0, 1]), SpecConfig(num_draft_tokens=0))
+    assert tree.width == 0 and calls == []
+
+
+def test_limit_depth_keeps_an_ancestor_closed_prefix():
+    tree = DraftTree.from_lists([([1, 2, 3, 4, 5], [-1, 0, -1, 1, 2]), ([6, 7], [-1, 0])])
+    cut = tree.limit_depth(torch.tensor([2, 0]))
+    assert cut.tokens[0, :4].tolist() == [1, 2, 3, 5] and cut.parents[0, :4].tolist() == [-1, 0, -1, 2]
+    assert cut.num_nodes.tolist() == [4, 0]
+    assert tree.limit_depth(torch.tensor([9, 9])) is tree
