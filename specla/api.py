@@ -97,6 +97,7 @@ class SpecDecoder:
         self.tokenizer = tokenizer
         self.adapter = self.plugin.make_adapter(model, self.config)
         self.drafter = make_drafter(drafter)
+        self.drafter.bind(self.adapter)
 
     def encode(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
         """Token ids of each prompt.

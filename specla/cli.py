@@ -1,4 +1,4 @@
-"""Command line: ``specla demo``, ``specla generate`` and ``specla plugins``."""
+"""Command line: ``specla demo | generate | train-drafter | plugins``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,28 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if summary["exact_match"] else 1
 
 
+def _train_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from .api import SpecDecoder
+    from .drafters.training import DrafterTrainConfig, train_drafter
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dec = SpecDecoder(args.model, args.plugin, config=SpecConfig(dtype="float32", device=device))
+    if dec.tokenizer is None:
+        raise OSError(f"{args.model} has no tokenizer files; train-drafter reads text")
+    cfg = DrafterTrainConfig(
+        steps=args.steps, batch_windows=args.batch_windows, window=args.window, max_tokens=args.max_tokens,
+        distill_prompts=args.distill_prompts, lr=args.lr, ce_weight=args.ce_weight, save_every=args.save_every,
+        seed=args.seed,
+    )
+    summary = train_drafter(dec.adapter, dec.tokenizer, args.data, args.out, cfg, resume=args.resume,
+                            stop_at=args.stop_at)
+    print(json.dumps({"out": args.out, "windows": summary["windows"], "stopped_at": summary.get("stopped_at"),
+                      "last_logged_loss": summary["log"][-1]["loss"] if summary["log"] else None}))
+    return 0
+
+
 def _plugins(args: argparse.Namespace) -> int:
     infos = registry.plugin_infos()
     print(f"{'name':<10} {'distribution':<24} {'version':<10} model types")
@@ -76,8 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the bundled tiny target on bundled prompts, against autoregressive")
     demo.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     demo.add_argument("--max-new-tokens", type=int, default=96)
-    demo.add_argument("--drafter", default="ngram")
+    demo.add_argument("--drafter", default="ngram", help="ngram, eagle (shipped with the demo target) or a directory")
     demo.set_defaults(func=_demo)
+    tr = sub.add_parser("train-drafter", help="train an EAGLE drafter on a target's own features")
+    tr.add_argument("--model", required=True, help="target checkpoint directory (with tokenizer)")
+    tr.add_argument("--data", nargs="+", required=True, help="JSONL(.xz) files with 'text' or 'prompt'")
+    tr.add_argument("--out", required=True, help="drafter directory (pass it as --drafter / drafter=)")
+    tr.add_argument("--plugin", default=None)
+    tr.add_argument("--device", default=None)
+    tr.add_argument("--steps", type=int, default=2000)
+    tr.add_argument("--batch-windows", type=int, default=32)
+    tr.add_argument("--window", type=int, default=128)
+    tr.add_argument("--max-tokens", type=int, default=400_000, help="teacher-forced corpus tokens")
+    tr.add_argument("--distill-prompts", type=int, default=256, help="prompts continued by the target")
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--ce-weight", type=float, default=0.1, help="weight of the token cross-entropy term")
+    tr.add_argument("--save-every", type=int, default=500)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    tr.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step")
+    tr.set_defaults(func=_train_drafter)
     plug = sub.add_parser("plugins", help="list registered architecture plugins")
     plug.set_defaults(func=_plugins)
     return parser

@@ -40,7 +40,9 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
     Args:
         device: ``cpu``/``cuda``; ``None`` picks CUDA when available.
         max_new_tokens: tokens per prompt.
-        drafter: drafter name.
+        drafter: ``ngram`` (the default: on the tiny target it accepts more than the shipped
+            EAGLE drafter, docs/targets.md), ``eagle`` (the drafter shipped with the demo
+            target), or a drafter directory.
         echo: where lines go (``print``).
     Returns:
         ``exact_match`` (speculative == autoregressive tokens for every prompt),
@@ -50,9 +52,10 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     plugin, path = default_checkpoint()
+    drafter_arg = registry.get_plugin(plugin).demo_drafters.get(drafter, drafter)
     cfg = SpecConfig(num_draft_tokens=8, max_depth=6, top_k=2, max_new_tokens=max_new_tokens,
                      dtype="float32", device=device)
-    spec = SpecDecoder(path, plugin, drafter=drafter, config=cfg)
+    spec = SpecDecoder(path, plugin, drafter=str(drafter_arg), config=cfg)
     ar = SpecDecoder(spec.model, plugin, config=cfg.model_copy(update={"num_draft_tokens": 0}),
                      tokenizer=spec.tokenizer)
     rows = demo_prompts()

@@ -123,6 +123,26 @@ class TargetAdapter(ABC):
             raise ValueError(f"acceptance batch {acceptance.path.shape[0]} != adapter batch {self.batch_size}")
         self._commit(tree, out, acceptance)
 
+    last_hidden: Tensor
+    """``[B, hidden]`` last-layer feature of the last token prefill ran into the state (zeros for
+    one-token prompts): where a feature-level drafter starts."""
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Input embeddings ``[..., hidden]`` of ``tokens`` (for feature-level drafters).
+
+        Raises:
+            NotImplementedError: the plugin does not expose features.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not expose embeddings to drafters")
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        """Target logits ``[..., vocab]`` of last-layer features ``[..., hidden]``.
+
+        Raises:
+            NotImplementedError: the plugin does not expose features.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not expose its LM head to drafters")
+
     @abstractmethod
     def flush(self) -> None:
         """Apply a pending commit now (idempotent; a no-op when nothing is pending)."""
@@ -151,11 +171,14 @@ class ArchitecturePlugin(ABC):
             auto-detect the plugin).
         demo_checkpoint: a small checkpoint directory shipped with the plugin that ``specla demo``
             can run, or ``None``.
+        demo_drafters: drafters trained for ``demo_checkpoint``, by name (``specla demo
+            --drafter NAME``).
     """
 
     name: str
     model_types: tuple[str, ...]
     demo_checkpoint: Path | None = None
+    demo_drafters: dict[str, Path] = {}
 
     @abstractmethod
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
@@ -188,8 +211,11 @@ class Drafter(ABC):
 
     name: str
 
+    def bind(self, adapter: TargetAdapter) -> None:
+        """Called once with the target the drafter will serve (default: nothing)."""
+
     def reset(self, prompts: list[list[int]]) -> None:
-        """Called once per batch before the first step (default: nothing)."""
+        """Called once per batch, after prefill, before the first step (default: nothing)."""
 
     @abstractmethod
     def propose(self, contexts: list[list[int]], config: SpecConfig) -> DraftTree:

@@ -103,8 +103,8 @@ class GDNAdapter(TargetAdapter):
         act = lambda p: keep(p).to(self.device, self.dtype)  # noqa: E731
         st = lambda p: keep(p).to(self.device, self.state_dtype)  # noqa: E731
         m = model.model
-        self.embed = act(m.embeddings.weight)
-        self.vocab_size = self.embed.shape[0]
+        self.embed_weight = act(m.embeddings.weight)
+        self.vocab_size = self.embed_weight.shape[0]
         eos = getattr(model.config, "eos_token_id", None)
         self.eos_token_id = eos if isinstance(eos, int) else None
         self.norm, self.norm_eps = act(m.norm.weight), m.norm.eps
@@ -136,6 +136,7 @@ class GDNAdapter(TargetAdapter):
         self.recurrent: list[Tensor] = []
         self.conv: list[Tensor | None] = []
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.last_hidden = torch.zeros(0, self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
         self.pending: PendingCommit | None = None
 
     # ------------------------------------------------------------------ state
@@ -168,6 +169,7 @@ class GDNAdapter(TargetAdapter):
         self.recurrent = [s.index_select(0, index) for s in self.recurrent]
         self.conv = [c.index_select(0, index) if c is not None else None for c in self.conv]
         self._roots = self._roots.index_select(0, index)
+        self.last_hidden = self.last_hidden.index_select(0, index)
         if self.pending is not None:
             self.pending = self.pending.select(index)
 
@@ -189,7 +191,7 @@ class GDNAdapter(TargetAdapter):
     def _forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool):
         mask = inclusive_ancestor_mask(parents)
         anc = conv_ancestors(parents, self.conv_width) if self.conv_width else None
-        x = self.embed[tokens]
+        x = self.embed_weight[tokens]
         B, T = tokens.shape
         out_records: list[Record] = []
         for li, L in enumerate(self.layers):
@@ -243,38 +245,50 @@ class GDNAdapter(TargetAdapter):
                 self.conv[li] = conv_window_after(rec.conv_x, win, path, path_len)
 
     # ------------------------------------------------------------------ contract
-    def _run_chunks(self, tokens: Tensor, lengths: Tensor, logits: bool) -> Tensor | None:
+    def _run_chunks(self, tokens: Tensor, lengths: Tensor, logits: bool) -> tuple[Tensor | None, Tensor]:
         """Run every sequence's tokens into its state, ``PREFILL_CHUNK`` at a time (chains).
 
         Args: tokens ``[B, T]`` int64 (right-padded), lengths ``[B]`` int64.
-        Returns: ``[B, T, vocab]`` logits when ``logits``, else ``None``.
+        Returns: ``([B, T, vocab]`` logits or ``None``, ``[B, T, hidden]`` last-layer features).
         """
-        out = []
+        outs, feats = [], []
         for start in range(0, tokens.shape[1], PREFILL_CHUNK):
             chunk = tokens[:, start : start + PREFILL_CHUNK]
             W = chunk.shape[1]
             n = (lengths - start).clamp(0, W)
             tree = DraftTree(chunk, torch.arange(-1, W - 1, device=self.device).expand_as(chunk).contiguous(), n)
-            lg, _, recs = self.forward(tree.tokens, tree.parents, "factor", logits=logits)
-            out.append(lg)
+            lg, hidden, recs = self.forward(tree.tokens, tree.parents, "factor", logits=logits)
+            outs.append(lg)
+            feats.append(hidden)
             self._apply(recs, torch.where(tree.valid, torch.arange(W, device=self.device), -1), n)
-        return torch.cat(out, 1) if logits else None
+        return (torch.cat(outs, 1) if logits else None), torch.cat(feats, 1)
 
-    def score(self, tokens: Tensor) -> Tensor:
+    def score(self, tokens: Tensor, return_hidden: bool = False):
         """Teacher-forced logits of whole sequences from an empty state (chunked chains).
 
         Args:
             tokens: ``[B, T]`` int64, ``T >= 1``.
+            return_hidden: also return the last-layer features ``[B, T, hidden]`` (drafter
+                training reads them).
         Returns:
-            ``[B, T, vocab]`` logits in the activation dtype; differentiable with respect to the
-            model's parameters when the adapter was built with ``differentiable=True``.
+            ``[B, T, vocab]`` logits in the activation dtype (and the features); differentiable
+            with respect to the model's parameters when built with ``differentiable=True``.
         Discards any batch the adapter held.
         """
         self.pending = None
         self._empty_state(tokens.shape[0])
         self._roots = torch.zeros(tokens.shape[0], dtype=torch.int64, device=self.device)
         lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64, device=self.device)
-        return self._run_chunks(tokens.to(self.device), lengths, logits=True)
+        logits, hidden = self._run_chunks(tokens.to(self.device), lengths, logits=True)
+        return (logits, hidden) if return_hidden else logits
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Input embeddings ``[..., hidden]`` of ``tokens`` (int64, any shape)."""
+        return self.embed_weight[tokens]
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        """Logits ``[..., vocab]`` of last-layer features ``[..., hidden]`` (final norm + LM head)."""
+        return rms_norm(hidden, self.norm, self.norm_eps) @ self.lm_head.T
 
     @torch.no_grad()
     def _prefill(self, prompts: list[list[int]]) -> None:
@@ -282,10 +296,13 @@ class GDNAdapter(TargetAdapter):
         self._empty_state(len(prompts))
         bodies = [p[:-1] for p in prompts]
         T = max(len(b) for b in bodies)
+        self.last_hidden = torch.zeros(len(prompts), self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
         if T:
             tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
             lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
-            self._run_chunks(tokens, lengths, logits=False)
+            _, hidden = self._run_chunks(tokens, lengths, logits=False)
+            last = hidden[torch.arange(len(prompts), device=self.device), (lengths - 1).clamp(min=0)]
+            self.last_hidden = torch.where((lengths > 0)[:, None], last, self.last_hidden)
         self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
 
     @torch.no_grad()

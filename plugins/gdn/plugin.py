@@ -22,6 +22,8 @@ class GDNPlugin(ArchitecturePlugin):
     model_types = ("gated_deltanet",)
     # trained by benchmarks/targets/train_target.py --preset tiny (docs/targets.md)
     demo_checkpoint = Path(__file__).resolve().parent / "assets" / "tiny"
+    # trained by `specla train-drafter` on that target (docs/targets.md)
+    demo_drafters = {"eagle": Path(__file__).resolve().parent / "assets" / "tiny-eagle"}
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg_file = Path(path) / "config.json"

@@ -1,0 +1,190 @@
+"""Training the EAGLE drafter on features of the target's own recurrent execution
+(``specla train-drafter``).
+
+Features are collected with the target's adapter (the same code that verifies): teacher forcing
+over windows of the given texts, and over the target's own greedy continuations of prompts taken
+from those texts (so the drafter learns what the target actually says). The head is trained with a
+two-step unroll (the second step reads its own first prediction, as drafting deeper levels does),
+minimising ``smooth_l1(f_hat, f) + ce_weight * CE(p_target, softmax(lm_logits(f_hat)))`` (EAGLE's
+feature regression plus a soft cross-entropy through the target's LM head).
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..interfaces import TargetAdapter
+from .eagle import EagleHead
+
+
+@dataclass
+class DrafterTrainConfig:
+    """Options of :func:`train_drafter` (the CLI flags of ``specla train-drafter``).
+
+    Attributes:
+        steps: optimiser steps.
+        batch_windows: windows per step.
+        window: tokens per training window.
+        max_tokens: teacher-forced corpus tokens collected (before self-distillation).
+        distill_prompts: prompts whose greedy continuation by the target is added (0: none).
+        distill_prompt_tokens, distill_new_tokens: their prompt and continuation lengths.
+        lr: peak AdamW learning rate (linear warm-up 5%, cosine to 10%).
+        ce_weight: weight of the soft cross-entropy term.
+        save_every: steps between checkpoints (``checkpoint.pt``, resumable).
+        seed: data order and initialisation.
+    """
+
+    steps: int = 2000
+    batch_windows: int = 32
+    window: int = 128
+    max_tokens: int = 400_000
+    distill_prompts: int = 256
+    distill_prompt_tokens: int = 48
+    distill_new_tokens: int = 96
+    lr: float = 1e-3
+    ce_weight: float = 0.1
+    save_every: int = 500
+    seed: int = 0
+
+
+def read_texts(files: list[str | Path]) -> list[str]:
+    """Texts from JSONL files (optionally ``.xz``): the ``text`` field, else ``prompt``.
+
+    Raises:
+        FileNotFoundError: a file is missing. ValueError: a row has neither field.
+    """
+    out = []
+    for f in files:
+        opener = lzma.open if str(f).endswith(".xz") else open
+        with opener(f, "rt", encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                if line.strip():
+                    row = json.loads(line)
+                    text = row.get("text", row.get("prompt"))
+                    if text is None:
+                        raise ValueError(f"{f}:{i + 1}: row has neither 'text' nor 'prompt'")
+                    out.append(text)
+    return out
+
+
+@torch.no_grad()
+def collect_features(adapter: TargetAdapter, sequences: list[list[int]], window: int, batch: int = 16):
+    """Teacher-forced target features of ``sequences`` cut into windows of ``window`` tokens.
+
+    Returns:
+        ``(tokens [W, window] int64, features [W, window, hidden])`` on the CPU, features in the
+        adapter's dtype.
+    """
+    wins = [s[i : i + window] for s in sequences for i in range(0, len(s) - window + 1, window)]
+    toks, feats = [], []
+    for i in tqdm(range(0, len(wins), batch), desc="features", unit="batch", leave=False):
+        x = torch.tensor(wins[i : i + batch], dtype=torch.int64)
+        _, hidden = adapter.score(x, return_hidden=True)
+        toks.append(x)
+        feats.append(hidden.cpu())
+    return torch.cat(toks), torch.cat(feats)
+
+
+def unrolled_loss(head: EagleHead, adapter: TargetAdapter, tokens, feats, ce_weight: float):
+    """Two-step unrolled EAGLE loss on windows ``tokens [b, T]``, ``feats [b, T, hidden]``."""
+    total, f_in = 0.0, feats[:, :-1]
+    for k in (1, 2):
+        target = feats[:, k:]
+        f_hat = head(f_in[:, : target.shape[1]], adapter.embed(tokens[:, k:]))
+        with torch.no_grad():
+            p = torch.softmax(adapter.lm_logits(target).float(), -1)
+        logq = torch.log_softmax(adapter.lm_logits(f_hat).float(), -1)
+        total = total + F.smooth_l1_loss(f_hat.float(), target.float()) - ce_weight * (p * logq).sum(-1).mean()
+        f_in = f_hat[:, :-1]
+    return total
+
+
+def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], out: str | Path,
+                  cfg: DrafterTrainConfig, resume: bool = False, stop_at: int | None = None, log=print) -> dict:
+    """Collect features, train an :class:`EagleHead`, save it in ``out`` (loadable as
+    ``drafter=out``). Returns the training summary (also written to ``out/training.json``).
+
+    ``resume`` continues from ``out/checkpoint.pt``; ``stop_at`` checkpoints and returns after
+    that step (time-boxed runs), leaving the drafter unsaved until a resumed run finishes.
+
+    Raises:
+        ValueError: the data yields no training window.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    texts = read_texts(files)
+    rng.shuffle(texts)
+    sequences, prompts, count = [], [], 0
+    for text in texts:  # tokenize lazily: the corpus may be far larger than what is used
+        if count >= cfg.max_tokens and len(prompts) >= cfg.distill_prompts:
+            break
+        seq = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if count < cfg.max_tokens:
+            sequences.append(seq)
+            count += len(seq)
+        elif len(seq) >= cfg.distill_prompt_tokens:  # prompts come from texts not used above
+            prompts.append(seq[: cfg.distill_prompt_tokens])
+    if prompts:
+        from ..config import SpecConfig
+        from ..engine import Engine
+        from .ngram import NgramDrafter
+
+        gen_cfg = SpecConfig(num_draft_tokens=6, max_new_tokens=cfg.distill_new_tokens, stop_at_eos=False)
+        for i in tqdm(range(0, len(prompts), 32), desc="self-distillation", leave=False):
+            batch = prompts[i : i + 32]
+            outputs, _ = Engine(adapter, NgramDrafter(), gen_cfg).generate(batch)
+            sequences += [p + o for p, o in zip(batch, outputs)]
+    tokens, feats = collect_features(adapter, sequences, cfg.window)
+    if len(tokens) == 0:
+        raise ValueError(f"no training window of {cfg.window} tokens in the data")
+    log(f"training windows: {len(tokens)} x {cfg.window} tokens ({len(prompts)} self-distilled sequences)")
+    hidden = feats.shape[-1]
+    head = EagleHead(hidden).to(adapter.device)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    start, ckpt = 0, out / "checkpoint.pt"
+    if resume and ckpt.is_file():
+        state = torch.load(ckpt, map_location=adapter.device, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        torch.set_rng_state(state["rng"])
+        log(f"resumed from step {start}")
+    warm = max(cfg.steps // 20, 1)
+    history = []
+    bar = tqdm(range(start, cfg.steps), desc="train-drafter", initial=start, total=cfg.steps)
+    for step in bar:
+        lr = cfg.lr * min((step + 1) / warm, 0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * step / cfg.steps)).item()))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(0, len(tokens), (cfg.batch_windows,))
+        x = tokens[idx].to(adapter.device)
+        f = feats[idx].to(adapter.device, torch.float32)
+        loss = unrolled_loss(head, adapter, x, f, cfg.ce_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == cfg.steps - 1:
+            history.append({"step": step, "loss": loss.item()})
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+        stopping = stop_at is not None and step + 1 >= stop_at
+        if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1 or stopping:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                        "rng": torch.get_rng_state()}, ckpt)
+        if stopping and step + 1 < cfg.steps:
+            log(f"stopped at step {step + 1}; continue with --resume")
+            return {"config": asdict(cfg), "windows": len(tokens), "stopped_at": step + 1, "log": history}
+    head.save(out, trained_steps=cfg.steps)
+    summary = {"config": asdict(cfg), "windows": len(tokens), "self_distilled": len(prompts), "log": history}
+    (out / "training.json").write_text(json.dumps(summary, indent=1))
+    return summary
