@@ -1,10 +1,11 @@
-"""Command line: ``specla demo | generate | train-drafter | plugins``."""
+"""Command line: ``specla demo | generate | bench | train-drafter | plugins``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -69,6 +70,22 @@ def _train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import format_table, run_bench
+
+    overrides = json.loads(Path(args.config).read_text() if Path(args.config).is_file() else args.config) if args.config else {}
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = SpecConfig(**{"max_new_tokens": args.max_new_tokens, "device": device, **overrides})
+    report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
+                       batch_size=args.batch_size, plugin=args.plugin)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print(format_table(report))
+    return 0
+
+
 def _plugins(args: argparse.Namespace) -> int:
     infos = registry.plugin_infos()
     print(f"{'name':<10} {'distribution':<24} {'version':<10} model types")
@@ -118,6 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     tr.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step")
     tr.set_defaults(func=_train_drafter)
+    bench = sub.add_parser("bench", help="a prompt suite, speculative against autoregressive")
+    bench.add_argument("--model", required=True)
+    bench.add_argument("--drafter", default="ngram", help="ngram or a drafter directory")
+    bench.add_argument("--prompts", required=True, help="JSONL with id, category, prompt (+ answer / test)")
+    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--config", default=None, help="SpecConfig fields as JSON (inline or a file)")
+    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--plugin", default=None)
+    bench.add_argument("--out", default=None, help="write the JSON report here")
+    bench.set_defaults(func=_bench)
     plug = sub.add_parser("plugins", help="list registered architecture plugins")
     plug.set_defaults(func=_plugins)
     return parser

@@ -1,0 +1,164 @@
+"""``specla bench``: a prompt suite through speculative and autoregressive decoding, side by side.
+
+For every prompt both runs use the same target, dtype, device and batch composition; the
+autoregressive run is the same engine with no drafts (``num_draft_tokens = 0``), so the ratio
+isolates speculation. Reports per category: the acceptance-length histogram and mean, tokens/s of
+both runs and their ratio, the exact-match rate, and task checks that must agree between the runs:
+GSM8K final-answer accuracy (rows with an ``answer`` ending in ``#### N``) and HumanEval pass@1
+(rows with ``test`` and ``entry_point``, executed in a subprocess with a timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .api import SpecDecoder
+from .config import SpecConfig
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The final number of a GSM8K-style answer: after ``####`` when present, else the first
+    number of the first line containing one (completions tend to run on after answering)."""
+    if "####" in text:
+        text = text.split("####", 1)[1]
+    for line in text.splitlines():
+        m = NUMBER.search(line)
+        if m:
+            return m.group().replace(",", "").rstrip(".")
+    return None
+
+
+def humaneval_passes(row: dict, completion: str, timeout_s: float = 10.0) -> bool:
+    """Run ``prompt + completion + test + check(entry_point)`` in a fresh Python subprocess."""
+    program = f"{row['prompt']}{completion}\n\n{row['test']}\n\ncheck({row['entry_point']})\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "candidate.py"
+        path.write_text(program)
+        try:
+            proc = subprocess.run([sys.executable, str(path)], cwd=tmp, capture_output=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+    return proc.returncode == 0
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Rows of a prompt-suite JSONL (each with ``id``, ``category``, ``prompt``).
+
+    Raises:
+        ValueError: a row without ``prompt``.
+    """
+    rows = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+        if line.strip():
+            row = json.loads(line)
+            if "prompt" not in row:
+                raise ValueError(f"{path}:{i + 1}: row has no 'prompt'")
+            row.setdefault("category", "all")
+            rows.append(row)
+    return rows[:limit] if limit else rows
+
+
+def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | None = None,
+              batch_size: int = 1, plugin: str | None = None) -> dict:
+    """Decode a suite speculatively and autoregressively; return the report (see module doc).
+
+    Args:
+        model: checkpoint directory or loaded model; drafter: ``ngram`` or a drafter directory.
+        config: the speculative configuration (the baseline uses it with no drafts).
+        batch_size: prompts decoded together (both runs use the same batches).
+    """
+    rows = load_prompts(prompts_file, limit)
+    spec = SpecDecoder(model, plugin, drafter=drafter, config=config)
+    ar = SpecDecoder(spec.model, spec.plugin.name, config=config.model_copy(update={"num_draft_tokens": 0}),
+                     tokenizer=spec.tokenizer)
+    spec.generate([rows[0]["prompt"]])  # warm-up outside the timing
+    ar.generate([rows[0]["prompt"]])
+    per = defaultdict(lambda: {"prompts": 0, "exact": 0, "spec_tokens": 0, "ar_tokens": 0, "spec_s": 0.0, "ar_s": 0.0,
+                               "hist": [0] * (min(config.max_depth, config.num_draft_tokens) + 1),
+                               "gsm8k": [0, 0, 0], "humaneval": [0, 0, 0]})
+    samples = []
+    for i in tqdm(range(0, len(rows), batch_size), desc="bench", unit="batch"):
+        batch = rows[i : i + batch_size]
+        t = time.perf_counter()
+        s = spec.generate([r["prompt"] for r in batch])
+        spec_s = time.perf_counter() - t
+        t = time.perf_counter()
+        a = ar.generate([r["prompt"] for r in batch])
+        ar_s = time.perf_counter() - t
+        for j, row in enumerate(batch):
+            c = per[row["category"]]
+            share = len(s.outputs[j]) / max(s.stats.generated_tokens, 1)  # batch time split by tokens
+            c["prompts"] += 1
+            c["exact"] += s.outputs[j] == a.outputs[j]
+            c["spec_tokens"] += len(s.outputs[j])
+            c["ar_tokens"] += len(a.outputs[j])
+            c["spec_s"] += spec_s * share
+            c["ar_s"] += ar_s * len(a.outputs[j]) / max(a.stats.generated_tokens, 1)
+            if "answer" in row and "####" in row["answer"]:
+                gold = gsm8k_answer(row["answer"])
+                c["gsm8k"][0] += 1
+                c["gsm8k"][1] += gsm8k_answer(s.texts[j]) == gold
+                c["gsm8k"][2] += gsm8k_answer(a.texts[j]) == gold
+            if "test" in row and "entry_point" in row:
+                c["humaneval"][0] += 1
+                c["humaneval"][1] += humaneval_passes(row, s.texts[j])
+                c["humaneval"][2] += humaneval_passes(row, a.texts[j])
+            if len(samples) < 3:
+                samples.append({"id": row.get("id"), "completion": s.texts[j]})
+        hist = s.stats.accepted_histogram
+        for cat in {r["category"] for r in batch}:  # batch-level histogram goes to its categories
+            share = sum(r["category"] == cat for r in batch) / len(batch)
+            per[cat]["hist"] = [h + n * share for h, n in zip(per[cat]["hist"], hist)]
+    cats = {}
+    for name, c in sorted(per.items()) + [("all", _total(per))]:
+        steps = sum(c["hist"])
+        cats[name] = {
+            "prompts": c["prompts"],
+            "exact_match_rate": c["exact"] / c["prompts"],
+            "accepted_histogram": [round(h, 3) for h in c["hist"]],
+            "mean_accepted_tokens": sum(k * h for k, h in enumerate(c["hist"])) / max(steps, 1),
+            "tokens_per_s": c["spec_tokens"] / c["spec_s"],
+            "ar_tokens_per_s": c["ar_tokens"] / c["ar_s"],
+            "speedup": (c["spec_tokens"] / c["spec_s"]) / (c["ar_tokens"] / c["ar_s"]),
+        }
+        for task, (n, ok_spec, ok_ar) in (("gsm8k_accuracy", c["gsm8k"]), ("humaneval_pass_at_1", c["humaneval"])):
+            if n:
+                cats[name][task] = {"speculative": ok_spec / n, "autoregressive": ok_ar / n, "n": n}
+    return {"prompts_file": str(prompts_file), "drafter": str(drafter), "batch_size": batch_size,
+            "config": config.model_dump(mode="json"), "device": str(spec.adapter.device),
+            "dtype": str(spec.adapter.dtype), "categories": cats, "samples": samples}
+
+
+def _total(per: dict) -> dict:
+    tot = {"prompts": 0, "exact": 0, "spec_tokens": 0, "ar_tokens": 0, "spec_s": 0.0, "ar_s": 0.0,
+           "hist": None, "gsm8k": [0, 0, 0], "humaneval": [0, 0, 0]}
+    for c in per.values():
+        for k in ("prompts", "exact", "spec_tokens", "ar_tokens", "spec_s", "ar_s"):
+            tot[k] += c[k]
+        tot["hist"] = c["hist"] if tot["hist"] is None else [a + b for a, b in zip(tot["hist"], c["hist"])]
+        for k in ("gsm8k", "humaneval"):
+            tot[k] = [a + b for a, b in zip(tot[k], c[k])]
+    return tot
+
+
+def format_table(report: dict) -> str:
+    """The summary table printed by ``specla bench``."""
+    head = f"{'category':<22}{'n':>5}{'acc/step':>10}{'tok/s':>10}{'AR tok/s':>10}{'speedup':>9}{'exact':>8}  tasks"
+    lines = [head, "-" * len(head)]
+    for name, c in report["categories"].items():
+        tasks = "; ".join(f"{k} {v['speculative']:.3f} (AR {v['autoregressive']:.3f})"
+                          for k, v in c.items() if isinstance(v, dict))
+        lines.append(f"{name:<22}{c['prompts']:>5}{c['mean_accepted_tokens']:>10.3f}{c['tokens_per_s']:>10.1f}"
+                     f"{c['ar_tokens_per_s']:>10.1f}{c['speedup']:>9.3f}{c['exact_match_rate']:>8.3f}  {tasks}")
+    return "\n".join(lines)
