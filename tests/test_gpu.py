@@ -51,3 +51,12 @@ def test_cuda_verify_equals_fla_kernels(name):
         ref = model(input_ids=ids, use_cache=False).logits.float()
     # FLA's kernels may use TF32 dots: compare at that precision
     assert float((ours - ref).abs().max()) < 2e-3 * max(1.0, float(ref.abs().max()))
+
+
+def test_cuda_demo_and_eagle_drafter_are_exact():
+    from specla.demo import run_demo
+
+    for drafter in ("ngram", "eagle"):
+        summary = run_demo(device="cuda", max_new_tokens=48, drafter=drafter, echo=lambda *_: None)
+        assert summary["exact_match"] is True and summary["device"] == "cuda"
+        print(drafter, summary)  # the GPU run's figures, for the closing note
