@@ -38,6 +38,10 @@ class SpecConfig(BaseModel):
             states and gates stay float32 (float64 when activations are float64).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device. A CUDA
             device is rejected when torch sees no GPU.
+        kernels: ``reference`` (batched PyTorch, every device and dtype) or ``triton`` (the
+            plugin's Triton verify kernels with the fused delayed commit, where they apply: factor
+            commit, float32 state, trees up to the kernel's size; elsewhere the reference path).
+            On CPU the Triton kernels need ``TRITON_INTERPRET=1``.
 
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.
@@ -56,6 +60,7 @@ class SpecConfig(BaseModel):
     stop_at_eos: bool = True
     dtype: DType | None = None
     device: str | None = None
+    kernels: Literal["reference", "triton"] = "reference"
 
     @field_validator("temperature")
     @classmethod

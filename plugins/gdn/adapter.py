@@ -33,6 +33,7 @@ from .reference import (
     tree_conv,
     tree_gdn,
 )
+from .verify import MAX_TREE_NODES, tree_verify
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
 
@@ -174,7 +175,8 @@ class GDNAdapter(TargetAdapter):
             self.pending = self.pending.select(index)
 
     # ------------------------------------------------------------------ model
-    def forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool = True):
+    def forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool = True,
+                pending: PendingCommit | None = None):
         """Run the model over a batch of trees hanging from the committed state.
 
         Args:
@@ -182,19 +184,32 @@ class GDNAdapter(TargetAdapter):
             parents: ``[B, T]`` int64, ``-1`` = child of the committed state.
             records: which record type to build (``factor``, ``snapshot``, ``replay``).
             logits: whether to compute the LM head (prefill skips it).
+            pending: a factor commit to apply first, layer by layer (the delayed commit; with
+                ``kernels="triton"`` it is fused into the verify kernel).
         Returns:
             ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records tuple)``.
         """
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
-            return self._forward(tokens, parents, records, logits)
+            return self._forward(tokens, parents, records, logits, pending)
 
-    def _forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool):
+    def _use_kernel(self, records: str, T: int) -> bool:
+        return (self.config.kernels == "triton" and records == "factor" and T <= MAX_TREE_NODES
+                and self.state_dtype == torch.float32 and not self.differentiable)
+
+    def _forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool, pending: PendingCommit | None):
         mask = inclusive_ancestor_mask(parents)
         anc = conv_ancestors(parents, self.conv_width) if self.conv_width else None
         x = self.embed_weight[tokens]
         B, T = tokens.shape
         out_records: list[Record] = []
+        kernel = self._use_kernel(records, T)
         for li, L in enumerate(self.layers):
+            prev = pending.records[li] if pending is not None else None
+            if prev is not None and self.conv[li] is not None:  # the conv window commits first
+                self.conv[li] = conv_window_after(prev.conv_x, self.conv[li], pending.path, pending.path_len)
+            if prev is not None and not kernel:
+                self.recurrent[li] = gdn_commit_factor(self.recurrent[li], prev.k, prev.delta, prev.G,
+                                                       pending.path, pending.path_len)
             h = rms_norm(x, L.attn_norm, L.attn_eps)
             proj = h @ L.w_qkv.T
             qkv = tree_conv(proj, self.conv[li], L.conv_w, L.conv_b, anc) if anc is not None else F.silu(proj)
@@ -205,7 +220,11 @@ class GDNAdapter(TargetAdapter):
             g = -torch.exp(L.A_log) * F.softplus((h @ L.w_a.T).to(st) + L.dt_bias)
             beta = torch.sigmoid((h @ L.w_b.T).to(st)) * L.beta_scale
             S0 = self.recurrent[li]
-            o, delta, G = tree_gdn(q, k, v, g, beta, S0, mask, L.K**-0.5)
+            if kernel:  # fused: the kernel applies the pending commit to S0 in place, then verifies
+                fused = None if prev is None else (prev.k, prev.delta, prev.G, pending.path, pending.path_len)
+                o, delta, G = tree_verify(q, k, v, g, beta, S0, mask, L.K**-0.5, pending=fused)
+            else:
+                o, delta, G = tree_gdn(q, k, v, g, beta, S0, mask, L.K**-0.5)
             conv_x = proj if anc is not None else None
             if records == "factor":
                 out_records.append(GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x))
@@ -307,9 +326,9 @@ class GDNAdapter(TargetAdapter):
 
     @torch.no_grad()
     def _verify(self, tree: DraftTree) -> VerifyOutput:
-        self.flush()  # delayed commit: the reference path applies it just before verifying
+        pending, self.pending = self.pending, None  # delayed commit: applied inside this pass
         tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
-        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, self.config.commit)
+        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, self.config.commit, pending=pending)
         return VerifyOutput(logits=logits, hidden=hidden, records=recs)
 
     @torch.no_grad()

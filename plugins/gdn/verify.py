@@ -1,5 +1,6 @@
 """Triton verify kernels for GDN (docs/DESIGN.md section 4, kernel plan).
 
+``tree_verify``: the tree-masked factorized (parallel) verify for trees of up to 64 nodes.
 ``serial_verify``: the state-resident serial verify for chains, with the fused delayed commit.
 One program per (sequence, value head, V tile) loads its ``[K, BV]`` state tile once, applies the
 pending accepted path of the previous step in closed form from its factor records, writes the
@@ -19,6 +20,28 @@ from torch import Tensor
 
 
 @triton.jit
+def _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
+                   P, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Fused delayed commit of one state tile: S = exp(G_a) S + sum_{j on path} exp(G_a - G_j)
+    k_j Delta_j^T, written back once; an empty path leaves the tile (and memory) untouched."""
+    n_p = tl.load(path_len + i_b)
+    if n_p > 0:
+        end = tl.load(path + i_b * P + n_p - 1)
+        G_a = tl.load(pG + (i_b * Tp + end) * HV + i_hv)
+        acc = b_S * tl.exp(G_a)
+        for j in range(0, P):
+            if j < n_p:
+                node = tl.load(path + i_b * P + j)
+                w = tl.exp(G_a - tl.load(pG + (i_b * Tp + node) * HV + i_hv))
+                b_kp = tl.load(pk + ((i_b * Tp + node) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_dp = tl.load(pdelta + ((i_b * Tp + node) * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
+                acc += w * b_kp.to(tl.float32)[:, None] * b_dp.to(tl.float32)[None, :]
+        b_S = acc
+        tl.store(p_S, b_S, mask=m_s)
+    return b_S
+
+
+@triton.jit
 def _serial_verify_kernel(
     q, k, v, g, beta, S, o, delta, G, num_nodes,
     pk, pdelta, pG, path, path_len,
@@ -35,22 +58,9 @@ def _serial_verify_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
     b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-    if HAS_PENDING:
-        # fused delayed commit: S = exp(G_a) S + sum_{j on path} exp(G_a - G_j) k_j Delta_j^T
-        n_p = tl.load(path_len + i_b)
-        if n_p > 0:
-            end = tl.load(path + i_b * P + n_p - 1)
-            G_a = tl.load(pG + (i_b * Tp + end) * HV + i_hv)
-            acc = b_S * tl.exp(G_a)
-            for j in range(0, P):
-                if j < n_p:
-                    node = tl.load(path + i_b * P + j)
-                    w = tl.exp(G_a - tl.load(pG + (i_b * Tp + node) * HV + i_hv))
-                    b_kp = tl.load(pk + ((i_b * Tp + node) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                    b_dp = tl.load(pdelta + ((i_b * Tp + node) * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
-                    acc += w * b_kp.to(tl.float32)[:, None] * b_dp.to(tl.float32)[None, :]
-            b_S = acc
-            tl.store(p_S, b_S, mask=m_s)  # the committed state, written once
+    if HAS_PENDING:  # fused delayed commit: the committed state is written once
+        b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
+                             P, Tp, H, HV, K, V)
     n = tl.load(num_nodes + i_b)
     b_G = tl.zeros([1], dtype=tl.float32)
     for t in range(0, T):
@@ -80,14 +90,8 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     o, d, G = out
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 64)
-    if pending is None:
-        dummy = torch.zeros(1, dtype=torch.int64, device=q.device)
-        pk, pd, pG, path, plen, P, Tp = state, state, state, dummy, dummy, 1, 1
-    else:
-        pk, pd, pG, path, plen = pending
-        P, Tp = path.shape[1], pk.shape[1]
-    grid = (triton.cdiv(V, BV), B * HV)
-    _serial_verify_kernel[grid](
+    pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
+    _serial_verify_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, g, beta, state, o, d, G, num_nodes, pk, pd, pG, path, plen,
         scale, T, P, Tp, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None,
     )
@@ -123,6 +127,21 @@ def serial_verify(
     Formula: docs/DESIGN.md section 4 (serial recurrence; closed-form commit).
     """
     B, T, H, K = k.shape
+    _check(q, k, v, g, beta, state, pending)
+    if num_nodes.shape != (B,) or num_nodes.dtype != torch.int64 or num_nodes.device != k.device:
+        raise ValueError(f"num_nodes must be int64 [{B}] on {k.device}, got {num_nodes.dtype} {list(num_nodes.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if out is None:
+        out = (torch.empty_like(v), torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
+               torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
+    _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out)
+    return out
+
+
+def _check(q, k, v, g, beta, state, pending) -> None:
+    """Shapes, dtypes and devices shared by the verify kernels (raises ValueError)."""
+    B, T, H, K = k.shape
     if q.shape != k.shape or v.dim() != 4 or v.shape[:2] != (B, T) or v.shape[2] % H:
         raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, HV, V] with HV % H == 0; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -130,10 +149,9 @@ def serial_verify(
     for name, x, shape in (("g", g, (B, T, HV)), ("beta", beta, (B, T, HV)), ("state", state, (B, HV, K, V))):
         if tuple(x.shape) != shape or x.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 {list(shape)}, got {x.dtype} {list(x.shape)}")
-    if num_nodes.shape != (B,) or num_nodes.dtype != torch.int64:
-        raise ValueError(f"num_nodes must be int64 [{B}], got {num_nodes.dtype} {list(num_nodes.shape)}")
-    tensors = [q, k, v, g, beta, state, num_nodes] + list(pending or [])
-    if len({x.device for x in tensors}) != 1:
+    if not state.is_contiguous():
+        raise ValueError("state must be contiguous (the committed state is written in place)")
+    if len({x.device for x in [q, k, v, g, beta, state, *(pending or [])]}) != 1:
         raise ValueError("all tensors must be on one device")
     if pending is not None:
         pk, pd, pG, path, plen = pending
@@ -143,10 +161,137 @@ def serial_verify(
                 or plen.shape != (B,) or path.dtype != torch.int64 or plen.dtype != torch.int64:
             raise ValueError("pending must be (k [B, Tp, H, K], delta [B, Tp, HV, V] f32, G [B, Tp, HV] f32, "
                              "path [B, P] int64, path_len [B] int64)")
+
+
+def _pending_args(state, pending):
+    """Kernel arguments of an optional pending commit (dummies when there is none)."""
+    if pending is None:
+        dummy = torch.zeros(1, dtype=torch.int64, device=state.device)
+        return state, state, state, dummy, dummy, 1, 1
+    pk, pd, pG, path, plen = (x.contiguous() for x in pending)
+    return pk, pd, pG, path, plen, path.shape[1], pk.shape[1]
+
+
+@triton.jit
+def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr):
+    """Per (sequence, value head): G = M_incl @ g and T = (I + A)^{-1}, shared by all V tiles."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = o_t < T
+    m_tt = m_t[:, None] & m_t[None, :]
+    b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_tt, other=0) != 0
+    b_g = tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_G = tl.sum(tl.where(b_M, b_g[None, :], 0.0), 1)  # path-summed log decay, not a cumsum
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None] & (o_k[None, :] < K), other=0.0).to(tl.float32)
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
+    diff = tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)  # masked before exp
+    strict = b_M & (o_t[:, None] != o_t[None, :])
+    b_A = tl.where(strict, b_beta[:, None] * b_kk * tl.exp(diff), 0.0)
+    # T = (I + A)^{-1} by forward substitution, row by row (A is strictly lower triangular)
+    b_T = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for i in range(1, T):
+        a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.0), 0)  # row i of A
+        row = tl.where(o_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * b_T, 0)
+        b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
+    tl.store(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :], b_T)
+    tl.store(G + (i_b * T + o_t) * HV + i_hv, b_G, mask=m_t)
+
+
+@triton.jit
+def _tree_verify_kernel(
+    q, k, v, beta, mask, Tm, G, S, o, delta,
+    pk, pdelta, pG, path, path_len,
+    scale, T, P, Tp,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+):
+    """Per (sequence, value head, V tile): fused delayed commit, then the tree-masked factorized
+    verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+    if HAS_PENDING:
+        b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
+                             P, Tp, H, HV, K, V)
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_v = tl.load(v + ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :],
+                  mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_G = tl.load(G + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+    b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0) != 0
+    b_T = tl.load(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :])
+    b_q = b_q * scale
+    eG = tl.exp(b_G)
+    rhs = b_beta[:, None] * (b_v - eG[:, None] * tl.dot(b_k, b_S, input_precision="ieee"))
+    b_d = tl.dot(b_T, rhs, input_precision="ieee")
+    gam = tl.where(b_M, tl.exp(tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * gam
+    b_o = eG[:, None] * tl.dot(b_q, b_S, input_precision="ieee") + tl.dot(qk, b_d, input_precision="ieee")
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_o = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+    tl.store(o + p_o, b_o.to(o.dtype.element_ty), mask=m_tv)
+    tl.store(delta + p_o, b_d, mask=m_tv)
+
+
+MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees need the hybrid kernel
+
+
+def tree_verify(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, mask: Tensor, scale: float,
+    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Tree-masked factorized (parallel) verify of a batch of trees, with the fused delayed commit.
+
+    Args:
+        q, k, v, g, beta, state, scale, pending, out: as :func:`serial_verify`.
+        mask: ``[B, T, T]`` bool inclusive-ancestor mask (``specla.tree.inclusive_ancestor_mask``),
+            ``T <= 64``.
+    Returns:
+        ``o [B, T, HV, V]`` (``v.dtype``), ``delta [B, T, HV, V]`` float32, ``G [B, T, HV]``
+        float32, every node as if its root path had been decoded serially from the committed
+        state.
+    Raises:
+        ValueError: shapes, dtypes, devices disagree, or ``T > 64``.
+    Formula: docs/DESIGN.md section 4 (tree-masked factorized form); ``A`` and ``T = (I + A)^-1``
+    are computed once per (sequence, head) by a first kernel and shared by all V tiles.
+    """
+    B, T, H, K = k.shape
+    _check(q, k, v, g, beta, state, pending)
+    if mask.shape != (B, T, T) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool [{B}, {T}, {T}], got {mask.dtype} {list(mask.shape)}")
+    if T > MAX_TREE_NODES:
+        raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
+    HV, V = v.shape[2], v.shape[3]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    m8 = mask.to(torch.int8).contiguous()
+    BT = max(16, triton.next_power_of_2(T))
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(triton.next_power_of_2(V), 64))
     if out is None:
         out = (torch.empty_like(v), torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
-    _launch_serial(q, k, v, g, beta, state, num_nodes, scale,
-                   None if pending is None else tuple(x.contiguous() for x in pending), out)
+    o, d, G = out
+    Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
+    _tree_prepare_kernel[(B * HV,)](k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BK=BK)
+    pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
+    _tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, beta, m8, Tm, G, state, o, d, pk, pd, pG, path, plen, scale, T, P, Tp,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_PENDING=pending is not None,
+    )
     return out
