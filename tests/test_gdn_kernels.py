@@ -201,3 +201,68 @@ def test_engine_with_triton_kernels_is_exact(name, pattern, monkeypatch):
     for a, b in zip(states["triton"], states["reference"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     assert calls["fused"] > 0 and calls["plain"] > 0  # the kernels ran, with and without pending commits
+
+
+from specla_gdn import conv as conv_kernels  # noqa: E402
+from specla_gdn.naive import naive_tree_conv  # noqa: E402
+from specla_gdn.reference import conv_ancestors  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("width, bias", [(4, False), (2, True), (3, True)])
+def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
+    rng = random.Random(width * 13 + len(kind))
+    sizes = [1, 1] if kind == "single" else [7, 3]
+    T, B, D = max(sizes), 2, 37
+    parents = torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    x = torch.randn(B, T, D, generator=gen)
+    window = torch.randn(B, width - 1, D, generator=gen)
+    weight = torch.randn(D, width, generator=gen)
+    b = torch.randn(D, generator=gen) if bias else None
+    anc = conv_ancestors(parents, width)
+    y = conv_kernels.tree_conv(*(t.to(DEV) for t in (x, window, weight)), b.to(DEV) if bias else None, anc.to(DEV),
+                               out=torch.full((B, T, D), float("nan"), device=DEV))
+    ry, rwin = naive_tree_conv(x, window, weight, b, parents)
+    assert torch.allclose(y.cpu(), ry, rtol=1e-5, atol=1e-5)
+    for node in range(T):
+        paths = [[n for n in _root_path(parents[r].tolist(), node)] for r in range(B)]
+        P = max(len(p) for p in paths)
+        path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
+        plen = torch.tensor([len(p) for p in paths])
+        new = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), path.to(DEV), plen.to(DEV),
+                                       out=torch.full_like(window, float("nan")).to(DEV))
+        assert torch.equal(new.cpu(), rwin[:, node])  # pure gathers: exact
+    same = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), torch.full((B, 1), -1, device=DEV),
+                                    torch.zeros(B, dtype=torch.int64, device=DEV))
+    assert torch.equal(same.cpu(), window)  # nothing accepted: bit-identical
+
+
+def _root_path(parents, node):
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+from specla_gdn.commit import flush_commit  # noqa: E402
+from specla_gdn.reference import gdn_commit_factor  # noqa: E402
+
+
+def test_flush_kernel_equals_closed_form_and_skips_empty_paths():
+    B, Tp, H, HV, K, V = 3, 6, 2, 4, 8, 20
+    gen = torch.Generator().manual_seed(2)
+    k = F.normalize(torch.randn(B, Tp, H, K, generator=gen), dim=-1)
+    delta = torch.randn(B, Tp, HV, V, generator=gen)
+    G = -torch.rand(B, Tp, HV, generator=gen).cumsum(1)
+    S0 = torch.randn(B, HV, K, V, generator=gen)
+    path = torch.tensor([[0, 2, 5], [1, -1, -1], [-1, -1, -1]])
+    plen = torch.tensor([3, 1, 0])
+    state = S0.clone().to(DEV)
+    flush_commit(state, *(x.to(DEV) for x in (k, delta, G, path, plen)))
+    ref = gdn_commit_factor(S0, k, delta, G, path, plen)
+    assert torch.allclose(state.cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state[2].cpu(), S0[2])
+    with pytest.raises(ValueError, match="pending must be"):
+        flush_commit(state, k.to(DEV), delta.double().to(DEV), G.to(DEV), path.to(DEV), plen.to(DEV))

@@ -33,6 +33,8 @@ from .reference import (
     tree_conv,
     tree_gdn,
 )
+from . import conv as conv_kernels
+from .commit import flush_commit
 from .verify import MAX_TREE_NODES, tree_verify
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
@@ -206,13 +208,15 @@ class GDNAdapter(TargetAdapter):
         for li, L in enumerate(self.layers):
             prev = pending.records[li] if pending is not None else None
             if prev is not None and self.conv[li] is not None:  # the conv window commits first
-                self.conv[li] = conv_window_after(prev.conv_x, self.conv[li], pending.path, pending.path_len)
+                commit_conv = conv_kernels.conv_commit if kernel else conv_window_after
+                self.conv[li] = commit_conv(prev.conv_x, self.conv[li], pending.path, pending.path_len)
             if prev is not None and not kernel:
                 self.recurrent[li] = gdn_commit_factor(self.recurrent[li], prev.k, prev.delta, prev.G,
                                                        pending.path, pending.path_len)
             h = rms_norm(x, L.attn_norm, L.attn_eps)
             proj = h @ L.w_qkv.T
-            qkv = tree_conv(proj, self.conv[li], L.conv_w, L.conv_b, anc) if anc is not None else F.silu(proj)
+            conv = conv_kernels.tree_conv if kernel else tree_conv
+            qkv = conv(proj, self.conv[li], L.conv_w, L.conv_b, anc) if anc is not None else F.silu(proj)
             q, k, v = qkv.split([L.H * L.K, L.H * L.K, L.HV * L.V], dim=-1)
             q, k = l2norm(q.view(B, T, L.H, L.K)), l2norm(k.view(B, T, L.H, L.K))
             v = v.reshape(B, T, L.HV, L.V)
@@ -248,7 +252,9 @@ class GDNAdapter(TargetAdapter):
         end = path_end(path, path_len)
         for li, rec in enumerate(records):
             S0, win = self.recurrent[li], self.conv[li]
-            if isinstance(rec, GDNFactorRecord):
+            if isinstance(rec, GDNFactorRecord) and self._use_kernel("factor", 0):
+                flush_commit(S0, rec.k, rec.delta, rec.G, path, path_len)  # in place
+            elif isinstance(rec, GDNFactorRecord):
                 self.recurrent[li] = gdn_commit_factor(S0, rec.k, rec.delta, rec.G, path, path_len)
             elif isinstance(rec, GDNReplayRecord):
                 self.recurrent[li] = gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)

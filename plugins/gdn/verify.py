@@ -154,13 +154,18 @@ def _check(q, k, v, g, beta, state, pending) -> None:
     if len({x.device for x in [q, k, v, g, beta, state, *(pending or [])]}) != 1:
         raise ValueError("all tensors must be on one device")
     if pending is not None:
-        pk, pd, pG, path, plen = pending
-        Tp = pk.shape[1]
-        if pk.shape != (B, Tp, H, K) or pd.shape != (B, Tp, HV, V) or pG.shape != (B, Tp, HV) or \
-                pd.dtype != torch.float32 or pG.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B \
-                or plen.shape != (B,) or path.dtype != torch.int64 or plen.dtype != torch.int64:
-            raise ValueError("pending must be (k [B, Tp, H, K], delta [B, Tp, HV, V] f32, G [B, Tp, HV] f32, "
-                             "path [B, P] int64, path_len [B] int64)")
+        _check_pending(B, H, K, HV, V, pending)
+
+
+def _check_pending(B, H, K, HV, V, pending) -> None:
+    """A pending commit's factor records and path must match the state's shape (ValueError)."""
+    pk, pd, pG, path, plen = pending
+    Tp = pk.shape[1]
+    if pk.shape != (B, Tp, H, K) or pd.shape != (B, Tp, HV, V) or pG.shape != (B, Tp, HV) or \
+            pd.dtype != torch.float32 or pG.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B \
+            or plen.shape != (B,) or path.dtype != torch.int64 or plen.dtype != torch.int64:
+        raise ValueError("pending must be (k [B, Tp, H, K], delta [B, Tp, HV, V] f32, G [B, Tp, HV] f32, "
+                         "path [B, P] int64, path_len [B] int64)")
 
 
 def _pending_args(state, pending):
