@@ -126,7 +126,7 @@ class Engine:
             t = t3
             stats.steps += 1
             stats.sequence_steps += len(active)
-            num = acceptance.num_accepted.tolist()  # the one host synchronisation of the step
+            num = acceptance.num_accepted.tolist()  # the step's outcome, read on the host
             drafted = acceptance.tokens.tolist()
             bonus = acceptance.bonus.tolist()
             keep = []
