@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specla_gdn.naive import naive_tree_gdn
-from specla_gdn.verify import serial_verify
+from specla_gdn.verify import hybrid_verify, serial_verify
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -172,20 +172,27 @@ from specla import SpecConfig  # noqa: E402
 from specla_gdn.naive import naive_greedy_decode  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["base", "gva"])
-@pytest.mark.parametrize("pattern", ["alternating", "tree", "zero_after_many"])
-def test_engine_with_triton_kernels_is_exact(name, pattern, monkeypatch):
+@pytest.mark.parametrize(
+    "name, verify_kernel, pattern",
+    [("base", "auto", "alternating"), ("base", "auto", "tree"), ("base", "auto", "zero_after_many"),
+     ("gva", "auto", "tree"), ("base", "hybrid", "tree"), ("gva", "serial", "tree"), ("base", "parallel", "alternating")],
+)
+def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monkeypatch):
     """The whole engine with kernels="triton" (fused delayed commit inside the verify kernel) is
     token-identical to sequential decoding, and its states match the reference path's."""
     import specla_gdn.adapter as adapter_mod
 
-    calls = {"fused": 0, "plain": 0}
+    calls = {"fused": 0, "plain": 0, "serial": 0, "parallel": 0, "hybrid": 0}
 
-    def counting(*args, pending=None, **kw):
-        calls["fused" if pending is not None else "plain"] += 1
-        return tree_verify(*args, pending=pending, **kw)
+    def counting(fn, name):
+        def wrapped(*args, pending=None, **kw):
+            calls[name] += 1
+            calls["fused" if pending is not None else "plain"] += 1
+            return fn(*args, pending=pending, **kw)
+        return wrapped
 
-    monkeypatch.setattr(adapter_mod, "tree_verify", counting)
+    for fn, kind in ((serial_verify, "serial"), (tree_verify, "parallel"), (hybrid_verify, "hybrid")):
+        monkeypatch.setattr(adapter_mod, fn.__name__, counting(fn, kind))
     model = make_model(name, dtype=torch.float32, seed=6)
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -193,7 +200,8 @@ def test_engine_with_triton_kernels_is_exact(name, pattern, monkeypatch):
     refs = [naive_greedy_decode(model, p, 20) for p in prompts]
     states = {}
     for kernels in ("triton", "reference"):
-        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=14, kernels=kernels, device=DEV)
+        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=14, kernels=kernels, device=DEV,
+                         verify_kernel=verify_kernel)
         dec = specla.SpecDecoder(model, "gdn", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
         result = dec.generate(prompts)
         assert result.outputs == [r[:14] for r in refs]
@@ -201,6 +209,10 @@ def test_engine_with_triton_kernels_is_exact(name, pattern, monkeypatch):
     for a, b in zip(states["triton"], states["reference"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     assert calls["fused"] > 0 and calls["plain"] > 0  # the kernels ran, with and without pending commits
+    if verify_kernel != "auto":
+        assert calls[verify_kernel] > 0
+    if verify_kernel == "serial" and pattern == "tree":
+        assert calls["hybrid"] > 0  # forced serial falls back to hybrid on real trees
 
 
 from specla_gdn import conv as conv_kernels  # noqa: E402
@@ -266,3 +278,37 @@ def test_flush_kernel_equals_closed_form_and_skips_empty_paths():
     assert torch.equal(state[2].cpu(), S0[2])
     with pytest.raises(ValueError, match="pending must be"):
         flush_commit(state, k.to(DEV), delta.double().to(DEV), G.to(DEV), path.to(DEV), plen.to(DEV))
+
+
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("with_pending", [False, True])
+def test_hybrid_verify_equals_naive(kind, with_pending):
+    """Root-explicit trees (one root chain per sequence, so the fused commit runs once)."""
+    B, H, HV, K, V = 2, 1, 2, 8, 12
+    rng = random.Random(len(kind) * 3 + with_pending)
+    sizes = [1, 1] if kind == "single" else [12, 6]
+    T = max(sizes) + 1
+    rows = []
+    for n in sizes:  # node 0 is the root; padding hangs from the root
+        body = tree_parents(kind, n, rng) if kind != "single" else [-1]
+        rows.append([-1] + [p + 1 for p in body] + [0] * (T - 1 - len(body)))
+    parents = torch.tensor(rows)
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    q, k, v, g, beta, S0 = inputs(B, T, H, HV, K, V, gen)
+    pending, committed = None, S0
+    if with_pending:
+        pk = F.normalize(torch.randn(B, 3, H, K, generator=gen), dim=-1)
+        pdelta, pG = torch.randn(B, 3, HV, V, generator=gen), -torch.rand(B, 3, HV, generator=gen).cumsum(1)
+        path, plen = torch.tensor([[0, 1, 2], [0, -1, -1]]), torch.tensor([3, 1])
+        pending = tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen))
+        committed = gdn_commit_factor(S0, pk, pdelta, pG, path, plen)
+    state = S0.clone().to(DEV)
+    o, d, G = hybrid_verify(*(x.to(DEV) for x in (q, k, v, g, beta)), state, parents.to(DEV), K**-0.5,
+                            pending=pending, out=nan_out(B, T, HV, V))
+    ro, rd, rG, _ = naive_tree_gdn(q, k, v, g, beta, committed.double(), parents, K**-0.5)
+    for got, ref in ((o, ro), (d, rd), (G, rG)):
+        assert not got.isnan().any()
+        assert torch.allclose(got.cpu(), ref.float(), rtol=1e-4, atol=1e-5)
+    assert torch.allclose(state.cpu(), committed, rtol=1e-5, atol=1e-5)

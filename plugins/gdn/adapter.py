@@ -35,7 +35,7 @@ from .reference import (
 )
 from . import conv as conv_kernels
 from .commit import flush_commit
-from .verify import MAX_TREE_NODES, tree_verify
+from .verify import hybrid_verify, pick_verify_kernel, serial_verify, tree_verify
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
 
@@ -177,13 +177,14 @@ class GDNAdapter(TargetAdapter):
             self.pending = self.pending.select(index)
 
     # ------------------------------------------------------------------ model
-    def forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool = True,
+    def forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool = True,
                 pending: PendingCommit | None = None):
         """Run the model over a batch of trees hanging from the committed state.
 
         Args:
             tokens: ``[B, T]`` int64 node tokens (already validated).
             parents: ``[B, T]`` int64, ``-1`` = child of the committed state.
+            counts: ``[B]`` int64 real nodes per row (the rest is padding; kernels may skip it).
             records: which record type to build (``factor``, ``snapshot``, ``replay``).
             logits: whether to compute the LM head (prefill skips it).
             pending: a factor commit to apply first, layer by layer (the delayed commit; with
@@ -192,19 +193,32 @@ class GDNAdapter(TargetAdapter):
             ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records tuple)``.
         """
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
-            return self._forward(tokens, parents, records, logits, pending)
+            return self._forward(tokens, parents, counts, records, logits, pending)
 
-    def _use_kernel(self, records: str, T: int) -> bool:
-        return (self.config.kernels == "triton" and records == "factor" and T <= MAX_TREE_NODES
+    def _use_kernel(self, records: str) -> bool:
+        return (self.config.kernels == "triton" and records == "factor"
                 and self.state_dtype == torch.float32 and not self.differentiable)
 
-    def _forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool, pending: PendingCommit | None):
+    def _kernel_verify(self, q, k, v, g, beta, S0, parents, counts, mask, scale, pending):
+        """Dispatch to the serial, parallel or hybrid verify kernel (``SpecConfig.verify_kernel``)."""
+        choice = pick_verify_kernel(parents, counts, self.config.verify_kernel)
+        if choice == "serial":
+            return serial_verify(q, k, v, g, beta, S0, counts, scale, pending=pending)
+        if choice == "parallel":
+            return tree_verify(q, k, v, g, beta, S0, mask, scale, pending=pending)
+        if pending is not None and bool(((parents == -1).sum(1) != 1).any()):
+            flush_commit(S0, *pending)  # not root-explicit: commit first, then verify unfused
+            pending = None
+        return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending)
+
+    def _forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool,
+                 pending: PendingCommit | None):
         mask = inclusive_ancestor_mask(parents)
         anc = conv_ancestors(parents, self.conv_width) if self.conv_width else None
         x = self.embed_weight[tokens]
         B, T = tokens.shape
         out_records: list[Record] = []
-        kernel = self._use_kernel(records, T)
+        kernel = self._use_kernel(records)
         for li, L in enumerate(self.layers):
             prev = pending.records[li] if pending is not None else None
             if prev is not None and self.conv[li] is not None:  # the conv window commits first
@@ -226,7 +240,7 @@ class GDNAdapter(TargetAdapter):
             S0 = self.recurrent[li]
             if kernel:  # fused: the kernel applies the pending commit to S0 in place, then verifies
                 fused = None if prev is None else (prev.k, prev.delta, prev.G, pending.path, pending.path_len)
-                o, delta, G = tree_verify(q, k, v, g, beta, S0, mask, L.K**-0.5, pending=fused)
+                o, delta, G = self._kernel_verify(q, k, v, g, beta, S0, parents, counts, mask, L.K**-0.5, fused)
             else:
                 o, delta, G = tree_gdn(q, k, v, g, beta, S0, mask, L.K**-0.5)
             conv_x = proj if anc is not None else None
@@ -252,7 +266,7 @@ class GDNAdapter(TargetAdapter):
         end = path_end(path, path_len)
         for li, rec in enumerate(records):
             S0, win = self.recurrent[li], self.conv[li]
-            if isinstance(rec, GDNFactorRecord) and self._use_kernel("factor", 0):
+            if isinstance(rec, GDNFactorRecord) and self._use_kernel("factor"):
                 flush_commit(S0, rec.k, rec.delta, rec.G, path, path_len)  # in place
             elif isinstance(rec, GDNFactorRecord):
                 self.recurrent[li] = gdn_commit_factor(S0, rec.k, rec.delta, rec.G, path, path_len)
@@ -282,7 +296,7 @@ class GDNAdapter(TargetAdapter):
             W = chunk.shape[1]
             n = (lengths - start).clamp(0, W)
             tree = DraftTree(chunk, torch.arange(-1, W - 1, device=self.device).expand_as(chunk).contiguous(), n)
-            lg, hidden, recs = self.forward(tree.tokens, tree.parents, "factor", logits=logits)
+            lg, hidden, recs = self.forward(tree.tokens, tree.parents, n, "factor", logits=logits)
             outs.append(lg)
             feats.append(hidden)
             self._apply(recs, torch.where(tree.valid, torch.arange(W, device=self.device), -1), n)
@@ -334,7 +348,8 @@ class GDNAdapter(TargetAdapter):
     def _verify(self, tree: DraftTree) -> VerifyOutput:
         pending, self.pending = self.pending, None  # delayed commit: applied inside this pass
         tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
-        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, self.config.commit, pending=pending)
+        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1, self.config.commit,
+                                            pending=pending)
         return VerifyOutput(logits=logits, hidden=hidden, records=recs)
 
     @torch.no_grad()

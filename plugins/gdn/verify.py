@@ -300,3 +300,156 @@ def tree_verify(
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_PENDING=pending is not None,
     )
     return out
+
+
+@triton.jit
+def _chain_kernel(
+    q, k, v, g, beta, S, o, delta, G, branch,
+    chain_seq, chain_nodes, chain_len, chain_parent, chain_src, slot_of,
+    pk, pdelta, pG, path, path_len,
+    scale, T, L, P, Tp,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+):
+    """One chain of a heavy-light decomposition, state tile resident: starts from the committed
+    state (the root chain, which also applies the pending commit) or from its branch point's
+    materialised state; stores the state after every branch point it passes."""
+    i_v, i_ch = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_c, i_hv = i_ch // HV, i_ch % HV
+    i_b = tl.load(chain_seq + i_c).to(tl.int64)
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    tile = o_k[:, None] * V + o_v[None, :]
+    src = tl.load(chain_src + i_c)
+    parent = tl.load(chain_parent + i_c)
+    p_S = S + (i_b * HV + i_hv) * K * V + tile
+    if src < 0:
+        b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+        if HAS_PENDING:  # only the root chain of a sequence reads the committed state
+            b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v,
+                                 m_k, m_v, P, Tp, H, HV, K, V)
+    else:
+        b_S = tl.load(branch + (src * HV + i_hv) * K * V + tile, mask=m_s, other=0.0)
+    b_G = tl.zeros([1], dtype=tl.float32)
+    if parent >= 0:
+        b_G += tl.load(G + (i_b * T + parent) * HV + i_hv)
+    n = tl.load(chain_len + i_c)
+    for j in range(0, L):
+        if j < n:
+            node = tl.load(chain_nodes + i_c * L + j).to(tl.int64)
+            i_t = i_b * T + node
+            b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+            b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_vv = tl.load(v + (i_t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_g = tl.load(g + i_t * HV + i_hv).to(tl.float32)
+            b_beta = tl.load(beta + i_t * HV + i_hv).to(tl.float32)
+            b_S = b_S * tl.exp(b_g)
+            b_d = b_beta * (b_vv - tl.sum(b_S * b_k[:, None], 0))
+            b_S = b_S + b_k[:, None] * b_d[None, :]
+            b_o = tl.sum(b_S * b_q[:, None], 0)
+            b_G += b_g
+            tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+            tl.store(delta + (i_t * HV + i_hv) * V + o_v, b_d, mask=m_v)
+            if i_v == 0:
+                tl.store(G + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64), b_G)
+            slot = tl.load(slot_of + i_b * T + node)
+            if slot >= 0:  # a branch point: later waves start from this state
+                tl.store(branch + (slot * HV + i_hv) * K * V + tile, b_S, mask=m_s)
+
+
+def hybrid_verify(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, parents: Tensor, scale: float,
+    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Hybrid chain-decomposed verify (docs/DESIGN.md section 4, kernel 3).
+
+    Each tree is split into heavy-light chains; chains run serially with their state tile
+    resident, chains of one wave in parallel (one launch per wave; O(log N) waves); only the
+    states at branch points with light children are materialised. The root chain of every
+    sequence applies the pending commit (fused) before anything else reads the state.
+
+    Args:
+        q, k, v, g, beta, state, scale, pending, out: as :func:`serial_verify`.
+        parents: ``[B, T]`` int64 topologically ordered parents (``-1`` = child of the state),
+            e.g. ``DraftTree.parents_with_root``.
+    Returns:
+        ``o``, ``delta``, ``G`` as :func:`tree_verify`.
+    Raises:
+        ValueError: shapes, dtypes or devices disagree.
+    """
+    from specla.tree import heavy_light_chains
+
+    B, T, H, K = k.shape
+    _check(q, k, v, g, beta, state, pending)
+    if parents.shape != (B, T) or parents.dtype != torch.int64:
+        raise ValueError(f"parents must be int64 [{B}, {T}], got {parents.dtype} {list(parents.shape)}")
+    if pending is not None and bool(((parents == -1).sum(1) != 1).any()):
+        # several chains would read (and commit) the same state: the fused commit needs one root
+        raise ValueError("hybrid_verify with a pending commit needs root-explicit trees (one node with parent -1)")
+    HV, V = v.shape[2], v.shape[3]
+    dev = v.device
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if out is None:
+        out = (torch.empty_like(v), torch.empty(B, T, HV, V, dtype=torch.float32, device=dev),
+               torch.empty(B, T, HV, dtype=torch.float32, device=dev))
+    o, d, G = out
+    waves: dict[int, list] = {}
+    slot_of = torch.full((B, T), -1, dtype=torch.int64)
+    n_slots = 0
+    for b in range(B):
+        par = parents[b].tolist()
+        chains = heavy_light_chains(par)
+        for c in chains:
+            if c.parent >= 0 and slot_of[b, c.parent] < 0:
+                slot_of[b, c.parent] = n_slots
+                n_slots += 1
+        for c in chains:
+            src = int(slot_of[b, c.parent]) if c.parent >= 0 else -1
+            waves.setdefault(c.wave, []).append((b, c.nodes, c.parent, src))
+    branch = torch.empty(max(n_slots, 1), HV, K, V, dtype=torch.float32, device=dev)
+    slot_of = slot_of.to(dev)
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), 64)
+    pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
+    for w in sorted(waves):
+        chains = waves[w]
+        L = max(len(nodes) for _, nodes, _, _ in chains)
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+        nodes = as_t([list(n) + [-1] * (L - len(n)) for _, n, _, _ in chains])
+        _chain_kernel[(triton.cdiv(V, BV), len(chains) * HV)](
+            q, k, v, g, beta, state, o, d, G, branch,
+            as_t([c[0] for c in chains]), nodes, as_t([len(c[1]) for c in chains]), as_t([c[2] for c in chains]),
+            as_t([c[3] for c in chains]), slot_of, pk, pd, pG, path, plen,
+            scale, T, L, P, Tp, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None and w == 0,
+        )
+    return out
+
+
+def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
+    """Whether the first ``counts[b]`` nodes of every row form a chain (node ``i`` is the child of
+    node ``i - 1``, node 0 hangs from the state); the rest of a row is padding. Such batches can
+    use :func:`serial_verify` with ``num_nodes = counts``. Padding cannot be told from real root
+    children by ``parents`` alone, hence ``counts``."""
+    idx = torch.arange(parents.shape[1], device=parents.device)
+    real = idx[None, :] < counts[:, None]
+    return bool(((parents == idx - 1) | (idx == 0) | ~real).all())
+
+
+def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
+    """``serial`` / ``parallel`` / ``hybrid`` for a batch of trees (``counts``: real nodes per row).
+
+    ``auto`` (provisional, not yet measured on a GPU): chains -> serial, up to
+    ``MAX_TREE_NODES`` nodes -> parallel, larger -> hybrid. A forced ``serial`` on trees that are
+    not chains, or ``parallel`` beyond ``MAX_TREE_NODES``, falls back to ``hybrid``.
+    """
+    T = parents.shape[1]
+    is_chain = is_chain_batch(parents, counts)
+    if choice == "auto":
+        return "serial" if is_chain else ("parallel" if T <= MAX_TREE_NODES else "hybrid")
+    if (choice == "serial" and not is_chain) or (choice == "parallel" and T > MAX_TREE_NODES):
+        return "hybrid"
+    return choice
