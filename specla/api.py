@@ -43,6 +43,18 @@ def _as_config(config: SpecConfig | dict[str, Any] | None) -> SpecConfig:
     raise TypeError(f"config must be a SpecConfig, a dict of its fields or None, got {type(config).__name__}")
 
 
+def _cpu_float32(config: SpecConfig, model: torch.nn.Module) -> SpecConfig:
+    """Half-precision checkpoints run in float32 on the CPU unless a dtype is asked for: CPU
+    half-precision matmuls are slower, and their rounding only costs exactness."""
+    if config.dtype is not None:
+        return config
+    param = next(model.parameters(), None)
+    device = torch.device(config.device) if config.device else (param.device if param is not None else None)
+    if param is not None and device is not None and device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16):
+        return config.model_copy(update={"dtype": "float32"})
+    return config
+
+
 class SpecDecoder:
     """A target, a drafter and a config, prepared once and reused across :meth:`generate` calls
     (weights are converted and plugins resolved only here).
@@ -95,6 +107,7 @@ class SpecDecoder:
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         self.model = model
         self.tokenizer = tokenizer
+        self.config = _cpu_float32(self.config, model)
         self.adapter = self.plugin.make_adapter(model, self.config)
         self.drafter = make_drafter(drafter)
         self.drafter.bind(self.adapter)

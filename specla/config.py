@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 CommitStrategy = Literal["factor", "snapshot", "replay"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
@@ -34,8 +34,9 @@ class SpecConfig(BaseModel):
         stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
             output).
         stop_at_eos: also stop at the model's ``eos_token_id`` (as ``generate`` does).
-        dtype: activation/weight dtype the target runs in; ``None`` keeps the model's. Recurrent
-            states and gates stay float32 (float64 when activations are float64).
+        dtype: activation/weight dtype the target runs in; ``None`` keeps the model's (except
+            that bfloat16/float16 models run in float32 on the CPU). Recurrent states and gates
+            stay float32 (float64 when activations are float64).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device. A CUDA
             device is rejected when torch sees no GPU.
         kernels: ``reference`` (batched PyTorch, every device and dtype) or ``triton`` (the
@@ -65,6 +66,11 @@ class SpecConfig(BaseModel):
     device: str | None = None
     kernels: Literal["reference", "triton"] = "reference"
     verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
+
+    @field_serializer("tau_tree", when_used="json")
+    def _finite_json(self, value: float) -> float | str:
+        # strict JSON has no Infinity; "inf" reads back through validation
+        return "inf" if math.isinf(value) else value
 
     @field_validator("temperature")
     @classmethod

@@ -206,3 +206,11 @@ def test_hybrid_checkpoint_rejected_before_loading(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UnsupportedModelError, match="not valid JSON"):
         SpecDecoder(tmp_path, "gdn")
+
+
+def test_half_precision_checkpoints_run_in_float32_on_cpu_and_config_json_roundtrips():
+    dec = SpecDecoder(TINY, None)  # stored in bfloat16
+    assert dec.model.lm_head.weight.dtype == torch.bfloat16 and dec.adapter.dtype == torch.float32
+    assert SpecDecoder(TINY, None, config=dict(dtype="bfloat16")).adapter.dtype == torch.bfloat16
+    dumped = json.loads(json.dumps(SpecConfig().model_dump(mode="json")))  # strict JSON: no Infinity
+    assert dumped["tau_tree"] == "inf" and SpecConfig.model_validate(dumped) == SpecConfig()
