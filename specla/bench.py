@@ -28,15 +28,14 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def gsm8k_answer(text: str) -> str | None:
-    """The final number of a GSM8K-style answer: after ``####`` when present, else the first
-    number of the first line containing one (completions tend to run on after answering)."""
+    """The final number of a GSM8K-style answer: after ``####`` when present, else the last
+    number before the model starts a new ``Question:`` (completions tend to run on)."""
+    text = text.split("Question:", 1)[0]
     if "####" in text:
-        text = text.split("####", 1)[1]
-    for line in text.splitlines():
-        m = NUMBER.search(line)
-        if m:
-            return m.group().replace(",", "").rstrip(".")
-    return None
+        m = NUMBER.search(text.split("####", 1)[1])
+        return m.group().replace(",", "").rstrip(".") if m else None
+    found = NUMBER.findall(text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
 
 
 def humaneval_passes(row: dict, completion: str, timeout_s: float = 10.0) -> bool:
@@ -56,17 +55,25 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows of a prompt-suite JSONL (each with ``id``, ``category``, ``prompt``).
 
     Raises:
-        ValueError: a row without ``prompt``.
+        ValueError: a row that is not JSON or has no ``prompt``, no rows, ``limit < 1``.
     """
     rows = []
     for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
         if line.strip():
-            row = json.loads(line)
-            if "prompt" not in row:
-                raise ValueError(f"{path}:{i + 1}: row has no 'prompt'")
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{i + 1}: not JSON ({err})") from err
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{i + 1}: row has no string 'prompt'")
             row.setdefault("category", "all")
             rows.append(row)
-    return rows[:limit] if limit else rows
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    rows = rows[:limit] if limit is not None else rows
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    return rows
 
 
 def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | None = None,
@@ -76,7 +83,13 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     Args:
         model: checkpoint directory or loaded model; drafter: ``ngram`` or a drafter directory.
         config: the speculative configuration (the baseline uses it with no drafts).
-        batch_size: prompts decoded together (both runs use the same batches).
+        batch_size: prompts decoded together (both runs use the same batches, which never mix
+            categories).
+    Raises:
+        ValueError: see :func:`load_prompts`; ``batch_size < 1``.
+
+    HumanEval rows execute model-written code in a subprocess of this machine (no sandbox beyond
+    a temporary directory and a timeout).
     """
     rows = load_prompts(prompts_file, limit)
     spec = SpecDecoder(model, plugin, drafter=drafter, config=config)
@@ -88,8 +101,14 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
                                "hist": [0] * (min(config.max_depth, config.num_draft_tokens) + 1),
                                "gsm8k": [0, 0, 0], "humaneval": [0, 0, 0]})
     samples = []
-    for i in tqdm(range(0, len(rows), batch_size), desc="bench", unit="batch"):
-        batch = rows[i : i + batch_size]
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    # batches never mix categories, so every per-category figure is measured, not apportioned
+    batches = []
+    for cat in dict.fromkeys(r["category"] for r in rows):
+        same = [r for r in rows if r["category"] == cat]
+        batches += [same[i : i + batch_size] for i in range(0, len(same), batch_size)]
+    for batch in tqdm(batches, desc="bench", unit="batch"):
         t = time.perf_counter()
         s = spec.generate([r["prompt"] for r in batch])
         spec_s = time.perf_counter() - t
@@ -116,17 +135,15 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
                 c["humaneval"][2] += humaneval_passes(row, a.texts[j])
             if len(samples) < 3:
                 samples.append({"id": row.get("id"), "completion": s.texts[j]})
-        hist = s.stats.accepted_histogram
-        for cat in {r["category"] for r in batch}:  # batch-level histogram goes to its categories
-            share = sum(r["category"] == cat for r in batch) / len(batch)
-            per[cat]["hist"] = [h + n * share for h, n in zip(per[cat]["hist"], hist)]
+        c = per[batch[0]["category"]]
+        c["hist"] = [h + n for h, n in zip(c["hist"], s.stats.accepted_histogram)]
     cats = {}
     for name, c in sorted(per.items()) + [("all", _total(per))]:
         steps = sum(c["hist"])
         cats[name] = {
             "prompts": c["prompts"],
             "exact_match_rate": c["exact"] / c["prompts"],
-            "accepted_histogram": [round(h, 3) for h in c["hist"]],
+            "accepted_histogram": list(c["hist"]),
             "mean_accepted_tokens": sum(k * h for k, h in enumerate(c["hist"])) / max(steps, 1),
             "tokens_per_s": c["spec_tokens"] / c["spec_s"],
             "ar_tokens_per_s": c["ar_tokens"] / c["ar_s"],

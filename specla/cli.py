@@ -75,9 +75,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench import format_table, run_bench
 
-    overrides = json.loads(Path(args.config).read_text() if Path(args.config).is_file() else args.config) if args.config else {}
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config = SpecConfig(**{"max_new_tokens": args.max_new_tokens, "device": device, **overrides})
+    overrides = {}
+    if args.config:  # inline JSON or a JSON file
+        text = args.config if args.config.lstrip()[:1] in "{[" else Path(args.config).read_text()
+        overrides = json.loads(text)
+        if not isinstance(overrides, dict):
+            raise ValueError("--config must be a JSON object of SpecConfig fields")
+    flags = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("device", args.device)) if v is not None}
+    config = SpecConfig(**{"max_new_tokens": 256, "device": "cuda" if torch.cuda.is_available() else "cpu",
+                           **overrides, **flags})  # explicit flags win over --config
     report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
                        batch_size=args.batch_size, plugin=args.plugin)
     if args.out:
@@ -94,6 +100,20 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _at_least_3(text: str) -> int:
+    value = int(text)
+    if value < 3:  # the two-step unrolled loss needs two targets after the first token
+        raise argparse.ArgumentTypeError(f"must be >= 3, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``specla`` argument parser."""
     parser = argparse.ArgumentParser(prog="specla", description="Speculative decoding for linear-attention models")
@@ -102,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="checkpoint directory (transformers format)")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     gen.add_argument("--plugin", default=None, help="architecture plugin (default: detect from config.json)")
-    gen.add_argument("--drafter", default="ngram", help="drafter name (default: ngram)")
+    gen.add_argument("--drafter", default="ngram", help="ngram (default) or a drafter directory (specla train-drafter)")
     gen.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     gen.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"])
@@ -123,26 +143,26 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", required=True, help="drafter directory (pass it as --drafter / drafter=)")
     tr.add_argument("--plugin", default=None)
     tr.add_argument("--device", default=None)
-    tr.add_argument("--steps", type=int, default=2000)
-    tr.add_argument("--batch-windows", type=int, default=32)
-    tr.add_argument("--window", type=int, default=128)
+    tr.add_argument("--steps", type=_positive, default=2000)
+    tr.add_argument("--batch-windows", type=_positive, default=32)
+    tr.add_argument("--window", type=_at_least_3, default=128, help="tokens per training window (>= 3)")
     tr.add_argument("--max-tokens", type=int, default=400_000, help="teacher-forced corpus tokens")
     tr.add_argument("--distill-prompts", type=int, default=256, help="prompts continued by the target")
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--ce-weight", type=float, default=0.1, help="weight of the token cross-entropy term")
-    tr.add_argument("--save-every", type=int, default=500)
+    tr.add_argument("--save-every", type=_positive, default=500)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     tr.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step")
     tr.set_defaults(func=_train_drafter)
     bench = sub.add_parser("bench", help="a prompt suite, speculative against autoregressive")
     bench.add_argument("--model", required=True)
-    bench.add_argument("--drafter", default="ngram", help="ngram or a drafter directory")
+    bench.add_argument("--drafter", default="ngram", help="ngram or a drafter directory (specla train-drafter)")
     bench.add_argument("--prompts", required=True, help="JSONL with id, category, prompt (+ answer / test)")
-    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--limit", type=_positive, default=None)
     bench.add_argument("--config", default=None, help="SpecConfig fields as JSON (inline or a file)")
-    bench.add_argument("--max-new-tokens", type=int, default=256)
-    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--max-new-tokens", type=_positive, default=None, help="default 256")
+    bench.add_argument("--batch-size", type=_positive, default=1)
     bench.add_argument("--device", default=None)
     bench.add_argument("--plugin", default=None)
     bench.add_argument("--out", default=None, help="write the JSON report here")
@@ -162,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         # user mistakes (bad paths, options, prompts) get one line, not a traceback
         fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())
         parser.exit(2, f"specla: error: {fields}\n")
-    except (SpecError, OSError, RuntimeError) as err:
+    except (SpecError, OSError, RuntimeError, ValueError) as err:
+        # ValueError covers malformed JSON (configs, prompt files) and bad argument values
         parser.exit(2, f"specla: error: {err}\n")
 
 

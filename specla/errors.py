@@ -32,3 +32,8 @@ class UnsupportedModelError(SpecError, TypeError):
 
 class UnknownPluginError(SpecError, LookupError):
     """No registered plugin or drafter has the requested name. The message lists the known ones."""
+
+
+class DrafterError(SpecError, ValueError):
+    """A drafter cannot be used: a drafter directory that is incomplete or malformed, or one
+    trained for a target of another shape, or training data that yields nothing to train on."""

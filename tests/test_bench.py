@@ -17,8 +17,9 @@ DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("She makes 9 * 2 = $18.\n#### 18", "18"), (" 1,234 apples\nthen 5", "1234"), ("no number", None),
-     (" The answer is 7.\nQuestion: 12", "7"), ("#### -3.5", "-3.5")],
+    [("She makes 9 * 2 = $18.\n#### 18", "18"), (" 1,234 apples\nthen 5", "5"), ("no number", None),
+     (" The answer is 7.\nQuestion: 12", "7"), ("#### -3.5", "-3.5"), ("costs 1,234.", "1234"),
+     (" She has 16 - 3 - 4 = 9 eggs\nso 18 dollars", "18")],
 )
 def test_gsm8k_answer(text, expected):
     assert gsm8k_answer(text) == expected
@@ -53,3 +54,38 @@ def test_bench_cli(tmp_path):
                            "--config", '{"dtype": "float32"}'], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "speedup" in proc.stdout and json.loads(out.read_text())["categories"]["all"]["prompts"] == 2
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "specla.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_bench_cli_user_errors_are_one_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    noprompt = tmp_path / "noprompt.jsonl"
+    noprompt.write_text('{"id": "a", "text": "hi"}\n')
+    cases = [
+        (["--prompts", str(empty)], "holds no prompts"),
+        (["--prompts", str(noprompt)], "row has no string 'prompt'"),
+        (["--prompts", DATA, "--limit", "0"], "must be >= 1"),
+        (["--prompts", DATA, "--config", "[1, 2]"], "--config must be a JSON object"),
+        (["--prompts", DATA, "--config", "{top_k: 2}"], "Expecting property name"),
+        (["--prompts", DATA, "--batch-size", "0"], "must be >= 1"),
+    ]
+    for extra, message in cases:
+        out = _cli("bench", "--model", str(TINY), *extra)
+        last = out.stderr.strip().splitlines()[-1]
+        assert out.returncode == 2 and message in last and "Traceback" not in out.stderr, (extra, out.stderr[-500:])
+
+
+def test_batches_do_not_mix_categories(tmp_path):
+    rows = [json.loads(x) for x in open(DATA)]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join(json.dumps(r) for r in (rows[0], rows[3], rows[1])) + "\n")
+    cfg = SpecConfig(max_new_tokens=12, dtype="float32")
+    together = run_bench(TINY, "ngram", mixed, config=cfg, batch_size=4)["categories"]
+    alone = run_bench(TINY, "ngram", mixed, config=cfg, batch_size=1)["categories"]
+    for cat in ("gsm8k", "humaneval"):
+        assert sum(together[cat]["accepted_histogram"]) > 0
+    assert together["humaneval"]["accepted_histogram"] == alone["humaneval"]["accepted_histogram"]

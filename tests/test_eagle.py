@@ -76,3 +76,20 @@ def test_train_drafter_cli_and_use(tmp_path):
     r = specla.run(TINY, None, prompts=["def f(x):"], drafter=str(out), config=dict(max_new_tokens=8, dtype="float32"))
     ar = specla.run(TINY, None, prompts=["def f(x):"], config=dict(max_new_tokens=8, dtype="float32", num_draft_tokens=0))
     assert r.outputs == ar.outputs
+
+
+def test_bad_drafter_directories_raise_drafter_errors(tmp_path):
+    from specla import DrafterError, UnknownPluginError
+
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"format": "specla-eagle-v1"}')
+    with pytest.raises(DrafterError, match="incomplete or malformed"):
+        EagleHead.load(tmp_path / "broken")
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "checkpoint.pt").write_bytes(b"x")
+    with pytest.raises(UnknownPluginError, match="finish it with --resume"):
+        make_drafter(str(tmp_path / "partial"))
+    dec = SpecDecoder(TINY, None, config=dict(dtype="float32"))
+    with pytest.raises(DrafterError, match="no training window"):
+        train_drafter(dec.adapter, dec.tokenizer, [DATA], tmp_path / "x", DrafterTrainConfig(window=100000),
+                      log=lambda *_: None)

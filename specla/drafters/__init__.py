@@ -24,6 +24,9 @@ def make_drafter(drafter: str | Path | Drafter) -> Drafter:
         return drafter
     if isinstance(drafter, (str, Path)) and is_eagle_dir(drafter):
         return EagleDrafter.from_dir(drafter)
+    if isinstance(drafter, (str, Path)) and Path(drafter).is_dir():
+        hint = " (a `--stop-at` run? finish it with --resume)" if (Path(drafter) / "checkpoint.pt").is_file() else ""
+        raise UnknownPluginError(f"{drafter} is not a trained drafter directory{hint}")
     if isinstance(drafter, str):
         if drafter not in BUILTIN_DRAFTERS:
             raise UnknownPluginError(

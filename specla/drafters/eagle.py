@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import SpecConfig
+from ..errors import DrafterError
 from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance, path_end
 from ..tree import DraftTree
@@ -75,23 +76,31 @@ class EagleHead(nn.Module):
         """Load a head saved by :meth:`save`.
 
         Raises:
-            ValueError: the directory is not an EAGLE drafter of this format.
+            DrafterError: the directory is not a complete EAGLE drafter of this format.
         """
         from safetensors.torch import load_file
 
         d = Path(directory)
-        cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
-        if cfg.get("format") != FORMAT:
-            raise ValueError(f"{d} is not a specla EAGLE drafter (config.json format != {FORMAT!r})")
-        head = cls(cfg["hidden_size"], cfg["intermediate_size"], cfg["eps"])
-        head.load_state_dict(load_file(str(d / "model.safetensors")))
+        try:
+            cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+            if cfg.get("format") != FORMAT:
+                raise DrafterError(f"{d} is not a specla EAGLE drafter (config.json format != {FORMAT!r})")
+            head = cls(cfg["hidden_size"], cfg["intermediate_size"], cfg["eps"])
+            head.load_state_dict(load_file(str(d / "model.safetensors")))
+        except (KeyError, ValueError, OSError, RuntimeError) as err:
+            if isinstance(err, DrafterError):
+                raise
+            raise DrafterError(f"{d}: incomplete or malformed EAGLE drafter ({type(err).__name__}: {err})") from err
         return head.eval()
 
 
 def is_eagle_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a directory holding a saved EAGLE drafter."""
+    """Whether ``path`` is a directory holding a saved EAGLE drafter (its config says so)."""
     cfg = Path(path) / "config.json"
-    return cfg.is_file() and json.loads(cfg.read_text()).get("format") == FORMAT
+    try:
+        return cfg.is_file() and json.loads(cfg.read_text()).get("format") == FORMAT
+    except ValueError:  # malformed JSON: EagleHead.load would say so; here it is just "not one"
+        return False
 
 
 class EagleDrafter(Drafter):
@@ -101,7 +110,7 @@ class EagleDrafter(Drafter):
         head: the trained head (moved to the target's device and dtype on :meth:`bind`).
 
     Raises:
-        ValueError: on :meth:`bind`, when the head's hidden size differs from the target's.
+        DrafterError: on :meth:`bind`, when the head's hidden size differs from the target's.
     """
 
     name = "eagle"
@@ -119,7 +128,8 @@ class EagleDrafter(Drafter):
     def bind(self, adapter: TargetAdapter) -> None:
         width = adapter.embed(torch.zeros(1, dtype=torch.int64, device=adapter.device)).shape[-1]
         if width != self.head.config["hidden_size"]:
-            raise ValueError(f"drafter hidden size {self.head.config['hidden_size']} != target hidden size {width}")
+            raise DrafterError(f"drafter hidden size {self.head.config['hidden_size']} != target hidden size {width}: "
+                               "it was trained for another target")
         self.adapter = adapter
         self.head = self.head.to(adapter.device, adapter.dtype).eval()
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..errors import DrafterError
 from ..interfaces import TargetAdapter
 from .eagle import EagleHead
 
@@ -59,7 +60,7 @@ def read_texts(files: list[str | Path]) -> list[str]:
     """Texts from JSONL files (optionally ``.xz``): the ``text`` field, else ``prompt``.
 
     Raises:
-        FileNotFoundError: a file is missing. ValueError: a row has neither field.
+        FileNotFoundError: a file is missing. DrafterError: a row has neither field.
     """
     out = []
     for f in files:
@@ -70,7 +71,7 @@ def read_texts(files: list[str | Path]) -> list[str]:
                     row = json.loads(line)
                     text = row.get("text", row.get("prompt"))
                     if text is None:
-                        raise ValueError(f"{f}:{i + 1}: row has neither 'text' nor 'prompt'")
+                        raise DrafterError(f"{f}:{i + 1}: row has neither 'text' nor 'prompt'")
                     out.append(text)
     return out
 
@@ -116,7 +117,7 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     that step (time-boxed runs), leaving the drafter unsaved until a resumed run finishes.
 
     Raises:
-        ValueError: the data yields no training window.
+        DrafterError: the data yields no training window.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,9 +145,9 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
             batch = prompts[i : i + 32]
             outputs, _ = Engine(adapter, NgramDrafter(), gen_cfg).generate(batch)
             sequences += [p + o for p, o in zip(batch, outputs)]
+    if not any(len(s) >= cfg.window for s in sequences):
+        raise DrafterError(f"no training window of {cfg.window} tokens in the data ({len(texts)} texts)")
     tokens, feats = collect_features(adapter, sequences, cfg.window)
-    if len(tokens) == 0:
-        raise ValueError(f"no training window of {cfg.window} tokens in the data")
     log(f"training windows: {len(tokens)} x {cfg.window} tokens ({len(prompts)} self-distilled sequences)")
     hidden = feats.shape[-1]
     head = EagleHead(hidden).to(adapter.device)
