@@ -93,3 +93,12 @@ def test_bad_drafter_directories_raise_drafter_errors(tmp_path):
     with pytest.raises(DrafterError, match="no training window"):
         train_drafter(dec.adapter, dec.tokenizer, [DATA], tmp_path / "x", DrafterTrainConfig(window=100000),
                       log=lambda *_: None)
+
+
+def test_training_config_is_validated():
+    from specla import DrafterError
+
+    with pytest.raises(DrafterError, match="window must be >= 3"):
+        DrafterTrainConfig(window=1)
+    with pytest.raises(DrafterError, match="batch_windows must be positive"):
+        DrafterTrainConfig(batch_windows=0)

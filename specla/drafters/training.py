@@ -34,7 +34,8 @@ class DrafterTrainConfig:
         steps: optimiser steps.
         batch_windows: windows per step.
         window: tokens per training window.
-        max_tokens: teacher-forced corpus tokens collected (before self-distillation).
+        max_tokens: teacher-forced corpus tokens to collect: whole texts are added until at least
+            this many are reached (before self-distillation).
         distill_prompts: prompts whose greedy continuation by the target is added (0: none).
         distill_prompt_tokens, distill_new_tokens: their prompt and continuation lengths.
         lr: peak AdamW learning rate (linear warm-up 5%, cosine to 10%).
@@ -54,6 +55,13 @@ class DrafterTrainConfig:
     ce_weight: float = 0.1
     save_every: int = 500
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_windows", "save_every", "lr"):
+            if getattr(self, name) <= 0:
+                raise DrafterError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.window < 3:  # the two-step unrolled loss needs two targets after the first token
+            raise DrafterError(f"window must be >= 3, got {self.window}")
 
 
 def read_texts(files: list[str | Path]) -> list[str]:
@@ -152,16 +160,17 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     hidden = feats.shape[-1]
     head = EagleHead(hidden).to(adapter.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    start, ckpt = 0, out / "checkpoint.pt"
+    start, ckpt, history = 0, out / "checkpoint.pt", []
     if resume and ckpt.is_file():
         state = torch.load(ckpt, map_location=adapter.device, weights_only=False)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
-        start = state["step"]
+        start, history = state["step"], state.get("history", [])
         torch.set_rng_state(state["rng"])
         log(f"resumed from step {start}")
+    elif resume:
+        log(f"no {ckpt} to resume from: starting from step 0")
     warm = max(cfg.steps // 20, 1)
-    history = []
     bar = tqdm(range(start, cfg.steps), desc="train-drafter", initial=start, total=cfg.steps)
     for step in bar:
         lr = cfg.lr * min((step + 1) / warm, 0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * step / cfg.steps)).item()))
@@ -180,8 +189,10 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
             bar.set_postfix(loss=f"{loss.item():.4f}")
         stopping = stop_at is not None and step + 1 >= stop_at
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1 or stopping:
+            tmp = ckpt.with_suffix(".tmp")  # written then renamed: an interrupted save keeps the last one
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "rng": torch.get_rng_state()}, ckpt)
+                        "rng": torch.get_rng_state(), "history": history}, tmp)
+            tmp.replace(ckpt)
         if stopping and step + 1 < cfg.steps:
             log(f"stopped at step {step + 1}; continue with --resume")
             return {"config": asdict(cfg), "windows": len(tokens), "stopped_at": step + 1, "log": history}
