@@ -1,33 +1,16 @@
-"""Standalone closed-form commit kernel (``flush``): applies a pending accepted path to the
-recurrent state from its factor records, without verifying anything (end of generation, a switch
-to plain decoding, before reading the state). The same code runs fused inside the verify kernels.
+"""Standalone closed-form commit (``flush``): applies a pending accepted path to the recurrent
+state from its factor records, without verifying anything (end of generation, a switch to plain
+decoding, before reading the state). It launches the serial verify kernel with an empty chain, so
+the commit code is the very code that runs fused inside the verify kernels.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
-from .verify import _apply_pending, _check_pending
-
-
-@triton.jit
-def _flush_kernel(S, pk, pdelta, pG, path, path_len, P, Tp,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
-    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-    _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
-                   P, Tp, H, HV, K, V)
+from .verify import _check_pending, _serial_verify_kernel
 
 
 def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
@@ -54,6 +37,9 @@ def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tenso
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 64)
     pk, pd, pG, pa, pl = (x.contiguous() for x in (k, delta, G, path, path_len))
-    _flush_kernel[(triton.cdiv(V, BV), B * HV)](state, pk, pd, pG, pa, pl, pa.shape[1], pk.shape[1],
-                                                 H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
+    # T = 0: no chain token is read or written, so the state stands in for the unused pointers
+    _serial_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+        state, state, state, state, state, state, state, state, state, pl, pk, pd, pG, pa, pl,
+        1.0, 0, pa.shape[1], pk.shape[1], H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=True,
+    )
     return state
