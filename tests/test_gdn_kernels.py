@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specla_gdn.naive import naive_tree_gdn
+from specla_gdn.naive import naive_tree_gdn, root_path
 from specla_gdn.verify import hybrid_verify, serial_verify
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,13 +61,7 @@ def test_fused_pending_commit_ragged():
     parents = torch.tensor([[-1, 0, 1, 2, 1, 0], [-1, -1, 1, 2, 3, 4], [-1, 0, 0, 0, 3, 3], [-1, 0, 1, 2, 3, 4]])
     _, pdelta, pG, pstates = naive_tree_gdn(pq, pk, pv, pg, pbeta, S0, parents, K**-0.5)
     ends = [4, -1, 5, 5]  # accepted path ends; -1: nothing committed
-    paths = []
-    for b, e in enumerate(ends):
-        p, node = [], e
-        while node >= 0:
-            p.append(node)
-            node = int(parents[b, node])
-        paths.append(p[::-1])
+    paths = [root_path(parents[b].tolist(), e) for b, e in enumerate(ends)]
     P = max(len(p) for p in paths)
     path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
     plen = torch.tensor([len(p) for p in paths])
@@ -238,7 +232,7 @@ def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
     ry, rwin = naive_tree_conv(x, window, weight, b, parents)
     assert torch.allclose(y.cpu(), ry, rtol=1e-5, atol=1e-5)
     for node in range(T):
-        paths = [[n for n in _root_path(parents[r].tolist(), node)] for r in range(B)]
+        paths = [root_path(parents[r].tolist(), node) for r in range(B)]
         P = max(len(p) for p in paths)
         path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
         plen = torch.tensor([len(p) for p in paths])
@@ -248,14 +242,6 @@ def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
     same = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), torch.full((B, 1), -1, device=DEV),
                                     torch.zeros(B, dtype=torch.int64, device=DEV))
     assert torch.equal(same.cpu(), window)  # nothing accepted: bit-identical
-
-
-def _root_path(parents, node):
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
 
 
 from specla_gdn.commit import flush_commit  # noqa: E402

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from specla.tree import inclusive_ancestor_mask
-from specla_gdn.naive import naive_tree_conv, naive_tree_gdn
+from specla_gdn.naive import naive_tree_conv, naive_tree_gdn, root_path
 from specla_gdn.reference import (
     conv_ancestors,
     conv_window_after,
@@ -73,7 +73,7 @@ def test_commits_equal_state_after_each_node(kind, rng):
     _, delta, G = tree_gdn(q, k, v, g, beta, S0, inclusive_ancestor_mask(parents), K**-0.5)
     _, _, _, rstates = naive_tree_gdn(q, k, v, g, beta, S0, parents, K**-0.5)
     for node in range(T):
-        paths = [torch.tensor(_path(parents[b].tolist(), node)) for b in range(2)]
+        paths = [torch.tensor(root_path(parents[b].tolist(), node)) for b in range(2)]
         path = torch.nn.utils.rnn.pad_sequence(paths, batch_first=True, padding_value=-1)
         plen = torch.tensor([len(p) for p in paths])
         for S in (gdn_commit_factor(S0, k, delta, G, path, plen), gdn_commit_replay(S0, k, v, g, beta, path, plen)):
@@ -84,14 +84,6 @@ def test_commits_equal_state_after_each_node(kind, rng):
     for S in (gdn_commit_factor(S0, k, delta, G, path, plen), gdn_commit_replay(S0, k, v, g, beta, path, plen)):
         assert torch.equal(S[0], S0[0])
         assert rel_err(S[1], rstates[1, 0]) < 1e-10
-
-
-def _path(parents, node):
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -111,7 +103,7 @@ def test_tree_conv_and_windows_equal_per_path(kind, width, dtype, rng):
     assert rel_err(y, ry) < TOL[dtype]
     assert torch.equal(conv_windows_per_node(x, window, anc), rwin)  # pure gathers: exact
     for node in range(T):
-        paths = [torch.tensor(_path(parents[b].tolist(), node)) for b in range(B)]
+        paths = [torch.tensor(root_path(parents[b].tolist(), node)) for b in range(B)]
         path = torch.nn.utils.rnn.pad_sequence(paths, batch_first=True, padding_value=-1)
         plen = torch.tensor([len(p) for p in paths])
         assert torch.equal(conv_window_after(x, window, path, plen), rwin[:, node])

@@ -196,12 +196,11 @@ def gdn_commit_replay(
     """
     HV = v.shape[2]
     S = S0
+    rows = torch.arange(S0.shape[0], device=S0.device)
     for t in range(path.shape[1]):
         n = path[:, t].clamp(min=0)
-        kt = expand_heads(k[torch.arange(k.shape[0]), n][:, None], HV)[:, 0].to(S.dtype)  # [B, HV, K]
-        vt = v[torch.arange(v.shape[0]), n].to(S.dtype)
-        gt = g[torch.arange(g.shape[0]), n].to(S.dtype)
-        bt = beta[torch.arange(beta.shape[0]), n].to(S.dtype)
+        kt = expand_heads(k[rows, n][:, None], HV)[:, 0].to(S.dtype)  # [B, HV, K]
+        vt, gt, bt = (x[rows, n].to(S.dtype) for x in (v, g, beta))
         Sd = torch.exp(gt)[..., None, None] * S
         d = bt[..., None] * (vt - torch.einsum("bhkv,bhk->bhv", Sd, kt))
         Sn = Sd + kt[..., :, None] * d[..., None, :]
