@@ -43,9 +43,9 @@ class SpecConfig(BaseModel):
             plugin's Triton verify kernels with the fused delayed commit, where they apply: factor
             commit, float32 state, trees up to the kernel's size; elsewhere the reference path).
             On CPU the Triton kernels need ``TRITON_INTERPRET=1``.
-        verify_kernel: with ``kernels="triton"``: ``auto`` (chains -> serial, trees up to the
-            parallel kernel's size -> parallel, larger -> hybrid; provisional until measured on a
-            GPU), or force ``serial``, ``parallel`` or ``hybrid``.
+        verify_kernel: with ``kernels="triton"``: ``auto`` (the plugin's measured rule; for
+            GDN: chains -> serial, other trees -> hybrid), or force ``serial``, ``parallel`` or
+            ``hybrid``.
 
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.

@@ -298,3 +298,50 @@ def test_hybrid_verify_equals_naive(kind, with_pending):
         assert not got.isnan().any()
         assert torch.allclose(got.cpu(), ref.float(), rtol=1e-4, atol=1e-5)
     assert torch.allclose(state.cpu(), committed, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the GDN-1.3B layer shape needs a GPU")
+@pytest.mark.parametrize("kernel", ["serial", "parallel", "hybrid"])
+def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
+    """H=8, K=V=256, bf16 q/k/v (gates and beta float32), ragged pending commits (0..3 accepted):
+    outputs within 1e-2 of the float64 naive reference on the same bf16-rounded inputs, factor
+    records and the committed state within 1e-3 (DESIGN.md section 7.1)."""
+    B, H, HV, K, V, Tp = 4, 8, 8, 256, 256, 4
+    rng = random.Random(13)
+    T = 8 if kernel == "serial" else 32
+    if kernel == "serial":
+        parents = chain(B, T)
+    else:  # root-explicit random trees: node 0 is the root
+        parents = torch.tensor([[-1] + [rng.randrange(0, i) for i in range(1, T)] for _ in range(B)])
+    gen = torch.Generator().manual_seed(29)
+    q, k, v, g, beta, S0 = inputs(B, T, H, HV, K, V, gen)
+    q, k, v = (x.bfloat16().float() for x in (q, k, v))  # the reference sees the rounded inputs
+    pk = F.normalize(torch.randn(B, Tp, H, K, generator=gen), dim=-1).bfloat16()
+    pdelta = torch.randn(B, Tp, HV, V, generator=gen)
+    pG = -(torch.rand(B, Tp, HV, generator=gen) * 0.5).cumsum(1)
+    path = torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1], [0, 1, -1]])
+    plen = torch.tensor([3, 1, 0, 2])
+    committed = gdn_commit_factor(S0.double(), pk.double(), pdelta.double(), pG.double(), path, plen)
+    pending = tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen))
+    state = S0.clone().to(DEV)
+    args = [x.to(DEV) for x in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)]
+    out = (torch.full((B, T, HV, V), float("nan"), device=DEV, dtype=torch.bfloat16),) + nan_out(B, T, HV, V)[1:]
+    if kernel == "serial":
+        o, d, G = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=pending, out=out)
+    elif kernel == "parallel":
+        o, d, G = tree_verify(*args, state, inclusive_ancestor_mask(parents).to(DEV), K**-0.5, pending=pending,
+                              out=out)
+    else:
+        o, d, G = hybrid_verify(*args, state, parents.to(DEV), K**-0.5, pending=pending, out=out)
+    ro, rd, rG, _ = naive_tree_gdn(q.double(), k.double(), v.double(), g.double(), beta.double(), committed,
+                                   parents, K**-0.5)
+
+    def rel(got, ref):
+        return float((got.double().cpu() - ref).abs().max() / ref.abs().max())
+
+    assert not any(x.isnan().any() for x in (o, d, G))
+    assert o.dtype == torch.bfloat16 and state.dtype == torch.float32
+    assert rel(o, ro) < 1e-2
+    assert rel(d, rd) < 1e-3 and rel(G, rG) < 1e-5
+    assert rel(state, committed) < 1e-5
+    assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical

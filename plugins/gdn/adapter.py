@@ -35,7 +35,7 @@ from .reference import (
 )
 from . import conv as conv_kernels
 from .commit import flush_commit
-from .verify import hybrid_verify, pick_verify_kernel, serial_verify, tree_verify
+from .verify import hybrid_plan, hybrid_verify, pick_verify_kernel, serial_verify, tree_verify
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
 
@@ -199,17 +199,23 @@ class GDNAdapter(TargetAdapter):
         return (self.config.kernels == "triton" and records == "factor"
                 and self.state_dtype == torch.float32 and not self.differentiable)
 
-    def _kernel_verify(self, q, k, v, g, beta, S0, parents, counts, mask, scale, pending):
-        """Dispatch to the serial, parallel or hybrid verify kernel (``SpecConfig.verify_kernel``)."""
+    def _kernel_plan(self, parents: Tensor, counts: Tensor):
+        """The verify kernel for this batch of trees (``SpecConfig.verify_kernel``) and, for the
+        hybrid kernel, its launch plan: decided once per pass, shared by every layer."""
         choice = pick_verify_kernel(parents, counts, self.config.verify_kernel)
+        return choice, (hybrid_plan(parents) if choice == "hybrid" else None)
+
+    def _kernel_verify(self, q, k, v, g, beta, S0, parents, counts, mask, scale, pending, plan):
+        """Run the chosen verify kernel (``plan`` from :meth:`_kernel_plan`)."""
+        choice, hplan = plan
         if choice == "serial":
             return serial_verify(q, k, v, g, beta, S0, counts, scale, pending=pending)
         if choice == "parallel":
             return tree_verify(q, k, v, g, beta, S0, mask, scale, pending=pending)
-        if pending is not None and bool(((parents == -1).sum(1) != 1).any()):
+        if pending is not None and hplan.waves and hplan.waves[0][0].shape[0] != parents.shape[0]:
             flush_commit(S0, *pending)  # not root-explicit: commit first, then verify unfused
             pending = None
-        return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending)
+        return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
 
     def _forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool,
                  pending: PendingCommit | None):
@@ -219,6 +225,7 @@ class GDNAdapter(TargetAdapter):
         B, T = tokens.shape
         out_records: list[Record] = []
         kernel = self._use_kernel(records)
+        plan = self._kernel_plan(parents, counts) if kernel else None
         for li, L in enumerate(self.layers):
             prev = pending.records[li] if pending is not None else None
             if prev is not None and self.conv[li] is not None:  # the conv window commits first
@@ -240,7 +247,8 @@ class GDNAdapter(TargetAdapter):
             S0 = self.recurrent[li]
             if kernel:  # fused: the kernel applies the pending commit to S0 in place, then verifies
                 fused = None if prev is None else (prev.k, prev.delta, prev.G, pending.path, pending.path_len)
-                o, delta, G = self._kernel_verify(q, k, v, g, beta, S0, parents, counts, mask, L.K**-0.5, fused)
+                o, delta, G = self._kernel_verify(q, k, v, g, beta, S0, parents, counts, mask, L.K**-0.5, fused,
+                                                  plan)
             else:
                 o, delta, G = tree_gdn(q, k, v, g, beta, S0, mask, L.K**-0.5)
             conv_x = proj if anc is not None else None

@@ -10,7 +10,7 @@ import torch
 import triton
 from torch import Tensor
 
-from .verify import _check_pending, _serial_verify_kernel
+from .verify import TUNING, _check_pending, _serial_verify_kernel
 
 
 def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
@@ -35,11 +35,12 @@ def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tenso
     if len({x.device for x in (state, k, delta, G, path, path_len)}) != 1:
         raise ValueError("all tensors must be on one device")
     BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 64)
+    BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     pk, pd, pG, pa, pl = (x.contiguous() for x in (k, delta, G, path, path_len))
     # T = 0: no chain token is read or written, so the state stands in for the unused pointers
     _serial_verify_kernel[(triton.cdiv(V, BV), B * HV)](
         state, state, state, state, state, state, state, state, state, pl, pk, pd, pG, pa, pl,
         1.0, 0, pa.shape[1], pk.shape[1], H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=True,
+        num_warps=TUNING["serial"]["num_warps"],
     )
     return state

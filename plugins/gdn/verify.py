@@ -13,10 +13,20 @@ Runs on GPU, and on CPU under ``TRITON_INTERPRET=1`` (how CI tests it against ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+# Launch parameters per kernel: the V-tile width (each program keeps a [K, BV] float32 state tile
+# in registers) and warps per program. benchmarks/kernels.py --sweep measures the alternatives.
+# Measured on one H200 at the GDN-1.3B layer shape (K = V = 256), 2026-11-30 (BENCHMARKS.md):
+# small tiles with one warp won for the serial and chain kernels (BV 64 spills the tile); the
+# tree kernel's sweep did not finish, it keeps its first setting.
+TUNING = {"serial": {"BV": 8, "num_warps": 1}, "chain": {"BV": 16, "num_warps": 1},
+          "tree": {"BV": 64, "num_warps": 4}}
 
 
 @triton.jit
@@ -89,11 +99,12 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     HV, V = v.shape[2], v.shape[3]
     o, d, G = out
     BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 64)
+    BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
     _serial_verify_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, g, beta, state, o, d, G, num_nodes, pk, pd, pG, path, plen,
         scale, T, P, Tp, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None,
+        num_warps=TUNING["serial"]["num_warps"],
     )
 
 
@@ -287,7 +298,7 @@ def tree_verify(
     m8 = mask.to(torch.int8).contiguous()
     BT = max(16, triton.next_power_of_2(T))
     BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(triton.next_power_of_2(V), 64))
+    BV = max(16, min(triton.next_power_of_2(V), TUNING["tree"]["BV"]))
     if out is None:
         out = (torch.empty_like(v), torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
@@ -298,6 +309,7 @@ def tree_verify(
     _tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, beta, m8, Tm, G, state, o, d, pk, pd, pG, path, plen, scale, T, P, Tp,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_PENDING=pending is not None,
+        num_warps=TUNING["tree"]["num_warps"],
     )
     return out
 
@@ -363,7 +375,7 @@ def _chain_kernel(
 def hybrid_verify(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, parents: Tensor, scale: float,
     pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
-    out: tuple[Tensor, Tensor, Tensor] | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None, plan: HybridPlan | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Hybrid chain-decomposed verify (docs/DESIGN.md section 4, kernel 3).
 
@@ -376,32 +388,70 @@ def hybrid_verify(
         q, k, v, g, beta, state, scale, pending, out: as :func:`serial_verify`.
         parents: ``[B, T]`` int64 topologically ordered parents (``-1`` = child of the state),
             e.g. ``DraftTree.parents_with_root``.
+        plan: :func:`hybrid_plan` of ``parents``, when the caller reuses it across layers.
     Returns:
         ``o``, ``delta``, ``G`` as :func:`tree_verify`.
     Raises:
         ValueError: shapes, dtypes or devices disagree.
     """
-    from specla.tree import heavy_light_chains
-
     B, T, H, K = k.shape
     _check(q, k, v, g, beta, state, pending)
     if parents.shape != (B, T) or parents.dtype != torch.int64:
         raise ValueError(f"parents must be int64 [{B}, {T}], got {parents.dtype} {list(parents.shape)}")
-    if pending is not None and bool(((parents == -1).sum(1) != 1).any()):
-        # several chains would read (and commit) the same state: the fused commit needs one root
-        raise ValueError("hybrid_verify with a pending commit needs root-explicit trees (one node with parent -1)")
     HV, V = v.shape[2], v.shape[3]
     dev = v.device
+    plan = plan if plan is not None else hybrid_plan(parents)
+    if pending is not None and plan.waves[0][0].shape[0] != B:  # host-side: no sync, graph-capturable
+        # several chains would read (and commit) the same state: the fused commit needs one root
+        raise ValueError("hybrid_verify with a pending commit needs root-explicit trees (one node with parent -1)")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if out is None:
         out = (torch.empty_like(v), torch.empty(B, T, HV, V, dtype=torch.float32, device=dev),
                torch.empty(B, T, HV, dtype=torch.float32, device=dev))
     o, d, G = out
+    branch = torch.empty(max(plan.num_slots, 1), HV, K, V, dtype=torch.float32, device=dev)
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), TUNING["chain"]["BV"])
+    pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
+    for w, (seq, nodes, lens, par, src) in enumerate(plan.waves):
+        _chain_kernel[(triton.cdiv(V, BV), seq.shape[0] * HV)](
+            q, k, v, g, beta, state, o, d, G, branch, seq, nodes, lens, par, src, plan.slot_of,
+            pk, pd, pG, path, plen, scale, T, nodes.shape[1], P, Tp,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None and w == 0,
+            num_warps=TUNING["chain"]["num_warps"],
+        )
+    return out
+
+
+@dataclass
+class HybridPlan:
+    """Launch plan of :func:`hybrid_verify` for one batch of trees (every layer of a verify pass
+    shares it, so it is built once per step on the host).
+
+    Attributes:
+        waves: per wave, ``(seq [C], nodes [C, L], lengths [C], parent [C], src [C])`` int64 on the
+            device: each chain's sequence, node ids (``-1`` padded), length, the node it hangs from
+            (``-1``: the committed state) and the branch slot holding that node's state.
+        slot_of: ``[B, T]`` int64 branch slot of each node whose state a later chain reads, else -1.
+        num_slots: number of materialised branch-point states per head.
+    """
+
+    waves: list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]
+    slot_of: Tensor
+    num_slots: int
+
+
+def hybrid_plan(parents: Tensor) -> HybridPlan:
+    """Heavy-light chains of every tree of ``parents`` (``[B, T]`` int64), grouped into waves of
+    chains whose start state is ready (``specla.tree.heavy_light_chains``)."""
+    from specla.tree import heavy_light_chains
+
+    B, T = parents.shape
+    dev = parents.device
     waves: dict[int, list] = {}
     slot_of = torch.full((B, T), -1, dtype=torch.int64)
     n_slots = 0
-    for b in range(B):
-        par = parents[b].tolist()
+    for b, par in enumerate(parents.tolist()):
         chains = heavy_light_chains(par)
         for c in chains:
             if c.parent >= 0 and slot_of[b, c.parent] < 0:
@@ -410,23 +460,14 @@ def hybrid_verify(
         for c in chains:
             src = int(slot_of[b, c.parent]) if c.parent >= 0 else -1
             waves.setdefault(c.wave, []).append((b, c.nodes, c.parent, src))
-    branch = torch.empty(max(n_slots, 1), HV, K, V, dtype=torch.float32, device=dev)
-    slot_of = slot_of.to(dev)
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 64)
-    pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
+    planned = []
     for w in sorted(waves):
         chains = waves[w]
         L = max(len(nodes) for _, nodes, _, _ in chains)
         as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
-        nodes = as_t([list(n) + [-1] * (L - len(n)) for _, n, _, _ in chains])
-        _chain_kernel[(triton.cdiv(V, BV), len(chains) * HV)](
-            q, k, v, g, beta, state, o, d, G, branch,
-            as_t([c[0] for c in chains]), nodes, as_t([len(c[1]) for c in chains]), as_t([c[2] for c in chains]),
-            as_t([c[3] for c in chains]), slot_of, pk, pd, pG, path, plen,
-            scale, T, L, P, Tp, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None and w == 0,
-        )
-    return out
+        planned.append((as_t([c[0] for c in chains]), as_t([list(c[1]) + [-1] * (L - len(c[1])) for c in chains]),
+                        as_t([len(c[1]) for c in chains]), as_t([c[2] for c in chains]), as_t([c[3] for c in chains])))
+    return HybridPlan(planned, slot_of.to(dev), n_slots)
 
 
 def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
@@ -442,14 +483,15 @@ def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
 def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
     """``serial`` / ``parallel`` / ``hybrid`` for a batch of trees (``counts``: real nodes per row).
 
-    ``auto`` (provisional, not yet measured on a GPU): chains -> serial, up to
-    ``MAX_TREE_NODES`` nodes -> parallel, larger -> hybrid. A forced ``serial`` on trees that are
-    not chains, or ``parallel`` beyond ``MAX_TREE_NODES``, falls back to ``hybrid``.
+    ``auto``, the rule measured on one H200 (BENCHMARKS.md, 2026-11-30): chains -> serial, other
+    trees -> hybrid (the parallel kernel was 2x to 30x slower than hybrid at every measured tree
+    and batch). A forced ``serial`` on trees that are not chains, or ``parallel`` beyond
+    ``MAX_TREE_NODES``, falls back to ``hybrid``.
     """
     T = parents.shape[1]
     is_chain = is_chain_batch(parents, counts)
     if choice == "auto":
-        return "serial" if is_chain else ("parallel" if T <= MAX_TREE_NODES else "hybrid")
+        return "serial" if is_chain else "hybrid"
     if (choice == "serial" and not is_chain) or (choice == "parallel" and T > MAX_TREE_NODES):
         return "hybrid"
     return choice
