@@ -35,11 +35,13 @@ PRESETS = {
                    tie_word_embeddings=True),
         seq_len=512, batch=128, steps=700, lr=3e-3, warmup=50, save_dtype="bfloat16",
     ),
-    # ~120M parameters with the Llama-2 vocabulary
+    # ~119M parameters with the Llama-2 vocabulary; micro-batches of 16 keep the activations of
+    # the PyTorch training path within one H200's memory
     "small": dict(
         model=dict(hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128, expand_v=2,
                    tie_word_embeddings=True),
-        seq_len=1024, batch=64, steps=1800, lr=1.5e-3, warmup=100, save_dtype="bfloat16",
+        seq_len=1024, batch=32, micro_batch=16, steps=1000, lr=2e-3, warmup=50, amp=True,
+        save_dtype="bfloat16",
     ),
 }
 SEED = 0
@@ -76,6 +78,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="override the preset (smoke runs)")
     ap.add_argument("--batch", type=int, default=None, help="override the preset (smoke runs)")
     ap.add_argument("--max-docs", type=int, default=None, help="use only this many documents (smoke runs)")
+    ap.add_argument("--amp", action="store_true", default=None,
+                    help="bfloat16 autocast for the matmuls (the state and gates stay float32); overrides the preset")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: probe the throughput, then train as many steps as fit (recorded)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
 
@@ -91,8 +97,8 @@ def main() -> None:
         cfg["steps"] = args.steps
     if args.batch is not None:
         cfg["batch"] = args.batch
-    torch.manual_seed(SEED)
-    rng = np.random.default_rng(SEED)
+    if args.amp is not None:
+        cfg["amp"] = args.amp
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     t0 = time.time()
     train = token_stream(args.corpus, tok, "train", args.max_docs)
@@ -103,48 +109,70 @@ def main() -> None:
                                     eos_token_id=tok.eos_token_id, **cfg["model"])
     dev = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = GatedDeltaNetForCausalLM(model_cfg).to(dev)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"parameters: {n_params:,}", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
-    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=cfg["lr"], betas=(0.9, 0.95))
     L, Bsz = cfg["seq_len"], cfg["batch"]
+    micro = min(cfg.get("micro_batch", Bsz), Bsz)  # gradient accumulation keeps activations in memory
+    if Bsz % micro:
+        raise SystemExit(f"batch {Bsz} is not a multiple of micro_batch {micro}")
 
     def batch_at(stream: np.ndarray, starts: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.stack([stream[s : s + L + 1] for s in starts]).astype(np.int64)).to(dev)
 
-    def loss_of(x: torch.Tensor) -> torch.Tensor:
+    def loss_of(model, x: torch.Tensor) -> torch.Tensor:
         # rebuilt every step: the adapter's fused weights (e.g. q|k|v) are views of this step's params
         adapter = GDNAdapter(model, SpecConfig(), differentiable=True)
-        logits = adapter.score(x[:, :-1])
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.get("amp", False)):
+            logits = adapter.score(x[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
 
-    held_starts = heldout_starts(held, L)
-    log = []
-    model.train()
-    start = time.time()
-    for step in range(cfg["steps"]):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        x = batch_at(train, rng.integers(0, len(train) - L - 1, Bsz))
-        loss = loss_of(x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == cfg["steps"] - 1 or step < 3:
-            log.append({"step": step, "loss": loss.item(), "elapsed_s": time.time() - start})
-            print(json.dumps(log[-1]), flush=True)
-    train_s = time.time() - start
+    def run_recipe(steps: int, log: list):
+        """The recipe: seeded model, data order and schedule for ``steps`` optimiser steps."""
+        torch.manual_seed(SEED)
+        rng = np.random.default_rng(SEED)
+        model = GatedDeltaNetForCausalLM(model_cfg).to(dev)
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
+        other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                                lr=cfg["lr"], betas=(0.9, 0.95))
+        model.train()
+        run = dict(cfg, steps=steps)
+        start = time.time()
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, run)
+            x = batch_at(train, rng.integers(0, len(train) - L - 1, Bsz))
+            total = 0.0
+            for part in x.split(micro):
+                loss = loss_of(model, part)
+                (loss * (part.shape[0] / Bsz)).backward()
+                total += loss.item() * part.shape[0] / Bsz
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step % 100 == 0 or step == steps - 1 or step < 3:
+                log.append({"step": step, "loss": total, "elapsed_s": time.time() - start})
+                print(json.dumps(log[-1]), flush=True)
+        return model, time.time() - start
+
+    if args.time_budget:
+        # throughput probe on a throwaway run, then the step count that fits the budget; the
+        # chosen count is recorded, and --steps N alone reproduces the run
+        probe: list = []
+        run_recipe(4, probe)
+        per_step = (probe[-1]["elapsed_s"] - probe[1]["elapsed_s"]) / 2
+        cfg["steps"] = max(int(args.time_budget / per_step), cfg["warmup"] + 1)
+        print(f"probe: {per_step:.2f} s/step -> {cfg['steps']} steps in {args.time_budget:.0f} s", flush=True)
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    log: list = []
+    model, train_s = run_recipe(cfg["steps"], log)
     model.eval()
+    held_starts = heldout_starts(held, L)
     with torch.no_grad():
-        held_loss = float(np.mean([float(loss_of(batch_at(held, held_starts[i : i + 32])))
-                                   for i in range(0, len(held_starts), 32)]))
+        held_loss = float(np.mean([float(loss_of(model, batch_at(held, held_starts[i : i + micro])))
+                                   for i in range(0, len(held_starts), micro)]))
     print(f"held-out loss {held_loss:.4f}, train {train_s:.0f}s", flush=True)
     model.to(getattr(torch, cfg["save_dtype"])).save_pretrained(args.out)
     tok.save_pretrained(args.out)
+    n_params = sum(p.numel() for p in model.parameters())
     summary = dict(preset=args.preset, config=cfg, parameters=n_params, train_tokens=len(train),
                    heldout_tokens=len(held), heldout_loss=held_loss, train_seconds=train_s,
                    tokens_per_s=cfg["steps"] * Bsz * L / train_s,
