@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from specla.tree import inclusive_ancestor_mask
 from specla_gdn.naive import naive_tree_conv, naive_tree_gdn, root_path
 from specla_gdn.reference import (
+    causal_conv,
+    chunk_gdn,
     conv_ancestors,
     conv_window_after,
     conv_windows_per_node,
@@ -127,3 +129,42 @@ def test_chain_matches_fla_naive_recurrent(rng):
     path = torch.arange(T).expand(B, T)
     S = gdn_commit_factor(S0, k, delta, G, path, end + 1)
     assert rel_err(S, rS.to(S.dtype)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("T, chunk", [(45, 16), (16, 16), (5, 8)])  # ragged last chunk, exact, one short chunk
+def test_chunk_gdn_equals_sequential_recurrence(T, chunk, dtype, rng):
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    q, k, v, g, beta, S0 = gdn_inputs(2, T, 1, 3, 5, 4, dtype, gen)
+    o, S = chunk_gdn(q, k, v, g, beta, S0, 5**-0.5, chunk)
+    chain = torch.arange(-1, T - 1).expand(2, T)
+    ro, _, _, rstates = naive_tree_gdn(q, k, v, g, beta, S0, chain, 5**-0.5)
+    assert o.dtype == dtype and S.dtype == dtype
+    assert rel_err(o, ro) < TOL[dtype]
+    assert rel_err(S, rstates[:, -1]) < TOL[dtype]
+
+
+def test_chunk_gdn_gradients_equal_tree_gdn_on_a_chain(rng):
+    """Training differentiates through chunk_gdn: its gradients (every input, float64) equal those
+    of the one-chunk tree-masked form on the same chain."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    T = 21
+    inputs = [x.requires_grad_() for x in gdn_inputs(2, T, 2, 2, 4, 3, torch.float64, gen)]
+    w = torch.randn(2, T, 2, 3, generator=gen, dtype=torch.float64)
+    o, _ = chunk_gdn(*inputs, 0.5, 8)
+    grads = torch.autograd.grad((o * w).sum(), inputs)
+    mask = inclusive_ancestor_mask(torch.arange(-1, T - 1).expand(2, T))
+    ref_o = tree_gdn(*inputs, mask, 0.5)[0]
+    ref = torch.autograd.grad((ref_o * w).sum(), inputs)
+    for got, want in zip(grads, ref):
+        assert rel_err(got, want) < 1e-10
+
+
+def test_causal_conv_equals_tree_conv_on_a_chain_from_an_empty_window(rng):
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    B, T, D, C = 2, 9, 6, 4
+    x = torch.randn(B, T, D, generator=gen)
+    weight, bias = torch.randn(D, C, generator=gen), torch.randn(D, generator=gen)
+    chain = torch.arange(-1, T - 1).expand(B, T)
+    ref, _ = naive_tree_conv(x, torch.zeros(B, C - 1, D), weight, bias, chain)
+    assert rel_err(causal_conv(x, weight, bias), ref) < 1e-6

@@ -6,8 +6,9 @@
 Presets fix the architecture, the token budget (steps x batch x sequence length), the learning
 rate schedule and the seed, so a rerun on the same GPU type rebuilds the same model up to
 kernel-level nondeterminism. The forward and backward run through specla's own differentiable
-PyTorch GDN path (``GDNAdapter(..., differentiable=True).score``), checked against FLA's model in
-the tests: FLA 0.6's training kernels refuse Hopper GPUs with Triton < 3.7.1. Writes a
+PyTorch GDN path (``GDNAdapter(..., differentiable=True).score``: causal conv and the chunked
+WY-form gated delta rule), checked against FLA's model and sequential decoding in the tests: FLA
+0.6's training kernels refuse Hopper GPUs with Triton < 3.7.1. Writes a
 transformers checkpoint (config.json, model.safetensors, tokenizer files) and ``training.json``
 (losses, held-out loss, throughput, wall time).
 """
@@ -40,7 +41,7 @@ PRESETS = {
     "small": dict(
         model=dict(hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128, expand_v=2,
                    tie_word_embeddings=True),
-        seq_len=1024, batch=32, micro_batch=16, steps=1000, lr=2e-3, warmup=50, amp=True,
+        seq_len=1024, batch=32, micro_batch=16, steps=1000, lr=2e-3, warmup=50, amp=False,
         save_dtype="bfloat16",
     ),
 }

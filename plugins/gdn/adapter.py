@@ -22,6 +22,8 @@ from specla.tree import DraftTree, inclusive_ancestor_mask
 
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
 from .reference import (
+    causal_conv,
+    chunk_gdn,
     compute_dtype,
     conv_ancestors,
     conv_window_after,
@@ -217,6 +219,34 @@ class GDNAdapter(TargetAdapter):
             pending = None
         return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
 
+    def _mixer_inputs(self, L: _Layer, h: Tensor, conv):
+        """Projections, short conv (``conv(proj)``; SiLU alone when ``None``), L2-normalised q/k,
+        gates. Returns ``proj [B, T, Dc]``, ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``,
+        ``g, beta [B, T, HV]`` (state dtype)."""
+        B, T = h.shape[:2]
+        proj = h @ L.w_qkv.T
+        qkv = conv(proj) if conv is not None else F.silu(proj)
+        q, k, v = qkv.split([L.H * L.K, L.H * L.K, L.HV * L.V], dim=-1)
+        q, k = l2norm(q.view(B, T, L.H, L.K)), l2norm(k.view(B, T, L.H, L.K))
+        v = v.reshape(B, T, L.HV, L.V)
+        st = self.state_dtype
+        g = -torch.exp(L.A_log) * F.softplus((h @ L.w_a.T).to(st) + L.dt_bias)
+        beta = torch.sigmoid((h @ L.w_b.T).to(st)) * L.beta_scale
+        return proj, q, k, v, g, beta
+
+    def _mixer_output_and_mlp(self, L: _Layer, x: Tensor, h: Tensor, o: Tensor) -> Tensor:
+        """Gated RMSNorm of the GDN output ``o [B, T, HV, V]``, output projection and residual,
+        then the MLP block; returns the new residual stream ``[B, T, hidden]``."""
+        B, T = x.shape[:2]
+        st = self.state_dtype
+        o = rms_norm(o, L.o_norm, L.o_eps).to(st)
+        if L.w_g is not None:
+            gate = (h @ L.w_g.T).view(B, T, L.HV, L.V).to(st)
+            o = o * (torch.sigmoid(gate) if L.gate_act == "sigmoid" else F.silu(gate))
+        x = x + o.reshape(B, T, -1).to(self.dtype) @ L.w_o.T
+        h = rms_norm(x, L.mlp_norm, L.mlp_eps)
+        return x + (F.silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+
     def _forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool,
                  pending: PendingCommit | None):
         mask = inclusive_ancestor_mask(parents)
@@ -235,15 +265,9 @@ class GDNAdapter(TargetAdapter):
                 self.recurrent[li] = gdn_commit_factor(self.recurrent[li], prev.k, prev.delta, prev.G,
                                                        pending.path, pending.path_len)
             h = rms_norm(x, L.attn_norm, L.attn_eps)
-            proj = h @ L.w_qkv.T
             conv = conv_kernels.tree_conv if kernel else tree_conv
-            qkv = conv(proj, self.conv[li], L.conv_w, L.conv_b, anc) if anc is not None else F.silu(proj)
-            q, k, v = qkv.split([L.H * L.K, L.H * L.K, L.HV * L.V], dim=-1)
-            q, k = l2norm(q.view(B, T, L.H, L.K)), l2norm(k.view(B, T, L.H, L.K))
-            v = v.reshape(B, T, L.HV, L.V)
-            st = self.state_dtype
-            g = -torch.exp(L.A_log) * F.softplus((h @ L.w_a.T).to(st) + L.dt_bias)
-            beta = torch.sigmoid((h @ L.w_b.T).to(st)) * L.beta_scale
+            proj, q, k, v, g, beta = self._mixer_inputs(
+                L, h, (lambda p: conv(p, self.conv[li], L.conv_w, L.conv_b, anc)) if anc is not None else None)
             S0 = self.recurrent[li]
             if kernel:  # fused: the kernel applies the pending commit to S0 in place, then verifies
                 fused = None if prev is None else (prev.k, prev.delta, prev.G, pending.path, pending.path_len)
@@ -258,14 +282,8 @@ class GDNAdapter(TargetAdapter):
                 wins = conv_windows_per_node(proj, self.conv[li], anc) if anc is not None else None
                 out_records.append(GDNSnapshotRecord(node_states(S0, k, delta, G, mask), wins))
             else:
-                out_records.append(GDNReplayRecord(k=k, v=v.to(st), g=g, beta=beta, conv_x=conv_x))
-            o = rms_norm(o, L.o_norm, L.o_eps).to(st)
-            if L.w_g is not None:
-                gate = (h @ L.w_g.T).view(B, T, L.HV, L.V).to(st)
-                o = o * (torch.sigmoid(gate) if L.gate_act == "sigmoid" else F.silu(gate))
-            x = x + o.reshape(B, T, -1).to(self.dtype) @ L.w_o.T
-            h = rms_norm(x, L.mlp_norm, L.mlp_eps)
-            x = x + (F.silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+                out_records.append(GDNReplayRecord(k=k, v=v.to(self.state_dtype), g=g, beta=beta, conv_x=conv_x))
+            x = self._mixer_output_and_mlp(L, x, h, o)
         out = rms_norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
         return out, x, tuple(out_records)
 
@@ -292,26 +310,29 @@ class GDNAdapter(TargetAdapter):
                 self.conv[li] = conv_window_after(rec.conv_x, win, path, path_len)
 
     # ------------------------------------------------------------------ contract
-    def _run_chunks(self, tokens: Tensor, lengths: Tensor, logits: bool) -> tuple[Tensor | None, Tensor]:
+    def _run_chunks(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """Run every sequence's tokens into its state, ``PREFILL_CHUNK`` at a time (chains).
 
         Args: tokens ``[B, T]`` int64 (right-padded), lengths ``[B]`` int64.
-        Returns: ``([B, T, vocab]`` logits or ``None``, ``[B, T, hidden]`` last-layer features).
+        Returns: ``[B, T, hidden]`` last-layer features.
         """
-        outs, feats = [], []
+        feats = []
         for start in range(0, tokens.shape[1], PREFILL_CHUNK):
             chunk = tokens[:, start : start + PREFILL_CHUNK]
             W = chunk.shape[1]
             n = (lengths - start).clamp(0, W)
             tree = DraftTree(chunk, torch.arange(-1, W - 1, device=self.device).expand_as(chunk).contiguous(), n)
-            lg, hidden, recs = self.forward(tree.tokens, tree.parents, n, "factor", logits=logits)
-            outs.append(lg)
+            _, hidden, recs = self.forward(tree.tokens, tree.parents, n, "factor", logits=False)
             feats.append(hidden)
             self._apply(recs, torch.where(tree.valid, torch.arange(W, device=self.device), -1), n)
-        return (torch.cat(outs, 1) if logits else None), torch.cat(feats, 1)
+        return torch.cat(feats, 1)
 
     def score(self, tokens: Tensor, return_hidden: bool = False):
-        """Teacher-forced logits of whole sequences from an empty state (chunked chains).
+        """Teacher-forced logits of whole sequences from an empty state.
+
+        Runs every layer over the whole sequence at once: causal short conv and the chunked
+        (WY-form) gated delta rule (:func:`reference.chunk_gdn`), a few launches per chunk instead
+        of the verify path's tree machinery; equal to decoding token by token (tested).
 
         Args:
             tokens: ``[B, T]`` int64, ``T >= 1``.
@@ -323,11 +344,21 @@ class GDNAdapter(TargetAdapter):
         Discards any batch the adapter held.
         """
         self.pending = None
-        self._empty_state(tokens.shape[0])
-        self._roots = torch.zeros(tokens.shape[0], dtype=torch.int64, device=self.device)
-        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64, device=self.device)
-        logits, hidden = self._run_chunks(tokens.to(self.device), lengths, logits=True)
-        return (logits, hidden) if return_hidden else logits
+        self._empty_state(0)
+        self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
+        tokens = tokens.to(self.device)
+        B = tokens.shape[0]
+        with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
+            x = self.embed_weight[tokens]
+            for L in self.layers:
+                h = rms_norm(x, L.attn_norm, L.attn_eps)
+                conv = (lambda p: causal_conv(p, L.conv_w, L.conv_b)) if self.conv_width else None  # noqa: B023
+                _, q, k, v, g, beta = self._mixer_inputs(L, h, conv)
+                S0 = torch.zeros(B, L.HV, L.K, L.V, dtype=self.state_dtype, device=self.device)
+                o, _ = chunk_gdn(q, k, v, g, beta, S0, L.K**-0.5, PREFILL_CHUNK)
+                x = self._mixer_output_and_mlp(L, x, h, o)
+            logits = self.lm_logits(x)
+        return (logits, x) if return_hidden else logits
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Input embeddings ``[..., hidden]`` of ``tokens`` (int64, any shape)."""
@@ -347,7 +378,7 @@ class GDNAdapter(TargetAdapter):
         if T:
             tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
             lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
-            _, hidden = self._run_chunks(tokens, lengths, logits=False)
+            hidden = self._run_chunks(tokens, lengths)
             last = hidden[torch.arange(len(prompts), device=self.device), (lengths - 1).clamp(min=0)]
             self.last_hidden = torch.where((lengths > 0)[:, None], last, self.last_hidden)
         self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)

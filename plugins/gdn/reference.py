@@ -148,6 +148,76 @@ def tree_gdn(
     return o.transpose(1, 2), delta.transpose(1, 2), G.transpose(1, 2)
 
 
+def chunk_gdn(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, scale: float, chunk: int = 64
+) -> tuple[Tensor, Tensor]:
+    """Chunked gated delta rule over whole sequences (WY form; Yang et al. 2024, arXiv 2412.06464,
+    as FLA's ``chunk_gated_delta_rule``): teacher-forced scoring and training, where every token
+    of every row is real.
+
+    Within a chunk, ``delta = U - W S_c`` with ``U = (I + A)^-1 (beta v)`` and
+    ``W = (I + A)^-1 (beta exp(G) k)`` do not depend on the chunk's initial state ``S_c``, so they
+    are computed for all chunks at once; only ``S_{c+1} = exp(G_C) S_c + (exp(G_C - G) k)^T delta_c``
+    runs chunk by chunk (three small products per chunk, autograd-friendly).
+
+    Args:
+        q, k: ``[B, T, H, K]`` L2-normalised; v: ``[B, T, HV, V]``.
+        g: ``[B, T, HV]`` log decay (<= 0); beta: ``[B, T, HV]``.
+        S0: ``[B, HV, K, V]`` initial state (float32 or float64: the compute dtype).
+        scale: query scale (``K ** -0.5``); chunk: tokens per chunk.
+    Returns:
+        ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, both in ``S0.dtype``.
+    Equals :func:`tree_gdn` on a chain (tested against ``naive.py``'s sequential recurrence).
+    """
+    B, T, _, _ = k.shape
+    HV = v.shape[2]
+    ct = S0.dtype
+    pad = (-T) % chunk
+    # padded tokens have beta = 0 and g = 0: they leave the state unchanged and are cut from o
+    padded = lambda x: F.pad(x.to(ct), (0, 0) * (x.dim() - 2) + (0, pad))  # noqa: E731
+    qh, kh = (padded(expand_heads(x, HV)) for x in (q, k))
+    vh, gh, bh = padded(v), padded(g), padded(beta)
+    n = (T + pad) // chunk
+    # [B, HV, n, C, .]: heads first, chunks batched
+    split = lambda x: x.transpose(1, 2).reshape(B, HV, n, chunk, *x.shape[3:])  # noqa: E731
+    qc, kc, vc = split(qh) * scale, split(kh), split(vh)
+    G = split(gh).cumsum(-1)  # [B, HV, n, C], within-chunk path sums
+    bc = split(bh)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    gam = torch.exp(torch.where(causal, G[..., :, None] - G[..., None, :], float("-inf")))
+    A = torch.where(~torch.eye(chunk, dtype=torch.bool, device=k.device),
+                    bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * gam, 0.0)
+    I = torch.eye(chunk, dtype=ct, device=k.device)
+    UW = torch.linalg.solve_triangular(I + A, torch.cat([bc[..., None] * vc, (bc * torch.exp(G))[..., None] * kc], -1),
+                                       upper=False, unitriangular=True)
+    U, W = UW.split([vc.shape[-1], kc.shape[-1]], -1)
+    k_end = torch.exp(G[..., -1:] - G)[..., None] * kc  # decay from each token to the chunk end
+    S, states, deltas = S0, [], []
+    for c in range(n):
+        states.append(S)
+        d = U[:, :, c] - W[:, :, c] @ S
+        deltas.append(d)
+        S = torch.exp(G[:, :, c, -1])[..., None, None] * S + k_end[:, :, c].transpose(-1, -2) @ d
+    Sc, delta = torch.stack(states, 2), torch.stack(deltas, 2)  # [B, HV, n, K, V], [B, HV, n, C, V]
+    o = torch.exp(G)[..., None] * (qc @ Sc) + ((qc @ kc.transpose(-1, -2)) * gam) @ delta
+    o = o.reshape(B, HV, n * chunk, -1)[:, :, :T].transpose(1, 2)
+    return o, S
+
+
+def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Causal depthwise short convolution + SiLU of whole sequences from an empty window (FLA
+    ``ShortConvolution``): :func:`tree_conv` on a chain with a zero window.
+
+    Args: x ``[B, T, D]``, weight ``[D, C]``, bias ``[D]`` or ``None``.
+    Returns: ``[B, T, D]`` in ``x.dtype``.
+    """
+    ct = compute_dtype(x)
+    C = weight.shape[1]
+    y = F.conv1d(F.pad(x.to(ct).transpose(1, 2), (C - 1, 0)), weight.to(ct)[:, None],
+                 bias.to(ct) if bias is not None else None, groups=weight.shape[0])
+    return F.silu(y.transpose(1, 2)).to(x.dtype)
+
+
 def node_states(S0: Tensor, k: Tensor, delta: Tensor, G: Tensor, mask: Tensor) -> Tensor:
     """State after every node's root path (for the snapshot strategy), from factors.
 
