@@ -345,3 +345,31 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
     assert rel(d, rd) < 1e-3 and rel(G, rG) < 1e-5
     assert rel(state, committed) < 1e-5
     assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical
+
+
+def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch):
+    """K = 40 in blocks of 16 (the last one partial), with a ragged pending commit: the same
+    outputs, records and committed state as the naive reference."""
+    from specla_gdn import verify as vk
+
+    monkeypatch.setitem(vk.TUNING, "tree", {"BV": 16, "BKC": 16, "num_warps": 4})
+    B, Tp, H, HV, K, V = 2, 4, 1, 2, 40, 20
+    gen = torch.Generator().manual_seed(17)
+    rng = random.Random(17)
+    T = 11
+    parents = torch.tensor([[-1] + [rng.randrange(0, i) for i in range(1, T)] for _ in range(B)])
+    q, k, v, g, beta, S0 = inputs(B, T, H, HV, K, V, gen)
+    pk = F.normalize(torch.randn(B, Tp, H, K, generator=gen), dim=-1)
+    pdelta, pG = torch.randn(B, Tp, HV, V, generator=gen), -torch.rand(B, Tp, HV, generator=gen).cumsum(1)
+    path, plen = torch.tensor([[0, 1, 2], [-1, -1, -1]]), torch.tensor([3, 0])
+    committed = gdn_commit_factor(S0, pk, pdelta, pG, path, plen)
+    state = S0.clone().to(DEV)
+    o, d, G = tree_verify(*(x.to(DEV) for x in (q, k, v, g, beta)), state, inclusive_ancestor_mask(parents).to(DEV),
+                          K**-0.5, pending=tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen)),
+                          out=nan_out(B, T, HV, V))
+    ro, rd, rG, _ = naive_tree_gdn(q, k, v, g, beta, committed.double(), parents, K**-0.5)
+    for got, ref in ((o, ro), (d, rd), (G, rG)):
+        assert not got.isnan().any()
+        assert torch.allclose(got.cpu(), ref.float(), rtol=1e-4, atol=1e-5)
+    assert torch.allclose(state.cpu(), committed, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state[1].cpu(), S0[1])

@@ -13,6 +13,7 @@ Runs on GPU, and on CPU under ``TRITON_INTERPRET=1`` (how CI tests it against ``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,11 @@ from torch import Tensor
 # Launch parameters per kernel: the V-tile width (each program keeps a [K, BV] float32 state tile
 # in registers) and warps per program. benchmarks/kernels.py --sweep measures the alternatives.
 # Measured on one H200 at the GDN-1.3B layer shape (K = V = 256), 2026-11-30 (BENCHMARKS.md):
-# small tiles with one warp won for the serial and chain kernels (BV 64 spills the tile); the
-# tree kernel's sweep did not finish, it keeps its first setting.
+# small tiles with one warp won for the serial and chain kernels (BV 64 spills the tile). The tree
+# kernel was rewritten after that run to visit the state in K blocks of BKC rows; its setting is
+# a first guess, not yet measured.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "chain": {"BV": 16, "num_warps": 1},
-          "tree": {"BV": 64, "num_warps": 4}}
+          "tree": {"BV": 32, "BKC": 64, "num_warps": 8}}
 
 
 @triton.jit
@@ -190,22 +192,26 @@ def _pending_args(state, pending):
 
 @triton.jit
 def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         BT: tl.constexpr, BK: tl.constexpr):
-    """Per (sequence, value head): G = M_incl @ g and T = (I + A)^{-1}, shared by all V tiles."""
+                         BT: tl.constexpr, BKC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Per (sequence, value head): G = M_incl @ g and T = (I + A)^{-1}, shared by all V tiles.
+    ``k k^T`` accumulates over K in blocks of ``BKC`` (a whole [BT, 256] tile would spill)."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     m_t = o_t < T
     m_tt = m_t[:, None] & m_t[None, :]
     b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_tt, other=0) != 0
     b_g = tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.sum(tl.where(b_M, b_g[None, :], 0.0), 1)  # path-summed log decay, not a cumsum
-    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
-                  mask=m_t[:, None] & (o_k[None, :] < K), other=0.0).to(tl.float32)
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for kb in range(0, K, BKC):
+        o_k = kb + tl.arange(0, BKC)
+        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                      mask=m_t[:, None] & (o_k[None, :] < K), other=0.0)
+        b_k = b_k.to(tl.float32)  # bf16 -> float32 is exact, and so are TF32 products of bf16 values
+        b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
     diff = tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)  # masked before exp
     strict = b_M & (o_t[:, None] != o_t[None, :])
     b_A = tl.where(strict, b_beta[:, None] * b_kk * tl.exp(diff), 0.0)
@@ -225,39 +231,50 @@ def _tree_verify_kernel(
     pk, pdelta, pG, path, path_len,
     scale, T, P, Tp,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+    BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Per (sequence, value head, V tile): fused delayed commit, then the tree-masked factorized
-    verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta."""
+    verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta.
+    The state tile is visited in K blocks of ``BKC`` rows: each block is committed (and written
+    once), then contributes to ``k S0``, ``q S0`` and ``q k^T``; nothing larger than a
+    ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
-    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-    if HAS_PENDING:
-        b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
-                             P, Tp, H, HV, K, V)
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    m_t, m_v = o_t < T, o_v < V
+    b_kS = tl.zeros([BT, BV], dtype=tl.float32)
+    b_qS = tl.zeros([BT, BV], dtype=tl.float32)
+    b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for kb in range(0, K, BKC):
+        o_k = kb + tl.arange(0, BKC)
+        m_k = o_k < K
+        m_s = m_k[:, None] & m_v[None, :]
+        p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+        if HAS_PENDING:
+            b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                 P, Tp, H, HV, K, V)
+        m_tk = m_t[:, None] & m_k[None, :]
+        # bf16 -> float32 is exact, and so are TF32 products of bf16 values: only the products with
+        # the float32 state are rounded (bf16 inputs only)
+        b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+        b_kS += tl.dot(b_k, b_S, input_precision=DOT_PREC)
+        b_qS += tl.dot(b_q, b_S, input_precision=DOT_PREC)
     b_v = tl.load(v + ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.load(G + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
     b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0) != 0
     b_T = tl.load(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :])
-    b_q = b_q * scale
     eG = tl.exp(b_G)
-    rhs = b_beta[:, None] * (b_v - eG[:, None] * tl.dot(b_k, b_S, input_precision="ieee"))
-    b_d = tl.dot(b_T, rhs, input_precision="ieee")
+    rhs = b_beta[:, None] * (b_v - eG[:, None] * b_kS)
+    b_d = tl.dot(b_T, rhs, input_precision=DOT_PREC)
     gam = tl.where(b_M, tl.exp(tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-    qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * gam
-    b_o = eG[:, None] * tl.dot(b_q, b_S, input_precision="ieee") + tl.dot(qk, b_d, input_precision="ieee")
+    b_o = scale * (eG[:, None] * b_qS + tl.dot(b_qk * gam, b_d, input_precision=DOT_PREC))
     m_tv = m_t[:, None] & m_v[None, :]
     p_o = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
     tl.store(o + p_o, b_o.to(o.dtype.element_ty), mask=m_tv)
@@ -297,18 +314,21 @@ def tree_verify(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     m8 = mask.to(torch.int8).contiguous()
     BT = max(16, triton.next_power_of_2(T))
-    BK = max(16, triton.next_power_of_2(K))
+    BKC = max(16, min(triton.next_power_of_2(K), TUNING["tree"]["BKC"]))
     BV = max(16, min(triton.next_power_of_2(V), TUNING["tree"]["BV"]))
+    # float32 activations: exact float32 products; bf16/fp16: TF32 for the float32 state products
+    # (their error stays under the bf16 rounding of the outputs)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if out is None:
         out = (torch.empty_like(v), torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     o, d, G = out
     Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
-    _tree_prepare_kernel[(B * HV,)](k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BK=BK)
+    _tree_prepare_kernel[(B * HV,)](k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec)
     pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
     _tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, beta, m8, Tm, G, state, o, d, pk, pd, pG, path, plen, scale, T, P, Tp,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_PENDING=pending is not None,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, HAS_PENDING=pending is not None, DOT_PREC=prec,
         num_warps=TUNING["tree"]["num_warps"],
     )
     return out
@@ -443,31 +463,36 @@ class HybridPlan:
 
 def hybrid_plan(parents: Tensor) -> HybridPlan:
     """Heavy-light chains of every tree of ``parents`` (``[B, T]`` int64), grouped into waves of
-    chains whose start state is ready (``specla.tree.heavy_light_chains``)."""
-    from specla.tree import heavy_light_chains
-
+    chains whose start state is ready (``specla.tree.heavy_light_chains``). Host work, linear in
+    the batch: each distinct tree shape is decomposed once (rows of a batch often share one)."""
     B, T = parents.shape
-    dev = parents.device
     waves: dict[int, list] = {}
-    slot_of = torch.full((B, T), -1, dtype=torch.int64)
+    slot_of = [[-1] * T for _ in range(B)]
     n_slots = 0
     for b, par in enumerate(parents.tolist()):
-        chains = heavy_light_chains(par)
+        chains = _chains_of(tuple(par))
         for c in chains:
-            if c.parent >= 0 and slot_of[b, c.parent] < 0:
-                slot_of[b, c.parent] = n_slots
+            if c.parent >= 0 and slot_of[b][c.parent] < 0:
+                slot_of[b][c.parent] = n_slots
                 n_slots += 1
         for c in chains:
-            src = int(slot_of[b, c.parent]) if c.parent >= 0 else -1
-            waves.setdefault(c.wave, []).append((b, c.nodes, c.parent, src))
+            waves.setdefault(c.wave, []).append((b, c.nodes, c.parent, slot_of[b][c.parent] if c.parent >= 0 else -1))
     planned = []
     for w in sorted(waves):
         chains = waves[w]
         L = max(len(nodes) for _, nodes, _, _ in chains)
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
-        planned.append((as_t([c[0] for c in chains]), as_t([list(c[1]) + [-1] * (L - len(c[1])) for c in chains]),
-                        as_t([len(c[1]) for c in chains]), as_t([c[2] for c in chains]), as_t([c[3] for c in chains])))
-    return HybridPlan(planned, slot_of.to(dev), n_slots)
+        cols = [[c[0] for c in chains], [len(c[1]) for c in chains], [c[2] for c in chains], [c[3] for c in chains]]
+        nodes = [list(c[1]) + [-1] * (L - len(c[1])) for c in chains]
+        seq, lens, par, src = torch.tensor(cols, dtype=torch.int64).to(parents.device, non_blocking=True)
+        planned.append((seq, torch.tensor(nodes, dtype=torch.int64).to(parents.device, non_blocking=True), lens, par, src))
+    return HybridPlan(planned, torch.tensor(slot_of, dtype=torch.int64).to(parents.device), n_slots)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chains_of(parents: tuple[int, ...]):
+    from specla.tree import heavy_light_chains
+
+    return heavy_light_chains(list(parents))
 
 
 def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
