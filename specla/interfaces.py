@@ -148,6 +148,12 @@ class TargetAdapter(ABC):
         """Apply a pending commit now (idempotent; a no-op when nothing is pending)."""
 
     @abstractmethod
+    def recurrent_states(self) -> list[Tensor]:
+        """Every layer's recurrent state (``[B, ...]``, after any pending commit is applied):
+        what the conformance suite checks for dtype (float32 or float64, never half) and
+        finiteness. Read-only views; callers must not modify them."""
+
+    @abstractmethod
     def select(self, index: Tensor) -> None:
         """Keep only the sequences ``index`` (``[B']`` int64), e.g. when others finish."""
 
@@ -173,12 +179,21 @@ class ArchitecturePlugin(ABC):
             can run, or ``None``.
         demo_drafters: drafters trained for ``demo_checkpoint``, by name (``specla demo
             --drafter NAME``).
+        capabilities: what the plugin supports beyond greedy chain drafts, among ``"trees"``
+            (tree drafts), ``"sampling"``, ``"cuda_graphs"``; the conformance suite runs the
+            matching tests and requires a clear error otherwise.
+        known_failures: conformance test names expected to fail, with the reason (the suite
+            runs them as strict xfail: an unexpected pass fails too).
+        tiny_variants: names accepted by :meth:`tiny_model` (model shapes the suite covers).
     """
 
     name: str
     model_types: tuple[str, ...]
     demo_checkpoint: Path | None = None
     demo_drafters: dict[str, Path] = {}
+    capabilities: frozenset[str] = frozenset()
+    known_failures: dict[str, str] = {}
+    tiny_variants: tuple[str, ...] = ()
 
     @abstractmethod
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
@@ -200,6 +215,25 @@ class ArchitecturePlugin(ABC):
         Raises:
             UnsupportedModelError: see :meth:`check_model`.
         """
+
+    # -- what the conformance suite (specla.testing) needs from a plugin
+    def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+        """A tiny randomly initialised model of shape ``variant`` (one of :attr:`tiny_variants`,
+        the first being the plainest), in eval mode, on the CPU.
+
+        Raises:
+            NotImplementedError: the plugin provides no test models (it cannot run the suite).
+        """
+        raise NotImplementedError(f"plugin {self.name!r} provides no tiny test models (tiny_model)")
+
+    def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy autoregressive decoding, one token at a time with the plain sequential
+        recurrence (the plugin's ``naive.py``): the suite's oracle.
+
+        Raises:
+            NotImplementedError: the plugin provides no reference decoder.
+        """
+        raise NotImplementedError(f"plugin {self.name!r} provides no reference decoder (reference_decode)")
 
 
 class Drafter(ABC):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,10 +29,27 @@ class PluginInfo:
 
 @lru_cache(maxsize=1)
 def plugin_manager() -> pluggy.PluginManager:
-    """The process-wide plugin manager, with every ``specla.plugins`` entry point loaded."""
+    """The process-wide plugin manager, with the ``specla.plugins`` entry points loaded: all of
+    them, or only those named in the environment variable ``SPECLA_PLUGINS`` (comma-separated;
+    read once per process).
+
+    Raises:
+        UnknownPluginError: ``SPECLA_PLUGINS`` names a plugin that is not installed (the message
+            lists the installed ones); nothing is loaded then.
+    """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
+    wanted = os.environ.get("SPECLA_PLUGINS")
+    if wanted is None:
+        pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
+        return pm
+    names = {n.strip() for n in wanted.split(",") if n.strip()}
+    installed = {ep.name for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP)}
+    if names - installed:
+        raise UnknownPluginError(f"SPECLA_PLUGINS names {', '.join(sorted(names - installed))}, which is not "
+                                 f"installed; installed plugins: {', '.join(sorted(installed)) or 'none'}")
+    for name in sorted(names):
+        pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP, name=name)
     return pm
 
 

@@ -161,7 +161,7 @@ def test_tree_verify_rejects_bad_input():
 
 import specla  # noqa: E402
 from conftest import make_model  # noqa: E402
-from drafters import OracleDrafter  # noqa: E402
+from specla.testing import OracleDrafter  # noqa: E402
 from specla import SpecConfig  # noqa: E402
 from specla_gdn.naive import naive_greedy_decode  # noqa: E402
 

@@ -169,6 +169,10 @@ class GDNAdapter(TargetAdapter):
             self._apply(self.pending.records, self.pending.path, self.pending.path_len)
             self.pending = None
 
+    def recurrent_states(self) -> list[Tensor]:
+        self.flush()
+        return list(self.recurrent)
+
     def select(self, index: Tensor) -> None:
         index = index.to(self.device)
         self.recurrent = [s.index_select(0, index) for s in self.recurrent]

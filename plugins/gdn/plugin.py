@@ -14,12 +14,27 @@ from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
 
+TINY_BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, vocab_size=61, expand_v=1,
+                 eos_token_id=None, initializer_range=0.1)
+# shapes the conformance suite covers: with and without short conv, expand_v 1 and 2, more value
+# heads than key heads, no output gate, odd sizes
+TINY_VARIANTS = {
+    "base": {},
+    "expand_v2": dict(expand_v=2),
+    "no_conv": dict(use_short_conv=False),
+    "gva": dict(num_heads=1, num_v_heads=3),
+    "odd_nogate": dict(hidden_size=20, num_heads=3, head_dim=5, vocab_size=37, use_gate=False, num_hidden_layers=3),
+}
+
+
 class GDNPlugin(ArchitecturePlugin):
     """Gated DeltaNet (Yang et al. 2024, arXiv 2412.06464) as implemented by FLA's
     ``GatedDeltaNetForCausalLM`` (``model_type == "gated_deltanet"``)."""
 
     name = "gdn"
     model_types = ("gated_deltanet",)
+    capabilities = frozenset({"trees"})
+    tiny_variants = tuple(TINY_VARIANTS)
     # trained by benchmarks/targets/train_target.py --preset tiny (docs/targets.md)
     demo_checkpoint = Path(__file__).resolve().parent / "assets" / "tiny"
     # trained by `specla train-drafter` on that target (docs/targets.md)
@@ -71,6 +86,31 @@ class GDNPlugin(ArchitecturePlugin):
         from .adapter import GDNAdapter
 
         return GDNAdapter(model, config)
+
+
+    def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+        """A random FLA ``GatedDeltaNetForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`),
+        with decays spread so that paths differ (FLA initialises ``A_log`` in ``[0, log 16]``).
+
+        Raises:
+            KeyError: unknown variant.
+        """
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+        torch.manual_seed(seed)
+        model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]}))
+        model = model.to(dtype).eval()
+        with torch.no_grad():
+            for blk in model.model.layers:
+                blk.attn.A_log.uniform_(-2.0, 1.0)
+                blk.attn.dt_bias.normal_(0.0, 1.0)
+        return model
+
+    def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+        from .naive import naive_greedy_decode
+
+        return naive_greedy_decode(model, prompt, max_new_tokens)
 
 
 @hookimpl

@@ -1,6 +1,9 @@
-"""Test drafters (not collected)."""
+"""A drafter that forces acceptance patterns, for conformance tests."""
 
-from specla import DraftTree, Drafter
+from __future__ import annotations
+
+from ..interfaces import Drafter
+from ..tree import DraftTree
 
 
 class OracleDrafter(Drafter):
@@ -11,7 +14,18 @@ class OracleDrafter(Drafter):
     other draft wrong, shifting each step), ``zero_after_many`` (a full right chain, then a step
     with no drafts, repeating), ``tree`` (a wrong first child with its own subtree, then the right
     chain as a second child).
+
+    Args:
+        prompts: the batch's prompts (token ids).
+        continuations: each prompt's greedy autoregressive continuation, at least as long as the
+            generation plus ``num_draft_tokens``.
+        pattern: one of the patterns above.
+        vocab_size: wrong drafts are ``(right + 1) % vocab_size``.
+    Raises:
+        ValueError: an unknown pattern (on the first :meth:`propose`).
     """
+
+    PATTERNS = ("all", "none", "alternating", "zero_after_many", "tree")
 
     name = "oracle"
 
@@ -52,7 +66,7 @@ class OracleDrafter(Drafter):
                 trees.append((toks, parents))
                 continue
             else:
-                raise ValueError(p)
+                raise ValueError(f"unknown pattern {p!r}; known: {self.PATTERNS}")
             trees.append((toks, list(range(-1, len(toks) - 1))))
         self.step += 1
         return DraftTree.from_lists(trees)

@@ -1,0 +1,36 @@
+"""The conformance suite every architecture plugin passes (docs/DESIGN.md section 7; docs/plugins.md).
+
+- :class:`PluginSuite`: un-collected base class; a plugin's test file subclasses it
+  (``class TestMyArch(PluginSuite): plugin = "myarch"``).
+- ``pytest --pyargs specla.testing --specla-plugin=NAME``: the suite against any installed plugin.
+- :func:`check_plugin`: the same without writing a pytest command line.
+- :class:`OracleDrafter`: a drafter that forces acceptance patterns.
+"""
+
+from __future__ import annotations
+
+from .drafters import OracleDrafter
+from .suite import PluginSuite
+
+__all__ = ["OracleDrafter", "PluginSuite", "check_plugin"]
+
+
+def check_plugin(name: str, *pytest_args: str) -> bool:
+    """Run the conformance suite against the installed plugin ``name`` (in this process).
+
+    Args:
+        name: a registered plugin name (``specla plugins`` lists them).
+        pytest_args: extra pytest arguments (e.g. ``"-x"``, ``"-k", "ragged"``).
+    Returns:
+        ``True`` when every test passed (strict xfails included), else ``False``.
+    Raises:
+        UnknownPluginError: no plugin of that name is installed (raised before any test runs).
+    """
+    import pytest
+
+    from ..registry import get_plugin
+
+    get_plugin(name)
+    code = pytest.main(["--pyargs", "specla.testing.test_conformance", f"--specla-plugin={name}",
+                        "-p", "no:cacheprovider", "-q", *pytest_args])
+    return code == pytest.ExitCode.OK

@@ -1,0 +1,238 @@
+"""The conformance suite (docs/DESIGN.md section 7) as an un-collected base class.
+
+A plugin proves itself with a few lines in its own test file::
+
+    from specla.testing import PluginSuite
+
+    class TestMyArchConformance(PluginSuite):
+        plugin = "myarch"
+
+or, without writing a file, ``pytest --pyargs specla.testing --specla-plugin=myarch`` or
+``specla.testing.check_plugin("myarch")``. The plugin supplies tiny random models
+(``ArchitecturePlugin.tiny_model``, ``tiny_variants``) and a sequential reference decoder
+(``reference_decode``); every check goes through the public contract only (``specla.run``,
+``TargetAdapter``), so it applies to any architecture. Capabilities gate the tree tests (a plugin
+without ``"trees"`` must reject tree drafts with a clear error); ``known_failures`` turn named
+tests into strict xfails.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ..acceptance import accept_greedy
+from ..config import SpecConfig
+from ..errors import InvalidTokenError, InvalidTreeError, SpecError
+from ..registry import get_plugin
+from ..tree import DraftTree
+from .drafters import OracleDrafter
+
+N = 6  # draft budget of the suite's runs
+
+
+class PluginSuite:
+    """Base class of a plugin's conformance tests; set :attr:`plugin` in a ``Test*`` subclass.
+
+    Attributes:
+        plugin: the registered plugin name (``None``: read ``--specla-plugin``).
+    """
+
+    plugin: str | None = None
+
+    # ------------------------------------------------------------------ fixtures
+    @pytest.fixture
+    def arch(self, request):
+        name = self.plugin or request.config.getoption("specla_plugin", None)
+        if not name:
+            pytest.skip("no plugin named: pass --specla-plugin=NAME")
+        arch = get_plugin(name)
+        reason = arch.known_failures.get(request.node.originalname)
+        if reason:
+            request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+        return arch
+
+    @pytest.fixture
+    def rng(self):
+        return random.Random(1234)
+
+    @staticmethod
+    def _model(arch, variant=None, dtype=torch.float64, seed=0):
+        return arch.tiny_model(variant or arch.tiny_variants[0], seed=seed, dtype=dtype)
+
+    @staticmethod
+    def _vocab(model) -> int:
+        return model.get_input_embeddings().weight.shape[0]
+
+    # ------------------------------------------------------------------ 5. end to end
+    def test_greedy_ngram_token_identical_every_variant(self, arch, rng):
+        """Prompts of length 1, N, N+1 and 40 (and a repeated motif, so the ngram drafter
+        drafts): speculative output == the plugin's sequential greedy decoding, every variant."""
+        import specla
+
+        assert arch.tiny_variants, f"plugin {arch.name!r} lists no tiny_variants"
+        for variant in arch.tiny_variants:
+            model = self._model(arch, variant)
+            V = self._vocab(model)
+            motif = [rng.randrange(V) for _ in range(5)]
+            prompts = [motif * 4, [rng.randrange(V)], [rng.randrange(V) for _ in range(N)],
+                       [rng.randrange(V) for _ in range(N + 1)], [rng.randrange(V) for _ in range(40)]]
+            refs = [arch.reference_decode(model, p, 16) for p in prompts]
+            for top_k in (1, 3) if "trees" in arch.capabilities else (1,):
+                cfg = dict(num_draft_tokens=N, max_depth=4, top_k=top_k, max_new_tokens=16)
+                out = specla.run(model, arch.name, prompts=prompts, config=cfg).outputs
+                assert out == refs, f"variant {variant!r}, top_k {top_k}: speculative output differs"
+
+    @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+    def test_forced_acceptance_patterns_token_identical(self, arch, rng, commit):
+        """Every acceptance pattern (all, none, alternating, zero drafts right after a full accept,
+        and a tree whose right branch is not the first child) in a ragged batch."""
+        import specla
+
+        model = self._model(arch)
+        V = self._vocab(model)
+        prompts = [[rng.randrange(V) for _ in range(n)] for n in (1, N, N + 1, 70)]  # 70: several prefill passes
+        new = 13
+        refs = [arch.reference_decode(model, p, new + N) for p in prompts]
+        patterns = [p for p in OracleDrafter.PATTERNS if p != "tree" or "trees" in arch.capabilities]
+        for pattern in patterns:
+            drafter = OracleDrafter(prompts, refs, pattern, V)
+            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit)
+            out = specla.run(model, arch.name, prompts=prompts, drafter=drafter, config=cfg)
+            assert out.outputs == [r[:new] for r in refs], f"pattern {pattern!r}"
+            if pattern == "none":
+                assert out.stats.accepted_histogram[0] == out.stats.sequence_steps
+
+    def test_ragged_batch_equals_per_sequence_runs(self, arch, rng):
+        """Each sequence commits its own path whatever its neighbours do, and may stop early."""
+        import specla
+
+        model = self._model(arch)
+        V = self._vocab(model)
+        prompts = [[rng.randrange(V) for _ in range(n)] for n in (3, 11, 5)]
+        refs = [arch.reference_decode(model, p, 24 + N) for p in prompts]
+        stop = refs[1][5]
+        cfg = dict(num_draft_tokens=N, max_depth=N, max_new_tokens=24, stop_token_ids=[stop])
+        batch = specla.run(model, arch.name, prompts=prompts, config=cfg,
+                           drafter=OracleDrafter(prompts, refs, "alternating", V)).outputs
+        for b, p in enumerate(prompts):
+            alone = specla.run(model, arch.name, prompts=[p], config=cfg,
+                               drafter=OracleDrafter([p], [refs[b]], "all", V)).outputs[0]
+            assert batch[b] == alone
+            end = refs[b].index(stop) + 1 if stop in refs[b][:24] else 24
+            assert alone == refs[b][:end]
+
+    def test_tree_drafts_supported_or_rejected_clearly(self, arch):
+        """A plugin without the ``trees`` capability must refuse a branching draft with a
+        SpecError rather than verify it wrongly."""
+        import specla
+
+        model = self._model(arch)
+        cfg = dict(num_draft_tokens=N, max_depth=3, top_k=3, max_new_tokens=8)
+        prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+        if "trees" in arch.capabilities:
+            assert specla.run(model, arch.name, prompts=[prompt], config=cfg).outputs == \
+                [arch.reference_decode(model, prompt, 8)]
+        else:
+            with pytest.raises(SpecError):
+                specla.run(model, arch.name, prompts=[prompt], config=cfg)
+
+    def test_long_generation_float32_exact_and_finite(self, arch, rng):
+        """120 tokens in float32: token-identical, float32 recurrent states, all finite."""
+        from ..api import SpecDecoder
+
+        model = self._model(arch, dtype=torch.float32, seed=3)
+        V = self._vocab(model)
+        prompt = [rng.randrange(V) for _ in range(9)] * 2
+        dec = SpecDecoder(model, arch.name, config=dict(max_new_tokens=120, num_draft_tokens=N, max_depth=N))
+        out = dec.generate([prompt]).outputs
+        assert out == [arch.reference_decode(model, prompt, 120)]
+        states = dec.adapter.recurrent_states()
+        assert states and all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in states)
+
+    # ------------------------------------------------------------------ 2-4, 7: the adapter contract
+    def _adapter(self, arch, model, commit="factor", n=N):
+        return arch.make_adapter(model, SpecConfig(num_draft_tokens=n, max_depth=n, commit=commit))
+
+    @staticmethod
+    def _root_logits(adapter) -> torch.Tensor:
+        """Logits of the root alone (a verify with no drafts)."""
+        B = adapter.batch_size
+        dev = adapter.device
+        empty = DraftTree(torch.zeros(B, 0, dtype=torch.int64, device=dev), torch.zeros(B, 0, dtype=torch.int64, device=dev),
+                          torch.zeros(B, dtype=torch.int64, device=dev))
+        return adapter.verify(empty).logits[:, 0]
+
+    @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+    def test_every_accepted_count_commits_exactly_the_accepted_tokens(self, arch, rng, commit):
+        """Verify a chain whose first ``a`` drafts are right (a = 0..N), commit: the next logits
+        equal those of a fresh adapter that prefilled exactly prompt + accepted tokens + bonus
+        (state and conv window both enter the next logits)."""
+        model = self._model(arch)
+        V = self._vocab(model)
+        prompt = [rng.randrange(V) for _ in range(7)]
+        ref = arch.reference_decode(model, prompt, N + 1)
+        for a in range(N + 1):
+            drafts = ref[:a] + [(t + 1) % V for t in ref[a:N]]
+            adapter = self._adapter(arch, model, commit)
+            adapter.prefill([prompt])
+            tree = DraftTree.from_lists([(drafts, list(range(-1, N - 1)))], device=adapter.device)
+            out = adapter.verify(tree)
+            acc = accept_greedy(tree, out.logits)
+            assert int(acc.num_accepted[0]) == a and int(acc.bonus[0]) == ref[a]
+            adapter.commit(tree, out, acc)
+            got = self._root_logits(adapter)
+            fresh = self._adapter(arch, model, commit)
+            fresh.prefill([prompt + ref[: a + 1]])
+            want = self._root_logits(fresh)
+            assert torch.allclose(got, want, rtol=1e-8, atol=1e-8), f"a = {a}"
+
+    def test_verify_never_writes_the_state(self, arch, rng):
+        """Verifying the same tree twice gives bit-identical logits."""
+        model = self._model(arch)
+        V = self._vocab(model)
+        adapter = self._adapter(arch, model)
+        adapter.prefill([[rng.randrange(V) for _ in range(9)], [rng.randrange(V)]])
+        tree = DraftTree.from_lists([([1, 2, 3], [-1, 0, 1]), ([4], [-1])], device=adapter.device)
+        first = adapter.verify(tree).logits
+        assert torch.equal(adapter.verify(tree).logits, first)
+
+    def test_delayed_commit_equals_flushed_and_flush_is_idempotent(self, arch, rng):
+        model = self._model(arch)
+        V = self._vocab(model)
+        prompt = [rng.randrange(V) for _ in range(8)]
+        ref = arch.reference_decode(model, prompt, N + 2)
+        runs = []
+        for flushes in (0, 1, 2):
+            adapter = self._adapter(arch, model)
+            adapter.prefill([prompt])
+            tree = DraftTree.from_lists([(ref[:3] + [(ref[3] + 1) % V], [-1, 0, 1, 2])], device=adapter.device)
+            out = adapter.verify(tree)
+            adapter.commit(tree, out, accept_greedy(tree, out.logits))
+            for _ in range(flushes):
+                adapter.flush()
+            runs.append(self._root_logits(adapter))
+        assert torch.allclose(runs[0], runs[1], rtol=1e-9, atol=1e-9)  # delayed == eager
+        assert torch.equal(runs[1], runs[2])  # a second flush changes nothing
+
+    def test_bad_input_raises_and_leaves_the_state_untouched(self, arch, rng):
+        model = self._model(arch)
+        V = self._vocab(model)
+        adapter = self._adapter(arch, model)
+        adapter.prefill([[rng.randrange(V) for _ in range(6)]])
+        before = self._root_logits(adapter)
+        bad_trees = {
+            InvalidTokenError: [([V], [-1]), ([-1], [-1])],  # out of vocabulary, placeholder id
+            InvalidTreeError: [([1, 2], [1, -1])],  # a parent after its child
+        }
+        for error, trees in bad_trees.items():
+            for toks, parents in trees:
+                with pytest.raises(error):
+                    adapter.verify(DraftTree.from_lists([(toks, parents)], device=adapter.device))
+        with pytest.raises(SpecError):  # over the node budget
+            adapter.verify(DraftTree.from_lists([(list(range(N + 1)), list(range(-1, N)))], device=adapter.device))
+        with pytest.raises(InvalidTokenError):
+            adapter.prefill([[]])
+        assert torch.equal(self._root_logits(adapter), before)

@@ -1,0 +1,48 @@
+"""The conformance suite's entry points: --specla-plugin through pytest, check_plugin, errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from specla.errors import UnknownPluginError
+from specla.testing import check_plugin
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+
+
+def test_check_plugin_runs_the_packaged_suite_against_an_installed_plugin():
+    proc = run("from specla.testing import check_plugin; import sys; "
+               "sys.exit(0 if check_plugin('gdn', '-k', 'verify_never_writes or bad_input') else 1)")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout
+
+
+def test_pytest_option_names_the_plugin_and_without_it_the_suite_says_so():
+    base = [sys.executable, "-m", "pytest", "--pyargs", "specla.testing", "-p", "no:cacheprovider", "-q", "-rs"]
+    named = subprocess.run(base + ["--specla-plugin=gdn", "-k", "verify_never_writes"], capture_output=True,
+                           text=True, timeout=600)
+    assert named.returncode == 0 and "1 passed" in named.stdout, named.stdout[-2000:]
+    unnamed = subprocess.run(base + ["-k", "verify_never_writes"], capture_output=True, text=True, timeout=600)
+    assert "pass --specla-plugin=NAME" in unnamed.stdout, unnamed.stdout[-2000:]
+
+
+def test_check_plugin_rejects_an_unknown_plugin_before_running_anything():
+    with pytest.raises(UnknownPluginError, match="gdn"):
+        check_plugin("no-such-architecture")
+
+
+def test_specla_plugins_env_limits_loading_and_names_unknown_plugins():
+    import os
+
+    code = "from specla.registry import available; print(available())"
+    env = {**os.environ, "SPECLA_PLUGINS": "gdn"}
+    only = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert only.returncode == 0 and only.stdout.strip() == "['gdn']", only.stderr[-1000:]
+    env["SPECLA_PLUGINS"] = "gdn, nope"
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0
+    assert "SPECLA_PLUGINS names nope, which is not installed; installed plugins: " in bad.stderr
+    assert "gdn" in bad.stderr.splitlines()[-1]
