@@ -31,11 +31,15 @@ class Mamba2Plugin(ArchitecturePlugin):
             raise UnsupportedModelError(f"{cfg_file} is not valid JSON: {err}") from err
         if cfg.get("model_type") not in self.model_types:
             raise UnsupportedModelError(f"{path}: model_type {cfg.get('model_type')!r} is not one of {self.model_types}")
-        self.check_config(cfg)  # before loading any weights
         with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
             warnings.simplefilter("ignore")
-            from fla.models import Mamba2ForCausalLM  # FLA's class, not transformers' same-named one
+            from fla.models import Mamba2Config, Mamba2ForCausalLM  # FLA's, not transformers' same-named ones
 
+        try:  # the config alone, through transformers (it decodes e.g. dt_limit's serialised infinity)
+            config = Mamba2Config.from_pretrained(str(path))
+        except (ValueError, TypeError) as err:
+            raise UnsupportedModelError(f"{cfg_file}: not a valid Mamba2 config: {err}") from err
+        self.check_config(config.to_dict())  # before loading any weights
         model = Mamba2ForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
         return model.to(device) if device else model
 
