@@ -524,7 +524,8 @@ def test_layer_decode_step_equals_fla_with_groups():
     adapter.recurrent = [state.transpose(-1, -2).contiguous()]  # ours: [B, H, N, P]
     adapter.conv = [conv[..., 1:].transpose(1, 2).contiguous()]  # the inputs before the new token
     adapter.embed_weight = x
-    _, hidden, recs = adapter.forward(torch.tensor([[0], [1]]), torch.full((2, 1), -1), "factor", logits=False)
+    _, hidden, recs = adapter.forward(torch.tensor([[0], [1]]), torch.full((2, 1), -1), torch.ones(2, dtype=torch.int64),
+                                      "factor", logits=False)
     assert float((hidden[:, 0] - x - ref[:, 0]).abs().max()) < 1e-5  # block output minus residual
     rec = recs[0]
     path, plen = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
@@ -548,3 +549,141 @@ def test_greedy_speculative_equals_fla_greedy():
             out.append(int(model(input_ids=ids, use_cache=False).logits[0, -1].argmax()))
             ids = torch.cat([ids, torch.tensor([[out[-1]]])], 1)
     assert result.outputs[0] == out
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+# CPU: the Triton interpreter at tiny float32 shapes; GPU: the same cases compiled. Outputs are
+# pre-filled with NaN so an unwritten element fails.
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+def nan_out(B, T, H, P):
+    nan = float("nan")
+    return (torch.full((B, T, H, P), nan, device=DEV), torch.full((B, T, H, P), nan, device=DEV),
+            torch.full((B, T, H), nan, device=DEV))
+
+
+def pending_inputs(B, H, P, NG, N, gen, rng):
+    """A previous step's tree, its factor records and ragged accepted paths (one sequence accepts
+    nothing), with the naive state after each node."""
+    Tp = 6
+    parents = torch.tensor([tree_parents("random", Tp, rng) for _ in range(B)])
+    x, dt, A, Bm, Cm, D, S0 = ssd_inputs(B, Tp, H, P, NG, N, torch.float32, gen)
+    _, u, G, states = naive_tree_ssd(x, dt, A, Bm, Cm, D, S0, parents)
+    ends = [rng.randrange(Tp) for _ in range(B)]
+    ends[1] = -1
+    paths = [root_path(parents[b].tolist(), e) if e >= 0 else [] for b, e in enumerate(ends)]
+    L = max(len(p) for p in paths)
+    path = torch.tensor([p + [-1] * (L - len(p)) for p in paths])
+    plen = torch.tensor([len(p) for p in paths])
+    committed = torch.stack([S0[b] if e < 0 else states[b, e] for b, e in enumerate(ends)])
+    return S0, (Bm, u, G, path, plen), committed, ends
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+@pytest.mark.parametrize("shape", [(3, 5, 4, 3, 2, 5, False), (2, 7, 2, 17, 1, 3, True)])  # B, T, H, P, NG, N, D/ch
+def test_verify_kernels_with_fused_ragged_commit_equal_naive(kind, shape):
+    """serial_verify (chains, ragged lengths) and tree_verify (random trees) from a state with a
+    pending ragged commit: the committed state equals the naive state after each accepted path (0
+    accepted: bit-identical), outputs and records equal the naive per-path recurrence from it."""
+    from specla_mamba2.verify import serial_verify, tree_verify
+
+    B, T, H, P, NG, N, d_hdim = shape
+    rng = random.Random(sum(shape[:6]))
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    S0, pending, committed, ends = pending_inputs(B, H, P, NG, N, gen, rng)
+    x, dt, A, Bm, Cm, D, _ = ssd_inputs(B, T, H, P, NG, N, torch.float32, gen, d_hdim)
+    if kind == "chain":
+        parents = torch.arange(-1, T - 1).expand(B, T)
+        n = torch.tensor([T] + [rng.randrange(0, T + 1) for _ in range(B - 1)])
+    else:
+        parents = torch.tensor([tree_parents("random", T, rng) for _ in range(B)])
+        n = torch.full((B,), T)
+    state = S0.clone().to(DEV)
+    args = [t.to(DEV) for t in (x, dt, dt * A, Bm, Cm, D)]
+    fused = tuple(t.to(DEV) for t in pending)
+    if kind == "chain":
+        y, u, G = serial_verify(*args, state, n.to(DEV), pending=fused, out=nan_out(B, T, H, P))
+    else:
+        y, u, G = tree_verify(*args, state, inclusive_ancestor_mask(parents).to(DEV), pending=fused,
+                              out=nan_out(B, T, H, P))
+    ry, ru, rG, _ = naive_tree_ssd(x, dt, A, Bm, Cm, D, committed, parents)
+    for b in range(B):
+        if ends[b] < 0:
+            assert torch.equal(state[b].cpu(), S0[b])
+        else:
+            assert rel_err(state[b].cpu(), committed[b]) < 1e-5
+        m = int(n[b])
+        for got, ref in ((y, ry), (u, ru), (G, rG)):
+            assert not got[b].isnan().any()
+            assert rel_err(got[b, :m].cpu(), ref[b, :m]) < 1e-5
+            assert not got[b, m:].any()  # padding nodes of a chain get zeros
+
+
+@needs_triton
+def test_flush_commit_equals_naive_and_bad_inputs_raise():
+    from specla_mamba2.commit import flush_commit
+
+    rng = random.Random(9)
+    gen = torch.Generator().manual_seed(9)
+    S0, pending, committed, ends = pending_inputs(3, 4, 5, 2, 3, gen, rng)
+    state = S0.clone().to(DEV)
+    assert flush_commit(state, *(t.to(DEV) for t in pending)) is state
+    assert torch.equal(state[1].cpu(), S0[1])  # 0 accepted: bit-identical
+    assert rel_err(state.cpu(), committed) < 1e-5
+    with pytest.raises(ValueError, match="float32"):
+        flush_commit(S0.double(), *pending)
+    with pytest.raises(ValueError, match="pending must be"):
+        flush_commit(S0.clone(), pending[0], pending[1].double(), *pending[2:])
+
+
+@needs_triton
+@pytest.mark.parametrize("width", [1, 4])
+def test_conv_kernels_equal_naive(width):
+    from specla_mamba2 import conv as conv_kernels
+
+    rng = random.Random(width)
+    gen = torch.Generator().manual_seed(width)
+    B, T, D = 3, 7, 11
+    parents = torch.tensor([tree_parents("random", T, rng) for _ in range(B)])
+    x = torch.randn(B, T, D, generator=gen)
+    window = torch.randn(B, width - 1, D, generator=gen)
+    weight, bias = torch.randn(D, width, generator=gen), torch.randn(D, generator=gen)
+    ry, rwin = naive_tree_conv(x, window, weight, bias, parents)
+    out = torch.full((B, T, D), float("nan"), device=DEV)
+    anc = conv_ancestors(parents, width).to(DEV)
+    y = conv_kernels.tree_conv(x.to(DEV), window.to(DEV), weight.to(DEV), bias.to(DEV), anc, out=out)
+    assert rel_err(y.cpu(), ry) < 1e-5
+    ends = [rng.randrange(T) for _ in range(B)]
+    paths = [root_path(parents[b].tolist(), e) for b, e in enumerate(ends)]
+    paths[2] = []  # ragged, one sequence accepts nothing
+    L = max(len(p) for p in paths)
+    path = torch.tensor([p + [-1] * (L - len(p)) for p in paths])
+    plen = torch.tensor([len(p) for p in paths])
+    new = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), path.to(DEV), plen.to(DEV),
+                                   out=torch.full_like(window, float("nan"), device=DEV))
+    for b in range(B):
+        assert torch.equal(new[b].cpu(), window[b] if b == 2 else rwin[b, ends[b]])
+
+
+@needs_triton
+@pytest.mark.parametrize("verify_kernel", ["auto", "parallel"])
+def test_triton_adapter_token_identical_to_reference(verify_kernel):
+    """kernels="triton" end to end (chains through the serial kernel, trees through the parallel
+    one, fused delayed commits, flush), token-identical to naive greedy decoding."""
+    rng = random.Random(4)
+    model = make_mamba2_model("g1_dhdim", dtype=torch.float32, seed=2)
+    motif = [rng.randrange(41) for _ in range(4)]
+    prompts = [motif * 3, [rng.randrange(41) for _ in range(N + 1)], [motif[1]]]
+    cfg = dict(num_draft_tokens=N, max_depth=4, top_k=2, max_new_tokens=10, kernels="triton",
+               verify_kernel=verify_kernel, device=DEV)
+    result = specla.run(model, "mamba2", prompts=prompts, config=cfg)
+    assert result.outputs == reference(model, prompts, 10)
+    refs = reference(model, prompts, 10 + N)
+    drafter = OracleDrafter(prompts, refs, "alternating", 41)
+    result = specla.run(model, "mamba2", prompts=prompts, drafter=drafter, config={**cfg, "top_k": 1})
+    assert result.outputs == [r[:10] for r in refs]

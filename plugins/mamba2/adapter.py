@@ -7,6 +7,8 @@ into ``z, xBC, dt``; tree-aware depthwise causal conv + SiLU over ``xBC``, split
 ``dt = clamp(softplus(dt + dt_bias), *dt_limit)``, ``A = -exp(A_log)``; tree-masked SSD with
 factor records and the ``D`` skip; gated RMSNorm with ``z`` (or ``y * silu(z)`` without it);
 ``out_proj``; residual (added in float32 with ``residual_in_fp32``). Final ``norm_f``, LM head.
+With ``SpecConfig(kernels="triton")`` (factor commit, float32 state) the conv, the SSD verify with
+the fused delayed commit, and ``flush`` run the plugin's Triton kernels instead.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from .reference import (
     tree_conv,
     tree_ssd,
 )
+from . import conv as conv_kernels
+from .commit import flush_commit
+from .verify import pick_verify_kernel, serial_verify, tree_verify
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
 
@@ -78,8 +83,7 @@ class Mamba2Adapter(TargetAdapter):
 
     State per sequence: ``recurrent[l]`` ``[B, H, N, P]`` float32 (float64 for float64 runs),
     ``conv[l]`` ``[B, C - 1, Dc]`` activation dtype, ``roots`` ``[B]`` int64. Weights are read from
-    ``model`` once; ``model`` itself is not modified. ``SpecConfig(kernels="triton")`` runs this
-    reference path too: the plugin has no Triton kernels yet.
+    ``model`` once; ``model`` itself is not modified.
 
     Args:
         model: a ``fla.models.Mamba2ForCausalLM`` (checked by the plugin).
@@ -164,16 +168,18 @@ class Mamba2Adapter(TargetAdapter):
 
     # ------------------------------------------------------------------ model
     @torch.no_grad()
-    def forward(self, tokens: Tensor, parents: Tensor, records: str, logits: bool = True,
+    def forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool = True,
                 pending: PendingCommit | None = None):
         """Run the model over a batch of trees hanging from the committed state.
 
         Args:
             tokens: ``[B, T]`` int64 node tokens (already validated).
             parents: ``[B, T]`` int64, ``-1`` = child of the committed state.
+            counts: ``[B]`` int64 real nodes per row (the rest is padding; kernels may skip it).
             records: which record type to build (``factor``, ``snapshot``, ``replay``).
             logits: whether to compute the LM head (prefill skips it).
-            pending: a factor commit to apply first, layer by layer (the delayed commit).
+            pending: a factor commit to apply first, layer by layer (the delayed commit; with
+                ``kernels="triton"`` it is fused into the verify kernel).
         Returns:
             ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records tuple)``.
         """
@@ -183,25 +189,39 @@ class Mamba2Adapter(TargetAdapter):
         B, T = tokens.shape
         st = self.state_dtype
         out_records: list[Record] = []
+        kernel = self._use_kernel(records)
+        choice = pick_verify_kernel(parents, counts, self.config.verify_kernel) if kernel else "reference"
         for li, L in enumerate(self.layers):
-            if pending is not None:  # delayed commit of the previous step, conv window first
-                prev = pending.records[li]
-                self.conv[li] = conv_window_after(prev.conv_x, self.conv[li], pending.path, pending.path_len)
-                self.recurrent[li] = ssd_commit_factor(self.recurrent[li], prev.Bm, prev.u, prev.G,
-                                                       pending.path, pending.path_len)
+            prev = pending.records[li] if pending is not None else None
+            if prev is not None:  # delayed commit of the previous step, conv window first
+                commit_conv = conv_kernels.conv_commit if kernel else conv_window_after
+                self.conv[li] = commit_conv(prev.conv_x, self.conv[li], pending.path, pending.path_len)
+            if prev is not None and choice == "reference":
+                if kernel:  # a tree too large for the parallel kernel: commit, then verify unfused
+                    flush_commit(self.recurrent[li], prev.Bm, prev.u, prev.G, pending.path, pending.path_len)
+                else:
+                    self.recurrent[li] = ssd_commit_factor(self.recurrent[li], prev.Bm, prev.u, prev.G,
+                                                           pending.path, pending.path_len)
             residual = x.float() if L.residual_fp32 else x
             h = rms_norm(x, L.norm, L.norm_eps)
             proj = F.linear(h, L.w_in, L.b_in)
             Di, Dc = L.H * L.P, L.conv_w.shape[0]
             z, xbc, dt_raw = proj.split([Di, Dc, L.H], dim=-1)
             xbc_in = xbc
-            xbc = tree_conv(xbc, self.conv[li], L.conv_w, L.conv_b, anc)
+            xbc = (conv_kernels.tree_conv if kernel else tree_conv)(xbc, self.conv[li], L.conv_w, L.conv_b, anc)
             xs, Bm, Cm = xbc.split([Di, L.G * L.N, L.G * L.N], dim=-1)
             xs = xs.reshape(B, T, L.H, L.P)
             Bm, Cm = Bm.reshape(B, T, L.G, L.N), Cm.reshape(B, T, L.G, L.N)
             dt, a = discretize(dt_raw, L.dt_bias, L.A_log, L.dt_limit)
             S0 = self.recurrent[li]
-            y, u, G = tree_ssd(xs, dt, a, Bm, Cm, L.D, S0, mask)
+            fused = None if prev is None or choice == "reference" else (prev.Bm, prev.u, prev.G, pending.path,
+                                                                        pending.path_len)
+            if choice == "serial":  # the kernels apply the pending commit to S0 in place first
+                y, u, G = serial_verify(xs, dt, a, Bm, Cm, L.D, S0, counts, pending=fused)
+            elif choice == "parallel":
+                y, u, G = tree_verify(xs, dt, a, Bm, Cm, L.D, S0, mask, pending=fused)
+            else:
+                y, u, G = tree_ssd(xs, dt, a, Bm, Cm, L.D, S0, mask)
             if records == "factor":
                 out_records.append(Mamba2FactorRecord(Bm=Bm, u=u, G=G, conv_x=xbc_in))
             elif records == "snapshot":
@@ -218,6 +238,9 @@ class Mamba2Adapter(TargetAdapter):
         out = rms_norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
         return out, x, tuple(out_records)
 
+    def _use_kernel(self, records: str) -> bool:
+        return self.config.kernels == "triton" and records == "factor" and self.state_dtype == torch.float32
+
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         """Commit ``path`` (``[B, L]``, ``path_len [B]``) to every layer from its records."""
         end = path_end(path, path_len)
@@ -229,6 +252,10 @@ class Mamba2Adapter(TargetAdapter):
                 picked = rec.states[rows, end.clamp(min=0)]
                 self.recurrent[li] = torch.where(keep[:, None, None, None], picked, S0)
                 self.conv[li] = torch.where(keep[:, None, None], rec.conv_windows[rows, end.clamp(min=0)], win)
+                continue
+            if isinstance(rec, Mamba2FactorRecord) and self._use_kernel("factor"):
+                flush_commit(S0, rec.Bm, rec.u, rec.G, path, path_len)  # in place
+                self.conv[li] = conv_kernels.conv_commit(rec.conv_x, win, path, path_len)
                 continue
             if isinstance(rec, Mamba2FactorRecord):
                 self.recurrent[li] = ssd_commit_factor(S0, rec.Bm, rec.u, rec.G, path, path_len)
@@ -249,7 +276,7 @@ class Mamba2Adapter(TargetAdapter):
             W = chunk.shape[1]
             n = (lengths - start).clamp(0, W)
             parents = torch.arange(-1, W - 1, device=self.device).expand_as(chunk).contiguous()
-            lg, hidden, recs = self.forward(chunk, parents, "factor", logits=logits)
+            lg, hidden, recs = self.forward(chunk, parents, n, "factor", logits=logits)
             outs.append(lg)
             feats.append(hidden)
             valid = torch.arange(W, device=self.device)[None, :] < n[:, None]
@@ -301,7 +328,8 @@ class Mamba2Adapter(TargetAdapter):
     def _verify(self, tree: DraftTree) -> VerifyOutput:
         pending, self.pending = self.pending, None  # delayed commit: applied inside this pass
         tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
-        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, self.config.commit, pending=pending)
+        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1, self.config.commit,
+                                            pending=pending)
         return VerifyOutput(logits=logits, hidden=hidden, records=recs)
 
     @torch.no_grad()
