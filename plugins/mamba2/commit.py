@@ -1,0 +1,47 @@
+"""Standalone closed-form commit (``flush``): applies a pending accepted path to the recurrent
+state from its factor records, without verifying anything (end of generation, a switch to plain
+decoding, before reading the state). It launches the serial verify kernel with an empty chain, so
+the commit code is the very code that runs fused inside the verify kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from .verify import _check_pending, _serial_verify_kernel
+
+
+def flush_commit(state: Tensor, Bm: Tensor, u: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
+    """Closed-form commit, in place: ``S_new = exp(G_a) S0 + sum_{j on path(a)} exp(G_a - G_j)
+    Bm_j u_j^T`` (docs/DESIGN.md sections 4-5).
+
+    Args:
+        state: ``[B, H, N, P]`` float32, contiguous; updated in place and returned.
+        Bm: ``[B, T, NG, N]``; u: ``[B, T, H, P]`` float32; G: ``[B, T, H]`` float32.
+        path: ``[B, L]`` int64 root-to-leaf node indices, ``-1`` padded; path_len: ``[B]`` int64
+            (``0`` leaves that sequence's state bit-identical: it is not even written).
+    Returns:
+        ``state``.
+    Raises:
+        ValueError: shapes, dtypes or devices disagree.
+    """
+    B, H, N, P = state.shape
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous float32 [B, H, N, P], got {state.dtype}")
+    if Bm.dim() != 4 or H % Bm.shape[2]:
+        raise ValueError(f"Bm must be [B, T, NG, N] with H % NG == 0, got {list(Bm.shape)}")
+    NG = Bm.shape[2]
+    _check_pending(B, H, NG, N, P, (Bm, u, G, path, path_len))
+    if len({t.device for t in (state, Bm, u, G, path, path_len)}) != 1:
+        raise ValueError("all tensors must be on one device")
+    BP = min(triton.next_power_of_2(P), 64)
+    pB, pu, pG, pa, pl = (t.contiguous() for t in (Bm, u, G, path, path_len))
+    # T = 0: no chain token is read or written, so the state stands in for the unused pointers
+    _serial_verify_kernel[(triton.cdiv(P, BP), B * H)](
+        state, state, state, state, state, state, state, state, state, state, pl, pB, pu, pG, pa, pl,
+        0, pa.shape[1], pB.shape[1], H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP,
+        HAS_PENDING=True, D_HDIM=False,
+    )
+    return state

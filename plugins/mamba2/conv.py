@@ -1,0 +1,108 @@
+"""Triton tree convolution kernels for Mamba2's depthwise causal conv over ``xBC``
+(docs/DESIGN.md sections 4-5, short convolution; the same kernels as ``specla_gdn.conv``, kept
+here so the plugin stands alone).
+
+``tree_conv``: node ``i`` convolves the inputs of its last ``C - 1`` ancestors (crossing into the
+committed window) and itself, then SiLU (the activation FLA's ``Mamba2`` applies after its
+conv1d). ``conv_commit``: the window after an accepted path, its last ``C - 1`` inputs. Indices
+come from ``reference.conv_ancestors`` (a [B, T, C] table into ``[window ; x]``), so both kernels
+are pure gathers plus a ``C``-tap dot product."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, W: tl.constexpr, C: tl.constexpr,
+                      BD: tl.constexpr, HAS_BIAS: tl.constexpr):
+    i_d, i_bt = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b = i_bt // T
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for c in tl.static_range(C):
+        e = tl.load(anc + i_bt * C + c)  # index into [window ; x]
+        from_win = e < W
+        # both sources read at clamped (valid) rows, then selected: no data-dependent masks
+        xw = tl.load(window + (i_b * W + tl.maximum(tl.minimum(e, W - 1), 0)) * D + o_d, mask=m_d & (W > 0), other=0.0)
+        xx = tl.load(x + (i_b * T + tl.maximum(e - W, 0)) * D + o_d, mask=m_d, other=0.0)
+        w = tl.load(weight + o_d * C + c, mask=m_d, other=0.0).to(tl.float32)
+        acc += w * tl.where(from_win, xw.to(tl.float32), xx.to(tl.float32))
+    if HAS_BIAS:
+        acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
+    out = acc * tl.sigmoid(acc)
+    tl.store(y + i_bt * D + o_d, out.to(y.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, W: tl.constexpr, BD: tl.constexpr):
+    i_d, i_bw = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, slot = i_bw // W, i_bw % W
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    pos = tl.load(path_len + i_b) + slot  # position in [window ; path inputs]
+    from_win = pos < W
+    node = tl.load(path + i_b * P + tl.maximum(tl.minimum(pos - W, P - 1), 0))
+    xw = tl.load(window + (i_b * W + tl.minimum(pos, W - 1)) * D + o_d, mask=m_d, other=0.0)
+    xx = tl.load(x + (i_b * T + tl.maximum(node, 0)) * D + o_d, mask=m_d, other=0.0)
+    tl.store(new + i_bw * D + o_d, tl.where(from_win, xw, xx), mask=m_d)
+
+
+def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, anc: Tensor,
+              out: Tensor | None = None) -> Tensor:
+    """Tree-aware causal short convolution + SiLU (Triton twin of ``reference.tree_conv``).
+
+    Args:
+        x: ``[B, T, D]`` node inputs; window: ``[B, C - 1, D]`` committed inputs (oldest first);
+        weight: ``[D, C]``; bias: ``[D]`` or None; anc: ``[B, T, C]`` int64 from
+        ``reference.conv_ancestors``; out: optional preallocated ``[B, T, D]``.
+    Returns:
+        ``[B, T, D]`` in ``x.dtype`` (accumulated in float32).
+    Raises:
+        ValueError: shapes, dtypes or devices disagree.
+    """
+    B, T, D = x.shape
+    C = weight.shape[1]
+    if window.shape != (B, C - 1, D) or weight.shape != (D, C) or anc.shape != (B, T, C) or anc.dtype != torch.int64:
+        raise ValueError(f"expected x [B, T, D], window [B, C-1, D], weight [D, C], anc int64 [B, T, C]; got "
+                         f"{list(x.shape)}, {list(window.shape)}, {list(weight.shape)}, {anc.dtype} {list(anc.shape)}")
+    if len({t.device for t in (x, window, weight, anc)}) != 1:
+        raise ValueError("all tensors must be on one device")
+    y = torch.empty_like(x) if out is None else out
+    BD = min(triton.next_power_of_2(D), 256)
+    _tree_conv_kernel[(triton.cdiv(D, BD), B * T)](
+        x.contiguous(), window.contiguous(), weight.contiguous(), bias if bias is not None else weight,
+        anc.contiguous(), y, T, D, W=C - 1, C=C, BD=BD, HAS_BIAS=bias is not None,
+    )
+    return y
+
+
+def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: Tensor | None = None) -> Tensor:
+    """Conv window after committing an accepted path (Triton twin of
+    ``reference.conv_window_after``).
+
+    Args:
+        x: ``[B, T, D]``; window: ``[B, C - 1, D]``; path: ``[B, P]`` int64 root-to-leaf, ``-1``
+        padded; path_len: ``[B]`` int64 (``0``: the window is copied unchanged).
+    Returns:
+        ``[B, C - 1, D]``: the last ``C - 1`` inputs of ``[window ; x[path]]``.
+    Raises:
+        ValueError: shapes or dtypes disagree.
+    """
+    B, T, D = x.shape
+    W = window.shape[1]
+    if window.shape != (B, W, D) or path.dim() != 2 or path.shape[0] != B or path_len.shape != (B,):
+        raise ValueError("expected x [B, T, D], window [B, W, D], path [B, P], path_len [B]")
+    new = torch.empty_like(window) if out is None else out
+    if W == 0:
+        return new
+    BD = min(triton.next_power_of_2(D), 256)
+    _conv_commit_kernel[(triton.cdiv(D, BD), B * W)](
+        x.contiguous(), window.contiguous(), path.contiguous(), path_len.contiguous(), new, T,
+        max(path.shape[1], 1), D, W=W, BD=BD,
+    )
+    return new

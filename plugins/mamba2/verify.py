@@ -1,0 +1,298 @@
+"""Triton verify kernels for Mamba2 / SSD (docs/DESIGN.md sections 4-5, kernel plan).
+
+``serial_verify``: the state-resident serial verify for chains. One program per (sequence, head,
+``P`` tile) loads its ``[N, BP]`` state tile once, applies the pending accepted path of the
+previous step in closed form from its factor records (the fused delayed commit), writes the
+committed state once, then runs the chain's tokens with the tile held in registers, emitting
+outputs and this step's factor records (``u = dt * x`` and the path-summed log decay ``G``).
+``tree_verify``: the tree-masked factorized (parallel) verify for trees of up to 64 nodes, with
+the same fused commit. The state is never written with speculative tokens.
+
+Runs on GPU, and on CPU under ``TRITON_INTERPRET=1`` (how CI tests it against ``naive.py``).
+Shapes as ``reference.py``: ``B`` sequences, ``T`` nodes, ``H`` heads, ``P`` head dim, ``NG``
+groups of ``Bm``/``Cm`` (head ``h`` reads group ``h // (H // NG)``), ``N`` state size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the reference path
+
+
+@triton.jit
+def _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_g, i_h, o_n, o_p, m_n, m_p,
+                   Lp, Tp, H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr):
+    """Fused delayed commit of one state tile: S = exp(G_a) S + sum_{j on path} exp(G_a - G_j)
+    Bm_j u_j^T, written back once; an empty path leaves the tile (and memory) untouched."""
+    n_p = tl.load(path_len + i_b)
+    if n_p > 0:
+        end = tl.load(path + i_b * Lp + n_p - 1)
+        G_a = tl.load(pG + (i_b * Tp + end) * H + i_h)
+        acc = b_S * tl.exp(G_a)
+        for j in range(0, Lp):
+            if j < n_p:
+                node = tl.load(path + i_b * Lp + j)
+                w = tl.exp(G_a - tl.load(pG + (i_b * Tp + node) * H + i_h))
+                b_bp = tl.load(pB + ((i_b * Tp + node) * NG + i_g) * N + o_n, mask=m_n, other=0.0)
+                b_up = tl.load(pu + ((i_b * Tp + node) * H + i_h) * P + o_p, mask=m_p, other=0.0)
+                acc += w * b_bp.to(tl.float32)[:, None] * b_up.to(tl.float32)[None, :]
+        b_S = acc
+        tl.store(p_S, b_S, mask=m_s)
+    return b_S
+
+
+@triton.jit
+def _load_D(D, i_h, o_p, m_p, P: tl.constexpr, BP: tl.constexpr, D_HDIM: tl.constexpr):
+    """The skip weights of head ``i_h`` for a ``P`` tile: ``D[h, p]`` or the scalar ``D[h]``."""
+    if D_HDIM:
+        b_D = tl.load(D + i_h * P + o_p, mask=m_p, other=0.0)
+    else:
+        b_D = tl.load(D + i_h + tl.zeros([BP], dtype=tl.int64))
+    return b_D.to(tl.float32)
+
+
+@triton.jit
+def _serial_verify_kernel(
+    x, dt, a, Bm, Cm, D, S, y, u, G, num_nodes,
+    pB, pu, pG, path, path_len,
+    T, Lp, Tp,
+    H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
+    BN: tl.constexpr, BP: tl.constexpr, HAS_PENDING: tl.constexpr, D_HDIM: tl.constexpr,
+):
+    i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // NG)
+    o_n = tl.arange(0, BN)
+    o_p = i_p * BP + tl.arange(0, BP)
+    m_n, m_p = o_n < N, o_p < P
+    m_s = m_n[:, None] & m_p[None, :]
+    p_S = S + i_bh * N * P + o_n[:, None] * P + o_p[None, :]
+    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+    if HAS_PENDING:  # fused delayed commit: the committed state is written once
+        b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_g, i_h, o_n, o_p, m_n, m_p,
+                             Lp, Tp, H, NG, N, P)
+    b_D = _load_D(D, i_h, o_p, m_p, P, BP, D_HDIM)
+    n = tl.load(num_nodes + i_b)
+    b_G = tl.zeros([1], dtype=tl.float32)
+    for t in range(0, T):
+        i_t = i_b * T + t
+        one = i_t * H + i_h + tl.zeros([1], dtype=tl.int64)
+        b_x = tl.load(x + (i_t * H + i_h) * P + o_p, mask=m_p, other=0.0).to(tl.float32)
+        b_dt = tl.load(dt + one).to(tl.float32)
+        b_a = tl.load(a + one).to(tl.float32)
+        b_b = tl.load(Bm + (i_t * NG + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_c = tl.load(Cm + (i_t * NG + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_u = b_dt * b_x
+        S_new = b_S * tl.exp(b_a)[:, None] + b_b[:, None] * b_u[None, :]
+        b_y = tl.sum(S_new * b_c[:, None], 0) + b_D * b_x
+        G_new = b_G + b_a
+        valid = t < n
+        b_S = tl.where(valid, S_new, b_S)
+        b_G = tl.where(valid, G_new, b_G)
+        tl.store(y + (i_t * H + i_h) * P + o_p, tl.where(valid, b_y, 0.0), mask=m_p)
+        tl.store(u + (i_t * H + i_h) * P + o_p, tl.where(valid, b_u, 0.0), mask=m_p)
+        if i_p == 0:
+            tl.store(G + one, tl.where(valid, G_new, 0.0))
+
+
+@triton.jit
+def _tree_verify_kernel(
+    x, dt, a, Bm, Cm, D, mask, S, y, u, G,
+    pB, pu, pG, path, path_len,
+    T, Lp, Tp,
+    H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_PENDING: tl.constexpr, D_HDIM: tl.constexpr,
+):
+    """Per (sequence, head, P tile): fused delayed commit, then the tree-masked factorized SSD:
+    y = exp(G) Cm S0 + ((Cm Bm^T) * Gam) u + D x with G = M_incl a and u = dt x."""
+    i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // NG)
+    o_t = tl.arange(0, BT)
+    o_n = tl.arange(0, BN)
+    o_p = i_p * BP + tl.arange(0, BP)
+    m_t, m_n, m_p = o_t < T, o_n < N, o_p < P
+    m_s = m_n[:, None] & m_p[None, :]
+    p_S = S + i_bh * N * P + o_n[:, None] * P + o_p[None, :]
+    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+    if HAS_PENDING:
+        b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_g, i_h, o_n, o_p, m_n, m_p,
+                             Lp, Tp, H, NG, N, P)
+    b_D = _load_D(D, i_h, o_p, m_p, P, BP, D_HDIM)
+    b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0) != 0
+    b_a = tl.load(a + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_dt = tl.load(dt + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_G = tl.sum(tl.where(b_M, b_a[None, :], 0.0), 1)  # path-summed log decay, not a cumsum
+    m_tn = m_t[:, None] & m_n[None, :]
+    m_tp = m_t[:, None] & m_p[None, :]
+    b_B = tl.load(Bm + ((i_b * T + o_t[:, None]) * NG + i_g) * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
+    b_C = tl.load(Cm + ((i_b * T + o_t[:, None]) * NG + i_g) * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
+    p_x = ((i_b * T + o_t[:, None]) * H + i_h) * P + o_p[None, :]
+    b_x = tl.load(x + p_x, mask=m_tp, other=0.0).to(tl.float32)
+    b_u = b_dt[:, None] * b_x
+    # mask the exponent before exp: off-path pairs are exactly 0, exp(-G) never overflows
+    gam = tl.where(b_M, tl.exp(tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    cb = tl.dot(b_C, tl.trans(b_B), input_precision="ieee") * gam
+    b_y = tl.exp(b_G)[:, None] * tl.dot(b_C, b_S, input_precision="ieee") + tl.dot(cb, b_u, input_precision="ieee")
+    b_y += b_D[None, :] * b_x
+    tl.store(y + p_x, b_y, mask=m_tp)
+    tl.store(u + p_x, b_u, mask=m_tp)
+    if i_p == 0:
+        tl.store(G + (i_b * T + o_t) * H + i_h, b_G, mask=m_t)
+
+
+def _check(x, dt, a, Bm, Cm, D, state, pending) -> None:
+    """Shapes, dtypes and devices shared by the verify kernels (raises ValueError)."""
+    if x.dim() != 4 or Bm.dim() != 4:
+        raise ValueError(f"x must be [B, T, H, P] and Bm, Cm [B, T, NG, N]; got {list(x.shape)}, {list(Bm.shape)}")
+    B, T, H, P = x.shape
+    NG, N = Bm.shape[2], Bm.shape[3]
+    if Bm.shape[:2] != (B, T) or Cm.shape != Bm.shape or H % NG:
+        raise ValueError(f"Bm, Cm must be [{B}, {T}, NG, N] with H % NG == 0; got {list(Bm.shape)}, {list(Cm.shape)}")
+    for name, t, shape in (("dt", dt, (B, T, H)), ("a", a, (B, T, H)), ("state", state, (B, H, N, P))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+    if tuple(D.shape) not in ((H,), (H, P)):
+        raise ValueError(f"D must be [{H}] or [{H}, {P}], got {list(D.shape)}")
+    if not state.is_contiguous():
+        raise ValueError("state must be contiguous (the committed state is written in place)")
+    if len({t.device for t in [x, dt, a, Bm, Cm, D, state, *(pending or [])]}) != 1:
+        raise ValueError("all tensors must be on one device")
+    if pending is not None:
+        _check_pending(B, H, NG, N, P, pending)
+
+
+def _check_pending(B, H, NG, N, P, pending) -> None:
+    """A pending commit's factor records and path must match the state's shape (ValueError)."""
+    pB, pu, pG, path, plen = pending
+    Tp = pB.shape[1]
+    if pB.shape != (B, Tp, NG, N) or pu.shape != (B, Tp, H, P) or pG.shape != (B, Tp, H) or \
+            pu.dtype != torch.float32 or pG.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B \
+            or plen.shape != (B,) or path.dtype != torch.int64 or plen.dtype != torch.int64:
+        raise ValueError("pending must be (Bm [B, Tp, NG, N], u [B, Tp, H, P] f32, G [B, Tp, H] f32, "
+                         "path [B, L] int64, path_len [B] int64)")
+
+
+def _pending_args(state, pending):
+    """Kernel arguments of an optional pending commit (dummies when there is none)."""
+    if pending is None:
+        dummy = torch.zeros(1, dtype=torch.int64, device=state.device)
+        return state, state, state, dummy, dummy, 1, 1
+    pB, pu, pG, path, plen = (t.contiguous() for t in pending)
+    return pB, pu, pG, path, plen, path.shape[1], pB.shape[1]
+
+
+def _outputs(x, out):
+    B, T, H, P = x.shape
+    if out is not None:
+        return out
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return torch.empty(B, T, H, P, **f32), torch.empty(B, T, H, P, **f32), torch.empty(B, T, H, **f32)
+
+
+def serial_verify(
+    x: Tensor, dt: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, D: Tensor, state: Tensor, num_nodes: Tensor,
+    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """State-resident serial SSD verify of a batch of chains, with the fused delayed commit.
+
+    Node ``t`` of sequence ``b`` is the child of node ``t - 1`` (node 0 hangs from the committed
+    state); nodes ``t >= num_nodes[b]`` are padding and get zero outputs and records.
+
+    Args:
+        x: ``[B, T, H, P]`` SSM inputs (float32 or bfloat16).
+        dt: ``[B, T, H]`` float32 step sizes; a: ``[B, T, H]`` float32 log decay ``dt * A``.
+        Bm, Cm: ``[B, T, NG, N]`` (float32 or bfloat16); ``H % NG == 0``.
+        D: ``[H]`` or ``[H, P]`` skip weights.
+        state: ``[B, H, N, P]`` float32 committed state; the pending commit, if any, is applied
+            to it **in place** (and nothing else is written to it).
+        num_nodes: ``[B]`` int64 chain length per sequence (``0..T``).
+        pending: the previous step's ``(Bm [B, Tp, NG, N], u [B, Tp, H, P] float32,
+            G [B, Tp, H] float32, path [B, L] int64, path_len [B] int64)``; ``path_len[b] = 0``
+            leaves sequence ``b``'s state bit-identical.
+        out: optional preallocated ``(y, u, G)`` (tests pass NaN-filled tensors).
+    Returns:
+        ``y [B, T, H, P]``, ``u [B, T, H, P]``, ``G [B, T, H]``, all float32: outputs and factor
+        records (``mamba2.records.Mamba2FactorRecord``).
+    Raises:
+        ValueError: shapes, dtypes or devices disagree (checked before any launch).
+    Formula: docs/DESIGN.md section 5 (serial SSD recurrence; closed-form commit).
+    """
+    _check(x, dt, a, Bm, Cm, D, state, pending)
+    B, T, H, P = x.shape
+    NG, N = Bm.shape[2], Bm.shape[3]
+    if num_nodes.shape != (B,) or num_nodes.dtype != torch.int64 or num_nodes.device != x.device:
+        raise ValueError(f"num_nodes must be int64 [{B}] on {x.device}, got {num_nodes.dtype} {list(num_nodes.shape)}")
+    y, u, G = out = _outputs(x, out)
+    pB, pu, pG, path, plen, Lp, Tp = _pending_args(state, pending)
+    BP = min(triton.next_power_of_2(P), 64)
+    _serial_verify_kernel[(triton.cdiv(P, BP), B * H)](
+        *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), state, y, u, G, num_nodes,
+        pB, pu, pG, path, plen, T, Lp, Tp, H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP,
+        HAS_PENDING=pending is not None, D_HDIM=D.dim() == 2,
+    )
+    return out
+
+
+def tree_verify(
+    x: Tensor, dt: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, D: Tensor, state: Tensor, mask: Tensor,
+    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Tree-masked factorized (parallel) SSD verify of a batch of trees, with the fused delayed
+    commit.
+
+    Args:
+        x, dt, a, Bm, Cm, D, state, pending, out: as :func:`serial_verify`.
+        mask: ``[B, T, T]`` bool inclusive-ancestor mask (``specla.tree.inclusive_ancestor_mask``),
+            ``T <= 64``.
+    Returns:
+        ``y``, ``u``, ``G`` as :func:`serial_verify`, every node as if its root path had been
+        decoded serially from the committed state.
+    Raises:
+        ValueError: shapes, dtypes, devices disagree, or ``T > 64``.
+    Formula: docs/DESIGN.md section 5 and ``reference.tree_ssd`` (SSD's quadratic form, Dao & Gu
+    2024, with the tree's ancestor mask).
+    """
+    _check(x, dt, a, Bm, Cm, D, state, pending)
+    B, T, H, P = x.shape
+    NG, N = Bm.shape[2], Bm.shape[3]
+    if mask.shape != (B, T, T) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool [{B}, {T}, {T}], got {mask.dtype} {list(mask.shape)}")
+    if T > MAX_TREE_NODES:
+        raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
+    y, u, G = out = _outputs(x, out)
+    pB, pu, pG, path, plen, Lp, Tp = _pending_args(state, pending)
+    BP = max(16, min(triton.next_power_of_2(P), 64))  # tl.dot needs tiles of at least 16
+    _tree_verify_kernel[(triton.cdiv(P, BP), B * H)](
+        *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), mask.to(torch.int8).contiguous(), state, y, u, G,
+        pB, pu, pG, path, plen, T, Lp, Tp, H=H, NG=NG, N=N, P=P, BT=max(16, triton.next_power_of_2(T)),
+        BN=max(16, triton.next_power_of_2(N)), BP=BP, HAS_PENDING=pending is not None, D_HDIM=D.dim() == 2,
+    )
+    return out
+
+
+def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
+    """Whether the first ``counts[b]`` nodes of every row form a chain (node ``i`` is the child of
+    node ``i - 1``); the rest of a row is padding (``parents`` alone cannot tell it from real
+    root children, hence ``counts``)."""
+    idx = torch.arange(parents.shape[1], device=parents.device)
+    real = idx[None, :] < counts[:, None]
+    return bool(((parents == idx - 1) | (idx == 0) | ~real).all())
+
+
+def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
+    """``serial`` / ``parallel`` / ``reference`` for a batch of trees (``counts``: real nodes per row).
+
+    Chains -> serial (unless ``parallel`` is forced), trees up to ``MAX_TREE_NODES`` -> parallel,
+    larger trees -> the reference path (Mamba2 has no hybrid kernel yet; ``hybrid`` picks as
+    ``auto``).
+    """
+    if is_chain_batch(parents, counts) and choice != "parallel":
+        return "serial"
+    return "parallel" if parents.shape[1] <= MAX_TREE_NODES else "reference"
