@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specla_gdn.naive import naive_tree_gdn, root_path
+from specla.ops.naive import root_path
+from specla_gdn.naive import naive_tree_gdn
 from specla_gdn.verify import hybrid_verify, serial_verify
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,41 +208,6 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
         assert calls[verify_kernel] > 0
     if verify_kernel == "serial" and pattern == "tree":
         assert calls["hybrid"] > 0  # forced serial falls back to hybrid on real trees
-
-
-from specla_gdn import conv as conv_kernels  # noqa: E402
-from specla_gdn.naive import naive_tree_conv  # noqa: E402
-from specla_gdn.reference import conv_ancestors  # noqa: E402
-
-
-@pytest.mark.parametrize("kind", SHAPES)
-@pytest.mark.parametrize("width, bias", [(4, False), (2, True), (3, True)])
-def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
-    rng = random.Random(width * 13 + len(kind))
-    sizes = [1, 1] if kind == "single" else [7, 3]
-    T, B, D = max(sizes), 2, 37
-    parents = torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    x = torch.randn(B, T, D, generator=gen)
-    window = torch.randn(B, width - 1, D, generator=gen)
-    weight = torch.randn(D, width, generator=gen)
-    b = torch.randn(D, generator=gen) if bias else None
-    anc = conv_ancestors(parents, width)
-    y = conv_kernels.tree_conv(*(t.to(DEV) for t in (x, window, weight)), b.to(DEV) if bias else None, anc.to(DEV),
-                               out=torch.full((B, T, D), float("nan"), device=DEV))
-    ry, rwin = naive_tree_conv(x, window, weight, b, parents)
-    assert torch.allclose(y.cpu(), ry, rtol=1e-5, atol=1e-5)
-    for node in range(T):
-        paths = [root_path(parents[r].tolist(), node) for r in range(B)]
-        P = max(len(p) for p in paths)
-        path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
-        plen = torch.tensor([len(p) for p in paths])
-        new = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), path.to(DEV), plen.to(DEV),
-                                       out=torch.full_like(window, float("nan")).to(DEV))
-        assert torch.equal(new.cpu(), rwin[:, node])  # pure gathers: exact
-    same = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), torch.full((B, 1), -1, device=DEV),
-                                    torch.zeros(B, dtype=torch.int64, device=DEV))
-    assert torch.equal(same.cpu(), window)  # nothing accepted: bit-identical
 
 
 from specla_gdn.commit import flush_commit  # noqa: E402

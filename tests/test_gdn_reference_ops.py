@@ -5,35 +5,14 @@ import torch
 import torch.nn.functional as F
 
 from specla.tree import inclusive_ancestor_mask
-from specla_gdn.naive import naive_tree_conv, naive_tree_gdn, root_path
-from specla_gdn.reference import (
-    causal_conv,
-    chunk_gdn,
-    conv_ancestors,
-    conv_window_after,
-    conv_windows_per_node,
-    gdn_commit_factor,
-    gdn_commit_replay,
-    node_states,
-    tree_conv,
-    tree_gdn,
-)
-from trees import SHAPES, tree_parents
-
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+from specla.ops.naive import root_path
+from specla_gdn.naive import naive_tree_gdn
+from specla_gdn.reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
+from trees import SHAPES, TOL, batch_parents, rel_err, tree_parents
 
 
-def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def batch_parents(kind, sizes, rng):
-    sizes = [1] * len(sizes) if kind == "single" else sizes
-    T = max(sizes)
-    rows = []
-    for n in sizes:  # shorter rows padded with extra root children (separate branches)
-        rows.append(tree_parents(kind, n, rng) + [-1] * (T - n))
-    return torch.tensor(rows)
 
 
 def gdn_inputs(B, T, H, HV, K, V, dtype, gen):
@@ -88,31 +67,6 @@ def test_commits_equal_state_after_each_node(kind, rng):
         assert rel_err(S[1], rstates[1, 0]) < 1e-10
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("kind", SHAPES)
-@pytest.mark.parametrize("width", [2, 4])
-def test_tree_conv_and_windows_equal_per_path(kind, width, dtype, rng):
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    parents = batch_parents(kind, [6, 2], rng)
-    B, T, D = 2, parents.shape[1], 5
-    x = torch.randn(B, T, D, generator=gen, dtype=dtype)
-    window = torch.randn(B, width - 1, D, generator=gen, dtype=dtype)
-    weight = torch.randn(D, width, generator=gen, dtype=dtype)
-    bias = torch.randn(D, generator=gen, dtype=dtype)
-    anc = conv_ancestors(parents, width)
-    y = tree_conv(x, window, weight, bias, anc)
-    ry, rwin = naive_tree_conv(x, window, weight, bias, parents)
-    assert rel_err(y, ry) < TOL[dtype]
-    assert torch.equal(conv_windows_per_node(x, window, anc), rwin)  # pure gathers: exact
-    for node in range(T):
-        paths = [torch.tensor(root_path(parents[b].tolist(), node)) for b in range(B)]
-        path = torch.nn.utils.rnn.pad_sequence(paths, batch_first=True, padding_value=-1)
-        plen = torch.tensor([len(p) for p in paths])
-        assert torch.equal(conv_window_after(x, window, path, plen), rwin[:, node])
-    empty = conv_window_after(x, window, torch.full((B, 1), -1), torch.zeros(B, dtype=torch.int64))
-    assert torch.equal(empty, window)
-
-
 def test_chain_matches_fla_naive_recurrent(rng):
     """On a chain, tree_gdn is the plain recurrence: compare with FLA's own PyTorch reference."""
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
@@ -158,13 +112,3 @@ def test_chunk_gdn_gradients_equal_tree_gdn_on_a_chain(rng):
     ref = torch.autograd.grad((ref_o * w).sum(), inputs)
     for got, want in zip(grads, ref):
         assert rel_err(got, want) < 1e-10
-
-
-def test_causal_conv_equals_tree_conv_on_a_chain_from_an_empty_window(rng):
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    B, T, D, C = 2, 9, 6, 4
-    x = torch.randn(B, T, D, generator=gen)
-    weight, bias = torch.randn(D, C, generator=gen), torch.randn(D, generator=gen)
-    chain = torch.arange(-1, T - 1).expand(B, T)
-    ref, _ = naive_tree_conv(x, torch.zeros(B, C - 1, D), weight, bias, chain)
-    assert rel_err(causal_conv(x, weight, bias), ref) < 1e-6

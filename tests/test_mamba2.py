@@ -14,22 +14,14 @@ from specla import Acceptance, BudgetError, DraftTree, InvalidTokenError, Invali
 from specla.errors import UnsupportedModelError
 from specla.registry import get_plugin
 from specla.tree import inclusive_ancestor_mask
-from specla_mamba2.naive import NaiveMamba2, naive_greedy_decode, naive_tree_conv, naive_tree_ssd, root_path
-from specla_mamba2.reference import (
-    conv_ancestors,
-    conv_window_after,
-    conv_windows_per_node,
-    node_states,
-    ssd_commit_factor,
-    ssd_commit_replay,
-    tree_conv,
-    tree_ssd,
-)
+from specla.ops.conv import conv_window_after
+from specla.ops.naive import root_path
+from specla_mamba2.naive import NaiveMamba2, naive_greedy_decode, naive_tree_ssd
+from specla_mamba2.reference import node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 from specla.testing import OracleDrafter
-from trees import SHAPES, tree_parents
+from trees import SHAPES, TOL, batch_parents, rel_err, tree_parents
 
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 MODEL_TOL = 1e-9  # float64 models: batched factorized form vs sequential loop
 
 MODEL_CONFIGS = get_plugin("mamba2").tiny_variants
@@ -45,14 +37,7 @@ def model_name(request):
     return request.param
 
 
-def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
-
-def batch_parents(kind, sizes, rng):
-    sizes = [1] * len(sizes) if kind == "single" else sizes
-    T = max(sizes)
-    return torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
 
 
 def paths_to(parents, node):
@@ -115,29 +100,6 @@ def test_commits_equal_state_after_each_node(kind):
     for S in (ssd_commit_factor(S0, Bm, u, Gs, path, plen), ssd_commit_replay(S0, Bm, u, dt * A, path, plen)):
         assert torch.equal(S[0], S0[0])
         assert rel_err(S[1], rstates[1, 0]) < 1e-10
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("kind", SHAPES)
-@pytest.mark.parametrize("width", [2, 4])
-def test_tree_conv_and_windows_equal_per_path(kind, width, dtype):
-    rng = random.Random(width * 10 + SHAPES.index(kind))
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    parents = batch_parents(kind, [6, 2], rng)
-    B, T, D = 2, parents.shape[1], 5
-    x = torch.randn(B, T, D, generator=gen, dtype=dtype)
-    window = torch.randn(B, width - 1, D, generator=gen, dtype=dtype)
-    weight = torch.randn(D, width, generator=gen, dtype=dtype)
-    bias = torch.randn(D, generator=gen, dtype=dtype)
-    anc = conv_ancestors(parents, width)
-    ry, rwin = naive_tree_conv(x, window, weight, bias, parents)
-    assert rel_err(tree_conv(x, window, weight, bias, anc), ry) < TOL[dtype]
-    assert torch.equal(conv_windows_per_node(x, window, anc), rwin)  # pure gathers: exact
-    for node in range(T):
-        path, plen = paths_to(parents, node)
-        assert torch.equal(conv_window_after(x, window, path, plen), rwin[:, node])
-    empty = conv_window_after(x, window, torch.full((B, 1), -1), torch.zeros(B, dtype=torch.int64))
-    assert torch.equal(empty, window)
 
 
 # ---------------------------------------------------------------------------- model level
@@ -439,7 +401,7 @@ def test_layer_decode_step_equals_fla_with_groups():
     """One cached decode step of FLA's Mamba2 layer (its torch path) from a random state and conv
     window, grouped B/C: output, state and conv window equal our tree verify of a one-node tree."""
     from fla_oracle import enable_fla_interpreter
-    from specla_mamba2.adapter import rms_norm
+    from specla.ops.norm import rms_norm
 
     enable_fla_interpreter()
     model = make_mamba2_model("base", dtype=torch.float32, seed=3)
@@ -572,35 +534,6 @@ def test_flush_commit_equals_naive_and_bad_inputs_raise():
         flush_commit(S0.double(), *pending)
     with pytest.raises(ValueError, match="pending must be"):
         flush_commit(S0.clone(), pending[0], pending[1].double(), *pending[2:])
-
-
-@needs_triton
-@pytest.mark.parametrize("width", [1, 4])
-def test_conv_kernels_equal_naive(width):
-    from specla_mamba2 import conv as conv_kernels
-
-    rng = random.Random(width)
-    gen = torch.Generator().manual_seed(width)
-    B, T, D = 3, 7, 11
-    parents = torch.tensor([tree_parents("random", T, rng) for _ in range(B)])
-    x = torch.randn(B, T, D, generator=gen)
-    window = torch.randn(B, width - 1, D, generator=gen)
-    weight, bias = torch.randn(D, width, generator=gen), torch.randn(D, generator=gen)
-    ry, rwin = naive_tree_conv(x, window, weight, bias, parents)
-    out = torch.full((B, T, D), float("nan"), device=DEV)
-    anc = conv_ancestors(parents, width).to(DEV)
-    y = conv_kernels.tree_conv(x.to(DEV), window.to(DEV), weight.to(DEV), bias.to(DEV), anc, out=out)
-    assert rel_err(y.cpu(), ry) < 1e-5
-    ends = [rng.randrange(T) for _ in range(B)]
-    paths = [root_path(parents[b].tolist(), e) for b, e in enumerate(ends)]
-    paths[2] = []  # ragged, one sequence accepts nothing
-    L = max(len(p) for p in paths)
-    path = torch.tensor([p + [-1] * (L - len(p)) for p in paths])
-    plen = torch.tensor([len(p) for p in paths])
-    new = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), path.to(DEV), plen.to(DEV),
-                                   out=torch.full_like(window, float("nan"), device=DEV))
-    for b in range(B):
-        assert torch.equal(new[b].cpu(), window[b] if b == 2 else rwin[b, ends[b]])
 
 
 @needs_triton

@@ -1,6 +1,15 @@
-"""Tree shapes used across tests (not collected: no test_ prefix)."""
+"""Tree shapes and comparison helpers used across tests (not collected: no test_ prefix)."""
 
 import random
+
+import torch
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}  # operator vs sequential twin, by dtype
+
+
+def rel_err(a, b) -> float:
+    """Largest absolute difference over the largest reference magnitude."""
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 SHAPES = ("single", "chain", "star", "binary", "random")
 
@@ -16,3 +25,11 @@ def tree_parents(kind: str, n: int, rng: random.Random) -> list[int]:
     if kind == "binary":
         return [-1] + [(i - 1) // 2 for i in range(1, n)]
     return [rng.randrange(-1, i) for i in range(n)]
+
+
+def batch_parents(kind: str, sizes: list[int], rng: random.Random):
+    """``[B, T]`` parents of one ``kind`` tree per size; shorter rows are padded with extra
+    children of the committed state (separate branches)."""
+    sizes = [1] * len(sizes) if kind == "single" else sizes
+    T = max(sizes)
+    return torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])

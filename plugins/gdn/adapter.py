@@ -21,31 +21,15 @@ from specla.records import Acceptance, PendingCommit, Record, path_end
 from specla.tree import DraftTree, inclusive_ancestor_mask
 
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
-from .reference import (
-    causal_conv,
-    chunk_gdn,
-    compute_dtype,
-    conv_ancestors,
-    conv_window_after,
-    conv_windows_per_node,
-    gdn_commit_factor,
-    gdn_commit_replay,
-    l2norm,
-    node_states,
-    tree_conv,
-    tree_gdn,
-)
-from . import conv as conv_kernels
+from specla.ops import conv_triton as conv_kernels
+from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.norm import compute_dtype, l2norm, rms_norm
+
 from .commit import flush_commit
+from .reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
 from .verify import hybrid_plan, hybrid_verify, pick_verify_kernel, serial_verify, tree_verify
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm computed in float32 (float64 for float64 inputs), returned in ``x.dtype`` (FLA)."""
-    xc = x.to(compute_dtype(x))
-    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xc.dtype)).to(x.dtype)
 
 
 @dataclass

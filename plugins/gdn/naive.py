@@ -12,14 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-def root_path(parents: list[int], node: int) -> list[int]:
-    """Node indices from the first node below the committed state down to ``node``."""
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
+from specla.ops.naive import naive_rms_norm, root_path
 
 
 def gdn_step(S: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float):
@@ -68,36 +61,6 @@ def naive_tree_gdn(q, k, v, g, beta, S0, parents, scale):
     return o, delta, G, states
 
 
-def naive_tree_conv(x, window, weight, bias, parents):
-    """Per-path causal short convolution + SiLU over a batch of trees.
-
-    Args:
-        x: ``[B, T, D]``; window: ``[B, C - 1, D]`` (oldest first); weight: ``[D, C]``;
-        bias: ``[D]`` or None; parents: ``[B, T]`` int64.
-    Returns:
-        ``y [B, T, D]`` in x.dtype, ``windows [B, T, C - 1, D]`` (the conv window after each node).
-    """
-    B, T, D = x.shape
-    C = weight.shape[1]
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = torch.zeros(B, T, D, dtype=ct)
-    windows = torch.zeros(B, T, C - 1, D, dtype=x.dtype)
-    for b in range(B):
-        par = parents[b].tolist()
-        for i in range(T):
-            seq = [window[b, t] for t in range(C - 1)] + [x[b, j] for j in root_path(par, i)]
-            last = torch.stack(seq[-C:]).to(ct)  # [C, D], oldest first: tap c meets last[c]
-            acc = (last.T * weight.to(ct)).sum(-1)
-            y[b, i] = acc + (bias.to(ct) if bias is not None else 0)
-            windows[b, i] = torch.stack(seq[len(seq) - (C - 1):]) if C > 1 else windows[b, i]
-    return F.silu(y).to(x.dtype), windows
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(x.dtype)
-
-
 class NaiveGDN:
     """Plain autoregressive decoding of an FLA ``GatedDeltaNetForCausalLM``, one token per step
     through every layer with the sequential recurrence (no trees, no factors, no batching).
@@ -133,7 +96,7 @@ class NaiveGDN:
         x = m.embeddings.weight[token]
         for li, blk in enumerate(m.layers):
             a = blk.attn
-            h = _rms(x, blk.attn_norm.weight, blk.attn_norm.eps).to(dt)
+            h = naive_rms_norm(x, blk.attn_norm.weight, blk.attn_norm.eps).to(dt)
             proj = torch.cat([h @ a.q_proj.weight.T, h @ a.k_proj.weight.T, h @ a.v_proj.weight.T])
             self.inputs[li].append(proj)
             if a.use_short_conv:
@@ -160,15 +123,15 @@ class NaiveGDN:
                 self.states[li][hv], o[hv], _ = gdn_step(
                     self.states[li][hv], q[hv // grp], k[hv // grp], v[hv], g[hv], beta[hv], a.head_k_dim**-0.5
                 )
-            o = _rms(o, a.o_norm.weight, a.o_norm.eps)
+            o = naive_rms_norm(o, a.o_norm.weight, a.o_norm.eps)
             if a.use_gate:
                 gate = (h @ a.g_proj.weight.T).view(a.num_v_heads, -1).to(ct)
                 o = o * (torch.sigmoid(gate) if a.o_norm.activation == "sigmoid" else F.silu(gate))
             x = x + (o.reshape(-1).to(dt) @ a.o_proj.weight.T)
-            h = _rms(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(dt)
+            h = naive_rms_norm(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(dt)
             mlp = blk.mlp
             x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
-        return _rms(x, m.norm.weight, m.norm.eps).to(dt) @ self.model.lm_head.weight.T
+        return naive_rms_norm(x, m.norm.weight, m.norm.eps).to(dt) @ self.model.lm_head.weight.T
 
 
 def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -25,30 +25,15 @@ from specla.records import Acceptance, PendingCommit, Record, path_end
 from specla.tree import DraftTree, inclusive_ancestor_mask
 
 from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
-from .reference import (
-    compute_dtype,
-    conv_ancestors,
-    conv_window_after,
-    conv_windows_per_node,
-    discretize,
-    gated_rms_norm,
-    node_states,
-    ssd_commit_factor,
-    ssd_commit_replay,
-    tree_conv,
-    tree_ssd,
-)
-from . import conv as conv_kernels
+from specla.ops import conv_triton as conv_kernels
+from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.norm import compute_dtype, rms_norm
+
+from .reference import discretize, gated_rms_norm, node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 from .commit import flush_commit
 from .verify import pick_verify_kernel, serial_verify, tree_verify
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm computed in float32 (float64 for float64 inputs), returned in ``x.dtype`` (FLA)."""
-    xc = x.to(compute_dtype(x))
-    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xc.dtype)).to(x.dtype)
 
 
 @dataclass

@@ -13,14 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-def root_path(parents: list[int], node: int) -> list[int]:
-    """Node indices from the first node below the committed state down to ``node``."""
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
+from specla.ops.naive import naive_rms_norm, root_path
 
 
 def ssd_step(S: Tensor, x: Tensor, dt: Tensor, A: Tensor, b: Tensor, c: Tensor, D: Tensor):
@@ -67,36 +60,6 @@ def naive_tree_ssd(x, dt, A, Bm, Cm, D, S0, parents):
     return y, u, G, states
 
 
-def naive_tree_conv(x, window, weight, bias, parents):
-    """Per-path causal depthwise convolution + SiLU over a batch of trees.
-
-    Args:
-        x: ``[B, T, D]``; window: ``[B, C - 1, D]`` (oldest first); weight: ``[D, C]``;
-        bias: ``[D]`` or None; parents: ``[B, T]`` int64.
-    Returns:
-        ``y [B, T, D]`` in x.dtype, ``windows [B, T, C - 1, D]`` (the conv window after each node).
-    """
-    B, T, D = x.shape
-    C = weight.shape[1]
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = torch.zeros(B, T, D, dtype=ct)
-    windows = torch.zeros(B, T, C - 1, D, dtype=x.dtype)
-    for b in range(B):
-        par = parents[b].tolist()
-        for i in range(T):
-            seq = [window[b, t] for t in range(C - 1)] + [x[b, j] for j in root_path(par, i)]
-            last = torch.stack(seq[-C:]).to(ct)  # [C, D], oldest first: tap c meets last[c]
-            acc = (last.T * weight.to(ct)).sum(-1)
-            y[b, i] = acc + (bias.to(ct) if bias is not None else 0)
-            windows[b, i] = torch.stack(seq[len(seq) - (C - 1):]) if C > 1 else windows[b, i]
-    return F.silu(y).to(x.dtype), windows
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(x.dtype)
-
-
 def naive_gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
                          norm_before_gate: bool) -> Tensor:
     """FLA ``rms_norm_ref`` for one token: ``y, z [Di]``, group by group; float32/float64 result."""
@@ -104,7 +67,7 @@ def naive_gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float, group
     y, gate = y.to(ct), F.silu(z.to(ct))
     if not norm_before_gate:
         y = y * gate
-    out = torch.cat([_rms(y[s : s + group_size], weight[s : s + group_size], eps)
+    out = torch.cat([naive_rms_norm(y[s : s + group_size], weight[s : s + group_size], eps)
                      for s in range(0, y.shape[0], group_size)])
     return out * gate if norm_before_gate else out
 
@@ -144,7 +107,7 @@ class NaiveMamba2:
         for li, blk in enumerate(bb.layers):
             m = blk.mixer
             residual = x.to(torch.float32) if blk.residual_in_fp32 else x
-            h = _rms(x, blk.norm.weight, blk.norm.eps).to(dt)
+            h = naive_rms_norm(x, blk.norm.weight, blk.norm.eps).to(dt)
             proj = h @ m.in_proj.weight.T
             if m.in_proj.bias is not None:
                 proj = proj + m.in_proj.bias
@@ -176,7 +139,7 @@ class NaiveMamba2:
             if m.out_proj.bias is not None:
                 o = o + m.out_proj.bias
             x = (residual + o).to(dt)
-        return _rms(x, bb.norm_f.weight, bb.norm_f.eps).to(dt) @ self.model.lm_head.weight.T
+        return naive_rms_norm(x, bb.norm_f.weight, bb.norm_f.eps).to(dt) @ self.model.lm_head.weight.T
 
 
 def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -1,8 +1,9 @@
-"""Triton tree short-convolution kernels (docs/DESIGN.md section 4, short convolution).
+"""Triton tree short-convolution kernels (docs/DESIGN.md section 4, short convolution), shared by
+the plugins.
 
 ``tree_conv``: node ``i`` convolves the inputs of its last ``C - 1`` ancestors (crossing into the
 committed window) and itself, then SiLU. ``conv_commit``: the window after an accepted path, its
-last ``C - 1`` inputs. Indices come from ``reference.conv_ancestors`` (a [B, T, C] table into
+last ``C - 1`` inputs. Indices come from ``specla.ops.conv.conv_ancestors`` (a [B, T, C] table into
 ``[window ; x]``), so both kernels are pure gathers plus a ``C``-tap dot product.
 """
 
@@ -52,12 +53,12 @@ def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, W: tl.constexpr
 
 def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, anc: Tensor,
               out: Tensor | None = None) -> Tensor:
-    """Tree-aware causal short convolution + SiLU (Triton twin of ``reference.tree_conv``).
+    """Tree-aware causal short convolution + SiLU (Triton twin of ``specla.ops.conv.tree_conv``).
 
     Args:
         x: ``[B, T, D]`` node inputs; window: ``[B, C - 1, D]`` committed inputs (oldest first);
         weight: ``[D, C]``; bias: ``[D]`` or None; anc: ``[B, T, C]`` int64 from
-        ``reference.conv_ancestors``; out: optional preallocated ``[B, T, D]``.
+        ``specla.ops.conv.conv_ancestors``; out: optional preallocated ``[B, T, D]``.
     Returns:
         ``[B, T, D]`` in ``x.dtype`` (accumulated in float32).
     Raises:
@@ -81,7 +82,7 @@ def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, an
 
 def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: Tensor | None = None) -> Tensor:
     """Conv window after committing an accepted path (Triton twin of
-    ``reference.conv_window_after``).
+    ``specla.ops.conv.conv_window_after``).
 
     Args:
         x: ``[B, T, D]``; window: ``[B, C - 1, D]``; path: ``[B, P]`` int64 root-to-leaf, ``-1``

@@ -1,0 +1,24 @@
+"""Normalisations shared by the architecture plugins, computed in float32 (float64 for float64
+inputs) as FLA does."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 stays float64 (exactness tests); every other dtype computes in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm computed in float32 (float64 for float64 inputs), returned in ``x.dtype`` (FLA)."""
+    xc = x.to(compute_dtype(x))
+    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xc.dtype)).to(x.dtype)
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, in the compute dtype (FLA ``l2norm``)."""
+    x = x.to(compute_dtype(x))
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -1,0 +1,82 @@
+"""The shared tree short-convolution operators (specla.ops) against their sequential twins:
+the batched PyTorch form and the Triton kernels (CPU: Triton interpreter; GPU: compiled)."""
+
+import random
+
+import pytest
+import torch
+
+from specla.ops import conv_triton as conv_kernels
+from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.naive import naive_tree_conv, root_path
+from trees import SHAPES, TOL, batch_parents, rel_err, tree_parents
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("width", [2, 4])
+def test_tree_conv_and_windows_equal_per_path(kind, width, dtype, rng):
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    parents = batch_parents(kind, [6, 2], rng)
+    B, T, D = 2, parents.shape[1], 5
+    x = torch.randn(B, T, D, generator=gen, dtype=dtype)
+    window = torch.randn(B, width - 1, D, generator=gen, dtype=dtype)
+    weight = torch.randn(D, width, generator=gen, dtype=dtype)
+    bias = torch.randn(D, generator=gen, dtype=dtype)
+    anc = conv_ancestors(parents, width)
+    y = tree_conv(x, window, weight, bias, anc)
+    ry, rwin = naive_tree_conv(x, window, weight, bias, parents)
+    assert rel_err(y, ry) < TOL[dtype]
+    assert torch.equal(conv_windows_per_node(x, window, anc), rwin)  # pure gathers: exact
+    for node in range(T):
+        paths = [torch.tensor(root_path(parents[b].tolist(), node)) for b in range(B)]
+        path = torch.nn.utils.rnn.pad_sequence(paths, batch_first=True, padding_value=-1)
+        plen = torch.tensor([len(p) for p in paths])
+        assert torch.equal(conv_window_after(x, window, path, plen), rwin[:, node])
+    empty = conv_window_after(x, window, torch.full((B, 1), -1), torch.zeros(B, dtype=torch.int64))
+    assert torch.equal(empty, window)
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("width, bias", [(4, False), (2, True), (3, True), (1, True)])  # 1: no window
+def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
+    rng = random.Random(width * 13 + len(kind))
+    sizes = [1, 1] if kind == "single" else [7, 3]
+    T, B, D = max(sizes), 2, 37
+    parents = torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    x = torch.randn(B, T, D, generator=gen)
+    window = torch.randn(B, width - 1, D, generator=gen)
+    weight = torch.randn(D, width, generator=gen)
+    b = torch.randn(D, generator=gen) if bias else None
+    anc = conv_ancestors(parents, width)
+    y = conv_kernels.tree_conv(*(t.to(DEV) for t in (x, window, weight)), b.to(DEV) if bias else None, anc.to(DEV),
+                               out=torch.full((B, T, D), float("nan"), device=DEV))
+    ry, rwin = naive_tree_conv(x, window, weight, b, parents)
+    assert torch.allclose(y.cpu(), ry, rtol=1e-5, atol=1e-5)
+    for node in range(T):
+        paths = [root_path(parents[r].tolist(), node) for r in range(B)]
+        P = max(len(p) for p in paths)
+        path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
+        plen = torch.tensor([len(p) for p in paths])
+        new = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), path.to(DEV), plen.to(DEV),
+                                       out=torch.full_like(window, float("nan")).to(DEV))
+        assert torch.equal(new.cpu(), rwin[:, node])  # pure gathers: exact
+    same = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), torch.full((B, 1), -1, device=DEV),
+                                    torch.zeros(B, dtype=torch.int64, device=DEV))
+    assert torch.equal(same.cpu(), window)  # nothing accepted: bit-identical
+
+
+def test_causal_conv_equals_tree_conv_on_a_chain_from_an_empty_window(rng):
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    B, T, D, C = 2, 9, 6, 4
+    x = torch.randn(B, T, D, generator=gen)
+    weight, bias = torch.randn(D, C, generator=gen), torch.randn(D, generator=gen)
+    chain = torch.arange(-1, T - 1).expand(B, T)
+    ref, _ = naive_tree_conv(x, torch.zeros(B, C - 1, D), weight, bias, chain)
+    assert rel_err(causal_conv(x, weight, bias), ref) < 1e-6
