@@ -182,8 +182,9 @@ class ArchitecturePlugin(ABC):
         capabilities: what the plugin supports beyond greedy chain drafts, among ``"trees"``
             (tree drafts), ``"sampling"``, ``"cuda_graphs"``; the conformance suite runs the
             matching tests and requires a clear error otherwise.
-        known_failures: conformance test names expected to fail, with the reason (the suite
-            runs them as strict xfail: an unexpected pass fails too).
+        known_failures: conformance test names (or one parametrization, ``"test_x[replay]"``)
+            expected to fail, with the reason (the suite runs them as strict xfail: an unexpected
+            pass fails too).
         tiny_variants: names accepted by :meth:`tiny_model` (model shapes the suite covers).
     """
 

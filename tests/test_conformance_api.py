@@ -46,3 +46,13 @@ def test_specla_plugins_env_limits_loading_and_names_unknown_plugins():
     assert bad.returncode != 0
     assert "SPECLA_PLUGINS names nope, which is not installed; installed plugins: " in bad.stderr
     assert "gdn" in bad.stderr.splitlines()[-1]
+
+
+def test_the_example_third_party_plugin_is_registered_through_its_entry_point_alone():
+    """examples/third_party_plugin is installed by the test command and found without any
+    change to specla (its own tests run the conformance suite)."""
+    from specla.registry import available, plugin_infos
+
+    assert {"gdn", "mamba2", "retention"} <= set(available())
+    info = {i.name: i for i in plugin_infos()}["retention"]
+    assert info.distribution == "specla-retention-example" and info.model_types == ("tiny_retention",)

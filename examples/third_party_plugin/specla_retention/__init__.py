@@ -1,0 +1,1 @@
+"""Example third-party specla plugin (see README.md beside this package)."""

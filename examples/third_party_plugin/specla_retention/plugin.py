@@ -1,0 +1,92 @@
+"""Registers the ``retention`` architecture with specla (entry point in pyproject.toml)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specla.config import SpecConfig
+from specla.errors import UnsupportedModelError
+from specla.hookspecs import hookimpl
+from specla.interfaces import ArchitecturePlugin, TargetAdapter
+
+from .model import RetentionConfig, RetentionModel
+
+TINY_VARIANTS = {"base": {}, "odd": dict(hidden_size=15, num_heads=3, head_dim=5, num_layers=3, vocab_size=37)}
+ONLY_FACTOR = "the example implements only the factor commit (make_adapter refuses the others)"
+
+
+class RetentionPlugin(ArchitecturePlugin):
+    """Multi-scale retention (RetNet-style scalar-decay linear attention)."""
+
+    name = "retention"
+    model_types = ("tiny_retention",)
+    capabilities = frozenset({"trees"})
+    tiny_variants = tuple(TINY_VARIANTS)
+    known_failures = {f"{test}[{commit}]": ONLY_FACTOR
+                      for test in ("test_forced_acceptance_patterns_token_identical",
+                                   "test_every_accepted_count_commits_exactly_the_accepted_tokens")
+                      for commit in ("snapshot", "replay")}
+
+    def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file() or json.loads(cfg.read_text()).get("model_type") not in self.model_types:
+            raise UnsupportedModelError(f"{path} is not a tiny_retention checkpoint")
+        model = RetentionModel.load(path)
+        return model.to(device or "cpu", dtype or torch.float32)
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        if not isinstance(model, RetentionModel):
+            raise UnsupportedModelError(f"the retention plugin runs RetentionModel, got {type(model).__name__}")
+
+    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
+        self.check_model(model)
+        from .adapter import RetentionAdapter
+
+        return RetentionAdapter(model, config)
+
+    def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = RetentionModel(RetentionConfig(**TINY_VARIANTS[variant]))
+        with torch.no_grad():  # larger weights than nn.Linear's default, so tokens differ sharply
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.5)
+        return model.to(dtype).eval()
+
+    def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """One token at a time with the plain recurrence ``S = gamma S + k v^T``, ``o = S^T q``."""
+        cfg = model.config
+        ct = torch.float64 if model.lm_head.weight.dtype == torch.float64 else torch.float32
+        gamma = torch.exp(model.log_gamma.to(ct))[:, None, None]
+        S = [torch.zeros(cfg.num_heads, cfg.head_dim, cfg.head_dim, dtype=ct) for _ in model.layers]
+
+        def rms(x, w):
+            x = x.to(ct)
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.to(ct)
+
+        def step(token: int) -> torch.Tensor:
+            x = model.embed.weight[token].to(ct)
+            for li, layer in enumerate(model.layers):
+                h = rms(x, layer.norm)
+                q, k, v = ((h @ lin.weight.to(ct).T).view(cfg.num_heads, cfg.head_dim) for lin in (layer.q, layer.k, layer.v))
+                S[li] = gamma * S[li] + k[:, :, None] * v[:, None, :]
+                o = torch.einsum("hkv,hk->hv", S[li], q * cfg.head_dim**-0.5)
+                x = x + o.reshape(-1) @ layer.o.weight.to(ct).T
+            return rms(x, model.norm) @ model.lm_head.weight.to(ct).T
+
+        with torch.no_grad():
+            for t in prompt:
+                logits = step(t)
+            out = []
+            for _ in range(max_new_tokens):
+                out.append(int(logits.argmax()))
+                logits = step(out[-1])
+        return out
+
+
+@hookimpl
+def specla_architectures() -> list[ArchitecturePlugin]:
+    return [RetentionPlugin()]
