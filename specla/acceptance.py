@@ -48,3 +48,98 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
         alive = hit
     num_accepted = (path >= 0).sum(-1) - 1
     return Acceptance(path=path, num_accepted=num_accepted, bonus=target[rows, cur], tokens=tokens)
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """The distribution a sampler draws from: ``softmax(logits / temperature)`` restricted to the
+    ``top_k`` most likely tokens (``0``: all) and to the smallest set of most likely tokens whose
+    mass reaches ``top_p``, renormalised (the usual transformers warpers, in that order).
+
+    Args:
+        logits: ``[..., vocab]`` (any float dtype). temperature: ``> 0``.
+    Returns:
+        ``[..., vocab]`` float32 probabilities.
+    Raises:
+        ValueError: ``temperature <= 0``, ``top_k < 0`` or ``top_p`` outside ``(0, 1]``.
+    """
+    if temperature <= 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature > 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    x = logits.float() / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if top_p < 1:
+        sp, idx = p.sort(dim=-1, descending=True)
+        drop = sp.cumsum(-1) - sp >= top_p  # the tokens after the mass already reached top_p
+        p = p.scatter(-1, idx, sp.masked_fill(drop, 0.0))
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor,
+                    generator: torch.Generator | None = None) -> Acceptance:
+    """Lossless tree acceptance by recursive rejection sampling (SpecInfer, Miao et al. 2024;
+    SpecTr, Sun et al. 2023): the emitted tokens follow the target's distribution exactly.
+
+    At the current node (the root first), with residual ``r`` = the target's distribution there,
+    try the children in index order: accept child ``x`` with probability
+    ``min(1, r(x) / q(x))`` (``q``: the distribution that child's token was drawn from) and move
+    to it; on rejection ``r <- normalise(max(r - q, 0))``. When every child is rejected, or the
+    node has none, the bonus token is drawn from ``r``. A deterministic draft (e.g. ngram) has a
+    one-hot ``q``: it is accepted with probability ``r(x)`` and removed from ``r`` on rejection.
+
+    Args:
+        tree: ``B`` draft trees of width ``N``; each node's token must have been drawn from its
+            ``draft_probs`` row independently of its siblings (or be deterministic, one-hot).
+        target_probs: ``[B, N + 1, vocab]`` the target's sampling distribution at the root (row
+            0) and after each draft node (row ``i + 1``), e.g. from :func:`sampling_probs`.
+        draft_probs: ``[B, N, vocab]`` the distribution each draft node's token was drawn from.
+        generator: the random source (a seeded generator repeats a run exactly).
+    Returns:
+        :class:`Acceptance` (as :func:`accept_greedy`, with the sampled bonus token).
+    Raises:
+        ValueError: shapes disagree.
+    """
+    B, N = tree.tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (B, N + 1):
+        raise ValueError(f"target_probs must be [B={B}, N+1={N + 1}, vocab], got {tuple(target_probs.shape)}")
+    if draft_probs.shape != (B, N, target_probs.shape[-1]):
+        raise ValueError(f"draft_probs must be [B={B}, N={N}, vocab], got {tuple(draft_probs.shape)}")
+    dev = target_probs.device
+    parents = tree.parents_with_root[:, 1:].to(dev)
+    valid = tree.valid.to(dev)
+    tokens_in = tree.tokens.to(dev)
+    depth = int(torch.where(tree.valid, tree.depth, 0).max()) if N else 0
+    rows = torch.arange(B, device=dev)
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    r = target_probs[:, 0].float()
+    path = torch.full((B, depth + 1), -1, dtype=torch.int64, device=dev)
+    path[:, 0] = 0
+    tokens = torch.full((B, depth), -1, dtype=torch.int64, device=dev)
+    for d in range(depth):
+        is_child = valid & (parents == cur[:, None]) & ~done[:, None]
+        rank = is_child.cumsum(-1) * is_child  # 1, 2, ... for the children of the current node
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        for j in range(1, int(rank.max()) + 1):
+            sel = rank == j
+            trying = sel.any(-1) & ~moved
+            c = sel.int().argmax(-1)
+            x = tokens_in[rows, c]
+            q = draft_probs[rows, c].float()
+            u = torch.rand(B, generator=generator, device=dev)
+            accept = trying & (u * q[rows, x] < r[rows, x])  # probability min(1, r(x) / q(x))
+            residual = (r - q).clamp(min=0)
+            mass = residual.sum(-1, keepdim=True)
+            # mass 0 only when r == q, where rejection has probability 0
+            r = torch.where((trying & ~accept)[:, None] & (mass > 0), residual / mass.clamp(min=1e-30), r)
+            moved |= accept
+            cur = torch.where(accept, c + 1, cur)
+            path[:, d + 1] = torch.where(accept, c + 1, path[:, d + 1])
+            tokens[:, d] = torch.where(accept, x, tokens[:, d])
+        r = torch.where(moved[:, None], target_probs[rows, cur].float(), r)
+        done |= ~moved
+    bonus = torch.multinomial(r, 1, generator=generator).squeeze(-1)
+    num_accepted = (path >= 0).sum(-1) - 1
+    return Acceptance(path=path, num_accepted=num_accepted, bonus=bonus, tokens=tokens)

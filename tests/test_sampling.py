@@ -1,0 +1,121 @@
+"""Lossless sampling over draft trees (specla.acceptance.accept_sampling): a statistical test
+against the exact target distribution, one that fails when the acceptance rule is broken, the
+deterministic-draft case, seeded repeats, and the sampling warpers."""
+
+import itertools
+
+import pytest
+import torch
+
+import specla.acceptance as acc
+from specla import DraftTree
+
+V, L, TRIALS = 4, 4, 60_000  # vocabulary, generated tokens compared, independent runs
+
+
+def markov(seed):
+    """Random order-1 target P and drafter Q (rows: previous token), deliberately different."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    Q = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    return P, Q
+
+
+def generate(P, Q, accept, start=0, deterministic=False, seed=0):
+    """TRIALS independent speculative generations of L tokens with the tree
+    root -> (c1, c2), c1 -> c3; drafts drawn from Q (or Q's argmax, one-hot, when deterministic)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((TRIALS, L + 4), -1)
+    n = torch.zeros(TRIALS, dtype=torch.int64)
+    root = torch.full((TRIALS,), start)
+    parents = torch.tensor([-1, -1, 0]).expand(TRIALS, 3)
+    rows = torch.arange(TRIALS)
+    while bool((n < L).any()):
+        def draw(prev):
+            if deterministic:
+                return Q[prev].argmax(-1)
+            return torch.multinomial(Q[prev], 1, generator=g).squeeze(-1)
+
+        c1, c2 = draw(root), draw(root)
+        if deterministic:  # two deterministic siblings must differ: take Q's second choice
+            c2 = Q[root].topk(2, -1).indices[:, 1]
+        c3 = draw(c1)
+        toks = torch.stack([c1, c2, c3], 1)
+        tree = DraftTree(toks, parents.clone(), torch.full((TRIALS,), 3))
+        target = torch.stack([P[root], P[c1], P[c2], P[c3]], 1)
+        q = torch.stack([Q[root], Q[root], Q[c1]], 1)
+        if deterministic:
+            q = torch.nn.functional.one_hot(toks, V).float()
+        a = accept(tree, target, q, g)
+        emitted = torch.cat([a.tokens, a.bonus[:, None]], 1)  # accepted drafts (-1 padded), bonus
+        for j in range(emitted.shape[1]):
+            ok = (emitted[:, j] >= 0) & (n < L + 4)
+            out[rows[ok], n[ok]] = emitted[ok, j]
+            n = n + ok.long()
+        root = out[rows, n - 1]
+    return out[:, :L]
+
+
+def chi_square(samples, P, start=0):
+    """Pearson chi-square of the L-token sequences against the exact Markov probabilities."""
+    idx = (samples * (V ** torch.arange(L - 1, -1, -1))).sum(-1)
+    observed = torch.bincount(idx, minlength=V**L).double()
+    expected = torch.zeros(V**L, dtype=torch.float64)
+    for seq in itertools.product(range(V), repeat=L):
+        prob, prev = 1.0, start
+        for t in seq:
+            prob, prev = prob * float(P[prev, t]), t
+        expected[sum(t * V ** (L - 1 - i) for i, t in enumerate(seq))] = prob * TRIALS
+    keep = expected > 5  # the usual validity condition of the test
+    return float(((observed - expected)[keep] ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
+
+
+def bound(df):
+    return df + 6 * (2 * df) ** 0.5  # mean + 6 standard deviations of chi-square(df)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_tree_sampling_follows_the_target_distribution(deterministic):
+    P, Q = markov(1)
+    stat, df = chi_square(generate(P, Q, acc.accept_sampling, deterministic=deterministic), P)
+    assert stat < bound(df), (stat, df)
+
+
+def test_the_test_fails_when_the_acceptance_rule_is_broken():
+    """Accepting drafts with probability r(x) (ignoring q) skews the output towards the drafter."""
+
+    def broken(tree, target, q, g):
+        return acc.accept_sampling(tree, target, torch.ones_like(q), g)
+
+    P, Q = markov(1)
+    stat, df = chi_square(generate(P, Q, broken), P)
+    assert stat > 3 * bound(df), (stat, df)
+
+
+def test_a_seeded_run_repeats_exactly_and_another_seed_differs():
+    P, Q = markov(2)
+    first = generate(P, Q, acc.accept_sampling, seed=5)
+    assert torch.equal(first, generate(P, Q, acc.accept_sampling, seed=5))
+    assert not torch.equal(first, generate(P, Q, acc.accept_sampling, seed=6))
+
+
+def test_sampling_probs_temperature_top_k_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert torch.allclose(acc.sampling_probs(logits, 1.0), torch.softmax(logits, -1))
+    assert torch.allclose(acc.sampling_probs(logits, 0.5), torch.softmax(logits / 0.5, -1))
+    top2 = acc.sampling_probs(logits, 1.0, top_k=2)
+    assert torch.allclose(top2[0, :2], torch.softmax(logits[0, :2], -1)) and not top2[0, 2:].any()
+    p = torch.softmax(logits, -1)[0]  # 0.61, 0.22, 0.14, 0.03
+    nucleus = acc.sampling_probs(logits, 1.0, top_p=0.7)  # the first two reach 0.7
+    assert torch.allclose(nucleus[0], torch.cat([p[:2] / p[:2].sum(), torch.zeros(2)]))
+    assert torch.equal(acc.sampling_probs(logits, 1.0, top_p=0.5)[0] > 0, torch.tensor([True, False, False, False]))
+    with pytest.raises(ValueError, match="temperature > 0"):
+        acc.sampling_probs(logits, 0.0)
+
+
+def test_shapes_are_checked():
+    tree = DraftTree.from_lists([([1], [-1])])
+    with pytest.raises(ValueError, match="target_probs"):
+        acc.accept_sampling(tree, torch.rand(1, 1, V), torch.rand(1, 1, V))
+    with pytest.raises(ValueError, match="draft_probs"):
+        acc.accept_sampling(tree, torch.rand(1, 2, V), torch.rand(1, 2, V))
