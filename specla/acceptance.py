@@ -77,7 +77,7 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     return p
 
 
-def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor,
+def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor | None,
                     generator: torch.Generator | None = None) -> Acceptance:
     """Lossless tree acceptance by recursive rejection sampling (SpecInfer, Miao et al. 2024;
     SpecTr, Sun et al. 2023): the emitted tokens follow the target's distribution exactly.
@@ -94,7 +94,8 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor,
             ``draft_probs`` row independently of its siblings (or be deterministic, one-hot).
         target_probs: ``[B, N + 1, vocab]`` the target's sampling distribution at the root (row
             0) and after each draft node (row ``i + 1``), e.g. from :func:`sampling_probs`.
-        draft_probs: ``[B, N, vocab]`` the distribution each draft node's token was drawn from.
+        draft_probs: ``[B, N, vocab]`` the distribution each draft node's token was drawn from,
+            or ``None`` when every draft is deterministic (one-hot ``q``, never materialised).
         generator: the random source (a seeded generator repeats a run exactly).
     Returns:
         :class:`Acceptance` (as :func:`accept_greedy`, with the sampled bonus token).
@@ -104,7 +105,7 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor,
     B, N = tree.tokens.shape
     if target_probs.dim() != 3 or target_probs.shape[:2] != (B, N + 1):
         raise ValueError(f"target_probs must be [B={B}, N+1={N + 1}, vocab], got {tuple(target_probs.shape)}")
-    if draft_probs.shape != (B, N, target_probs.shape[-1]):
+    if draft_probs is not None and draft_probs.shape != (B, N, target_probs.shape[-1]):
         raise ValueError(f"draft_probs must be [B={B}, N={N}, vocab], got {tuple(draft_probs.shape)}")
     dev = target_probs.device
     parents = tree.parents_with_root[:, 1:].to(dev)
@@ -127,7 +128,10 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor,
             trying = sel.any(-1) & ~moved
             c = sel.int().argmax(-1)
             x = tokens_in[rows, c]
-            q = draft_probs[rows, c].float()
+            if draft_probs is None:
+                q = torch.zeros_like(r).scatter_(1, x[:, None], 1.0)
+            else:
+                q = draft_probs[rows, c].float()
             u = torch.rand(B, generator=generator, device=dev)
             accept = trying & (u * q[rows, x] < r[rows, x])  # probability min(1, r(x) / q(x))
             residual = (r - q).clamp(min=0)

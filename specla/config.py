@@ -28,8 +28,14 @@ class SpecConfig(BaseModel):
         commit: how the accepted path reaches the recurrent state: ``factor`` (closed form from
             factor records, delayed into the next verify), ``snapshot`` (one state per node, pick
             the accepted one) or ``replay`` (re-run the accepted tokens from the pre-step state).
-        temperature: ``0`` is greedy decoding, the only mode implemented yet; any other value is
-            rejected with a ``pydantic.ValidationError`` (a ``ValueError``).
+        temperature: ``0`` is greedy decoding (token-identical to greedy autoregressive
+            decoding); above ``0`` tokens are sampled from ``softmax(logits / temperature)``,
+            losslessly: speculative output follows the target's distribution exactly
+            (:func:`specla.acceptance.accept_sampling`; drafts count as deterministic proposals).
+        sampling_top_k: with sampling, keep only the most likely ``k`` tokens (``0``: all).
+        top_p: with sampling, keep the smallest set of most likely tokens whose mass reaches it.
+        seed: with sampling, seeds the run's generator so that it repeats exactly (``None``: a
+            fresh random seed).
         max_new_tokens: generated tokens per prompt, bonus tokens included.
         stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
             output).
@@ -59,6 +65,9 @@ class SpecConfig(BaseModel):
     tau_tree: float = Field(math.inf, ge=0.0)
     commit: CommitStrategy = "factor"
     temperature: float = Field(0.0, ge=0.0)
+    sampling_top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
     max_new_tokens: int = Field(64, ge=1)
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
@@ -71,16 +80,6 @@ class SpecConfig(BaseModel):
     def _finite_json(self, value: float) -> float | str:
         # strict JSON has no Infinity; "inf" reads back through validation
         return "inf" if math.isinf(value) else value
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_only(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError(
-                f"temperature={value}: sampling is not supported yet; only greedy decoding "
-                "(temperature=0) is implemented"
-            )
-        return value
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .acceptance import accept_greedy
+from .acceptance import accept_greedy, accept_sampling, sampling_probs
 from .config import SpecConfig
 from .interfaces import Drafter, TargetAdapter
 from .tree import DraftTree
@@ -102,6 +102,13 @@ class Engine:
         stops = set(cfg.stop_token_ids)
         if cfg.stop_at_eos and adapter.eos_token_id is not None:
             stops.add(adapter.eos_token_id)
+        generator = None
+        if cfg.temperature > 0:
+            generator = torch.Generator(device=adapter.device)
+            if cfg.seed is not None:
+                generator.manual_seed(cfg.seed)
+            else:
+                generator.seed()
         t = self._clock()
         stats.prefill_s = t - start
         while active:
@@ -115,7 +122,11 @@ class Engine:
             tree = DraftTree(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)))
             t1 = self._clock()
             out = adapter.verify(tree)
-            acceptance = accept_greedy(tree, out.logits)
+            if generator is None:
+                acceptance = accept_greedy(tree, out.logits)
+            else:  # the drafts are deterministic proposals (one-hot q): lossless for any drafter
+                probs = sampling_probs(out.logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p)
+                acceptance = accept_sampling(tree, probs, None, generator)
             t2 = self._clock()
             adapter.commit(tree, out, acceptance)
             self.drafter.on_commit(acceptance, out)

@@ -65,10 +65,10 @@ def test_hybrid_attention_gdn_is_rejected():
 def test_config_validation():
     cfg = SpecConfig()
     assert (cfg.num_draft_tokens, cfg.commit, cfg.temperature) == (8, "factor", 0.0)
-    with pytest.raises(pydantic.ValidationError, match="sampling is not supported yet"):
-        SpecConfig(temperature=0.7)
-    with pytest.raises(pydantic.ValidationError, match="sampling is not supported yet"):
-        specla.run(make_model(), "gdn", prompts=[[1]], config={"temperature": 1.0})
+    assert SpecConfig(temperature=0.7, top_p=0.9, sampling_top_k=20, seed=3).top_p == 0.9
+    for bad in ({"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"sampling_top_k": -1}):
+        with pytest.raises(pydantic.ValidationError, match=next(iter(bad))):
+            SpecConfig(**bad)
     with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
         SpecConfig(tempature=0.0)
     with pytest.raises(pydantic.ValidationError, match="commit"):

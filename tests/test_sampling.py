@@ -119,3 +119,41 @@ def test_shapes_are_checked():
         acc.accept_sampling(tree, torch.rand(1, 1, V), torch.rand(1, 1, V))
     with pytest.raises(ValueError, match="draft_probs"):
         acc.accept_sampling(tree, torch.rand(1, 2, V), torch.rand(1, 2, V))
+
+
+# ---------------------------------------------------------------------------- through the engine
+def test_engine_sampling_follows_the_model_distribution_and_repeats_with_a_seed():
+    """A tiny GDN model, 3000 copies of one prompt, two sampled tokens with temperature 0.6 and
+    an oracle drafter proposing two-token chains: the joint distribution of the two tokens
+    equals the model's own (exact, from sequential decoding); a seed repeats the run."""
+    from specla import SpecDecoder
+    from specla.registry import get_plugin
+    from specla.testing import OracleDrafter
+    from specla_gdn.naive import NaiveGDN
+
+    arch = get_plugin("gdn")
+    model = arch.tiny_model("base", seed=4, dtype=torch.float32)
+    prompt, n = [3, 14, 15, 9, 2], 3000
+    ref = arch.reference_decode(model, prompt, 6)
+    cfg = dict(temperature=0.6, max_new_tokens=2, num_draft_tokens=2, max_depth=2, seed=11)
+    dec = SpecDecoder(model, "gdn", drafter=OracleDrafter([prompt] * n, [ref] * n, "all", 61), config=cfg)
+    out = dec.generate([prompt] * n)
+    assert out.stats.mean_accepted_tokens > 0.05  # hundreds of drafts accepted, not just bonus tokens
+    pairs = torch.tensor(out.outputs)
+    first = NaiveGDN(model)
+    for t in prompt:
+        p1 = torch.softmax(first.step(t).double() / 0.6, -1)
+    observed = torch.bincount(pairs[:, 0] * 61 + pairs[:, 1], minlength=61 * 61).double()
+    expected = torch.zeros(61 * 61, dtype=torch.float64)
+    for x1 in range(61):
+        if p1[x1] * n < 1:
+            continue
+        dec1 = NaiveGDN(model)
+        for t in prompt + [x1]:
+            logits = dec1.step(t)
+        expected[x1 * 61 : (x1 + 1) * 61] = p1[x1] * torch.softmax(logits.double() / 0.6, -1) * n
+    keep = expected > 5
+    stat = float(((observed - expected)[keep] ** 2 / expected[keep]).sum())
+    assert stat < bound(int(keep.sum()) - 1), stat
+    again = SpecDecoder(model, "gdn", drafter=OracleDrafter([prompt] * n, [ref] * n, "all", 61), config=cfg)
+    assert again.generate([prompt] * n).outputs == out.outputs
