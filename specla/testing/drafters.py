@@ -13,7 +13,8 @@ class OracleDrafter(Drafter):
     Patterns: ``all`` (every draft right), ``none`` (every draft wrong), ``alternating`` (every
     other draft wrong, shifting each step), ``zero_after_many`` (a full right chain, then a step
     with no drafts, repeating), ``tree`` (a wrong first child with its own subtree, then the right
-    chain as a second child).
+    chain as a second child), ``mixed`` (sequence 0 of the batch drafts nothing while the others
+    draft their full right chain).
 
     Args:
         prompts: the batch's prompts (token ids).
@@ -25,7 +26,7 @@ class OracleDrafter(Drafter):
         ValueError: an unknown pattern (on the first :meth:`propose`).
     """
 
-    PATTERNS = ("all", "none", "alternating", "zero_after_many", "tree")
+    PATTERNS = ("all", "none", "alternating", "zero_after_many", "tree", "mixed")
 
     name = "oracle"
 
@@ -57,6 +58,8 @@ class OracleDrafter(Drafter):
                 toks = [w if (j + self.step) % 2 else t for j, (t, w) in enumerate(zip(true, wrong))]
             elif p == "zero_after_many":
                 toks = true if self.step % 2 == 0 else []
+            elif p == "mixed":
+                toks = [] if seq == 0 else true
             elif p == "tree":
                 half = max(config.num_draft_tokens // 2, 1)
                 w = wrong[: min(half, depth)]
