@@ -1,0 +1,427 @@
+"""Gated Linear Attention plugin (specla_gla): reference ops vs their sequential twins, the model
+path vs plain sequential decoding and vs FLA's own GLAForCausalLM, every commit strategy, end to
+end token identity, bad inputs, and the Triton kernels (CPU: Triton interpreter)."""
+
+import copy
+import functools
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM
+
+import specla
+from specla import Acceptance, BudgetError, DraftTree, InvalidTokenError, InvalidTreeError, SpecConfig
+from specla.errors import UnsupportedModelError
+from specla.records import PendingCommit
+from specla.registry import get_plugin
+from specla.tree import inclusive_ancestor_mask
+from specla_gla.naive import NaiveGLA, naive_greedy_decode, naive_tree_gla, root_path
+from specla_gla.reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
+from drafters import OracleDrafter
+from trees import SHAPES, tree_parents
+
+BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1, vocab_size=61,
+            eos_token_id=None, initializer_range=0.1)
+# no conv + fused norm/gate; short conv + grouped kv heads + relu feature map; clamp_min, no output
+# gate, unfused norm, expand_v 2; odd sizes, conv width 3, 3 layers, no norm weight
+GLA_CONFIGS = {
+    "base": {},
+    "conv_gqa": dict(use_short_conv=True, num_heads=4, num_kv_heads=2, expand_k=1, feature_map="relu"),
+    "clamp_nogate": dict(use_output_gate=False, clamp_min=-0.2, fuse_norm=False, expand_v=2),
+    "odd": dict(hidden_size=20, vocab_size=37, num_hidden_layers=3, use_short_conv=True, conv_size=3,
+                fuse_norm=False, elementwise_affine=False),
+}
+TOL = 1e-9  # float64 models: batched factorized form vs sequential loop
+
+
+@functools.lru_cache(maxsize=None)  # shared across tests (never modified): ids stay unique
+def make_gla_model(name: str = "base", dtype: torch.dtype = torch.float64, seed: int = 0) -> GLAForCausalLM:
+    """A random-initialised FLA GLAForCausalLM of shape ``name`` in ``dtype``."""
+    torch.manual_seed(seed)
+    model = GLAForCausalLM(GLAConfig(**{**BASE, **GLA_CONFIGS[name]})).to(dtype).eval()
+    with torch.no_grad():  # logsigmoid(~0) / 16 decays barely differ; spread them so paths differ
+        for blk in model.model.layers:
+            blk.attn.gk_proj[1].bias.normal_(0.0, 3.0)
+            blk.attn.gate_logit_normalizer = 4  # read by FLA's layer, our adapter and naive.py alike
+    return model
+
+
+@pytest.fixture(params=list(GLA_CONFIGS))
+def gla_name(request):
+    return request.param
+
+
+@pytest.fixture
+def rng():
+    return random.Random(4321)
+
+
+# ---------------------------------------------------------------------------- reference ops
+def op_inputs(B, T, H, K, V, dtype, gen):
+    q, k = torch.randn(B, T, H, K, generator=gen, dtype=dtype), torch.randn(B, T, H, K, generator=gen, dtype=dtype)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    gk = F.logsigmoid(torch.randn(B, T, H, K, generator=gen, dtype=dtype) * 2) / 2
+    S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
+    return q, k, v, gk, S0
+
+
+def padded_paths(parents, ends):
+    paths = [root_path(parents[b].tolist(), e) if e >= 0 else [] for b, e in enumerate(ends)]
+    P = max(1, max(len(p) for p in paths))
+    return torch.tensor([p + [-1] * (P - len(p)) for p in paths]), torch.tensor([len(p) for p in paths])
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_reference_ops_equal_naive(kind, dtype, tol):
+    rng = random.Random(len(kind) + (dtype == torch.float32))
+    sizes = [1, 1, 1] if kind == "single" else [9, 4, 6]
+    T = max(sizes)
+    parents = torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
+    q, k, v, gk, S0 = op_inputs(3, T, 2, 5, 3, dtype, torch.Generator().manual_seed(rng.randrange(2**31)))
+    mask = inclusive_ancestor_mask(parents)
+    o, Gk = tree_gla(q, k, v, gk, S0, mask, 5**-0.5)
+    ro, rGk, rstates = naive_tree_gla(q, k, v, gk, S0, parents, 5**-0.5)
+    close = lambda a, b: float((a - b).abs().max()) < tol * max(1.0, float(b.abs().max()))  # noqa: E731
+    assert o.dtype == dtype and close(o, ro) and close(Gk, rGk)
+    assert close(node_states(S0, k, v, Gk, mask), rstates)
+    for node in range(T):  # every accepted path, ragged across the batch (-1: nothing accepted)
+        ends = [node, min(node, sizes[1] - 1), -1]
+        path, plen = padded_paths(parents, ends)
+        for commit in (gla_commit_factor(S0, k, v, Gk, path, plen), gla_commit_replay(S0, k, v, gk, path, plen)):
+            assert close(commit[:2], torch.stack([rstates[0, ends[0]], rstates[1, ends[1]]]))
+            assert torch.equal(commit[2], S0[2])  # nothing accepted: bit-identical
+
+
+# ---------------------------------------------------------------------------- model level
+def adapter_for(model, **cfg):
+    return get_plugin("gla").make_adapter(model, SpecConfig(**cfg))
+
+
+def snapshot(adapter):
+    return [s.clone() for s in adapter.recurrent] + [c.clone() for c in adapter.conv if c is not None]
+
+
+def assert_bit_identical(a, b):
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def naive_after(model, tokens, start=None):
+    """A NaiveGLA fed ``tokens`` (continuing a copy of ``start`` if given), and the last logits."""
+    if start is None:
+        dec = NaiveGLA(model)
+    else:
+        dec = copy.copy(start)
+        dec.states, dec.inputs = [s.clone() for s in start.states], [list(x) for x in start.inputs]
+    logits = None
+    for t in tokens:
+        logits = dec.step(t)
+    return dec, logits
+
+
+def assert_state_matches(adapter, b, dec):
+    for li in range(len(adapter.recurrent)):
+        ref = dec.states[li]
+        assert float((adapter.recurrent[li][b] - ref).abs().max()) < TOL * max(1.0, float(ref.abs().max()))
+        if adapter.conv[li] is not None:
+            assert float((adapter.conv[li][b] - dec.window(li)).abs().max()) < TOL
+
+
+def acceptance_for(tree, b_ends, bonus):
+    """An Acceptance following, per sequence, the root path of draft node ``b_ends[b]`` (-1: none)."""
+    B = tree.batch_size
+    paths = [[0] + [n + 1 for n in (tree.path(b, e) if e >= 0 else [])] for b, e in enumerate(b_ends)]
+    P = max(len(p) for p in paths)
+    path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
+    num = torch.tensor([len(p) - 1 for p in paths])
+    toks = torch.tensor([[int(tree.tokens[b, n - 1]) for n in p[1:]] + [-1] * (P - len(p)) for b, p in enumerate(paths)])
+    return Acceptance(path=path, num_accepted=num, bonus=torch.tensor(bonus), tokens=toks.view(B, P - 1))
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+def test_verify_logits_equal_sequential_decoding(gla_name, kind, rng):
+    model = make_gla_model(gla_name)
+    V = model.config.vocab_size
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 1)]
+    trees = [([rng.randrange(V) for _ in par], par) for par in (tree_parents(kind, n, rng) for n in (6, 3))]
+    tree = DraftTree.from_lists(trees)
+    adapter = adapter_for(model)
+    adapter.prefill(prompts)
+    before = snapshot(adapter)
+    out = adapter.verify(tree)
+    assert_bit_identical(before, snapshot(adapter))  # verify never writes the committed state
+    assert out.logits.shape == (2, tree.width + 1, V)
+    for b in range(2):
+        base, ref = naive_after(model, prompts[b])
+        assert float((out.logits[b, 0] - ref).abs().max()) < TOL
+        for i in range(int(tree.num_nodes[b])):
+            path_tokens = [int(tree.tokens[b, j]) for j in tree.path(b, i)]
+            ref = naive_after(model, path_tokens, start=base)[1]
+            assert float((out.logits[b, i + 1] - ref).abs().max()) < TOL
+
+
+@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+@pytest.mark.parametrize("kind", ["chain", "random"])
+def test_commit_every_path_equals_sequential_state(gla_name, kind, commit, rng):
+    """Every accepted count 0..D and every node: verify + commit == decoding exactly the root and
+    the accepted tokens, for the recurrent state and the conv window; 0 accepted: bit-identical."""
+    model = make_gla_model(gla_name)
+    V = model.config.vocab_size
+    prompt = [rng.randrange(V) for _ in range(4)]
+    par = tree_parents(kind, 5, rng)
+    tree = DraftTree.from_lists([([rng.randrange(V) for _ in par], par)])
+    base, _ = naive_after(model, prompt)
+    for end in [-1] + list(range(5)):
+        adapter = adapter_for(model, commit=commit)
+        adapter.prefill([prompt])
+        out = adapter.verify(tree)
+        adapter.commit(tree, out, acceptance_for(tree, [end], [7]))
+        adapter.flush()
+        accepted = [int(tree.tokens[0, j]) for j in (tree.path(0, end) if end >= 0 else [])]
+        assert_state_matches(adapter, 0, naive_after(model, accepted, start=base)[0])
+        assert adapter.roots.tolist() == [7]
+    adapter = adapter_for(model, commit=commit)
+    adapter.prefill([prompt])
+    out = adapter.verify(tree)
+    before = snapshot(adapter)
+    adapter._apply(out.records, torch.full((1, 1), -1), torch.zeros(1, dtype=torch.int64))
+    assert_bit_identical(before, snapshot(adapter))
+
+
+def test_strategies_agree_and_delayed_equals_eager():
+    model = make_gla_model("conv_gqa")
+    prompt = [3, 1, 4, 1, 5]
+    t1 = DraftTree.from_lists([([9, 2, 6], [-1, 0, 0])])
+    t2 = DraftTree.from_lists([([5, 3], [-1, 0])])
+    logits, states = {}, {}
+    for name, commit, eager in [("factor", "factor", False), ("factor_eager", "factor", True),
+                                ("snapshot", "snapshot", False), ("replay", "replay", False)]:
+        adapter = adapter_for(model, commit=commit)
+        adapter.prefill([prompt])
+        adapter.commit(t1, adapter.verify(t1), acceptance_for(t1, [2], [5]))
+        if eager:
+            adapter.flush()
+        if commit == "factor":
+            assert (adapter.pending is None) == eager
+        logits[name] = adapter.verify(t2).logits  # applies the pending commit first
+        adapter.commit(t2, adapter.verify(t2), acceptance_for(t2, [1], [8]))
+        adapter.flush()
+        once = snapshot(adapter)
+        adapter.flush()  # idempotent
+        assert_bit_identical(once, snapshot(adapter))
+        states[name] = once
+    dec, _ = naive_after(model, prompt + [9, 6, 5, 5, 3])
+    for name in states:
+        assert float((logits[name] - logits["factor"]).abs().max()) < TOL
+        for a, b in zip(states[name], states["factor"]):
+            assert float((a - b).abs().max()) < TOL
+    assert_bit_identical(states["factor"], states["factor_eager"])  # same ops, same order
+
+
+def test_ragged_batch_equals_per_sequence_runs_and_select(rng):
+    model = make_gla_model("conv_gqa")
+    prompts = [[rng.randrange(61) for _ in range(n)] for n in (3, 8, 1)]
+    trees = [([1, 2, 3, 4], [-1, 0, 1, 2]), ([5, 6, 7], [-1, -1, 0]), ([], [])]
+    ends = [3, 2, -1]
+    batch = adapter_for(model)
+    batch.prefill(prompts)
+    tree = DraftTree.from_lists(trees)
+    batch.commit(tree, batch.verify(tree), acceptance_for(tree, ends, [1, 2, 3]))
+    batch.flush()
+    for b in range(3):
+        single = adapter_for(model)
+        single.prefill([prompts[b]])
+        t = DraftTree.from_lists([trees[b]])
+        single.commit(t, single.verify(t), acceptance_for(t, [ends[b]], [b + 1]))
+        single.flush()
+        for x, y in zip(snapshot(single), snapshot(batch)):
+            assert float((x[0] - y[b]).abs().max()) < 1e-12
+    batch.commit(tree, batch.verify(tree), acceptance_for(tree, ends, [4, 5, 6]))
+    whole = copy.deepcopy(batch)
+    batch.select(torch.tensor([2, 0]))
+    assert batch.roots.tolist() == [6, 4]
+    assert isinstance(batch.pending, PendingCommit) and batch.pending.path.shape[0] == 2
+    batch.flush()
+    whole.flush()
+    for x, y in zip(snapshot(batch), snapshot(whole)):  # select keeps the given order, pending included
+        assert torch.equal(x, y[[2, 0]])
+
+
+def test_prefill_longer_than_one_chunk_and_score(rng):
+    model = make_gla_model("odd")
+    prompt = [rng.randrange(37) for _ in range(150)]  # > 2 prefill chunks of 64
+    adapter = adapter_for(model)
+    adapter.prefill([prompt, [5]])
+    assert_state_matches(adapter, 0, naive_after(model, prompt[:-1])[0])
+    assert all(not s[1].any() for s in adapter.recurrent)  # one-token prompt: an exactly empty state
+    logits = adapter.score(torch.tensor([prompt[:70]]))
+    dec = NaiveGLA(model)
+    for t in range(70):
+        ref = dec.step(prompt[t])
+        if t % 23 == 0 or t == 69:
+            assert float((logits[0, t] - ref).abs().max()) < TOL
+
+
+def test_state_stays_float32_with_bfloat16_activations():
+    model = make_gla_model("conv_gqa", dtype=torch.float32)
+    adapter = adapter_for(model, dtype="bfloat16")
+    adapter.prefill([[1, 2, 3, 4]])
+    t = DraftTree.from_lists([([4, 5], [-1, 0])])
+    out = adapter.verify(t)
+    assert out.logits.dtype == torch.bfloat16
+    assert all(r.Gk.dtype == torch.float32 and r.v.dtype == torch.float32 for r in out.records)
+    adapter.commit(t, out, acceptance_for(t, [1], [9]))
+    adapter.flush()
+    assert all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in adapter.recurrent)
+
+
+# ---------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize(
+    "tree, error, match",
+    [
+        (DraftTree.from_lists([([1] * 9, list(range(-1, 8)))]), BudgetError, "over the budget N=8"),
+        (DraftTree.from_lists([([1, 61], [-1, 0])]), InvalidTokenError, "token id 61"),
+        (DraftTree.from_lists([([1, -100], [-1, 0])]), InvalidTokenError, "token id -100"),
+        (DraftTree.from_lists([([1], [-1]), ([2], [-1])]), InvalidTreeError, "batch 2 != adapter batch 1"),
+    ],
+)
+def test_bad_trees_raise_and_leave_state_untouched(tree, error, match):
+    adapter = adapter_for(make_gla_model("conv_gqa"), num_draft_tokens=8, max_depth=8)
+    adapter.prefill([[1, 2, 3]])
+    t = DraftTree.from_lists([([4, 5], [-1, 0])])
+    adapter.commit(t, adapter.verify(t), acceptance_for(t, [1], [9]))  # leaves a pending commit
+    before, pending, roots = snapshot(adapter), adapter.pending, adapter.roots.clone()
+    with pytest.raises(error, match=match):
+        adapter.verify(tree)
+    assert_bit_identical(before, snapshot(adapter))
+    assert adapter.pending is pending and torch.equal(adapter.roots, roots)
+
+
+@pytest.mark.parametrize("prompts, match", [([[1, 2], []], "prompt 1 is empty"), ([[1, 61]], "token id 61"),
+                                            ([[-1, 3]], "token id -1"), ([], "no prompts")])
+def test_bad_prompts_raise_and_leave_state_untouched(prompts, match):
+    adapter = adapter_for(make_gla_model("base"))
+    adapter.prefill([[5, 6, 7]])
+    before, roots = snapshot(adapter), adapter.roots.clone()
+    with pytest.raises(InvalidTokenError, match=match):
+        adapter.prefill(prompts)
+    assert_bit_identical(before, snapshot(adapter))
+    assert torch.equal(adapter.roots, roots)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(attn={"layers": [1], "num_heads": 2}), "softmax-attention"),
+    (dict(feature_map="elu"), "feature_map 'elu'"),
+    (dict(hidden_act="gelu"), "activation 'gelu'"),
+    (dict(attnres_block_size=2), "attention residuals"),
+])
+def test_unsupported_configs_are_rejected_before_loading(cfg, match, tmp_path):
+    plugin = get_plugin("gla")
+    with pytest.raises(UnsupportedModelError, match=match):
+        plugin.check_config({**BASE, "model_type": "gla", **cfg})
+    (tmp_path / "config.json").write_text(__import__("json").dumps({**BASE, "model_type": "gla", **cfg}))
+    with pytest.raises(UnsupportedModelError, match=match):  # no weights file: raised before loading
+        plugin.load_model(tmp_path, dtype=None, device=None)
+
+
+def test_wrong_model_class_and_checkpoint_rejected(tmp_path):
+    gdn = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=16, num_hidden_layers=1, num_heads=2,
+                                                       head_dim=8, vocab_size=11))
+    with pytest.raises(UnsupportedModelError, match="runs fla.models.GLAForCausalLM, got GatedDeltaNetForCausalLM"):
+        specla.run(gdn, "gla", prompts=[[1]], config=dict(max_new_tokens=1))
+    (tmp_path / "config.json").write_text('{"model_type": "gated_deltanet"}')
+    with pytest.raises(UnsupportedModelError, match="model_type 'gated_deltanet' is not one of"):
+        get_plugin("gla").load_model(tmp_path, dtype=None, device=None)
+
+
+def test_load_model_roundtrip_and_autodetect(tmp_path):
+    model = make_gla_model("conv_gqa", dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    loaded = get_plugin("gla").load_model(tmp_path, dtype=torch.float32, device=None)
+    result = specla.run(loaded, None, prompts=[[1, 2, 3]], config=dict(max_new_tokens=6))
+    assert result.outputs == [naive_greedy_decode(model, [1, 2, 3], 6)]
+
+
+# ---------------------------------------------------------------------------- end to end
+N = 6
+
+
+_REFS: dict = {}
+
+
+def reference(model, prompts, n):
+    """Greedy continuations by NaiveGLA, cached per (model, prompt, n): tests share prompts."""
+    for p in prompts:
+        if (id(model), tuple(p), n) not in _REFS:
+            _REFS[id(model), tuple(p), n] = naive_greedy_decode(model, p, n)
+    return [_REFS[id(model), tuple(p), n] for p in prompts]
+
+
+@pytest.mark.parametrize("pattern, commit", [("all", "factor"), ("alternating", "factor"), ("tree", "factor"),
+                                             ("zero_after_many", "factor"), ("none", "snapshot"),
+                                             ("tree", "snapshot"), ("alternating", "replay"), ("tree", "replay")])
+def test_oracle_patterns_token_identical(pattern, commit, rng):
+    model = make_gla_model("conv_gqa")
+    V = model.config.vocab_size
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (1, N, N + 1, 70)]  # ragged; 70 crosses a chunk
+    new = 17
+    refs = reference(model, prompts, new + N)
+    cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit)
+    result = specla.run(model, "gla", prompts=prompts, drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
+    assert result.outputs == [r[:new] for r in refs]
+    hist = result.stats.accepted_histogram
+    if pattern == "all":
+        assert result.stats.mean_accepted_tokens > N - 2
+    if pattern == "none":
+        assert hist[0] == result.stats.sequence_steps
+    if pattern == "zero_after_many":
+        assert hist[0] > 0 and hist[N] > 0
+
+
+def test_ngram_drafter_token_identical(gla_name, rng):
+    model = make_gla_model(gla_name)
+    V = model.config.vocab_size
+    motif = [rng.randrange(V) for _ in range(5)]
+    prompts = [motif * 4, [rng.randrange(V) for _ in range(N + 1)], [motif[0]], [rng.randrange(V) for _ in range(N)]]
+    refs = reference(model, prompts, 20)
+    for top_k in (1, 3):
+        cfg = dict(num_draft_tokens=8, max_depth=5, top_k=top_k, max_new_tokens=20)
+        result = specla.run(model, "gla", prompts=prompts, config=cfg)
+        assert result.outputs == refs
+        assert result.stats.generated_tokens == 4 * 20
+    assert result.stats.mean_accepted_tokens > 0  # the repeated motif is drafted and accepted
+
+
+def test_float32_token_identical(rng):
+    model = make_gla_model("base", dtype=torch.float32, seed=3)
+    prompts = [[rng.randrange(61) for _ in range(12)] * 2]
+    result = specla.run(model, "gla", prompts=prompts, config=dict(max_new_tokens=30, top_k=2))
+    assert result.outputs == reference(model, prompts, 30)
+
+
+# ---------------------------------------------------------------------------- FLA's own model
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="FLA runs its real kernels in this process (TRITON_INTERPRET != 1)")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", list(GLA_CONFIGS))
+def test_model_forward_equals_fla(name):
+    """Our logits at every position of a chain equal FLA's GLAForCausalLM forward (its Triton
+    kernels run by the interpreter): an oracle written independently of specla."""
+    from fla_oracle import enable_fla_interpreter, fla_forward_logits
+
+    enable_fla_interpreter()
+    model = make_gla_model(name, dtype=torch.float32, seed=1)
+    T = 70 if name == "base" else 11  # FLA's layer switches from fused_recurrent to chunk above 64
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
+    adapter = adapter_for(model, num_draft_tokens=T, max_depth=T)
+    adapter.prefill([[int(t)] for t in ids[:, 0]])
+    chain = DraftTree(ids[:, 1:].contiguous(), torch.arange(-1, T - 2).expand(2, T - 1).contiguous(),
+                      torch.full((2,), T - 1))
+    ours = adapter.verify(chain).logits
+    ref = fla_forward_logits(model, ids)
+    assert float((ours - ref).abs().max()) < 2e-4
