@@ -425,3 +425,171 @@ def test_model_forward_equals_fla(name):
     ours = adapter.verify(chain).logits
     ref = fla_forward_logits(model, ids)
     assert float((ours - ref).abs().max()) < 2e-4
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+# CPU: the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1); GPU: the same cases
+# compiled. Outputs are pre-filled with NaN so an unwritten element fails.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def nan_out(B, T, H, K, V):
+    return (torch.full((B, T, H, V), float("nan"), device=DEV), torch.full((B, T, H, K), float("nan"), device=DEV))
+
+
+def chain(B, T):
+    return torch.arange(-1, T - 1).expand(B, T)
+
+
+def on_dev(*xs):
+    return [x.to(DEV) for x in xs]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(3, 5, 2, 5, 6), (2, 4, 1, 16, 8), (1, 1, 1, 4, 4)])
+def test_serial_verify_kernel_equals_naive_chains(shape):
+    from specla_gla.verify import serial_verify
+
+    B, T, H, K, V = shape
+    q, k, v, gk, S0 = op_inputs(B, T, H, K, V, torch.float32, torch.Generator().manual_seed(sum(shape)))
+    n = torch.tensor([T] + [random.Random(B + i).randrange(0, T + 1) for i in range(B - 1)])  # ragged chains
+    state = S0.clone().to(DEV)
+    o, G = serial_verify(*on_dev(q, k, v, gk), state, n.to(DEV), K**-0.5, out=nan_out(B, T, H, K, V))
+    ro, rG, _ = naive_tree_gla(q, k, v, gk, S0, chain(B, T), K**-0.5)
+    for b in range(B):
+        m = int(n[b])
+        for got, ref in ((o, ro), (G, rG)):
+            assert not got[b].isnan().any()
+            assert torch.allclose(got[b, :m].cpu(), ref[b, :m], rtol=1e-5, atol=1e-5)
+            assert not got[b, m:].any()  # padding nodes get zeros
+    assert torch.equal(state.cpu(), S0)  # no pending commit: the state is not written
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", SHAPES)
+def test_tree_verify_kernel_equals_naive(kind):
+    from specla_gla.verify import tree_verify
+
+    rng = random.Random(len(kind) * 7)
+    sizes = [1, 1] if kind == "single" else [9, 5]
+    T, H, K, V = max(sizes), 2, 5, 20  # V over one 16-wide tile
+    parents = torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
+    q, k, v, gk, S0 = op_inputs(2, T, H, K, V, torch.float32, torch.Generator().manual_seed(rng.randrange(2**31)))
+    state = S0.clone().to(DEV)
+    o, G = tree_verify(*on_dev(q, k, v, gk), state, inclusive_ancestor_mask(parents).to(DEV), K**-0.5,
+                       out=nan_out(2, T, H, K, V))
+    ro, rG, _ = naive_tree_gla(q, k, v, gk, S0, parents, K**-0.5)
+    for got, ref in ((o, ro), (G, rG)):
+        assert not got.isnan().any()
+        assert torch.allclose(got.cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state.cpu(), S0)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["serial", "parallel", "flush"])
+def test_fused_pending_commit_ragged(kernel):
+    """Batch with ragged pending commits (0..D accepted): the committed state equals the state
+    after walking each accepted path serially; nothing accepted leaves it bit-identical (not even
+    written); then verify continues from the committed state."""
+    from specla_gla.commit import flush_commit
+    from specla_gla.verify import serial_verify, tree_verify
+
+    B, Tp, T, H, K, V = 4, 6, 3, 2, 5, 6
+    gen = torch.Generator().manual_seed(5)
+    pq, pk, pv, pgk, S0 = op_inputs(B, Tp, H, K, V, torch.float64, gen)
+    parents = torch.tensor([[-1, 0, 1, 2, 1, 0], [-1, -1, 1, 2, 3, 4], [-1, 0, 0, 0, 3, 3], [-1, 0, 1, 2, 3, 4]])
+    _, pGk, pstates = naive_tree_gla(pq, pk, pv, pgk, S0, parents, K**-0.5)
+    ends = [4, -1, 5, 5]
+    path, plen = padded_paths(parents, ends)
+    pending = on_dev(pk.float(), pv.float(), pGk.float(), path, plen)
+    S0 = S0.float()
+    q, k, v, gk, _ = op_inputs(B, T, H, K, V, torch.float32, gen)
+    state = S0.clone().to(DEV)
+    args = on_dev(q, k, v, gk)
+    if kernel == "serial":
+        o, _ = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=pending,
+                             out=nan_out(B, T, H, K, V))
+    elif kernel == "parallel":
+        o, _ = tree_verify(*args, state, inclusive_ancestor_mask(chain(B, T)).to(DEV), K**-0.5, pending=pending,
+                           out=nan_out(B, T, H, K, V))
+    else:
+        flush_commit(state, *pending)
+    for b, e in enumerate(ends):
+        if e < 0:
+            assert torch.equal(state[b].cpu(), S0[b])
+            committed = S0[b]
+        else:
+            committed = pstates[b, e].float()
+            assert torch.allclose(state[b].cpu(), committed, rtol=1e-5, atol=1e-5)
+        if kernel != "flush":
+            ro, _, _ = naive_tree_gla(q[b : b + 1], k[b : b + 1], v[b : b + 1], gk[b : b + 1], committed[None],
+                                      chain(1, T), K**-0.5)
+            assert torch.allclose(o[b].cpu(), ro[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_kernels_reject_bad_input():
+    from specla_gla.commit import flush_commit
+    from specla_gla.verify import serial_verify, tree_verify
+
+    q, k, v, gk, S0 = on_dev(*op_inputs(1, 3, 1, 4, 4, torch.float32, torch.Generator().manual_seed(0)))
+    n = torch.full((1,), 3, device=DEV)
+    with pytest.raises(ValueError, match="state must be float32"):
+        serial_verify(q, k, v, gk, S0.double(), n, 0.5)
+    with pytest.raises(ValueError, match="gk must be float32"):
+        serial_verify(q, k, v, gk.bfloat16(), S0, n, 0.5)
+    with pytest.raises(ValueError, match="num_nodes must be int64"):
+        serial_verify(q, k, v, gk, S0, n.int(), 0.5)
+    with pytest.raises(ValueError, match=r"v \[B, T, H, V\]"):
+        serial_verify(q, k, v.expand(1, 3, 2, 4), gk, S0, n, 0.5)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        tree_verify(q, k, v, gk, S0, torch.ones(1, 3, 3, device=DEV), 0.5)
+    with pytest.raises(ValueError, match="pending must be"):
+        flush_commit(S0, k, v, gk.double(), torch.zeros(1, 1, dtype=torch.int64, device=DEV),
+                     torch.zeros(1, dtype=torch.int64, device=DEV))
+
+
+@needs_triton
+@pytest.mark.parametrize("name, verify_kernel, pattern", [
+    ("conv_gqa", "auto", "alternating"), ("conv_gqa", "auto", "tree"), ("base", "auto", "zero_after_many"),
+    ("odd", "serial", "tree"), ("base", "parallel", "alternating"),
+])
+def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monkeypatch):
+    """The whole engine with kernels="triton" (fused delayed commit inside the verify kernel) is
+    token-identical to sequential decoding, and its states match the reference path's."""
+    import specla_gla.adapter as adapter_mod
+
+    calls = {"fused": 0, "plain": 0, "serial": 0, "parallel": 0}
+
+    def counting(fn, kind):
+        def wrapped(*args, pending=None, **kw):
+            calls[kind] += 1
+            calls["fused" if pending is not None else "plain"] += 1
+            return fn(*args, pending=pending, **kw)
+        return wrapped
+
+    for kind in ("serial", "parallel"):
+        fn = getattr(adapter_mod, "serial_verify" if kind == "serial" else "tree_verify")
+        monkeypatch.setattr(adapter_mod, fn.__name__, counting(fn, kind))
+    model = make_gla_model(name, dtype=torch.float32, seed=6)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 7, 12)]
+    refs = reference(model, prompts, 20)
+    states = {}
+    for kernels in ("triton", "reference"):
+        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=14, kernels=kernels, device=DEV,
+                         verify_kernel=verify_kernel)
+        dec = specla.SpecDecoder(model, "gla", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
+        assert dec.generate(prompts).outputs == [r[:14] for r in refs]
+        dec.adapter.flush()
+        states[kernels] = [s.cpu() for s in dec.adapter.recurrent]
+    for a, b in zip(states["triton"], states["reference"]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert calls["fused"] > 0 and calls["plain"] > 0  # the kernels ran, with and without pending commits
+    if pattern == "tree":
+        assert calls["parallel"] > 0  # real trees (a forced serial falls back to the parallel kernel)
+    if verify_kernel != "auto":
+        assert calls[verify_kernel] > 0

@@ -23,6 +23,8 @@ from specla.records import Acceptance, PendingCommit, Record, path_end
 from specla.tree import DraftTree, inclusive_ancestor_mask
 from specla_gdn.adapter import rms_norm
 
+from . import conv as conv_kernels
+from .commit import flush_commit
 from .naive import FEATURE_MAPS
 from .records import GLAFactorRecord, GLAReplayRecord, GLASnapshotRecord
 from .reference import (
@@ -36,6 +38,7 @@ from .reference import (
     tree_conv,
     tree_gla,
 )
+from .verify import pick_verify_kernel, serial_verify, tree_verify
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
 
@@ -191,7 +194,20 @@ class GLAAdapter(TargetAdapter):
             return self._forward(tokens, parents, counts, records, logits, pending)
 
     def _use_kernel(self, records: str) -> bool:
-        return False
+        return (self.config.kernels == "triton" and records == "factor"
+                and self.state_dtype == torch.float32 and not self.differentiable)
+
+    def _kernel_verify(self, q, k, v, gk, S0, parents, counts, mask, scale, pending):
+        """Dispatch to the serial or parallel verify kernel (``SpecConfig.verify_kernel``); trees
+        over the kernels' size commit with the flush kernel, then verify on the reference path."""
+        choice = pick_verify_kernel(parents, counts, self.config.verify_kernel)
+        if choice == "serial":
+            return serial_verify(q, k, v, gk, S0, counts, scale, pending=pending)
+        if choice == "parallel":
+            return tree_verify(q, k, v, gk, S0, mask, scale, pending=pending)
+        if pending is not None:
+            flush_commit(S0, *pending)
+        return tree_gla(q, k, v, gk, S0, mask, scale)
 
     def _layer_inputs(self, L: _Layer, h: Tensor, conv_out: Tensor):
         """q, k, v (``[B, T, H, *]``) and the log decay gk (``[B, T, H, K]``, state dtype) of one
@@ -250,21 +266,22 @@ class GLAAdapter(TargetAdapter):
         out = rms_norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
         return out, x, tuple(out_records)
 
-    def _tree_conv(self, kernel: bool):
-        return tree_conv
+    @staticmethod
+    def _tree_conv(kernel: bool):
+        return conv_kernels.tree_conv if kernel else tree_conv
 
-    def _conv_commit(self, kernel: bool):
-        return conv_window_after
-
-    def _kernel_verify(self, q, k, v, gk, S0, parents, counts, mask, scale, pending):
-        raise NotImplementedError  # replaced when the Triton kernels are wired in
+    @staticmethod
+    def _conv_commit(kernel: bool):
+        return conv_kernels.conv_commit if kernel else conv_window_after
 
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         """Commit ``path`` (``[B, P]``, ``path_len [B]``) to every layer from its records."""
         end = path_end(path, path_len)
         for li, rec in enumerate(records):
             S0, win = self.recurrent[li], self.conv[li]
-            if isinstance(rec, GLAFactorRecord):
+            if isinstance(rec, GLAFactorRecord) and self._use_kernel("factor"):
+                flush_commit(S0, rec.k, rec.v, rec.Gk, path, path_len)  # in place
+            elif isinstance(rec, GLAFactorRecord):
                 self.recurrent[li] = gla_commit_factor(S0, rec.k, rec.v, rec.Gk, path, path_len)
             elif isinstance(rec, GLAReplayRecord):
                 self.recurrent[li] = gla_commit_replay(S0, rec.k, rec.v, rec.gk, path, path_len)
