@@ -164,17 +164,16 @@ def test_verify_logits_equal_sequential_decoding(gla_name, kind, rng):
 
 
 @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
-@pytest.mark.parametrize("kind", ["chain", "random"])
-def test_commit_every_path_equals_sequential_state(gla_name, kind, commit, rng):
+def test_commit_every_path_equals_sequential_state(gla_name, commit, rng):
     """Every accepted count 0..D and every node: verify + commit == decoding exactly the root and
     the accepted tokens, for the recurrent state and the conv window; 0 accepted: bit-identical."""
     model = make_gla_model(gla_name)
     V = model.config.vocab_size
     prompt = [rng.randrange(V) for _ in range(4)]
-    par = tree_parents(kind, 5, rng)
+    par = [-1, 0, 1, 0, 3, 1]  # two branches of depth 3 and a fork inside the first
     tree = DraftTree.from_lists([([rng.randrange(V) for _ in par], par)])
     base, _ = naive_after(model, prompt)
-    for end in [-1] + list(range(5)):
+    for end in [-1] + list(range(len(par))):
         adapter = adapter_for(model, commit=commit)
         adapter.prefill([prompt])
         out = adapter.verify(tree)
@@ -554,7 +553,8 @@ def test_kernels_reject_bad_input():
 @needs_triton
 @pytest.mark.parametrize("name, verify_kernel, pattern", [
     ("conv_gqa", "auto", "alternating"), ("conv_gqa", "auto", "tree"), ("base", "auto", "zero_after_many"),
-    ("odd", "serial", "tree"), ("base", "parallel", "alternating"),
+    ("odd", "serial", "tree"),
+    ("clamp_nogate", "parallel", "alternating"),
 ])
 def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monkeypatch):
     """The whole engine with kernels="triton" (fused delayed commit inside the verify kernel) is
@@ -580,10 +580,10 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
     refs = reference(model, prompts, 20)
     states = {}
     for kernels in ("triton", "reference"):
-        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=14, kernels=kernels, device=DEV,
+        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12, kernels=kernels, device=DEV,
                          verify_kernel=verify_kernel)
         dec = specla.SpecDecoder(model, "gla", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
-        assert dec.generate(prompts).outputs == [r[:14] for r in refs]
+        assert dec.generate(prompts).outputs == [r[:12] for r in refs]
         dec.adapter.flush()
         states[kernels] = [s.cpu() for s in dec.adapter.recurrent]
     for a, b in zip(states["triton"], states["reference"]):
@@ -593,3 +593,25 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
         assert calls["parallel"] > 0  # real trees (a forced serial falls back to the parallel kernel)
     if verify_kernel != "auto":
         assert calls[verify_kernel] > 0
+
+
+@needs_triton
+def test_trees_over_the_kernel_size_take_the_reference_path_after_a_flush():
+    """kernels="triton" with a 70-node tree (over tree_verify's 64): the pending commit is applied
+    by the flush kernel, then the tree is verified on the reference path; logits equal the
+    reference adapter's."""
+    model = make_gla_model("base", dtype=torch.float32, seed=2)
+    rng = random.Random(9)
+    t1 = DraftTree.from_lists([([4, 5, 6], [-1, 0, 1])], device=DEV)
+    par = tree_parents("random", 70, rng)
+    t2 = DraftTree.from_lists([([rng.randrange(61) for _ in par], par)], device=DEV)
+    acc = acceptance_for(t1, [1], [9])
+    acc = Acceptance(acc.path.to(DEV), acc.num_accepted.to(DEV), acc.bonus.to(DEV), acc.tokens.to(DEV))
+    logits = {}
+    for kernels in ("triton", "reference"):
+        adapter = adapter_for(model, kernels=kernels, device=DEV, num_draft_tokens=70, max_depth=70)
+        adapter.prefill([[1, 2, 3]])
+        adapter.commit(t1, adapter.verify(t1), acc)
+        assert adapter.pending is not None
+        logits[kernels] = adapter.verify(t2).logits.cpu()
+    assert torch.allclose(logits["triton"], logits["reference"], rtol=1e-4, atol=1e-5)
