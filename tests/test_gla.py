@@ -196,6 +196,8 @@ def test_strategies_agree_and_delayed_equals_eager():
     t1 = DraftTree.from_lists([([9, 2, 6], [-1, 0, 0])])
     t2 = DraftTree.from_lists([([5, 3], [-1, 0])])
     logits, states = {}, {}
+    # committed: the prompt, then root 5 + accepted [9, 6], then root 5 + accepted [5, 3]
+    dec, _ = naive_after(model, prompt + [9, 6, 5, 5, 3])
     for name, commit, eager in [("factor", "factor", False), ("factor_eager", "factor", True),
                                 ("snapshot", "snapshot", False), ("replay", "replay", False)]:
         adapter = adapter_for(model, commit=commit)
@@ -211,8 +213,8 @@ def test_strategies_agree_and_delayed_equals_eager():
         once = snapshot(adapter)
         adapter.flush()  # idempotent
         assert_bit_identical(once, snapshot(adapter))
+        assert_state_matches(adapter, 0, dec)
         states[name] = once
-    dec, _ = naive_after(model, prompt + [9, 6, 5, 5, 3])
     for name in states:
         assert float((logits[name] - logits["factor"]).abs().max()) < TOL
         for a, b in zip(states[name], states["factor"]):
@@ -337,6 +339,10 @@ def test_wrong_model_class_and_checkpoint_rejected(tmp_path):
 
 
 def test_load_model_roundtrip_and_autodetect(tmp_path):
+    from specla.registry import plugin_infos
+
+    info = {p.name: p for p in plugin_infos()}["gla"]  # found through the specla.plugins entry point
+    assert info.distribution == "specla" and info.model_types == ("gla",)
     model = make_gla_model("conv_gqa", dtype=torch.float32)
     model.save_pretrained(tmp_path)
     loaded = get_plugin("gla").load_model(tmp_path, dtype=torch.float32, device=None)

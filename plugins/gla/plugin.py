@@ -32,7 +32,9 @@ class GLAPlugin(ArchitecturePlugin):
         except json.JSONDecodeError as err:
             raise UnsupportedModelError(f"{cfg_file} is not valid JSON: {err}") from err
         if cfg.get("model_type") not in self.model_types:
-            raise UnsupportedModelError(f"{path}: model_type {cfg.get('model_type')!r} is not one of {self.model_types}")
+            raise UnsupportedModelError(
+                f"{path}: model_type {cfg.get('model_type')!r} is not one of {self.model_types}"
+            )
         self.check_config(cfg)  # before loading: a hybrid checkpoint would ask for flash-attn
         with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
             warnings.simplefilter("ignore")

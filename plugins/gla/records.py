@@ -2,8 +2,8 @@
 
 Shapes: ``B`` sequences, ``T`` verified nodes (``N + 1`` with the root), ``H`` heads (key/value
 heads already repeated to the query heads, as FLA's layer does for ``num_kv_heads``), ``K``/``V``
-head dims, ``Dc = key_dim + (key_dim + value_dim) / kv_groups`` short-conv channels (the q, k, v projections
-concatenated, before head repetition), ``C`` conv width.
+head dims, ``Dc = key_dim + (key_dim + value_dim) / kv_groups`` short-conv channels (the q, k, v
+projections concatenated, before head repetition), ``C`` conv width.
 """
 
 from __future__ import annotations
