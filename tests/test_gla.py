@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM
+from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAForCausalLM
 
 import specla
 from specla import Acceptance, BudgetError, DraftTree, InvalidTokenError, InvalidTreeError, SpecConfig
@@ -19,34 +19,20 @@ from specla.records import PendingCommit
 from specla.registry import get_plugin
 from specla.tree import inclusive_ancestor_mask
 from specla_gla.naive import NaiveGLA, naive_greedy_decode, naive_tree_gla, root_path
+from specla_gla.plugin import TINY_BASE, TINY_VARIANTS
 from specla_gla.reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
 from drafters import OracleDrafter
 from trees import SHAPES, tree_parents
 
-BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1, vocab_size=61,
-            eos_token_id=None, initializer_range=0.1)
-# no conv + fused norm/gate; short conv + grouped kv heads + relu feature map; clamp_min, no output
-# gate, unfused norm, expand_v 2; odd sizes, conv width 3, 3 layers, no norm weight
-GLA_CONFIGS = {
-    "base": {},
-    "conv_gqa": dict(use_short_conv=True, num_heads=4, num_kv_heads=2, expand_k=1, feature_map="relu"),
-    "clamp_nogate": dict(use_output_gate=False, clamp_min=-0.2, fuse_norm=False, expand_v=2),
-    "odd": dict(hidden_size=20, vocab_size=37, num_hidden_layers=3, use_short_conv=True, conv_size=3,
-                fuse_norm=False, elementwise_affine=False),
-}
+BASE = TINY_BASE
+GLA_CONFIGS = TINY_VARIANTS
 TOL = 1e-9  # float64 models: batched factorized form vs sequential loop
 
 
 @functools.lru_cache(maxsize=None)  # shared across tests (never modified): ids stay unique
 def make_gla_model(name: str = "base", dtype: torch.dtype = torch.float64, seed: int = 0) -> GLAForCausalLM:
-    """A random-initialised FLA GLAForCausalLM of shape ``name`` in ``dtype``."""
-    torch.manual_seed(seed)
-    model = GLAForCausalLM(GLAConfig(**{**BASE, **GLA_CONFIGS[name]})).to(dtype).eval()
-    with torch.no_grad():  # logsigmoid(~0) / 16 decays barely differ; spread them so paths differ
-        for blk in model.model.layers:
-            blk.attn.gk_proj[1].bias.normal_(0.0, 3.0)
-            blk.attn.gate_logit_normalizer = 4  # read by FLA's layer, our adapter and naive.py alike
-    return model
+    """A random-initialised FLA GLAForCausalLM of shape ``name`` in ``dtype`` (the plugin's tiny_model)."""
+    return get_plugin("gla").tiny_model(name, seed=seed, dtype=dtype)
 
 
 @pytest.fixture(params=list(GLA_CONFIGS))
@@ -275,8 +261,9 @@ def test_state_stays_float32_with_bfloat16_activations():
     assert out.logits.dtype == torch.bfloat16
     assert all(r.Gk.dtype == torch.float32 and r.v.dtype == torch.float32 for r in out.records)
     adapter.commit(t, out, acceptance_for(t, [1], [9]))
-    adapter.flush()
-    assert all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in adapter.recurrent)
+    states = adapter.recurrent_states()  # applies the pending commit first
+    assert adapter.pending is None and len(states) == 2
+    assert all(s.dtype == torch.float32 and torch.isfinite(s).all() and s.abs().sum() > 0 for s in states)
 
 
 # ---------------------------------------------------------------------------- bad inputs

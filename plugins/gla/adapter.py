@@ -165,6 +165,11 @@ class GLAAdapter(TargetAdapter):
             self._apply(self.pending.records, self.pending.path, self.pending.path_len)
             self.pending = None
 
+    def recurrent_states(self) -> list[Tensor]:
+        """Every layer's ``[B, H, K, V]`` state after any pending commit (applied first)."""
+        self.flush()
+        return list(self.recurrent)
+
     def select(self, index: Tensor) -> None:
         index = index.to(self.device)
         self.recurrent = [s.index_select(0, index) for s in self.recurrent]

@@ -15,6 +15,19 @@ from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
 from .naive import FEATURE_MAPS
 
+TINY_BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1, vocab_size=61,
+                 eos_token_id=None, initializer_range=0.1)
+# shapes the tests cover: no conv + fused norm/gate; short conv + grouped kv heads + relu feature
+# map; clamp_min, no output gate, unfused norm, expand_v 2; odd sizes, conv width 3, 3 layers, no
+# output-norm weight
+TINY_VARIANTS = {
+    "base": {},
+    "conv_gqa": dict(use_short_conv=True, num_heads=4, num_kv_heads=2, expand_k=1, feature_map="relu"),
+    "clamp_nogate": dict(use_output_gate=False, clamp_min=-0.2, fuse_norm=False, expand_v=2),
+    "odd": dict(hidden_size=20, vocab_size=37, num_hidden_layers=3, use_short_conv=True, conv_size=3,
+                fuse_norm=False, elementwise_affine=False),
+}
+
 
 class GLAPlugin(ArchitecturePlugin):
     """Gated Linear Attention (Yang et al. 2023, arXiv 2312.06635) as implemented by FLA's
@@ -22,6 +35,9 @@ class GLAPlugin(ArchitecturePlugin):
 
     name = "gla"
     model_types = ("gla",)
+    capabilities = frozenset({"trees"})
+    known_failures: dict[str, str] = {}
+    tiny_variants = tuple(TINY_VARIANTS)
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg_file = Path(path) / "config.json"
@@ -72,6 +88,32 @@ class GLAPlugin(ArchitecturePlugin):
         from .adapter import GLAAdapter
 
         return GLAAdapter(model, config)
+
+    def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+        """A random FLA ``GLAForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`) in eval mode
+        on the CPU, with decays spread so that paths differ (``logsigmoid(~0) / 16`` barely varies):
+        the gate bias is drawn wider and ``gate_logit_normalizer`` set to 4 (FLA's layer, the
+        adapter and ``naive.py`` all read it from the layer).
+
+        Raises:
+            KeyError: unknown variant.
+        """
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from fla.models import GLAConfig, GLAForCausalLM
+        torch.manual_seed(seed)
+        model = GLAForCausalLM(GLAConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]})).to(dtype).eval()
+        with torch.no_grad():
+            for blk in model.model.layers:
+                blk.attn.gk_proj[1].bias.normal_(0.0, 3.0)
+                blk.attn.gate_logit_normalizer = 4
+        return model
+
+    def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy decoding one token at a time with :class:`specla_gla.naive.NaiveGLA`."""
+        from .naive import naive_greedy_decode
+
+        return naive_greedy_decode(model, prompt, max_new_tokens)
 
 
 @hookimpl
