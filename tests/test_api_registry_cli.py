@@ -45,13 +45,13 @@ def test_plugin_autodetection_and_unsupported_models():
         detect_plugin(torch.nn.Linear(2, 2))
     with pytest.raises(UnsupportedModelError, match="runs fla.models.GatedDeltaNetForCausalLM, got Linear"):
         specla.run(torch.nn.Linear(2, 2), "gdn", prompts=[[1]])
-    from fla.models import GLAConfig, GLAForCausalLM
+    from fla.models import DeltaNetConfig, DeltaNetForCausalLM
 
-    gla = GLAForCausalLM(GLAConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50))
-    with pytest.raises(UnsupportedModelError, match="got GLAForCausalLM"):
-        SpecDecoder(gla, "gdn")
-    with pytest.raises(UnsupportedModelError, match="no plugin runs model_type 'gla'"):
-        SpecDecoder(gla, None)
+    other = DeltaNetForCausalLM(DeltaNetConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="got DeltaNetForCausalLM"):
+        SpecDecoder(other, "gdn")
+    with pytest.raises(UnsupportedModelError, match="no plugin runs model_type 'delta_net'"):
+        SpecDecoder(other, None)
 
 
 def test_hybrid_attention_gdn_is_rejected():
@@ -137,7 +137,7 @@ def test_cli_plugins_and_generate():
     [
         (["generate", "--model", "/nonexistent", "--prompt", "hi"], "is not a checkpoint directory"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
-        (["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "gla"], "unknown plugin 'gla'"),
+        (["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "mamba9"], "unknown plugin 'mamba9'"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--drafter", "eagle9"], "unknown drafter"),
         (["generate", "--model", str(TINY), "--prompt", "", "--device", "cpu"], "prompt 0 is empty"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--device", "tpu"], "device 'tpu'"),

@@ -1,0 +1,153 @@
+"""Sequential pure-PyTorch references for GLA: explicit loops, one token at a time.
+
+Executable documentation and the oracle every faster path (the batched reference in
+``reference.py``, the Triton kernels) is tested against. Slow on purpose: each tree node is
+computed by walking its own root path from the committed state, exactly as autoregressive
+decoding would. Formulas: docs/DESIGN.md section 5 and FLA's ``naive_recurrent_gla``
+(``fla/ops/gla/naive.py``); the layer follows ``fla/layers/gla.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specla.ops.naive import root_path
+
+# feature maps FLA's GatedLinearAttention may apply to q and k (config.feature_map), in PyTorch
+FEATURE_MAPS = {None: lambda x: x, "relu": F.relu, "sigmoid": torch.sigmoid, "swish": F.silu, "silu": F.silu}
+
+
+def gla_step(S: Tensor, q: Tensor, k: Tensor, v: Tensor, gk: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """One gated linear attention step for one head (FLA convention).
+
+    Args:
+        S: ``[K, V]`` state; q, k: ``[K]``; v: ``[V]``; gk: ``[K]`` per-channel log decay.
+    Returns:
+        ``(S_new [K, V], o [V])`` with ``S_new = diag(exp(gk)) S + k v^T``, ``o = S_new^T (scale q)``.
+    """
+    S = torch.exp(gk)[:, None] * S + torch.outer(k, v)
+    return S, S.T @ (scale * q)
+
+
+def naive_tree_gla(q, k, v, gk, S0, parents, scale):
+    """Per-path sequential GLA over a batch of trees.
+
+    Args:
+        q, k, gk: ``[B, T, H, K]``; v: ``[B, T, H, V]``; S0: ``[B, H, K, V]``;
+        parents: ``[B, T]`` int64 (``-1`` = child of the committed state); scale: float.
+    Returns:
+        ``o [B, T, H, V]``, ``Gk [B, T, H, K]`` (log decay summed along the path),
+        ``states [B, T, H, K, V]`` (state after each node), all in ``S0.dtype``.
+    """
+    B, T, H, K = k.shape
+    ct = S0.dtype
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=ct)
+    Gk = torch.zeros(B, T, H, K, dtype=ct)
+    states = torch.zeros(B, T, *S0.shape[1:], dtype=ct)
+    for b in range(B):
+        par = parents[b].tolist()
+        for i in range(T):
+            for h in range(H):
+                S, G = S0[b, h].clone(), torch.zeros(K, dtype=ct)
+                for j in root_path(par, i):
+                    S, out = gla_step(S, q[b, j, h].to(ct), k[b, j, h].to(ct), v[b, j, h].to(ct),
+                                      gk[b, j, h].to(ct), scale)
+                    G = G + gk[b, j, h].to(ct)
+                o[b, i, h], Gk[b, i, h], states[b, i, h] = out, G, S
+    return o, Gk, states
+
+
+def _rms(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
+    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * w.to(x.dtype) if w is not None else x
+
+
+class NaiveGLA:
+    """Plain autoregressive decoding of an FLA ``GLAForCausalLM``, one token per step through every
+    layer with the sequential recurrence (no trees, no factors, no batching).
+
+    Reads the model's weights; its Triton forward is not used. State: ``states[l]`` ``[H, K, V]``
+    (float32, float64 for float64 models; key/value heads repeated to the ``H`` query heads as
+    FLA's layer does) and ``inputs[l]``, every pre-conv projection so far (the conv window is its
+    last ``C - 1`` rows).
+
+    Args:
+        model: the transformers/FLA model.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.dt = model.lm_head.weight.dtype
+        self.ct = torch.float64 if self.dt == torch.float64 else torch.float32
+        attns = [blk.attn for blk in model.model.layers]
+        self.states = [torch.zeros(a.num_heads, a.head_k_dim, a.head_v_dim, dtype=self.ct) for a in attns]
+        self.inputs: list[list[Tensor]] = [[] for _ in attns]
+
+    def window(self, layer: int) -> Tensor:
+        """``[C - 1, Dc]`` conv window of ``layer``: the last ``C - 1`` pre-conv inputs, zero-padded."""
+        a = self.model.model.layers[layer].attn
+        C = a.q_conv1d.weight.shape[-1]
+        Dc = a.key_dim + a.key_dim_per_group + a.value_dim_per_group
+        hist = [torch.zeros(Dc, dtype=self.dt)] * (C - 1) + self.inputs[layer]
+        return torch.stack(hist[len(hist) - (C - 1):])
+
+    @torch.no_grad()
+    def step(self, token: int) -> Tensor:
+        """Feed one token; return the next-token logits ``[vocab]``."""
+        m, dt, ct = self.model.model, self.dt, self.ct
+        x = m.embeddings.weight[token]
+        for li, blk in enumerate(m.layers):
+            a = blk.attn
+            h = _rms(x, blk.attn_norm.weight, blk.attn_norm.eps).to(dt)
+            proj = torch.cat([h @ a.q_proj.weight.T, h @ a.k_proj.weight.T, h @ a.v_proj.weight.T])
+            self.inputs[li].append(proj)
+            if a.use_short_conv:  # ShortConvolution(activation="silu") on q, k, v separately
+                convs = [a.q_conv1d, a.k_conv1d, a.v_conv1d]
+                w = torch.cat([c.weight for c in convs])[:, 0].to(ct)  # [Dc, C]
+                C = w.shape[1]
+                hist = ([torch.zeros_like(proj)] * C + self.inputs[li])[-C:]
+                pre = (torch.stack(hist).to(ct).T * w).sum(-1)
+                if convs[0].bias is not None:
+                    pre = pre + torch.cat([c.bias for c in convs]).to(ct)
+                qkv = F.silu(pre).to(dt)
+            else:
+                qkv = proj
+            q, k, v = qkv.split([a.key_dim, a.key_dim_per_group, a.value_dim_per_group])
+            gk = (h @ a.gk_proj[0].weight.T) @ a.gk_proj[1].weight.T + a.gk_proj[1].bias
+            H, grp = a.num_heads, a.num_kv_groups
+            q = q.view(H, -1).to(ct)
+            # num_kv_heads < num_heads: kv head i serves query heads i*grp .. i*grp+grp-1 (FLA repeat)
+            k, v, gk = (t.view(H // grp, -1).repeat_interleave(grp, 0).to(ct) for t in (k, v, gk))
+            gk = F.logsigmoid(gk) / a.gate_logit_normalizer
+            if a.clamp_min is not None:
+                gk = gk.clamp_min(a.clamp_min)
+            fmap = FEATURE_MAPS[self.model.config.feature_map]
+            q, k = fmap(q), fmap(k)
+            o = torch.zeros(H, a.head_v_dim, dtype=ct)
+            for hh in range(H):
+                self.states[li][hh], o[hh] = gla_step(self.states[li][hh], q[hh], k[hh], v[hh], gk[hh],
+                                                      a.head_k_dim**-0.5)
+            norm = a.g_norm_swish_gate if a.fuse_norm_and_gate else a.g_norm
+            o = _rms(o, norm.weight, norm.eps)
+            if a.use_output_gate:  # FusedRMSNormGated(swish) or g_norm then gate_fn = swish
+                o = o * F.silu((h @ a.g_proj.weight.T).view(H, -1).to(ct))
+            x = x + (o.reshape(-1).to(dt) @ a.o_proj.weight.T)
+            h = _rms(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(dt)
+            mlp = blk.mlp
+            x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+        return _rms(x, m.norm.weight, m.norm.eps).to(dt) @ self.model.lm_head.weight.T
+
+
+def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy autoregressive decoding with :class:`NaiveGLA`; returns the new tokens only."""
+    dec = NaiveGLA(model)
+    for tok in prompt[:-1]:
+        dec.step(tok)
+    out, tok = [], prompt[-1]
+    while len(out) < max_new_tokens:
+        tok = int(dec.step(tok).argmax())
+        out.append(tok)
+    return out

@@ -1,0 +1,122 @@
+"""Registers the Gated Linear Attention plugin through the ``specla.plugins`` entry-point group."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from specla.config import SpecConfig
+from specla.errors import UnsupportedModelError
+from specla.hookspecs import hookimpl
+from specla.interfaces import ArchitecturePlugin, TargetAdapter
+
+from .naive import FEATURE_MAPS
+
+TINY_BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1, vocab_size=61,
+                 eos_token_id=None, initializer_range=0.1)
+# shapes the tests cover: no conv + fused norm/gate; short conv + grouped kv heads + relu feature
+# map; clamp_min, no output gate, unfused norm, expand_v 2; odd sizes, conv width 3, 3 layers, no
+# output-norm weight
+TINY_VARIANTS = {
+    "base": {},
+    "conv_gqa": dict(use_short_conv=True, num_heads=4, num_kv_heads=2, expand_k=1, feature_map="relu"),
+    "clamp_nogate": dict(use_output_gate=False, clamp_min=-0.2, fuse_norm=False, expand_v=2),
+    "odd": dict(hidden_size=20, vocab_size=37, num_hidden_layers=3, use_short_conv=True, conv_size=3,
+                fuse_norm=False, elementwise_affine=False),
+}
+
+
+class GLAPlugin(ArchitecturePlugin):
+    """Gated Linear Attention (Yang et al. 2023, arXiv 2312.06635) as implemented by FLA's
+    ``GLAForCausalLM`` (``model_type == "gla"``)."""
+
+    name = "gla"
+    model_types = ("gla",)
+    capabilities = frozenset({"trees"})
+    known_failures: dict[str, str] = {}
+    tiny_variants = tuple(TINY_VARIANTS)
+
+    def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise UnsupportedModelError(f"{path} is not a checkpoint directory: no config.json")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as err:
+            raise UnsupportedModelError(f"{cfg_file} is not valid JSON: {err}") from err
+        if cfg.get("model_type") not in self.model_types:
+            raise UnsupportedModelError(
+                f"{path}: model_type {cfg.get('model_type')!r} is not one of {self.model_types}"
+            )
+        self.check_config(cfg)  # before loading: a hybrid checkpoint would ask for flash-attn
+        with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
+            warnings.simplefilter("ignore")
+            import fla  # noqa: F401  (registers FLA's classes with transformers' Auto* factories)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+        return model.to(device) if device else model
+
+    @staticmethod
+    def check_config(cfg: dict) -> None:
+        """Raise :class:`UnsupportedModelError` for GLA configurations the plugin cannot run.
+
+        Args: cfg: the model's config as a dict (``config.json`` or ``PretrainedConfig.to_dict()``).
+        """
+        if cfg.get("attn"):
+            raise UnsupportedModelError("GLA models with softmax-attention layers (config.attn) are not supported yet")
+        if cfg.get("attnres_block_size") is not None:
+            raise UnsupportedModelError("GLA models with attention residuals (attnres_block_size) are not supported")
+        if cfg.get("hidden_act", "swish") != "swish":  # FLA's GatedMLP and the output gate both use it
+            raise UnsupportedModelError(f"activation {cfg.get('hidden_act')!r} is not supported (swish only)")
+        if cfg.get("feature_map") not in FEATURE_MAPS:
+            supported = ", ".join(repr(k) for k in FEATURE_MAPS)
+            raise UnsupportedModelError(f"feature_map {cfg.get('feature_map')!r} is not supported ({supported})")
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        from fla.models import GLAForCausalLM
+
+        if not isinstance(model, GLAForCausalLM):
+            raise UnsupportedModelError(f"the gla plugin runs fla.models.GLAForCausalLM, got {type(model).__name__}")
+        self.check_config(model.config.to_dict())
+
+    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
+        self.check_model(model)
+        from .adapter import GLAAdapter
+
+        return GLAAdapter(model, config)
+
+    def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+        """A random FLA ``GLAForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`) in eval mode
+        on the CPU, with decays spread so that paths differ (``logsigmoid(~0) / 16`` barely varies):
+        the gate bias is drawn wider and ``gate_logit_normalizer`` set to 4 (FLA's layer, the
+        adapter and ``naive.py`` all read it from the layer).
+
+        Raises:
+            KeyError: unknown variant.
+        """
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from fla.models import GLAConfig, GLAForCausalLM
+        torch.manual_seed(seed)
+        model = GLAForCausalLM(GLAConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]})).to(dtype).eval()
+        with torch.no_grad():
+            for blk in model.model.layers:
+                blk.attn.gk_proj[1].bias.normal_(0.0, 3.0)
+                blk.attn.gate_logit_normalizer = 4
+        return model
+
+    def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy decoding one token at a time with :class:`specla_gla.naive.NaiveGLA`."""
+        from .naive import naive_greedy_decode
+
+        return naive_greedy_decode(model, prompt, max_new_tokens)
+
+
+@hookimpl
+def specla_architectures() -> list[ArchitecturePlugin]:
+    """The hook implementation pluggy finds through the entry point."""
+    return [GLAPlugin()]

@@ -1,0 +1,580 @@
+"""Gated Linear Attention plugin (specla_gla): reference ops vs their sequential twins, the model
+path vs plain sequential decoding and vs FLA's own GLAForCausalLM, every commit strategy, end to
+end token identity, bad inputs, and the Triton kernels (CPU: Triton interpreter)."""
+
+import copy
+import functools
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAForCausalLM
+
+import specla
+from specla import Acceptance, BudgetError, DraftTree, InvalidTokenError, InvalidTreeError, SpecConfig
+from specla.errors import UnsupportedModelError
+from specla.records import PendingCommit
+from specla.registry import get_plugin
+from specla.tree import inclusive_ancestor_mask
+from specla.ops.naive import root_path
+from specla_gla.naive import NaiveGLA, naive_greedy_decode, naive_tree_gla
+from specla_gla.plugin import TINY_BASE, TINY_VARIANTS
+from specla_gla.reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
+from specla.testing import OracleDrafter
+from trees import SHAPES, tree_parents
+
+BASE = TINY_BASE
+GLA_CONFIGS = TINY_VARIANTS
+TOL = 1e-9  # float64 models: batched factorized form vs sequential loop
+
+
+@functools.lru_cache(maxsize=None)  # shared across tests (never modified): ids stay unique
+def make_gla_model(name: str = "base", dtype: torch.dtype = torch.float64, seed: int = 0) -> GLAForCausalLM:
+    """A random-initialised FLA GLAForCausalLM of shape ``name`` in ``dtype`` (the plugin's tiny_model)."""
+    return get_plugin("gla").tiny_model(name, seed=seed, dtype=dtype)
+
+
+@pytest.fixture(params=list(GLA_CONFIGS))
+def gla_name(request):
+    return request.param
+
+
+@pytest.fixture
+def rng():
+    return random.Random(4321)
+
+
+# ---------------------------------------------------------------------------- reference ops
+def op_inputs(B, T, H, K, V, dtype, gen):
+    q, k = torch.randn(B, T, H, K, generator=gen, dtype=dtype), torch.randn(B, T, H, K, generator=gen, dtype=dtype)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    gk = F.logsigmoid(torch.randn(B, T, H, K, generator=gen, dtype=dtype) * 2) / 2
+    S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
+    return q, k, v, gk, S0
+
+
+def padded_paths(parents, ends):
+    paths = [root_path(parents[b].tolist(), e) if e >= 0 else [] for b, e in enumerate(ends)]
+    P = max(1, max(len(p) for p in paths))
+    return torch.tensor([p + [-1] * (P - len(p)) for p in paths]), torch.tensor([len(p) for p in paths])
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_reference_ops_equal_naive(kind, dtype, tol):
+    rng = random.Random(len(kind) + (dtype == torch.float32))
+    sizes = [1, 1, 1] if kind == "single" else [9, 4, 6]
+    T = max(sizes)
+    parents = torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
+    q, k, v, gk, S0 = op_inputs(3, T, 2, 5, 3, dtype, torch.Generator().manual_seed(rng.randrange(2**31)))
+    mask = inclusive_ancestor_mask(parents)
+    o, Gk = tree_gla(q, k, v, gk, S0, mask, 5**-0.5)
+    ro, rGk, rstates = naive_tree_gla(q, k, v, gk, S0, parents, 5**-0.5)
+    close = lambda a, b: float((a - b).abs().max()) < tol * max(1.0, float(b.abs().max()))  # noqa: E731
+    assert o.dtype == dtype and close(o, ro) and close(Gk, rGk)
+    assert close(node_states(S0, k, v, Gk, mask), rstates)
+    for node in range(T):  # every accepted path, ragged across the batch (-1: nothing accepted)
+        ends = [node, min(node, sizes[1] - 1), -1]
+        path, plen = padded_paths(parents, ends)
+        for commit in (gla_commit_factor(S0, k, v, Gk, path, plen), gla_commit_replay(S0, k, v, gk, path, plen)):
+            assert close(commit[:2], torch.stack([rstates[0, ends[0]], rstates[1, ends[1]]]))
+            assert torch.equal(commit[2], S0[2])  # nothing accepted: bit-identical
+
+
+# ---------------------------------------------------------------------------- model level
+def adapter_for(model, **cfg):
+    return get_plugin("gla").make_adapter(model, SpecConfig(**cfg))
+
+
+def snapshot(adapter):
+    return [s.clone() for s in adapter.recurrent] + [c.clone() for c in adapter.conv if c is not None]
+
+
+def assert_bit_identical(a, b):
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def naive_after(model, tokens, start=None):
+    """A NaiveGLA fed ``tokens`` (continuing a copy of ``start`` if given), and the last logits."""
+    if start is None:
+        dec = NaiveGLA(model)
+    else:
+        dec = copy.copy(start)
+        dec.states, dec.inputs = [s.clone() for s in start.states], [list(x) for x in start.inputs]
+    logits = None
+    for t in tokens:
+        logits = dec.step(t)
+    return dec, logits
+
+
+def assert_state_matches(adapter, b, dec):
+    for li in range(len(adapter.recurrent)):
+        ref = dec.states[li]
+        assert float((adapter.recurrent[li][b] - ref).abs().max()) < TOL * max(1.0, float(ref.abs().max()))
+        if adapter.conv[li] is not None:
+            assert float((adapter.conv[li][b] - dec.window(li)).abs().max()) < TOL
+
+
+def acceptance_for(tree, b_ends, bonus):
+    """An Acceptance following, per sequence, the root path of draft node ``b_ends[b]`` (-1: none)."""
+    B = tree.batch_size
+    paths = [[0] + [n + 1 for n in (tree.path(b, e) if e >= 0 else [])] for b, e in enumerate(b_ends)]
+    P = max(len(p) for p in paths)
+    path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
+    num = torch.tensor([len(p) - 1 for p in paths])
+    toks = torch.tensor([[int(tree.tokens[b, n - 1]) for n in p[1:]] + [-1] * (P - len(p)) for b, p in enumerate(paths)])
+    return Acceptance(path=path, num_accepted=num, bonus=torch.tensor(bonus), tokens=toks.view(B, P - 1))
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+def test_verify_logits_equal_sequential_decoding(gla_name, kind, rng):
+    model = make_gla_model(gla_name)
+    V = model.config.vocab_size
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 1)]
+    trees = [([rng.randrange(V) for _ in par], par) for par in (tree_parents(kind, n, rng) for n in (6, 3))]
+    tree = DraftTree.from_lists(trees)
+    adapter = adapter_for(model)
+    adapter.prefill(prompts)
+    before = snapshot(adapter)
+    out = adapter.verify(tree)
+    assert_bit_identical(before, snapshot(adapter))  # verify never writes the committed state
+    assert out.logits.shape == (2, tree.width + 1, V)
+    for b in range(2):
+        base, ref = naive_after(model, prompts[b])
+        assert float((out.logits[b, 0] - ref).abs().max()) < TOL
+        for i in range(int(tree.num_nodes[b])):
+            path_tokens = [int(tree.tokens[b, j]) for j in tree.path(b, i)]
+            ref = naive_after(model, path_tokens, start=base)[1]
+            assert float((out.logits[b, i + 1] - ref).abs().max()) < TOL
+
+
+@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+def test_commit_every_path_equals_sequential_state(gla_name, commit, rng):
+    """Every accepted count 0..D and every node: verify + commit == decoding exactly the root and
+    the accepted tokens, for the recurrent state and the conv window; 0 accepted: bit-identical."""
+    model = make_gla_model(gla_name)
+    V = model.config.vocab_size
+    prompt = [rng.randrange(V) for _ in range(4)]
+    par = [-1, 0, 1, 0, 3, 1]  # two branches of depth 3 and a fork inside the first
+    tree = DraftTree.from_lists([([rng.randrange(V) for _ in par], par)])
+    base, _ = naive_after(model, prompt)
+    for end in [-1] + list(range(len(par))):
+        adapter = adapter_for(model, commit=commit)
+        adapter.prefill([prompt])
+        out = adapter.verify(tree)
+        adapter.commit(tree, out, acceptance_for(tree, [end], [7]))
+        adapter.flush()
+        accepted = [int(tree.tokens[0, j]) for j in (tree.path(0, end) if end >= 0 else [])]
+        assert_state_matches(adapter, 0, naive_after(model, accepted, start=base)[0])
+        assert adapter.roots.tolist() == [7]
+    adapter = adapter_for(model, commit=commit)
+    adapter.prefill([prompt])
+    out = adapter.verify(tree)
+    before = snapshot(adapter)
+    adapter._apply(out.records, torch.full((1, 1), -1), torch.zeros(1, dtype=torch.int64))
+    assert_bit_identical(before, snapshot(adapter))
+
+
+def test_strategies_agree_and_delayed_equals_eager():
+    model = make_gla_model("conv_gqa")
+    prompt = [3, 1, 4, 1, 5]
+    t1 = DraftTree.from_lists([([9, 2, 6], [-1, 0, 0])])
+    t2 = DraftTree.from_lists([([5, 3], [-1, 0])])
+    logits, states = {}, {}
+    # committed: the prompt, then root 5 + accepted [9, 6], then root 5 + accepted [5, 3]
+    dec, _ = naive_after(model, prompt + [9, 6, 5, 5, 3])
+    for name, commit, eager in [("factor", "factor", False), ("factor_eager", "factor", True),
+                                ("snapshot", "snapshot", False), ("replay", "replay", False)]:
+        adapter = adapter_for(model, commit=commit)
+        adapter.prefill([prompt])
+        adapter.commit(t1, adapter.verify(t1), acceptance_for(t1, [2], [5]))
+        if eager:
+            adapter.flush()
+        if commit == "factor":
+            assert (adapter.pending is None) == eager
+        logits[name] = adapter.verify(t2).logits  # applies the pending commit first
+        adapter.commit(t2, adapter.verify(t2), acceptance_for(t2, [1], [8]))
+        adapter.flush()
+        once = snapshot(adapter)
+        adapter.flush()  # idempotent
+        assert_bit_identical(once, snapshot(adapter))
+        assert_state_matches(adapter, 0, dec)
+        states[name] = once
+    for name in states:
+        assert float((logits[name] - logits["factor"]).abs().max()) < TOL
+        for a, b in zip(states[name], states["factor"]):
+            assert float((a - b).abs().max()) < TOL
+    assert_bit_identical(states["factor"], states["factor_eager"])  # same ops, same order
+
+
+def test_ragged_batch_equals_per_sequence_runs_and_select(rng):
+    model = make_gla_model("conv_gqa")
+    prompts = [[rng.randrange(61) for _ in range(n)] for n in (3, 8, 1)]
+    trees = [([1, 2, 3, 4], [-1, 0, 1, 2]), ([5, 6, 7], [-1, -1, 0]), ([], [])]
+    ends = [3, 2, -1]
+    batch = adapter_for(model)
+    batch.prefill(prompts)
+    tree = DraftTree.from_lists(trees)
+    batch.commit(tree, batch.verify(tree), acceptance_for(tree, ends, [1, 2, 3]))
+    batch.flush()
+    for b in range(3):
+        single = adapter_for(model)
+        single.prefill([prompts[b]])
+        t = DraftTree.from_lists([trees[b]])
+        single.commit(t, single.verify(t), acceptance_for(t, [ends[b]], [b + 1]))
+        single.flush()
+        for x, y in zip(snapshot(single), snapshot(batch)):
+            assert float((x[0] - y[b]).abs().max()) < 1e-12
+    batch.commit(tree, batch.verify(tree), acceptance_for(tree, ends, [4, 5, 6]))
+    whole = copy.deepcopy(batch)
+    batch.select(torch.tensor([2, 0]))
+    assert batch.roots.tolist() == [6, 4]
+    assert isinstance(batch.pending, PendingCommit) and batch.pending.path.shape[0] == 2
+    batch.flush()
+    whole.flush()
+    for x, y in zip(snapshot(batch), snapshot(whole)):  # select keeps the given order, pending included
+        assert torch.equal(x, y[[2, 0]])
+
+
+def test_prefill_longer_than_one_chunk_and_score(rng):
+    model = make_gla_model("odd")
+    prompt = [rng.randrange(37) for _ in range(150)]  # > 2 prefill chunks of 64
+    adapter = adapter_for(model)
+    adapter.prefill([prompt, [5]])
+    assert_state_matches(adapter, 0, naive_after(model, prompt[:-1])[0])
+    assert all(not s[1].any() for s in adapter.recurrent)  # one-token prompt: an exactly empty state
+    logits = adapter.score(torch.tensor([prompt[:70]]))
+    dec = NaiveGLA(model)
+    for t in range(70):
+        ref = dec.step(prompt[t])
+        if t % 23 == 0 or t == 69:
+            assert float((logits[0, t] - ref).abs().max()) < TOL
+
+
+def test_state_stays_float32_with_bfloat16_activations():
+    model = make_gla_model("conv_gqa", dtype=torch.float32)
+    adapter = adapter_for(model, dtype="bfloat16")
+    adapter.prefill([[1, 2, 3, 4]])
+    t = DraftTree.from_lists([([4, 5], [-1, 0])])
+    out = adapter.verify(t)
+    assert out.logits.dtype == torch.bfloat16
+    assert all(r.Gk.dtype == torch.float32 and r.v.dtype == torch.float32 for r in out.records)
+    adapter.commit(t, out, acceptance_for(t, [1], [9]))
+    states = adapter.recurrent_states()  # applies the pending commit first
+    assert adapter.pending is None and len(states) == 2
+    assert all(s.dtype == torch.float32 and torch.isfinite(s).all() and s.abs().sum() > 0 for s in states)
+
+
+# ---------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize(
+    "tree, error, match",
+    [
+        (DraftTree.from_lists([([1] * 9, list(range(-1, 8)))]), BudgetError, "over the budget N=8"),
+        (DraftTree.from_lists([([1, 61], [-1, 0])]), InvalidTokenError, "token id 61"),
+        (DraftTree.from_lists([([1, -100], [-1, 0])]), InvalidTokenError, "token id -100"),
+        (DraftTree.from_lists([([1], [-1]), ([2], [-1])]), InvalidTreeError, "batch 2 != adapter batch 1"),
+    ],
+)
+def test_bad_trees_raise_and_leave_state_untouched(tree, error, match):
+    adapter = adapter_for(make_gla_model("conv_gqa"), num_draft_tokens=8, max_depth=8)
+    adapter.prefill([[1, 2, 3]])
+    t = DraftTree.from_lists([([4, 5], [-1, 0])])
+    adapter.commit(t, adapter.verify(t), acceptance_for(t, [1], [9]))  # leaves a pending commit
+    before, pending, roots = snapshot(adapter), adapter.pending, adapter.roots.clone()
+    with pytest.raises(error, match=match):
+        adapter.verify(tree)
+    assert_bit_identical(before, snapshot(adapter))
+    assert adapter.pending is pending and torch.equal(adapter.roots, roots)
+
+
+@pytest.mark.parametrize("prompts, match", [([[1, 2], []], "prompt 1 is empty"), ([[1, 61]], "token id 61"),
+                                            ([[-1, 3]], "token id -1"), ([], "no prompts")])
+def test_bad_prompts_raise_and_leave_state_untouched(prompts, match):
+    adapter = adapter_for(make_gla_model("base"))
+    adapter.prefill([[5, 6, 7]])
+    before, roots = snapshot(adapter), adapter.roots.clone()
+    with pytest.raises(InvalidTokenError, match=match):
+        adapter.prefill(prompts)
+    assert_bit_identical(before, snapshot(adapter))
+    assert torch.equal(adapter.roots, roots)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(attn={"layers": [1], "num_heads": 2}), "softmax-attention"),
+    (dict(feature_map="elu"), "feature_map 'elu'"),
+    (dict(hidden_act="gelu"), "activation 'gelu'"),
+    (dict(attnres_block_size=2), "attention residuals"),
+])
+def test_unsupported_configs_are_rejected_before_loading(cfg, match, tmp_path):
+    plugin = get_plugin("gla")
+    with pytest.raises(UnsupportedModelError, match=match):
+        plugin.check_config({**BASE, "model_type": "gla", **cfg})
+    (tmp_path / "config.json").write_text(__import__("json").dumps({**BASE, "model_type": "gla", **cfg}))
+    with pytest.raises(UnsupportedModelError, match=match):  # no weights file: raised before loading
+        plugin.load_model(tmp_path, dtype=None, device=None)
+
+
+def test_wrong_model_class_and_checkpoint_rejected(tmp_path):
+    gdn = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=16, num_hidden_layers=1, num_heads=2,
+                                                       head_dim=8, vocab_size=11))
+    with pytest.raises(UnsupportedModelError, match="runs fla.models.GLAForCausalLM, got GatedDeltaNetForCausalLM"):
+        specla.run(gdn, "gla", prompts=[[1]], config=dict(max_new_tokens=1))
+    (tmp_path / "config.json").write_text('{"model_type": "gated_deltanet"}')
+    with pytest.raises(UnsupportedModelError, match="model_type 'gated_deltanet' is not one of"):
+        get_plugin("gla").load_model(tmp_path, dtype=None, device=None)
+
+
+def test_load_model_roundtrip_and_autodetect(tmp_path):
+    from specla.registry import plugin_infos
+
+    info = {p.name: p for p in plugin_infos()}["gla"]  # found through the specla.plugins entry point
+    assert info.distribution == "specla" and info.model_types == ("gla",)
+    model = make_gla_model("conv_gqa", dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    loaded = get_plugin("gla").load_model(tmp_path, dtype=torch.float32, device=None)
+    result = specla.run(loaded, None, prompts=[[1, 2, 3]], config=dict(max_new_tokens=6))
+    assert result.outputs == [naive_greedy_decode(model, [1, 2, 3], 6)]
+
+
+# ---------------------------------------------------------------------------- end to end
+N = 6
+
+
+_REFS: dict = {}
+
+
+def reference(model, prompts, n):
+    """Greedy continuations by NaiveGLA, cached per (model, prompt, n): tests share prompts."""
+    for p in prompts:
+        if (id(model), tuple(p), n) not in _REFS:
+            _REFS[id(model), tuple(p), n] = naive_greedy_decode(model, p, n)
+    return [_REFS[id(model), tuple(p), n] for p in prompts]
+
+
+# every acceptance pattern per commit strategy and the ngram drafter on every shape: the packaged
+# conformance suite (tests/test_conformance_gla.py)
+
+
+def test_float32_token_identical(rng):
+    model = make_gla_model("base", dtype=torch.float32, seed=3)
+    prompts = [[rng.randrange(61) for _ in range(12)] * 2]
+    result = specla.run(model, "gla", prompts=prompts, config=dict(max_new_tokens=30, top_k=2))
+    assert result.outputs == reference(model, prompts, 30)
+
+
+# ---------------------------------------------------------------------------- FLA's own model
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="FLA runs its real kernels in this process (TRITON_INTERPRET != 1)")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", list(GLA_CONFIGS))
+def test_model_forward_equals_fla(name):
+    """Our logits at every position of a chain equal FLA's GLAForCausalLM forward (its Triton
+    kernels run by the interpreter): an oracle written independently of specla."""
+    from fla_oracle import enable_fla_interpreter, fla_forward_logits
+
+    enable_fla_interpreter()
+    model = make_gla_model(name, dtype=torch.float32, seed=1)
+    T = 70 if name == "base" else 11  # FLA's layer switches from fused_recurrent to chunk above 64
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
+    adapter = adapter_for(model, num_draft_tokens=T, max_depth=T)
+    adapter.prefill([[int(t)] for t in ids[:, 0]])
+    chain = DraftTree(ids[:, 1:].contiguous(), torch.arange(-1, T - 2).expand(2, T - 1).contiguous(),
+                      torch.full((2,), T - 1))
+    ours = adapter.verify(chain).logits
+    ref = fla_forward_logits(model, ids)
+    assert float((ours - ref).abs().max()) < 2e-4
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+# CPU: the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1); GPU: the same cases
+# compiled. Outputs are pre-filled with NaN so an unwritten element fails.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def nan_out(B, T, H, K, V):
+    return (torch.full((B, T, H, V), float("nan"), device=DEV), torch.full((B, T, H, K), float("nan"), device=DEV))
+
+
+def chain(B, T):
+    return torch.arange(-1, T - 1).expand(B, T)
+
+
+def on_dev(*xs):
+    return [x.to(DEV) for x in xs]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(3, 5, 2, 5, 6), (2, 4, 1, 16, 8), (1, 1, 1, 4, 4)])
+def test_serial_verify_kernel_equals_naive_chains(shape):
+    from specla_gla.verify import serial_verify
+
+    B, T, H, K, V = shape
+    q, k, v, gk, S0 = op_inputs(B, T, H, K, V, torch.float32, torch.Generator().manual_seed(sum(shape)))
+    n = torch.tensor([T] + [random.Random(B + i).randrange(0, T + 1) for i in range(B - 1)])  # ragged chains
+    state = S0.clone().to(DEV)
+    o, G = serial_verify(*on_dev(q, k, v, gk), state, n.to(DEV), K**-0.5, out=nan_out(B, T, H, K, V))
+    ro, rG, _ = naive_tree_gla(q, k, v, gk, S0, chain(B, T), K**-0.5)
+    for b in range(B):
+        m = int(n[b])
+        for got, ref in ((o, ro), (G, rG)):
+            assert not got[b].isnan().any()
+            assert torch.allclose(got[b, :m].cpu(), ref[b, :m], rtol=1e-5, atol=1e-5)
+            assert not got[b, m:].any()  # padding nodes get zeros
+    assert torch.equal(state.cpu(), S0)  # no pending commit: the state is not written
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", SHAPES)
+def test_tree_verify_kernel_equals_naive(kind):
+    from specla_gla.verify import tree_verify
+
+    rng = random.Random(len(kind) * 7)
+    sizes = [1, 1] if kind == "single" else [9, 5]
+    T, H, K, V = max(sizes), 2, 5, 20  # V over one 16-wide tile
+    parents = torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
+    q, k, v, gk, S0 = op_inputs(2, T, H, K, V, torch.float32, torch.Generator().manual_seed(rng.randrange(2**31)))
+    state = S0.clone().to(DEV)
+    o, G = tree_verify(*on_dev(q, k, v, gk), state, inclusive_ancestor_mask(parents).to(DEV), K**-0.5,
+                       out=nan_out(2, T, H, K, V))
+    ro, rG, _ = naive_tree_gla(q, k, v, gk, S0, parents, K**-0.5)
+    for got, ref in ((o, ro), (G, rG)):
+        assert not got.isnan().any()
+        assert torch.allclose(got.cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state.cpu(), S0)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["serial", "parallel", "flush"])
+def test_fused_pending_commit_ragged(kernel):
+    """Batch with ragged pending commits (0..D accepted): the committed state equals the state
+    after walking each accepted path serially; nothing accepted leaves it bit-identical (not even
+    written); then verify continues from the committed state."""
+    from specla_gla.commit import flush_commit
+    from specla_gla.verify import serial_verify, tree_verify
+
+    B, Tp, T, H, K, V = 4, 6, 3, 2, 5, 6
+    gen = torch.Generator().manual_seed(5)
+    pq, pk, pv, pgk, S0 = op_inputs(B, Tp, H, K, V, torch.float64, gen)
+    parents = torch.tensor([[-1, 0, 1, 2, 1, 0], [-1, -1, 1, 2, 3, 4], [-1, 0, 0, 0, 3, 3], [-1, 0, 1, 2, 3, 4]])
+    _, pGk, pstates = naive_tree_gla(pq, pk, pv, pgk, S0, parents, K**-0.5)
+    ends = [4, -1, 5, 5]
+    path, plen = padded_paths(parents, ends)
+    pending = on_dev(pk.float(), pv.float(), pGk.float(), path, plen)
+    S0 = S0.float()
+    q, k, v, gk, _ = op_inputs(B, T, H, K, V, torch.float32, gen)
+    state = S0.clone().to(DEV)
+    args = on_dev(q, k, v, gk)
+    if kernel == "serial":
+        o, _ = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=pending,
+                             out=nan_out(B, T, H, K, V))
+    elif kernel == "parallel":
+        o, _ = tree_verify(*args, state, inclusive_ancestor_mask(chain(B, T)).to(DEV), K**-0.5, pending=pending,
+                           out=nan_out(B, T, H, K, V))
+    else:
+        flush_commit(state, *pending)
+    for b, e in enumerate(ends):
+        if e < 0:
+            assert torch.equal(state[b].cpu(), S0[b])
+            committed = S0[b]
+        else:
+            committed = pstates[b, e].float()
+            assert torch.allclose(state[b].cpu(), committed, rtol=1e-5, atol=1e-5)
+        if kernel != "flush":
+            ro, _, _ = naive_tree_gla(q[b : b + 1], k[b : b + 1], v[b : b + 1], gk[b : b + 1], committed[None],
+                                      chain(1, T), K**-0.5)
+            assert torch.allclose(o[b].cpu(), ro[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_kernels_reject_bad_input():
+    from specla_gla.commit import flush_commit
+    from specla_gla.verify import serial_verify, tree_verify
+
+    q, k, v, gk, S0 = on_dev(*op_inputs(1, 3, 1, 4, 4, torch.float32, torch.Generator().manual_seed(0)))
+    n = torch.full((1,), 3, device=DEV)
+    with pytest.raises(ValueError, match="state must be float32"):
+        serial_verify(q, k, v, gk, S0.double(), n, 0.5)
+    with pytest.raises(ValueError, match="gk must be float32"):
+        serial_verify(q, k, v, gk.bfloat16(), S0, n, 0.5)
+    with pytest.raises(ValueError, match="num_nodes must be int64"):
+        serial_verify(q, k, v, gk, S0, n.int(), 0.5)
+    with pytest.raises(ValueError, match=r"v \[B, T, H, V\]"):
+        serial_verify(q, k, v.expand(1, 3, 2, 4), gk, S0, n, 0.5)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        tree_verify(q, k, v, gk, S0, torch.ones(1, 3, 3, device=DEV), 0.5)
+    with pytest.raises(ValueError, match="pending must be"):
+        flush_commit(S0, k, v, gk.double(), torch.zeros(1, 1, dtype=torch.int64, device=DEV),
+                     torch.zeros(1, dtype=torch.int64, device=DEV))
+
+
+@needs_triton
+@pytest.mark.parametrize("name, verify_kernel, pattern", [
+    ("conv_gqa", "auto", "alternating"), ("conv_gqa", "auto", "tree"), ("base", "auto", "zero_after_many"),
+    ("odd", "serial", "tree"),
+    ("clamp_nogate", "parallel", "alternating"),
+])
+def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monkeypatch):
+    """The whole engine with kernels="triton" (fused delayed commit inside the verify kernel) is
+    token-identical to sequential decoding, and its states match the reference path's."""
+    import specla_gla.adapter as adapter_mod
+
+    calls = {"fused": 0, "plain": 0, "serial": 0, "parallel": 0}
+
+    def counting(fn, kind):
+        def wrapped(*args, pending=None, **kw):
+            calls[kind] += 1
+            calls["fused" if pending is not None else "plain"] += 1
+            return fn(*args, pending=pending, **kw)
+        return wrapped
+
+    for kind in ("serial", "parallel"):
+        fn = getattr(adapter_mod, "serial_verify" if kind == "serial" else "tree_verify")
+        monkeypatch.setattr(adapter_mod, fn.__name__, counting(fn, kind))
+    model = make_gla_model(name, dtype=torch.float32, seed=6)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 7, 12)]
+    refs = reference(model, prompts, 20)
+    states = {}
+    for kernels in ("triton", "reference"):
+        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12, kernels=kernels, device=DEV,
+                         verify_kernel=verify_kernel)
+        dec = specla.SpecDecoder(model, "gla", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
+        assert dec.generate(prompts).outputs == [r[:12] for r in refs]
+        dec.adapter.flush()
+        states[kernels] = [s.cpu() for s in dec.adapter.recurrent]
+    for a, b in zip(states["triton"], states["reference"]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert calls["fused"] > 0 and calls["plain"] > 0  # the kernels ran, with and without pending commits
+    if pattern == "tree":
+        assert calls["parallel"] > 0  # real trees (a forced serial falls back to the parallel kernel)
+    if verify_kernel != "auto":
+        assert calls[verify_kernel] > 0
+
+
+@needs_triton
+def test_trees_over_the_kernel_size_take_the_reference_path_after_a_flush():
+    """kernels="triton" with a 70-node tree (over tree_verify's 64): the pending commit is applied
+    by the flush kernel, then the tree is verified on the reference path; logits equal the
+    reference adapter's."""
+    model = make_gla_model("base", dtype=torch.float32, seed=2)
+    rng = random.Random(9)
+    t1 = DraftTree.from_lists([([4, 5, 6], [-1, 0, 1])], device=DEV)
+    par = tree_parents("random", 70, rng)
+    t2 = DraftTree.from_lists([([rng.randrange(61) for _ in par], par)], device=DEV)
+    acc = acceptance_for(t1, [1], [9])
+    acc = Acceptance(acc.path.to(DEV), acc.num_accepted.to(DEV), acc.bonus.to(DEV), acc.tokens.to(DEV))
+    logits = {}
+    for kernels in ("triton", "reference"):
+        adapter = adapter_for(model, kernels=kernels, device=DEV, num_draft_tokens=70, max_depth=70)
+        adapter.prefill([[1, 2, 3]])
+        adapter.commit(t1, adapter.verify(t1), acc)
+        assert adapter.pending is not None
+        logits[kernels] = adapter.verify(t2).logits.cpu()
+    assert torch.allclose(logits["triton"], logits["reference"], rtol=1e-4, atol=1e-5)
