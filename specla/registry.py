@@ -30,12 +30,13 @@ class PluginInfo:
 @lru_cache(maxsize=1)
 def plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, with the ``specla.plugins`` entry points loaded: all of
-    them, or only those named in the environment variable ``SPECLA_PLUGINS`` (comma-separated;
-    read once per process).
+    them, or only those named in the environment variable ``SPECLA_PLUGINS`` (comma-separated
+    entry-point names, which for the bundled plugins are their architecture names; read once per
+    process).
 
     Raises:
-        UnknownPluginError: ``SPECLA_PLUGINS`` names a plugin that is not installed (the message
-            lists the installed ones); nothing is loaded then.
+        UnknownPluginError: ``SPECLA_PLUGINS`` names an entry point that is not installed (the
+            message lists the installed ones), or is set but empty; nothing is loaded then.
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
@@ -45,9 +46,11 @@ def plugin_manager() -> pluggy.PluginManager:
         return pm
     names = {n.strip() for n in wanted.split(",") if n.strip()}
     installed = {ep.name for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP)}
+    if not names:
+        raise UnknownPluginError("SPECLA_PLUGINS is set but names no plugin; unset it to load every plugin")
     if names - installed:
-        raise UnknownPluginError(f"SPECLA_PLUGINS names {', '.join(sorted(names - installed))}, which is not "
-                                 f"installed; installed plugins: {', '.join(sorted(installed)) or 'none'}")
+        raise UnknownPluginError(f"SPECLA_PLUGINS names {', '.join(sorted(names - installed))}, which is not an "
+                                 f"installed plugin entry point; installed: {', '.join(sorted(installed)) or 'none'}")
     for name in sorted(names):
         pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP, name=name)
     return pm

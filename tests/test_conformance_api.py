@@ -26,6 +26,7 @@ def test_pytest_option_names_the_plugin_and_without_it_the_suite_says_so():
                            text=True, timeout=600)
     assert named.returncode == 0 and "1 passed" in named.stdout, named.stdout[-2000:]
     unnamed = subprocess.run(base + ["-k", "verify_never_writes"], capture_output=True, text=True, timeout=600)
+    assert unnamed.returncode != 0, "a run that names no plugin must not pass"
     assert "pass --specla-plugin=NAME" in unnamed.stdout, unnamed.stdout[-2000:]
 
 
@@ -41,10 +42,13 @@ def test_specla_plugins_env_limits_loading_and_names_unknown_plugins():
     env = {**os.environ, "SPECLA_PLUGINS": "gdn"}
     only = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert only.returncode == 0 and only.stdout.strip() == "['gdn']", only.stderr[-1000:]
+    env["SPECLA_PLUGINS"] = " , "
+    empty = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert empty.returncode != 0 and "SPECLA_PLUGINS is set but names no plugin" in empty.stderr
     env["SPECLA_PLUGINS"] = "gdn, nope"
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode != 0
-    assert "SPECLA_PLUGINS names nope, which is not installed; installed plugins: " in bad.stderr
+    assert "SPECLA_PLUGINS names nope, which is not an installed plugin entry point; installed: " in bad.stderr
     assert "gdn" in bad.stderr.splitlines()[-1]
 
 

@@ -29,8 +29,8 @@ def naive_tree_conv(x, window, weight, bias, parents):
     B, T, D = x.shape
     C = weight.shape[1]
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = torch.zeros(B, T, D, dtype=ct)
-    windows = torch.zeros(B, T, C - 1, D, dtype=x.dtype)
+    y = torch.zeros(B, T, D, dtype=ct, device=x.device)
+    windows = torch.zeros(B, T, C - 1, D, dtype=x.dtype, device=x.device)
     for b in range(B):
         par = parents[b].tolist()
         for i in range(T):

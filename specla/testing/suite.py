@@ -46,9 +46,15 @@ class PluginSuite:
     @pytest.fixture
     def arch(self, request):
         name = self.plugin or request.config.getoption("specla_plugin", None)
-        if not name:
-            pytest.skip("no plugin named: pass --specla-plugin=NAME")
+        if not name:  # a run that forgot the option must not pass
+            pytest.fail("no plugin named: pass --specla-plugin=NAME", pytrace=False)
         arch = get_plugin(name)
+        base = type(arch).__mro__[-2]  # ArchitecturePlugin
+        missing = [m for m in ("tiny_model", "reference_decode")
+                   if getattr(type(arch), m) is getattr(base, m, None)] + ([] if arch.tiny_variants else ["tiny_variants"])
+        if missing:
+            pytest.fail(f"plugin {name!r} cannot run the conformance suite: it does not provide "
+                        f"{', '.join(missing)} (docs/plugins.md, section 2)", pytrace=False)
         # a known failure names a test, or one parametrization of it ("test_x[replay]")
         reason = arch.known_failures.get(request.node.name) or arch.known_failures.get(request.node.originalname)
         if reason:
