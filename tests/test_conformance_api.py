@@ -60,3 +60,13 @@ def test_the_example_third_party_plugin_is_registered_through_its_entry_point_al
     assert {"gdn", "mamba2", "retention"} <= set(available())
     info = {i.name: i for i in plugin_infos()}["retention"]
     assert info.distribution == "specla-retention-example" and info.model_types == ("tiny_retention",)
+
+
+def test_a_known_failure_naming_no_suite_test_fails_the_run():
+    """A stale or misspelt known_failures key must not pass unnoticed (patched in a subprocess)."""
+    proc = subprocess.run([sys.executable, "-c", "import specla.registry as r, specla.testing as t, sys; "
+                           "type(r.get_plugin('gdn')).known_failures = {'test_no_such_check': 'typo'}; "
+                           "sys.exit(0 if t.check_plugin('gdn', '-k', 'verify_never_writes') else 1)"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1
+    assert "declares known failures for tests the suite does not have: ['test_no_such_check']" in proc.stdout

@@ -55,6 +55,11 @@ class PluginSuite:
         if missing:
             pytest.fail(f"plugin {name!r} cannot run the conformance suite: it does not provide "
                         f"{', '.join(missing)} (docs/plugins.md, section 2)", pytrace=False)
+        tests = {n for n in dir(type(self)) if n.startswith("test_")}
+        stale = [k for k in arch.known_failures if k.split("[")[0] not in tests]
+        if stale:  # a typo would silently run the test as expected to pass
+            pytest.fail(f"plugin {name!r} declares known failures for tests the suite does not have: {stale}",
+                        pytrace=False)
         # a known failure names a test, or one parametrization of it ("test_x[replay]")
         reason = arch.known_failures.get(request.node.name) or arch.known_failures.get(request.node.originalname)
         if reason:
