@@ -256,3 +256,34 @@ class PluginSuite:
         with pytest.raises(InvalidTokenError):
             adapter.prefill([[]])
         assert torch.equal(self._root_logits(adapter), before)
+
+    # ------------------------------------------------------------------ 8. precision, features
+    def test_bf16_activations_keep_float32_finite_states(self, arch, rng):
+        """bfloat16 weights and activations: 48 speculative tokens stay finite, every recurrent
+        state stays float32 (gates and decays are never rounded into the state dtype)."""
+        from ..api import SpecDecoder
+
+        model = self._model(arch, dtype=torch.bfloat16, seed=5)
+        V = self._vocab(model)
+        prompt = [rng.randrange(V) for _ in range(10)]
+        dec = SpecDecoder(model, arch.name, config=dict(max_new_tokens=48, num_draft_tokens=N, max_depth=N,
+                                                        dtype="bfloat16"))
+        out = dec.generate([prompt, prompt[:3]])
+        assert [len(o) for o in out.outputs] == [48, 48]
+        states = dec.adapter.recurrent_states()
+        assert states and all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in states)
+
+    def test_features_for_feature_level_drafters_are_consistent(self, arch, rng):
+        """What an EAGLE-style drafter reads: ``lm_logits(hidden)`` reproduces the verify logits,
+        ``embed`` has the feature width, ``last_hidden`` is one feature per sequence."""
+        model = self._model(arch)
+        V = self._vocab(model)
+        adapter = self._adapter(arch, model)
+        adapter.prefill([[rng.randrange(V) for _ in range(9)], [rng.randrange(V) for _ in range(4)]])
+        tree = DraftTree.from_lists([([1, 2, 3], [-1, 0, 0]), ([4], [-1])], device=adapter.device)
+        out = adapter.verify(tree)
+        assert torch.allclose(adapter.lm_logits(out.hidden), out.logits, rtol=1e-9, atol=1e-9)
+        width = out.hidden.shape[-1]
+        assert adapter.embed(torch.tensor([[1, 2]], device=adapter.device)).shape == (1, 2, width)
+        assert adapter.last_hidden.shape == (2, width)
+
