@@ -73,3 +73,48 @@ class OracleDrafter(Drafter):
             trees.append((toks, list(range(-1, len(toks) - 1))))
         self.step += 1
         return DraftTree.from_lists(trees)
+
+
+class ScriptedDrafter(Drafter):
+    """Replays drafted trees from a script (for property-based fuzzing): per step, per sequence,
+    a list of ``(parent, kind)`` where ``kind`` is ``"right"`` (the reference continuation along
+    the node's path), ``"wrong"`` or an int (a wrong token offset); out-of-range parents become
+    root children, and the tree is cut to the budget, ancestor-closed.
+
+    Args:
+        prompts, refs: the batch's prompts and their greedy continuations.
+        script: the steps (cycled; sequence ``s`` starts ``s`` steps in).
+        vocab_size: wrong tokens wrap around it.
+    """
+
+    name = "scripted"
+
+    def __init__(self, prompts, refs, script, vocab_size):
+        self.prompts, self.refs, self.script, self.V = prompts, refs, script, vocab_size
+        self.active, self.step = list(range(len(prompts))), 0
+
+    def reset(self, prompts):
+        self.active, self.step = list(range(len(prompts))), 0
+
+    def select(self, index):
+        self.active = [self.active[i] for i in index.tolist()]
+
+    def propose(self, contexts, config):
+        trees = []
+        for seq, ctx in zip(self.active, contexts):
+            spec = self.script[(self.step + seq) % len(self.script)]
+            pos = len(ctx) - len(self.prompts[seq])
+            tokens, parents, depth = [], [], []
+            for parent, kind in spec:
+                parent = parent if parent < len(tokens) else -1
+                d = 1 if parent < 0 else depth[parent] + 1
+                ref = self.refs[seq][pos + d - 1] if pos + d - 1 < len(self.refs[seq]) else 0
+                tokens.append(ref if kind == "right" else (ref + 1 + kind) % self.V if isinstance(kind, int) else (ref + 1) % self.V)
+                parents.append(parent)
+                depth.append(d)
+            keep = [i for i in range(len(tokens)) if depth[i] <= config.max_depth][: config.num_draft_tokens]
+            keep = [i for i in keep if parents[i] < 0 or parents[i] in keep]  # stay ancestor-closed
+            pos_of = {i: j for j, i in enumerate(keep)}
+            trees.append(([tokens[i] for i in keep], [pos_of[parents[i]] if parents[i] >= 0 else -1 for i in keep]))
+        self.step += 1
+        return DraftTree.from_lists(trees)

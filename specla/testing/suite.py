@@ -22,13 +22,15 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from ..acceptance import accept_greedy
 from ..config import SpecConfig
-from ..errors import InvalidTokenError, InvalidTreeError, SpecError
+from ..errors import InvalidTokenError, InvalidTreeError, SpecError, UnsupportedModelError
 from ..registry import get_plugin
 from ..tree import DraftTree
-from .drafters import OracleDrafter
+from .drafters import OracleDrafter, ScriptedDrafter
 
 N = 6  # draft budget of the suite's runs
 
@@ -286,4 +288,35 @@ class PluginSuite:
         width = out.hidden.shape[-1]
         assert adapter.embed(torch.tensor([[1, 2]], device=adapter.device)).shape == (1, 2, width)
         assert adapter.last_hidden.shape == (2, width)
+
+    # ------------------------------------------------------------------ property-based fuzzing
+    @settings(max_examples=25, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                     HealthCheck.differing_executors])  # one base class, several plugins
+    @given(script=st.lists(st.lists(st.tuples(st.integers(-1, 7), st.one_of(st.just("right"), st.just("wrong"),
+                                                                              st.integers(0, 3))),
+                                    min_size=0, max_size=8), min_size=1, max_size=4),
+           lengths=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+           commit=st.sampled_from(["factor", "snapshot", "replay"]), budget=st.integers(0, 8),
+           depth=st.integers(1, 6), variant=st.integers(0, 7), seed=st.integers(0, 1000))
+    def test_fuzzed_trees_and_acceptance_match_sequential(self, arch, script, lengths, commit, budget, depth,
+                                                           variant, seed):
+        """Random tree shapes, budgets, depths, acceptance patterns, ragged batches and commit
+        strategies (hypothesis; a failure shrinks to a minimal script) against sequential
+        decoding. Strategies a plugin refuses at make_adapter are skipped by ``assume``."""
+        from ..api import SpecDecoder
+
+        if "trees" not in arch.capabilities:  # chains only: every node hangs from the previous one
+            script = [[(i - 1, kind) for i, (_, kind) in enumerate(step)] for step in script]
+        model = self._model(arch, arch.tiny_variants[variant % len(arch.tiny_variants)])
+        V = self._vocab(model)
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+        refs = [arch.reference_decode(model, p, 18) for p in prompts]
+        cfg = SpecConfig(num_draft_tokens=budget, max_depth=depth, max_new_tokens=10, commit=commit)
+        try:
+            dec = SpecDecoder(model, arch.name, drafter=ScriptedDrafter(prompts, refs, script, V), config=cfg)
+        except UnsupportedModelError:
+            assume(False)
+        assert dec.generate(prompts).outputs == [r[:10] for r in refs]
 
