@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.config import SpecConfig
-from specla.interfaces import TargetAdapter, VerifyOutput
-from specla.records import Acceptance, PendingCommit, Record, path_end
-from specla.tree import DraftTree, inclusive_ancestor_mask
+from specla.layerwise import LayerwiseAdapter
+from specla.records import PendingCommit, Record, path_end
+from specla.tree import inclusive_ancestor_mask
 
 from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
 from specla.ops import conv_triton as conv_kernels
@@ -33,7 +33,6 @@ from .reference import discretize, gated_rms_norm, node_states, ssd_commit_facto
 from .commit import flush_commit
 from .verify import pick_verify_kernel, serial_verify, tree_verify
 
-PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
 
 
 @dataclass
@@ -63,7 +62,7 @@ class _Layer:
     G: int
 
 
-class Mamba2Adapter(TargetAdapter):
+class Mamba2Adapter(LayerwiseAdapter):
     """Reference-path adapter for Mamba2 (see module docstring).
 
     State per sequence: ``recurrent[l]`` ``[B, H, N, P]`` float32 (float64 for float64 runs),
@@ -112,21 +111,9 @@ class Mamba2Adapter(TargetAdapter):
                 )
             )
         self.conv_width = self.layers[0].conv_w.shape[1]
-        self.recurrent: list[Tensor] = []
-        self.conv: list[Tensor] = []
-        self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self.last_hidden = torch.zeros(0, self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
-        self.pending: PendingCommit | None = None
+        self._init_state()
 
     # ------------------------------------------------------------------ state
-    @property
-    def batch_size(self) -> int:
-        return self._roots.shape[0]
-
-    @property
-    def roots(self) -> Tensor:
-        return self._roots
-
     def _empty_state(self, B: int) -> None:
         self.recurrent = [
             torch.zeros(B, L.H, L.N, L.P, dtype=self.state_dtype, device=self.device) for L in self.layers
@@ -135,25 +122,6 @@ class Mamba2Adapter(TargetAdapter):
             torch.zeros(B, self.conv_width - 1, L.conv_w.shape[0], dtype=self.dtype, device=self.device)
             for L in self.layers
         ]
-
-    @torch.no_grad()
-    def flush(self) -> None:
-        if self.pending is not None:
-            self._apply(self.pending.records, self.pending.path, self.pending.path_len)
-            self.pending = None
-
-    def recurrent_states(self) -> list[Tensor]:
-        self.flush()
-        return list(self.recurrent)
-
-    def select(self, index: Tensor) -> None:
-        index = index.to(self.device)
-        self.recurrent = [s.index_select(0, index) for s in self.recurrent]
-        self.conv = [c.index_select(0, index) for c in self.conv]
-        self._roots = self._roots.index_select(0, index)
-        self.last_hidden = self.last_hidden.index_select(0, index)
-        if self.pending is not None:
-            self.pending = self.pending.select(index)
 
     # ------------------------------------------------------------------ model
     @torch.no_grad()
@@ -253,25 +221,6 @@ class Mamba2Adapter(TargetAdapter):
             self.conv[li] = conv_window_after(rec.conv_x, win, path, path_len)
 
     # ------------------------------------------------------------------ contract
-    def _run_chunks(self, tokens: Tensor, lengths: Tensor, logits: bool) -> tuple[Tensor | None, Tensor]:
-        """Run every sequence's tokens into its state, ``PREFILL_CHUNK`` at a time (chains).
-
-        Args: tokens ``[B, T]`` int64 (right-padded), lengths ``[B]`` int64.
-        Returns: ``([B, T, vocab]`` logits or ``None``, ``[B, T, hidden]`` last-layer features).
-        """
-        outs, feats = [], []
-        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
-            chunk = tokens[:, start : start + PREFILL_CHUNK]
-            W = chunk.shape[1]
-            n = (lengths - start).clamp(0, W)
-            parents = torch.arange(-1, W - 1, device=self.device).expand_as(chunk).contiguous()
-            lg, hidden, recs = self.forward(chunk, parents, n, "factor", logits=logits)
-            outs.append(lg)
-            feats.append(hidden)
-            valid = torch.arange(W, device=self.device)[None, :] < n[:, None]
-            self._apply(recs, torch.where(valid, torch.arange(W, device=self.device), -1), n)
-        return (torch.cat(outs, 1) if logits else None), torch.cat(feats, 1)
-
     @torch.no_grad()
     def score(self, tokens: Tensor, return_hidden: bool = False):
         """Teacher-forced logits of whole sequences from an empty state (chunked chains).
@@ -289,43 +238,3 @@ class Mamba2Adapter(TargetAdapter):
         lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64, device=self.device)
         logits, hidden = self._run_chunks(tokens.to(self.device), lengths, logits=True)
         return (logits, hidden) if return_hidden else logits
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        """Input embeddings ``[..., hidden]`` of ``tokens`` (int64, any shape)."""
-        return self.embed_weight[tokens]
-
-    def lm_logits(self, hidden: Tensor) -> Tensor:
-        """Logits ``[..., vocab]`` of last-layer features ``[..., hidden]`` (final norm + LM head)."""
-        return rms_norm(hidden, self.norm, self.norm_eps) @ self.lm_head.T
-
-    @torch.no_grad()
-    def _prefill(self, prompts: list[list[int]]) -> None:
-        self.pending = None
-        self._empty_state(len(prompts))
-        bodies = [p[:-1] for p in prompts]
-        T = max(len(b) for b in bodies)
-        self.last_hidden = torch.zeros(len(prompts), self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
-        if T:
-            tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
-            lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
-            _, hidden = self._run_chunks(tokens, lengths, logits=False)
-            last = hidden[torch.arange(len(prompts), device=self.device), (lengths - 1).clamp(min=0)]
-            self.last_hidden = torch.where((lengths > 0)[:, None], last, self.last_hidden)
-        self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
-
-    @torch.no_grad()
-    def _verify(self, tree: DraftTree) -> VerifyOutput:
-        pending, self.pending = self.pending, None  # delayed commit: applied inside this pass
-        tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
-        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1, self.config.commit,
-                                            pending=pending)
-        return VerifyOutput(logits=logits, hidden=hidden, records=recs)
-
-    @torch.no_grad()
-    def _commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None:
-        pending = PendingCommit(out.records, acceptance.path, acceptance.path_len)
-        if self.config.commit == "factor":
-            self.pending = pending
-        else:
-            self._apply(pending.records, pending.path, pending.path_len)
-        self._roots = acceptance.bonus.to(self.device)

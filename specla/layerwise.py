@@ -1,0 +1,136 @@
+"""The adapter machinery every bundled plugin shares: a model run layer-major over a draft tree
+from per-layer recurrent states and conv windows, with the delayed (``factor``) or eager commit.
+Architecture-agnostic: a plugin supplies the layers' math (:meth:`LayerwiseAdapter.forward`), how
+a commit moves its states (:meth:`LayerwiseAdapter._apply`) and empty states."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import Tensor
+
+from .interfaces import TargetAdapter, VerifyOutput
+from .ops.norm import rms_norm
+from .records import Acceptance, PendingCommit, Record
+from .tree import DraftTree
+
+PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
+
+
+class LayerwiseAdapter(TargetAdapter):
+    """A :class:`TargetAdapter` whose state is, per layer, ``recurrent[l]`` (``[B, ...]``, float32
+    or float64) and ``conv[l]`` (``[B, C - 1, D]`` or ``None``), plus ``roots [B]``, ``last_hidden
+    [B, hidden]`` and an optional :class:`PendingCommit`.
+
+    Subclasses set ``embed_weight``, ``norm``, ``norm_eps``, ``lm_head``, ``device``, ``dtype`` and
+    ``config``, call :meth:`_init_state` in ``__init__``, and implement :meth:`_empty_state`,
+    :meth:`forward` and :meth:`_apply`.
+    """
+
+    def _init_state(self) -> None:
+        self.recurrent: list[Tensor] = []
+        self.conv: list[Tensor | None] = []
+        self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.last_hidden = torch.zeros(0, self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
+        self.pending: PendingCommit | None = None
+
+    @abstractmethod
+    def _empty_state(self, B: int) -> None:
+        """Set ``recurrent`` and ``conv`` to zero states for ``B`` sequences."""
+
+    @abstractmethod
+    def forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool = True,
+                pending: PendingCommit | None = None):
+        """Run the model over ``[B, T]`` trees hanging from the committed state (``parents``
+        ``-1`` = child of the state, ``counts [B]`` real nodes), applying ``pending`` first.
+        Returns ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records tuple)``."""
+
+    @abstractmethod
+    def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
+        """Commit ``path`` (``[B, P]``, ``path_len [B]``) to every layer from its records."""
+
+    @property
+    def batch_size(self) -> int:
+        return self._roots.shape[0]
+
+    @property
+    def roots(self) -> Tensor:
+        return self._roots
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._apply(self.pending.records, self.pending.path, self.pending.path_len)
+            self.pending = None
+
+    def recurrent_states(self) -> list[Tensor]:
+        self.flush()
+        return list(self.recurrent)
+
+    def select(self, index: Tensor) -> None:
+        index = index.to(self.device)
+        self.recurrent = [s.index_select(0, index) for s in self.recurrent]
+        self.conv = [c.index_select(0, index) if c is not None else None for c in self.conv]
+        self._roots = self._roots.index_select(0, index)
+        self.last_hidden = self.last_hidden.index_select(0, index)
+        if self.pending is not None:
+            self.pending = self.pending.select(index)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Input embeddings ``[..., hidden]`` of ``tokens`` (int64, any shape)."""
+        return self.embed_weight[tokens]
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        """Logits ``[..., vocab]`` of last-layer features ``[..., hidden]`` (final norm + LM head)."""
+        return rms_norm(hidden, self.norm, self.norm_eps) @ self.lm_head.T
+
+    def _run_chunks(self, tokens: Tensor, lengths: Tensor, logits: bool = False) -> tuple[Tensor | None, Tensor]:
+        """Run every sequence's tokens into its state, ``PREFILL_CHUNK`` at a time (chains).
+
+        Args: tokens ``[B, T]`` int64 (right-padded), lengths ``[B]`` int64.
+        Returns: ``([B, T, vocab]`` logits or ``None``, ``[B, T, hidden]`` last-layer features).
+        """
+        outs, feats = [], []
+        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
+            chunk = tokens[:, start : start + PREFILL_CHUNK]
+            W = chunk.shape[1]
+            n = (lengths - start).clamp(0, W)
+            tree = DraftTree(chunk, torch.arange(-1, W - 1, device=self.device).expand_as(chunk).contiguous(), n)
+            lg, hidden, recs = self.forward(tree.tokens, tree.parents, n, "factor", logits=logits)
+            outs.append(lg)
+            feats.append(hidden)
+            self._apply(recs, torch.where(tree.valid, torch.arange(W, device=self.device), -1), n)
+        return (torch.cat(outs, 1) if logits else None), torch.cat(feats, 1)
+
+    @torch.no_grad()
+    def _prefill(self, prompts: list[list[int]]) -> None:
+        self.pending = None
+        self._empty_state(len(prompts))
+        bodies = [p[:-1] for p in prompts]
+        T = max(len(b) for b in bodies)
+        self.last_hidden = torch.zeros(len(prompts), self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
+        if T:
+            tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
+            lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
+            _, hidden = self._run_chunks(tokens, lengths)
+            last = hidden[torch.arange(len(prompts), device=self.device), (lengths - 1).clamp(min=0)]
+            self.last_hidden = torch.where((lengths > 0)[:, None], last, self.last_hidden)
+        self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
+
+    @torch.no_grad()
+    def _verify(self, tree: DraftTree) -> VerifyOutput:
+        pending, self.pending = self.pending, None  # delayed commit: applied inside this pass
+        tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
+        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1, self.config.commit,
+                                            pending=pending)
+        return VerifyOutput(logits=logits, hidden=hidden, records=recs)
+
+    @torch.no_grad()
+    def _commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None:
+        pending = PendingCommit(out.records, acceptance.path, acceptance.path_len)
+        if self.config.commit == "factor":
+            self.pending = pending
+        else:
+            self._apply(pending.records, pending.path, pending.path_len)
+        self._roots = acceptance.bonus.to(self.device)
