@@ -38,7 +38,7 @@ def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tenso
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     pk, pd, pG, pa, pl = (x.contiguous() for x in (k, delta, G, path, path_len))
     # T = 0: no chain token is read or written, so the state stands in for the unused pointers
-    _serial_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+    _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         state, state, state, state, state, state, state, state, state, pl, pk, pd, pG, pa, pl,
         1.0, 0, pa.shape[1], pk.shape[1], H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=True,
         num_warps=TUNING["serial"]["num_warps"],

@@ -61,7 +61,7 @@ def _serial_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
 ):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)  # grouped value heads read key head hv // (HV // H), as FLA
     o_k = tl.arange(0, BK)
@@ -103,7 +103,7 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
-    _serial_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+    _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, state, o, d, G, num_nodes, pk, pd, pG, path, plen,
         scale, T, P, Tp, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None,
         num_warps=TUNING["serial"]["num_warps"],
@@ -238,7 +238,7 @@ def _tree_verify_kernel(
     The state tile is visited in K blocks of ``BKC`` rows: each block is committed (and written
     once), then contributes to ``k S0``, ``q S0`` and ``q k^T``; nothing larger than a
     ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
@@ -326,7 +326,7 @@ def tree_verify(
     Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     _tree_prepare_kernel[(B * HV,)](k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec)
     pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
-    _tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+    _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, beta, m8, Tm, G, state, o, d, pk, pd, pG, path, plen, scale, T, P, Tp,
         H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, HAS_PENDING=pending is not None, DOT_PREC=prec,
         num_warps=TUNING["tree"]["num_warps"],
@@ -346,7 +346,7 @@ def _chain_kernel(
     """One chain of a heavy-light decomposition, state tile resident: starts from the committed
     state (the root chain, which also applies the pending commit) or from its branch point's
     materialised state; stores the state after every branch point it passes."""
-    i_v, i_ch = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v, i_ch = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_c, i_hv = i_ch // HV, i_ch % HV
     i_b = tl.load(chain_seq + i_c).to(tl.int64)
     i_h = i_hv // (HV // H)
@@ -434,7 +434,7 @@ def hybrid_verify(
     BV = min(triton.next_power_of_2(V), TUNING["chain"]["BV"])
     pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
     for w, (seq, nodes, lens, par, src) in enumerate(plan.waves):
-        _chain_kernel[(triton.cdiv(V, BV), seq.shape[0] * HV)](
+        _chain_kernel[(seq.shape[0] * HV, triton.cdiv(V, BV))](
             q, k, v, g, beta, state, o, d, G, branch, seq, nodes, lens, par, src, plan.slot_of,
             pk, pd, pG, path, plen, scale, T, nodes.shape[1], P, Tp,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None and w == 0,

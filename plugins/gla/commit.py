@@ -37,7 +37,7 @@ def flush_commit(state: Tensor, k: Tensor, v: Tensor, Gk: Tensor, path: Tensor, 
     BV = min(triton.next_power_of_2(V), 64)
     pk, pv, pG, pa, pl = (x.contiguous() for x in (k, v, Gk, path, path_len))
     # T = 0: no chain token is read or written, so the state stands in for the unused pointers
-    _serial_verify_kernel[(triton.cdiv(V, BV), B * H)](
+    _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
         state, state, state, state, state, state, state, pl, pk, pv, pG, pa, pl,
         1.0, 0, pa.shape[1], pk.shape[1], H=H, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=True,
     )

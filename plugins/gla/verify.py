@@ -53,7 +53,7 @@ def _serial_verify_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
 ):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -166,7 +166,7 @@ def serial_verify(
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 64)
     pk, pv, pGk, path, plen, P, Tp = _pending_args(state, pending)
-    _serial_verify_kernel[(triton.cdiv(V, BV), B * H)](
+    _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
         q, k, v, gk, state, o, G, num_nodes, pk, pv, pGk, path, plen,
         scale, T, P, Tp, H=H, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None,
     )
@@ -199,7 +199,7 @@ def _tree_verify_kernel(
     """Per (sequence, head, V tile): fused delayed commit, then every node at once:
     O = (scale q * exp(Gk)) S0 + sum_j A[:, j] v_j^T with
     A[i, j] = sum_c scale q_i[c] k_j[c] exp(Gk_i[c] - Gk_j[c]) on ancestor pairs (j on path(i))."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -264,7 +264,7 @@ def tree_verify(
     o, G = out = _outputs(v, K, out)
     _tree_decay_kernel[(B * H,)](gk, m8, G, T, H=H, K=K, BT=BT, BK=BK)
     pk, pv, pGk, path, plen, P, Tp = _pending_args(state, pending)
-    _tree_verify_kernel[(triton.cdiv(V, BV), B * H)](
+    _tree_verify_kernel[(B * H, triton.cdiv(V, BV))](
         q, k, v, m8, G, state, o, pk, pv, pGk, path, plen, scale, T, P, Tp,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_PENDING=pending is not None,
     )

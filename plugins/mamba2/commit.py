@@ -39,7 +39,7 @@ def flush_commit(state: Tensor, Bm: Tensor, u: Tensor, G: Tensor, path: Tensor, 
     BP = min(triton.next_power_of_2(P), 64)
     pB, pu, pG, pa, pl = (t.contiguous() for t in (Bm, u, G, path, path_len))
     # T = 0: no chain token is read or written, so the state stands in for the unused pointers
-    _serial_verify_kernel[(triton.cdiv(P, BP), B * H)](
+    _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
         state, state, state, state, state, state, state, state, state, state, pl, pB, pu, pG, pa, pl,
         0, pa.shape[1], pB.shape[1], H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP,
         HAS_PENDING=True, D_HDIM=False,

@@ -63,7 +63,7 @@ def _serial_verify_kernel(
     H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
     BN: tl.constexpr, BP: tl.constexpr, HAS_PENDING: tl.constexpr, D_HDIM: tl.constexpr,
 ):
-    i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_p, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_h // (H // NG)
     o_n = tl.arange(0, BN)
@@ -109,7 +109,7 @@ def _tree_verify_kernel(
 ):
     """Per (sequence, head, P tile): fused delayed commit, then the tree-masked factorized SSD:
     y = exp(G) Cm S0 + ((Cm Bm^T) * Gam) u + D x with G = M_incl a and u = dt x."""
-    i_p, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_p, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_h // (H // NG)
     o_t = tl.arange(0, BT)
@@ -231,7 +231,7 @@ def serial_verify(
     y, u, G = out = _outputs(x, out)
     pB, pu, pG, path, plen, Lp, Tp = _pending_args(state, pending)
     BP = min(triton.next_power_of_2(P), 64)
-    _serial_verify_kernel[(triton.cdiv(P, BP), B * H)](
+    _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
         *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), state, y, u, G, num_nodes,
         pB, pu, pG, path, plen, T, Lp, Tp, H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP,
         HAS_PENDING=pending is not None, D_HDIM=D.dim() == 2,
@@ -269,7 +269,7 @@ def tree_verify(
     y, u, G = out = _outputs(x, out)
     pB, pu, pG, path, plen, Lp, Tp = _pending_args(state, pending)
     BP = max(16, min(triton.next_power_of_2(P), 64))  # tl.dot needs tiles of at least 16
-    _tree_verify_kernel[(triton.cdiv(P, BP), B * H)](
+    _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
         *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), mask.to(torch.int8).contiguous(), state, y, u, G,
         pB, pu, pG, path, plen, T, Lp, Tp, H=H, NG=NG, N=N, P=P, BT=max(16, triton.next_power_of_2(T)),
         BN=max(16, triton.next_power_of_2(N)), BP=BP, HAS_PENDING=pending is not None, D_HDIM=D.dim() == 2,

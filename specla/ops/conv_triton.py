@@ -18,7 +18,7 @@ from torch import Tensor
 @triton.jit
 def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, W: tl.constexpr, C: tl.constexpr,
                       BD: tl.constexpr, HAS_BIAS: tl.constexpr):
-    i_d, i_bt = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_d, i_bt = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b = i_bt // T
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -39,7 +39,7 @@ def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, W: tl.constexpr, C:
 
 @triton.jit
 def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, W: tl.constexpr, BD: tl.constexpr):
-    i_d, i_bw = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_d, i_bw = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, slot = i_bw // W, i_bw % W
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -73,7 +73,7 @@ def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, an
         raise ValueError("all tensors must be on one device")
     y = torch.empty_like(x) if out is None else out
     BD = min(triton.next_power_of_2(D), 256)
-    _tree_conv_kernel[(triton.cdiv(D, BD), B * T)](
+    _tree_conv_kernel[(B * T, triton.cdiv(D, BD))](
         x.contiguous(), window.contiguous(), weight.contiguous(), bias if bias is not None else weight,
         anc.contiguous(), y, T, D, W=C - 1, C=C, BD=BD, HAS_BIAS=bias is not None,
     )
@@ -100,7 +100,7 @@ def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: 
     if W == 0:
         return new
     BD = min(triton.next_power_of_2(D), 256)
-    _conv_commit_kernel[(triton.cdiv(D, BD), B * W)](
+    _conv_commit_kernel[(B * W, triton.cdiv(D, BD))](
         x.contiguous(), window.contiguous(), path.contiguous(), path_len.contiguous(), new, T,
         max(path.shape[1], 1), D, W=W, BD=BD,
     )
