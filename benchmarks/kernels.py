@@ -1,9 +1,18 @@
-"""GDN kernel benchmarks at the GDN-1.3B layer shape (issue 4; docs/DESIGN.md section 8).
+"""Kernel benchmarks at 1.3B-like layer shapes: GDN (issue 4), GLA and Mamba2 (issue 6);
+docs/DESIGN.md section 8.
 
-    python benchmarks/kernels.py --out kernels.json          # one GPU; FLA needed for the baselines
+    python benchmarks/kernels.py --out kernels.json                  # GDN; one GPU, FLA for the baselines
+    python benchmarks/kernels.py --plugin gla --out gla.json         # GLA: verify and commit rows
+    python benchmarks/kernels.py --plugin mamba2 --out mamba2.json   # Mamba2: verify and commit rows
 
-One layer: H = HV = 8 heads, K = V = 256, q/k/v in bfloat16, gates, beta and the recurrent state in
-float32. Trees are root-explicit (node 0 is the last committed token) and are given by their total
+One layer, activations in bfloat16, gates and the recurrent state in float32:
+- gdn: GDN-1.3B, H = HV = 8 heads, K = V = 256; q/k/v bf16, g and beta float32.
+- gla: FLA GLA-1.3B (hidden 2048), H = 4 heads, K = 256, V = 512 per head; q/k/v bf16, gk
+  (per-channel log decay, ``logsigmoid / 16`` as FLA's layer) float32.
+- mamba2: FLA Mamba2-1.3B (d_model 2048, expand 2), H = 64 heads of P = 64, state N = 128, one
+  group; x, B, C bf16, dt, the log decay ``a = dt A``, D float32.
+
+Trees are root-explicit (node 0 is the last committed token) and are given by their total
 node count ``T`` (root included); ``pruned`` trees are grown best-first with random confidences,
 like the drafter's; ``topkK depthD`` trees reach depth D with at most K children per node.
 
@@ -23,6 +32,19 @@ Rows:
 - fused verify+commit vs a separate commit kernel followed by verify.
 - floor: compulsory bytes (state read, inputs read, outputs and factor records written; the commit's
   state write when fused) over the measured copy bandwidth.
+
+GLA and Mamba2 (``--plugin gla|mamba2``; no hybrid kernel, no fused or sweep study), same trees:
+- verify: serial (chains only) and parallel (every tree, ``T <= 64``) against root-to-leaf replay
+  with FLA's fused recurrent kernel (one call per path, inputs gathered beforehand). GLA replays
+  with ``fused_recurrent_gla``; Mamba2's SSD is a scalar-decay linear attention (q = C, k = B,
+  v = dt x, per-head log decay g = dt A, scale 1; B and C repeated to the heads), replayed with
+  ``fused_recurrent_simple_gla``, its ``D x`` skip added outside the timed calls for the check
+  (the kernels fuse it). Each kernel's outputs are checked against the replay's before timing.
+- commit of ``a`` accepted tokens (1..8) out of a 16-node chain: factor (``flush_commit`` from
+  the serial kernel's records) vs token replay (the same FLA kernel, final state out) vs
+  snapshot (a state copy); the factor state is checked against the replay's.
+- floor: as for GDN (verify: state read, inputs, outputs and records; commit: records read, state
+  read and written).
 """
 
 from __future__ import annotations
@@ -358,50 +380,277 @@ def sweep(batches: list[int]) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------- GLA and Mamba2 (issue 6)
+class GLALayer:
+    """One FLA GLA-1.3B layer: inputs ``(q, k, v, gk, S0)``, the plugin's kernels, FLA's replay."""
+
+    def __init__(self, H: int = 4, K: int = 256, V: int = 512):
+        from fla.ops.gla import fused_recurrent_gla
+        from specla_gla import commit, verify
+
+        self.H, self.K, self.V, self.scale = H, K, V, K**-0.5
+        self.kernels, self.flush_commit, self.fla = verify, commit.flush_commit, fused_recurrent_gla
+
+    def shape(self) -> dict:
+        return dict(H=self.H, K=self.K, V=self.V)
+
+    def inputs(self, B: int, T: int, gen: torch.Generator, act=torch.bfloat16) -> tuple:
+        H, K, V = self.H, self.K, self.V
+        r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+        return (r(B, T, H, K).to(act), r(B, T, H, K).to(act), r(B, T, H, V).to(act),
+                F.logsigmoid(r(B, T, H, K)) / 16, r(B, H, K, V) * 0.1)
+
+    def serial(self, xs, nodes):
+        return self.kernels.serial_verify(*xs, nodes, self.scale)  # (o, Gk)
+
+    def parallel(self, xs, mask):
+        return self.kernels.tree_verify(*xs, mask, self.scale)
+
+    def records(self, xs, out) -> tuple:  # the factor record: k, v and the path-summed log decay
+        return xs[1], xs[2], out[1]
+
+    def flush(self, state, records, path, plen):
+        return self.flush_commit(state, *records, path, plen)
+
+    def gather(self, xs, nodes: list[int]) -> tuple:
+        """FLA's inputs along ``nodes`` (a root path), gathered beforehand."""
+        return tuple(x[:, nodes].contiguous() for x in xs[:4])
+
+    def replay(self, g, S0, final: bool = False):
+        q, k, v, gk = g
+        return self.fla(q, k, v, gk=gk, scale=self.scale, initial_state=S0, output_final_state=final)
+
+    def skip(self, xs, nodes):  # no skip connection in the recurrence
+        return 0.0
+
+    def state_bytes(self, B: int) -> int:
+        return B * self.H * self.K * self.V * 4
+
+    def record_bytes(self) -> int:  # per node: k, v (bf16), Gk (f32)
+        return self.H * (self.K * 2 + self.V * 2 + self.K * 4)
+
+    def verify_bytes(self, B: int, T: int) -> int:
+        H, K, V = self.H, self.K, self.V
+        inputs = H * (2 * K * 2 + V * 2 + K * 4)  # q, k, v (bf16), gk
+        outputs = H * (V * 2 + K * 4)  # o (bf16), Gk
+        return self.state_bytes(B) + B * T * (inputs + outputs)
+
+
+class Mamba2Layer:
+    """One FLA Mamba2-1.3B layer: inputs ``(x, dt, a, Bm, Cm, D, S0)``, the plugin's kernels, and
+    FLA's scalar-decay linear attention as the replay (q = C, k = B, v = dt x, g = a, scale 1)."""
+
+    def __init__(self, H: int = 64, P: int = 64, N: int = 128, NG: int = 1):
+        from fla.ops.simple_gla import fused_recurrent_simple_gla
+        from specla_mamba2 import commit, verify
+
+        self.H, self.P, self.N, self.NG = H, P, N, NG
+        self.kernels, self.flush_commit, self.fla = verify, commit.flush_commit, fused_recurrent_simple_gla
+
+    def shape(self) -> dict:
+        return dict(H=self.H, P=self.P, N=self.N, NG=self.NG)
+
+    def inputs(self, B: int, T: int, gen: torch.Generator, act=torch.bfloat16) -> tuple:
+        H, P, N, NG = self.H, self.P, self.N, self.NG
+        r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+        dt = torch.rand(B, T, H, device=DEV, generator=gen) * 0.1 + 0.01  # step sizes after the softplus
+        A = -(torch.rand(H, device=DEV, generator=gen) * 15 + 1)  # -exp(A_log), A in [-16, -1]
+        return (r(B, T, H, P).to(act), dt, dt * A, r(B, T, NG, N).to(act), r(B, T, NG, N).to(act), r(H),
+                r(B, H, N, P) * 0.1)
+
+    def serial(self, xs, nodes):
+        return self.kernels.serial_verify(*xs, nodes)  # (y, u, G)
+
+    def parallel(self, xs, mask):
+        return self.kernels.tree_verify(*xs, mask)
+
+    def records(self, xs, out) -> tuple:  # the factor record: Bm, u = dt x and the path-summed log decay
+        return xs[3], out[1], out[2]
+
+    def flush(self, state, records, path, plen):
+        return self.flush_commit(state, *records, path, plen)
+
+    def gather(self, xs, nodes: list[int]) -> tuple:
+        """FLA's inputs along ``nodes`` (a root path), gathered beforehand: q = C and k = B
+        repeated to the heads, v = dt x, g = dt A."""
+        x, dt, a, Bm, Cm = xs[:5]
+        heads = lambda m: m[:, nodes].repeat_interleave(self.H // self.NG, dim=2)  # noqa: E731
+        return heads(Cm), heads(Bm), (dt[:, nodes, :, None] * x[:, nodes]).to(x.dtype), a[:, nodes].contiguous()
+
+    def replay(self, g, S0, final: bool = False):
+        q, k, v, a = g
+        return self.fla(q, k, v, g=a, scale=1.0, initial_state=S0, output_final_state=final)
+
+    def skip(self, xs, nodes):  # D x, fused in the kernels, outside FLA's recurrence
+        return xs[5][:, None] * xs[0][:, nodes].float()
+
+    def state_bytes(self, B: int) -> int:
+        return B * self.H * self.N * self.P * 4
+
+    def record_bytes(self) -> int:  # per node: Bm (bf16), u (f32), G (f32)
+        return self.NG * self.N * 2 + self.H * self.P * 4 + self.H * 4
+
+    def verify_bytes(self, B: int, T: int) -> int:
+        H, P, N, NG = self.H, self.P, self.N, self.NG
+        inputs = H * P * 2 + 2 * H * 4 + 2 * NG * N * 2  # x, dt, a, Bm, Cm
+        outputs = H * P * 4 + H * P * 4 + H * 4  # y, u, G
+        return self.state_bytes(B) + B * T * (inputs + outputs)
+
+
+LAYERS = {"gla": GLALayer, "mamba2": Mamba2Layer}
+
+
+def layer_kernels(layer, par: list[int], B: int) -> dict:
+    """The verify kernels of ``layer`` for a batch of ``B`` copies of tree ``par``, as functions of
+    one input set: parallel always (``T <= 64``), serial for chains."""
+    T = len(par)
+    parents = torch.tensor(par, device=DEV).expand(B, T).contiguous()
+    mask = inclusive_ancestor_mask(parents)
+    kernels = {"parallel": lambda xs: layer.parallel(xs, mask)}
+    if par == list(range(-1, T - 1)):
+        nodes = torch.full((B,), T, dtype=torch.int64, device=DEV)
+        kernels["serial"] = lambda xs: layer.serial(xs, nodes)
+    return kernels
+
+
+def verify_errors(layer, xs, par: list[int], kernels: dict) -> dict:
+    """Largest error of each kernel's outputs relative to the largest output of root-to-leaf replay."""
+    ref = None
+    for path in leaves_paths(par):
+        o = layer.replay(layer.gather(xs, path), xs[-1])[0].float() + layer.skip(xs, path)
+        if ref is None:
+            ref = torch.empty(o.shape[0], len(par), *o.shape[2:], device=DEV)
+        ref[:, path] = o
+    return {k: float((fn(xs)[0].float() - ref).abs().max() / ref.abs().max()) for k, fn in kernels.items()}
+
+
+def commit_error(layer, xs, records, a: int) -> float:
+    """``flush_commit`` of the first ``a`` chain nodes vs FLA's replay of them (final state)."""
+    B = xs[0].shape[0]
+    path = torch.arange(a, device=DEV).expand(B, a).contiguous()
+    got = layer.flush(xs[-1].clone(), records, path, torch.full((B,), a, dtype=torch.int64, device=DEV))
+    ref = layer.replay(layer.gather(xs, list(range(a))), xs[-1], final=True)[1]
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def bench_verify_layer(layer, batches: list[int], bw: float) -> list[dict]:
+    rows = []
+    for name, par in trees().items():
+        T, paths = len(par), leaves_paths(par)
+        for B in batches:
+            gen = torch.Generator(device=DEV).manual_seed(B * 100 + T)
+            sets = [layer.inputs(B, T, gen) for _ in range(copies_for(layer.verify_bytes(B, T)))]
+            gathered = [[layer.gather(xs, p) for p in paths] for xs in sets]
+            kernels = layer_kernels(layer, par, B)
+            n = len(sets)
+            row = dict(tree=name, T=T, batch=B, paths=len(paths), input_sets=n)
+            for kname, err in verify_errors(layer, sets[0], par, kernels).items():
+                row[f"{kname}_max_rel_err"] = err
+            row["replay_ms"] = graph_ms([lambda i=i: [layer.replay(g, sets[i][-1]) for g in gathered[i]]
+                                         for i in range(n)])
+            row["floor_ms"] = layer.verify_bytes(B, T) / bw * 1e3
+            for kname, fn in kernels.items():
+                row[f"{kname}_ms"] = graph_ms([lambda i=i, fn=fn: fn(sets[i]) for i in range(n)])
+                row[f"{kname}_eager_ms"] = do_bench(lambda fn=fn: fn(sets[0]), return_mode="median")
+                row[f"{kname}_speedup_vs_replay"] = row["replay_ms"] / row[f"{kname}_ms"]
+                row[f"{kname}_x_floor"] = row[f"{kname}_ms"] / row["floor_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del sets, gathered
+    return rows
+
+
+def bench_commit_layer(layer, batches: list[int], bw: float) -> list[dict]:
+    """Commit of ``a`` accepted tokens (root + a - 1 drafts) out of a 16-node chain verify."""
+    rows, T = [], 16
+    for B in batches:
+        gen = torch.Generator(device=DEV).manual_seed(7 + B)
+        nodes = torch.full((B,), T, dtype=torch.int64, device=DEV)
+        sets = []
+        for _ in range(copies_for(3 * layer.state_bytes(B))):
+            xs = layer.inputs(B, T, gen)
+            sets.append((xs, layer.records(xs, layer.serial(xs, nodes))))
+        n = len(sets)
+        snapshot = torch.randn_like(sets[0][0][-1])  # the accepted node's state saved by verify
+        for a in range(1, 9):
+            path = torch.arange(a, device=DEV).expand(B, a).contiguous()
+            plen = torch.full((B,), a, dtype=torch.int64, device=DEV)
+            work = [xs[-1].clone() for xs, _ in sets]
+            acc = [layer.gather(xs, list(range(a))) for xs, _ in sets]
+            times = {
+                "factor": graph_ms([lambda i=i: layer.flush(work[i], sets[i][1], path, plen) for i in range(n)]),
+                "replay": graph_ms([lambda i=i: layer.replay(acc[i], sets[i][0][-1], final=True) for i in range(n)]),
+                "snapshot": graph_ms([lambda i=i: work[i].copy_(snapshot) for i in range(n)]),
+            }
+            state = layer.state_bytes(B)
+            row = dict(batch=B, accepted=a, input_sets=n, **{f"{m}_ms": t for m, t in times.items()},
+                       factor_vs_replay=times["replay"] / times["factor"],
+                       factor_max_rel_err=commit_error(layer, *sets[0], a),
+                       floor_ms=(2 * state + B * a * layer.record_bytes()) / bw * 1e3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del sets
+    return rows
+
+
 def markdown(report: dict) -> str:
     """The tables of ``BENCHMARKS.md`` from a report."""
-    lines = [f"GPU: {report['gpu']}, {report['date']}; copy bandwidth {report['bandwidth_GBps']:.0f} GB/s.", "",
-             "| tree | T | batch | replay ms | serial ms | parallel ms | hybrid ms | best vs replay | best x floor |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    names = [n for n in ("serial", "parallel", "hybrid") if any(f"{n}_ms" in r for r in report["verify"])]
+    lines = [f"{report.get('plugin', 'gdn')} {report['shape']}; GPU: {report['gpu']}, {report['date']}; "
+             f"copy bandwidth {report['bandwidth_GBps']:.0f} GB/s.", "",
+             "| tree | T | batch | replay ms | " + " | ".join(f"{n} ms" for n in names) + " | best vs replay | "
+             "best x floor |", "|---|---|---|---|" + "---|" * len(names) + "---|---|"]
     for r in report["verify"]:
-        ks = [n for n in ("serial", "parallel", "hybrid") if f"{n}_ms" in r]
-        best = min(ks, key=lambda n: r[f"{n}_ms"])
-        cell = lambda n: f"{r[f'{n}_ms']:.3f}" if f"{n}_ms" in r else "n/a"  # noqa: E731
-        lines.append(f"| {r['tree']} | {r['T']} | {r['batch']} | {r['replay_ms']:.3f} | {cell('serial')} | "
-                     f"{cell('parallel')} | {cell('hybrid')} | {r[f'{best}_speedup_vs_replay']:.2f}x ({best}) | "
-                     f"{r[f'{best}_x_floor']:.2f} |")
+        best = min((n for n in names if f"{n}_ms" in r), key=lambda n: r[f"{n}_ms"])
+        cells = " | ".join(f"{r[f'{n}_ms']:.3f}" if f"{n}_ms" in r else "n/a" for n in names)
+        lines.append(f"| {r['tree']} | {r['T']} | {r['batch']} | {r['replay_ms']:.3f} | {cells} | "
+                     f"{r[f'{best}_speedup_vs_replay']:.2f}x ({best}) | {r[f'{best}_x_floor']:.2f} |")
     lines += ["", "| batch | accepted | factor ms | replay ms | snapshot ms | factor vs replay |", "|---|---|---|---|---|---|"]
     for r in report["commit"]:
         lines.append(f"| {r['batch']} | {r['accepted']} | {r['factor_ms']:.4f} | {r['replay_ms']:.4f} | "
                      f"{r['snapshot_ms']:.4f} | {r['factor_vs_replay']:.2f}x |")
-    lines += ["", "| case | batch | fused ms | separate ms | fused speedup | fused x floor |", "|---|---|---|---|---|---|"]
+    if report["fused"]:
+        lines += ["", "| case | batch | fused ms | separate ms | fused speedup | fused x floor |",
+                  "|---|---|---|---|---|---|"]
     for r in report["fused"]:
         lines.append(f"| {r['case']} | {r['batch']} | {r['fused_ms']:.4f} | {r['separate_ms']:.4f} | "
                      f"{r['fused_speedup']:.2f}x | {r['fused_ms'] / r['fused_floor_ms']:.2f} |")
-    mem = report["commit_memory_bytes_per_sequence"]
-    lines += ["", "Transient memory per sequence (17-node verify, 24 layers): " +
-              ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in mem.items())]
+    mem = report.get("commit_memory_bytes_per_sequence")
+    if mem:
+        lines += ["", "Transient memory per sequence (17-node verify, 24 layers): " +
+                  ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in mem.items())]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plugin", default="gdn", choices=["gdn", *LAYERS])
     ap.add_argument("--out", default="kernels.json")
     ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--only", default="verify,commit,fused", help="any of verify,commit,fused,sweep")
+    ap.add_argument("--only", default=None, help="any of verify,commit,fused,sweep (fused and sweep: gdn only); "
+                    "default: verify,commit,fused for gdn, verify,commit otherwise")
     args = ap.parse_args()
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
     batches = [int(b) for b in args.batches.split(",")]
-    only = args.only.split(",")
+    only = (args.only or ("verify,commit,fused" if args.plugin == "gdn" else "verify,commit")).split(",")
+    if args.plugin != "gdn" and not set(only) <= {"verify", "commit"}:
+        ap.error(f"--plugin {args.plugin} has only the verify and commit studies")
     bw = copy_bandwidth()
-    report = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, bandwidth_GBps=bw / 1e9, shape=dict(H=H, HV=HV, K=K, V=V),
-                  commit_memory_bytes_per_sequence=commit_memory())
-    report["verify"] = bench_verify(batches, bw, fused_recurrent_gated_delta_rule) if "verify" in only else []
-    report["commit"] = bench_commit(batches, bw, fused_recurrent_gated_delta_rule) if "commit" in only else []
-    report["fused"] = bench_fused(batches, bw) if "fused" in only else []
-    report["sweep"] = sweep(batches) if "sweep" in only else []
+    report = dict(plugin=args.plugin, gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                  torch=torch.__version__, bandwidth_GBps=bw / 1e9)
+    if args.plugin == "gdn":
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        report.update(shape=dict(H=H, HV=HV, K=K, V=V), commit_memory_bytes_per_sequence=commit_memory())
+        report["verify"] = bench_verify(batches, bw, fused_recurrent_gated_delta_rule) if "verify" in only else []
+        report["commit"] = bench_commit(batches, bw, fused_recurrent_gated_delta_rule) if "commit" in only else []
+        report["fused"] = bench_fused(batches, bw) if "fused" in only else []
+        report["sweep"] = sweep(batches) if "sweep" in only else []
+    else:
+        layer = LAYERS[args.plugin]()
+        report["shape"] = layer.shape()
+        report["verify"] = bench_verify_layer(layer, batches, bw) if "verify" in only else []
+        report["commit"] = bench_commit_layer(layer, batches, bw) if "commit" in only else []
+        report["fused"], report["sweep"] = [], []
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=1)
     print(markdown(report))

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from itertools import zip_longest
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -52,7 +53,8 @@ def humaneval_passes(row: dict, completion: str, timeout_s: float = 10.0) -> boo
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Rows of a prompt-suite JSONL (each with ``id``, ``category``, ``prompt``).
+    """Rows of a prompt-suite JSONL (each with ``id``, ``category``, ``prompt``); with ``limit``,
+    the first ``limit`` rows taken round-robin over the categories (in file order within each).
 
     Raises:
         ValueError: a row that is not JSON or has no ``prompt``, no rows, ``limit < 1``.
@@ -70,29 +72,40 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
             rows.append(row)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    rows = rows[:limit] if limit is not None else rows
+    if limit is not None:  # round-robin over categories, so a short run still covers every one
+        by_cat = defaultdict(list)
+        for row in rows:
+            by_cat[row["category"]].append(row)
+        order = [row for group in zip_longest(*by_cat.values()) for row in group if row is not None]
+        rows = order[:limit]
     if not rows:
         raise ValueError(f"{path} holds no prompts")
     return rows
 
 
 def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | None = None,
-              batch_size: int = 1, plugin: str | None = None) -> dict:
+              batch_size: int = 1, plugin: str | None = None, time_limit_s: float | None = None,
+              tokenizer=None) -> dict:
     """Decode a suite speculatively and autoregressively; return the report (see module doc).
 
     Args:
         model: checkpoint directory or loaded model; drafter: ``ngram`` or a drafter directory.
+        tokenizer: tokenizer or its directory (default: the checkpoint directory's own).
         config: the speculative configuration (the baseline uses it with no drafts).
         batch_size: prompts decoded together (both runs use the same batches, which never mix
-            categories).
+            categories; batches of different categories alternate).
+        time_limit_s: start no new batch after this many seconds (wall clock, both runs counted;
+            the first batch always runs);
+            the report says how many prompts were decoded (``prompts_decoded``) and whether the
+            limit cut the suite short (``stopped_early``).
     Raises:
-        ValueError: see :func:`load_prompts`; ``batch_size < 1``.
+        ValueError: see :func:`load_prompts`; ``batch_size < 1``; ``time_limit_s <= 0``.
 
     HumanEval rows execute model-written code in a subprocess of this machine (no sandbox beyond
     a temporary directory and a timeout).
     """
     rows = load_prompts(prompts_file, limit)
-    spec = SpecDecoder(model, plugin, drafter=drafter, config=config)
+    spec = SpecDecoder(model, plugin, drafter=drafter, config=config, tokenizer=tokenizer)
     ar = SpecDecoder(spec.model, spec.plugin.name, config=config.model_copy(update={"num_draft_tokens": 0}),
                      tokenizer=spec.tokenizer)
     spec.generate([rows[0]["prompt"]])  # warm-up outside the timing
@@ -104,11 +117,19 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     # batches never mix categories, so every per-category figure is measured, not apportioned
-    batches = []
+    per_cat = []
     for cat in dict.fromkeys(r["category"] for r in rows):
         same = [r for r in rows if r["category"] == cat]
-        batches += [same[i : i + batch_size] for i in range(0, len(same), batch_size)]
+        per_cat.append([same[i : i + batch_size] for i in range(0, len(same), batch_size)])
+    # alternate categories so that a time-limited run still covers every one
+    batches = [b for group in zip_longest(*per_cat) for b in group if b is not None]
+    if time_limit_s is not None and time_limit_s <= 0:
+        raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
+    started, done = time.perf_counter(), 0
     for batch in tqdm(batches, desc="bench", unit="batch"):
+        if done and time_limit_s is not None and time.perf_counter() - started > time_limit_s:
+            break
+        done += len(batch)
         t = time.perf_counter()
         s = spec.generate([r["prompt"] for r in batch])
         spec_s = time.perf_counter() - t
@@ -153,6 +174,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
             if n:
                 cats[name][task] = {"speculative": ok_spec / n, "autoregressive": ok_ar / n, "n": n}
     return {"prompts_file": str(prompts_file), "drafter": str(drafter), "batch_size": batch_size,
+            "prompts_total": len(rows), "prompts_decoded": done, "stopped_early": done < len(rows),
             "config": config.model_dump(mode="json"), "device": str(spec.adapter.device),
             "dtype": str(spec.adapter.dtype), "categories": cats, "samples": samples}
 
@@ -178,4 +200,6 @@ def format_table(report: dict) -> str:
                           for k, v in c.items() if isinstance(v, dict))
         lines.append(f"{name:<22}{c['prompts']:>5}{c['mean_accepted_tokens']:>10.3f}{c['tokens_per_s']:>10.1f}"
                      f"{c['ar_tokens_per_s']:>10.1f}{c['speedup']:>9.3f}{c['exact_match_rate']:>8.3f}  {tasks}")
+    if report.get("stopped_early"):
+        lines.append(f"time limit: {report['prompts_decoded']} of {report['prompts_total']} prompts decoded")
     return "\n".join(lines)

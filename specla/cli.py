@@ -85,7 +85,7 @@ def _bench(args: argparse.Namespace) -> int:
     config = SpecConfig(**{"max_new_tokens": 256, "device": "cuda" if torch.cuda.is_available() else "cpu",
                            **overrides, **flags})  # explicit flags win over --config
     report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
-                       batch_size=args.batch_size, plugin=args.plugin)
+                       batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(format_table(report))
@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--config", default=None, help="SpecConfig fields as JSON (inline or a file)")
     bench.add_argument("--max-new-tokens", type=_positive, default=None, help="default 256")
     bench.add_argument("--batch-size", type=_positive, default=1)
+    bench.add_argument("--time-limit", type=float, default=None,
+                       help="seconds: start no new batch after this (the report counts the prompts decoded)")
     bench.add_argument("--device", default=None)
     bench.add_argument("--plugin", default=None)
     bench.add_argument("--out", default=None, help="write the JSON report here")

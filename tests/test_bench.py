@@ -89,3 +89,20 @@ def test_batches_do_not_mix_categories(tmp_path):
     for cat in ("gsm8k", "humaneval"):
         assert sum(together[cat]["accepted_histogram"]) > 0
     assert together["humaneval"]["accepted_histogram"] == alone["humaneval"]["accepted_histogram"]
+
+
+def test_limit_takes_categories_round_robin():
+    rows = load_prompts(DATA)
+    picked = load_prompts(DATA, limit=3)
+    first = {c: [r for r in rows if r["category"] == c] for c in ("gsm8k", "humaneval")}
+    assert [r["id"] for r in picked] == [first["gsm8k"][0]["id"], first["humaneval"][0]["id"], first["gsm8k"][1]["id"]]
+
+
+def test_time_limit_stops_after_the_first_batch_and_says_so():
+    cfg = SpecConfig(max_new_tokens=8, dtype="float32")
+    report = run_bench(TINY, "ngram", DATA, config=cfg, limit=4, batch_size=1, time_limit_s=1e-9)
+    assert report["prompts_decoded"] == 1 and report["prompts_total"] == 4 and report["stopped_early"] is True
+    assert report["categories"]["all"]["prompts"] == 1
+    assert "time limit: 1 of 4 prompts decoded" in format_table(report)
+    with pytest.raises(ValueError, match="time_limit_s must be positive"):
+        run_bench(TINY, "ngram", DATA, config=cfg, limit=1, time_limit_s=0)

@@ -578,3 +578,54 @@ def test_trees_over_the_kernel_size_take_the_reference_path_after_a_flush():
         assert adapter.pending is not None
         logits[kernels] = adapter.verify(t2).logits.cpu()
     assert torch.allclose(logits["triton"], logits["reference"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the GLA-1.3B layer shape needs a GPU")
+@pytest.mark.parametrize("kernel", ["serial", "parallel", "flush"])
+def test_kernels_at_gla13b_layer_shape_bf16(kernel):
+    """FLA GLA-1.3B layer (hidden 2048: H=4, K=256, V=512 per head), bf16 q/k/v (gates and the
+    state float32), ragged pending commits (0..3 accepted): outputs within 1e-2 of the float64
+    naive reference on the same bf16-rounded inputs, Gk records and the committed state within
+    1e-5; a sequence with nothing pending keeps its state bit-identical."""
+    from specla_gla.commit import flush_commit
+    from specla_gla.verify import serial_verify, tree_verify
+
+    B, H, K, V, Tp = 4, 4, 256, 512, 4
+    rng = random.Random(13)
+    T = 32 if kernel == "parallel" else 8
+    if kernel == "parallel":  # root-explicit random trees: node 0 is the root
+        parents = torch.tensor([[-1] + [rng.randrange(0, i) for i in range(1, T)] for _ in range(B)])
+    else:
+        parents = chain(B, T)
+    gen = torch.Generator().manual_seed(29)
+    q, k, v, gk, S0 = op_inputs(B, T, H, K, V, torch.float32, gen)
+    q, k, v = (x.bfloat16().float() for x in (q, k, v))  # the reference sees the rounded inputs
+    pk, pv = torch.randn(B, Tp, H, K, generator=gen).bfloat16(), torch.randn(B, Tp, H, V, generator=gen).bfloat16()
+    pGk = -(torch.rand(B, Tp, H, K, generator=gen) * 0.5).cumsum(1)
+    path = torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1], [0, 1, -1]])
+    plen = torch.tensor([3, 1, 0, 2])
+    committed = gla_commit_factor(S0.double(), pk.double(), pv.double(), pGk.double(), path, plen)
+    pending = on_dev(pk, pv, pGk, path, plen)
+    state = S0.clone().to(DEV)
+
+    def rel(got, ref):
+        return float((got.double().cpu() - ref).abs().max() / ref.abs().max())
+
+    if kernel == "flush":
+        flush_commit(state, *pending)
+    else:
+        args = on_dev(q.bfloat16(), k.bfloat16(), v.bfloat16(), gk)
+        out = (torch.full((B, T, H, V), float("nan"), device=DEV, dtype=torch.bfloat16), nan_out(B, T, H, K, V)[1])
+        if kernel == "serial":
+            o, G = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=pending, out=out)
+        else:
+            o, G = tree_verify(*args, state, inclusive_ancestor_mask(parents).to(DEV), K**-0.5, pending=pending,
+                               out=out)
+        ro, rG, _ = naive_tree_gla(q.double(), k.double(), v.double(), gk.double(), committed, parents, K**-0.5)
+        assert not o.isnan().any() and not G.isnan().any()
+        assert o.dtype == torch.bfloat16 and G.dtype == torch.float32
+        assert rel(o, ro) < 1e-2
+        assert rel(G, rG) < 1e-5
+    assert state.dtype == torch.float32
+    assert rel(state, committed) < 1e-5
+    assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical

@@ -576,3 +576,55 @@ def test_triton_adapter_tree_over_kernel_size_commits_then_runs_the_reference():
     assert rel_err(got["triton"][0], got["reference"][0]) < 1e-5
     for a, b in zip(got["triton"][1], got["reference"][1]):
         assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the Mamba2-1.3B layer shape needs a GPU")
+@pytest.mark.parametrize("kernel", ["serial", "parallel", "flush"])
+def test_kernels_at_mamba2_13b_layer_shape_bf16(kernel):
+    """FLA Mamba2-1.3B layer (d_model 2048, expand 2, head dim 64: H=64, P=64, N=128, one group),
+    bf16 x/B/C (dt, decay, D and the state float32), ragged pending commits (0..3 accepted):
+    outputs (float32) within 1e-4 of the float64 naive reference on the same bf16-rounded inputs,
+    u and G records and the committed state within 1e-5; a sequence with nothing pending keeps its
+    state bit-identical."""
+    from specla_mamba2.commit import flush_commit
+    from specla_mamba2.verify import serial_verify, tree_verify
+
+    B, H, P, NG, N, Tp = 4, 64, 64, 1, 128, 4
+    rng = random.Random(13)
+    T = 32 if kernel == "parallel" else 8
+    if kernel == "parallel":  # root-explicit random trees: node 0 is the root
+        parents = torch.tensor([[-1] + [rng.randrange(0, i) for i in range(1, T)] for _ in range(B)])
+    else:
+        parents = torch.arange(-1, T - 1).expand(B, T)
+    gen = torch.Generator().manual_seed(29)
+    x, dt, A, Bm, Cm, D, S0 = ssd_inputs(B, T, H, P, NG, N, torch.float32, gen)
+    x, Bm, Cm = (t.bfloat16().float() for t in (x, Bm, Cm))  # the reference sees the rounded inputs
+    pB, pu = torch.randn(B, Tp, NG, N, generator=gen).bfloat16(), torch.randn(B, Tp, H, P, generator=gen) * 0.5
+    pG = -(torch.rand(B, Tp, H, generator=gen) * 0.5).cumsum(1)
+    path = torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1], [0, 1, -1]])
+    plen = torch.tensor([3, 1, 0, 2])
+    committed = ssd_commit_factor(S0.double(), pB.double(), pu.double(), pG.double(), path, plen)
+    pending = tuple(t.to(DEV) for t in (pB, pu, pG, path, plen))
+    state = S0.clone().to(DEV)
+
+    def rel(got, ref):
+        return float((got.double().cpu() - ref).abs().max() / ref.abs().max())
+
+    if kernel == "flush":
+        flush_commit(state, *pending)
+    else:
+        args = [t.to(DEV) for t in (x.bfloat16(), dt, dt * A, Bm.bfloat16(), Cm.bfloat16(), D)]
+        if kernel == "serial":
+            y, u, G = serial_verify(*args, state, torch.full((B,), T, device=DEV), pending=pending,
+                                    out=nan_out(B, T, H, P))
+        else:
+            y, u, G = tree_verify(*args, state, inclusive_ancestor_mask(parents).to(DEV), pending=pending,
+                                  out=nan_out(B, T, H, P))
+        ry, ru, rG, _ = naive_tree_ssd(x.double(), dt.double(), A.double(), Bm.double(), Cm.double(), D.double(),
+                                       committed, parents)
+        assert not any(t.isnan().any() for t in (y, u, G))
+        assert rel(y, ry) < 1e-4
+        assert rel(u, ru) < 1e-5 and rel(G, rG) < 1e-5
+    assert state.dtype == torch.float32
+    assert rel(state, committed) < 1e-5
+    assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical
