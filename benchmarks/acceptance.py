@@ -30,20 +30,25 @@ DRAFTERS = {  # drafter source and draft-tree settings
     "eagle-chain": ("eagle", dict(num_draft_tokens=6, max_depth=6, top_k=1)),
     "eagle-tree": ("eagle", dict(num_draft_tokens=16, max_depth=6, top_k=4)),
 }
-# in priority order: greedy tables first, then the sampling rows, then the Triton-kernel row
+# in priority order: greedy tables first, then the sampling rows, then the reference-path and
+# bfloat16 rows (same drafter and tree as the first row)
 RUNS = ([f"{s}/{d}" for s in SUITES for d in ("eagle-tree", "eagle-chain", "ngram")]
         + [f"{s}/eagle-tree/t{t}" for s in ("gsm8k", "mixed") for t in ("0.7", "1.0")]
-        + ["gsm8k/eagle-tree/triton"])
+        + ["gsm8k/eagle-tree/reference", "gsm8k/eagle-tree/bf16"])
 
 
 def run_config(name: str, base: dict) -> tuple[str, str, dict]:
-    """``suite/drafter[/tTEMP|/triton]`` -> (suite file, drafter kind, SpecConfig fields)."""
+    """``suite/drafter[/tTEMP|/reference|/bf16]`` -> (suite file, drafter kind, SpecConfig fields):
+    sampling at temperature TEMP (seeded), the PyTorch reference path instead of the default
+    kernels (Triton on CUDA), bfloat16 activations instead of ``--dtype``."""
     suite, drafter, *extra = name.split("/")
     kind, tree = DRAFTERS[drafter]
     cfg = dict(base, **tree)
     for e in extra:
-        if e == "triton":
-            cfg.update(kernels="triton")
+        if e in ("reference", "triton"):
+            cfg.update(kernels=e)
+        elif e == "bf16":
+            cfg.update(dtype="bfloat16")
         elif e.startswith("t"):
             cfg.update(temperature=float(e[1:]), seed=0)
         else:
@@ -61,7 +66,7 @@ def main() -> None:
     ap.add_argument("--time-per-run", type=float, default=60.0, help="seconds before a run starts no new batch")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="float32", help="float32: greedy outputs comparable token for token")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 

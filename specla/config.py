@@ -45,13 +45,14 @@ class SpecConfig(BaseModel):
             stay float32 (float64 when activations are float64).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device. A CUDA
             device is rejected when torch sees no GPU.
-        kernels: ``reference`` (batched PyTorch, every device and dtype) or ``triton`` (the
-            plugin's Triton verify kernels with the fused delayed commit, where they apply: factor
-            commit, float32 state, trees up to the kernel's size; elsewhere the reference path).
-            On CPU the Triton kernels need ``TRITON_INTERPRET=1``.
-        verify_kernel: with ``kernels="triton"``: ``auto`` (the plugin's measured rule; for
-            GDN: chains -> serial, other trees -> hybrid), or force ``serial``, ``parallel`` or
-            ``hybrid``.
+        kernels: ``auto`` (default: ``triton`` on a CUDA device, ``reference`` elsewhere),
+            ``reference`` (batched PyTorch, every device and dtype) or ``triton`` (the plugin's
+            Triton verify kernels with the fused delayed commit, where they apply: factor commit,
+            float32 state, trees up to the kernel's size; elsewhere the reference path). On CPU
+            the Triton kernels need ``TRITON_INTERPRET=1``.
+        verify_kernel: when the Triton kernels run: ``auto`` (the plugin's measured rule; for
+            GDN: parallel up to 64 nodes, hybrid for more than 32 nodes at batch 1), or force
+            ``serial``, ``parallel`` or ``hybrid``.
 
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.
@@ -73,7 +74,7 @@ class SpecConfig(BaseModel):
     stop_at_eos: bool = True
     dtype: DType | None = None
     device: str | None = None
-    kernels: Literal["reference", "triton"] = "reference"
+    kernels: Literal["auto", "reference", "triton"] = "auto"
     verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
 
     @field_serializer("tau_tree", when_used="json")

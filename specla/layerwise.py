@@ -51,6 +51,12 @@ class LayerwiseAdapter(TargetAdapter):
         """Commit ``path`` (``[B, P]``, ``path_len [B]``) to every layer from its records."""
 
     @property
+    def triton_kernels(self) -> bool:
+        """Whether the plugin's Triton kernels may run: ``SpecConfig.kernels`` is ``triton``, or
+        ``auto`` on a CUDA device."""
+        return self.config.kernels == "triton" or (self.config.kernels == "auto" and self.device.type == "cuda")
+
+    @property
     def batch_size(self) -> int:
         return self._roots.shape[0]
 

@@ -266,6 +266,12 @@ def test_hybrid_verify_equals_naive(kind, with_pending):
     assert torch.allclose(state.cpu(), committed, rtol=1e-5, atol=1e-5)
 
 
+def f64(x):
+    """The float64 reference runs on the test device (on the GPU machine's shared CPU it took minutes at
+    these shapes)."""
+    return x.to(DEV, torch.float64)
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="the GDN-1.3B layer shape needs a GPU")
 @pytest.mark.parametrize("kernel", ["serial", "parallel", "hybrid"])
 def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
@@ -287,7 +293,7 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
     pG = -(torch.rand(B, Tp, HV, generator=gen) * 0.5).cumsum(1)
     path = torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1], [0, 1, -1]])
     plen = torch.tensor([3, 1, 0, 2])
-    committed = gdn_commit_factor(S0.double(), pk.double(), pdelta.double(), pG.double(), path, plen)
+    committed = gdn_commit_factor(f64(S0), f64(pk), f64(pdelta), f64(pG), path.to(DEV), plen.to(DEV))
     pending = tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen))
     state = S0.clone().to(DEV)
     args = [x.to(DEV) for x in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)]
@@ -299,11 +305,11 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
                               out=out)
     else:
         o, d, G = hybrid_verify(*args, state, parents.to(DEV), K**-0.5, pending=pending, out=out)
-    ro, rd, rG, _ = naive_tree_gdn(q.double(), k.double(), v.double(), g.double(), beta.double(), committed,
+    ro, rd, rG, _ = naive_tree_gdn(f64(q), f64(k), f64(v), f64(g), f64(beta), committed,
                                    parents, K**-0.5)
 
     def rel(got, ref):
-        return float((got.double().cpu() - ref).abs().max() / ref.abs().max())
+        return float((got.double() - ref.to(got.device)).abs().max() / ref.abs().max())
 
     assert not any(x.isnan().any() for x in (o, d, G))
     assert o.dtype == torch.bfloat16 and state.dtype == torch.float32
@@ -339,3 +345,20 @@ def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch):
         assert torch.allclose(got.cpu(), ref.float(), rtol=1e-4, atol=1e-5)
     assert torch.allclose(state.cpu(), committed, rtol=1e-5, atol=1e-5)
     assert torch.equal(state[1].cpu(), S0[1])
+
+
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2"])
+def test_kernels_auto_means_triton_on_cuda_only(plugin):
+    """``SpecConfig.kernels`` defaults to ``auto``: the Triton kernels on a CUDA device, the
+    reference path elsewhere; ``triton`` and ``reference`` force either."""
+    from specla import SpecConfig
+    from specla.registry import get_plugin
+
+    p = get_plugin(plugin)
+    model = p.tiny_model(next(iter(p.tiny_variants)))
+    assert SpecConfig().kernels == "auto"
+    for kernels, on_cpu in (("auto", False), ("triton", True), ("reference", False)):
+        adapter = p.make_adapter(model, SpecConfig(kernels=kernels, device="cpu", dtype="float32"))
+        assert adapter.triton_kernels is on_cpu
+    if torch.cuda.is_available():
+        assert p.make_adapter(model, SpecConfig(device="cuda", dtype="float32")).triton_kernels is True

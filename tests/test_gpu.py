@@ -25,17 +25,20 @@ def exact_fp32_matmul():
 
 @pytest.mark.parametrize("name", ["base", "gva", "odd_nogate"])
 @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay", "triton-serial", "triton-parallel",
-                                    "triton-hybrid"])
+                                    "triton-hybrid", "default"])
 def test_cuda_token_identical(name, commit):
-    """Reference path (each commit strategy) and the compiled Triton kernels (factor commit, each
-    verify kernel) against the naive sequential decoder."""
+    """Reference path (each commit strategy), the compiled Triton kernels (factor commit, each
+    verify kernel) and the default config (Triton kernels on CUDA, ``auto`` dispatch) against the
+    naive sequential decoder."""
     model = make_model(name, dtype=torch.float32, seed=2)  # stays on the CPU for the naive oracle
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(3)
     motif = torch.randint(0, V, (6,), generator=g).tolist()
     prompts = [motif * 3, torch.randint(0, V, (9,), generator=g).tolist(), [motif[0]]]
-    cfg = dict(device="cuda", max_new_tokens=24, top_k=2, commit=commit)
-    if commit.startswith("triton-"):
+    cfg = dict(device="cuda", max_new_tokens=24, top_k=2, commit=commit, kernels="reference")
+    if commit == "default":
+        cfg = dict(device="cuda", max_new_tokens=24, top_k=2)
+    elif commit.startswith("triton-"):
         cfg.update(commit="factor", kernels="triton", verify_kernel=commit.split("-")[1])
         if cfg["verify_kernel"] == "serial":
             cfg["top_k"] = 1  # chains

@@ -154,7 +154,7 @@ class GDNAdapter(LayerwiseAdapter):
             return self._forward(tokens, parents, counts, records, logits, pending)
 
     def _use_kernel(self, records: str) -> bool:
-        return (self.config.kernels == "triton" and records == "factor"
+        return (self.triton_kernels and records == "factor"
                 and self.state_dtype == torch.float32 and not self.differentiable)
 
     def _kernel_plan(self, parents: Tensor, counts: Tensor):

@@ -508,15 +508,20 @@ def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
 def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
     """``serial`` / ``parallel`` / ``hybrid`` for a batch of trees (``counts``: real nodes per row).
 
-    ``auto``, the rule measured on one H200 (BENCHMARKS.md, 2026-11-30): chains -> serial, other
-    trees -> hybrid (the parallel kernel was 2x to 30x slower than hybrid at every measured tree
-    and batch). A forced ``serial`` on trees that are not chains, or ``parallel`` beyond
-    ``MAX_TREE_NODES``, falls back to ``hybrid``.
+    ``auto``, the rule measured on one H200 at the GDN-1.3B layer shape (BENCHMARKS.md section 1,
+    2026-11-30, second run): the tree-masked parallel kernel was the fastest for every chain and
+    tree of up to 32 nodes at batch 1, 8 and 64 (3.2x to 7.5x replay on trees), and for 64-node
+    trees at batch 8 and 64; hybrid won only at 64 nodes and batch 1 (4.5x vs 3.2x replay). So:
+    more than 32 nodes at batch 1 -> hybrid; up to ``MAX_TREE_NODES`` -> parallel; larger chains
+    -> serial, larger trees -> hybrid. A forced ``serial`` on trees that are not chains, or
+    ``parallel`` beyond ``MAX_TREE_NODES``, falls back to ``hybrid``.
     """
-    T = parents.shape[1]
+    B, T = parents.shape
     is_chain = is_chain_batch(parents, counts)
     if choice == "auto":
-        return "serial" if is_chain else "hybrid"
+        if T > MAX_TREE_NODES:
+            return "serial" if is_chain else "hybrid"
+        return "hybrid" if (T > 32 and B == 1) else "parallel"
     if (choice == "serial" and not is_chain) or (choice == "parallel" and T > MAX_TREE_NODES):
         return "hybrid"
     return choice

@@ -157,7 +157,7 @@ class GLAAdapter(LayerwiseAdapter):
             return self._forward(tokens, parents, counts, records, logits, pending)
 
     def _use_kernel(self, records: str) -> bool:
-        return (self.config.kernels == "triton" and records == "factor"
+        return (self.triton_kernels and records == "factor"
                 and self.state_dtype == torch.float32 and not self.differentiable)
 
     def _kernel_verify(self, q, k, v, gk, S0, parents, counts, mask, scale, pending):

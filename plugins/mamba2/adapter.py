@@ -196,7 +196,7 @@ class Mamba2Adapter(LayerwiseAdapter):
         return out, x, tuple(out_records)
 
     def _use_kernel(self, records: str) -> bool:
-        return self.config.kernels == "triton" and records == "factor" and self.state_dtype == torch.float32
+        return self.triton_kernels and records == "factor" and self.state_dtype == torch.float32
 
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         """Commit ``path`` (``[B, L]``, ``path_len [B]``) to every layer from its records."""
