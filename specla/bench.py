@@ -108,8 +108,6 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     spec = SpecDecoder(model, plugin, drafter=drafter, config=config, tokenizer=tokenizer)
     ar = SpecDecoder(spec.model, spec.plugin.name, config=config.model_copy(update={"num_draft_tokens": 0}),
                      tokenizer=spec.tokenizer)
-    spec.generate([rows[0]["prompt"]])  # warm-up outside the timing
-    ar.generate([rows[0]["prompt"]])
     per = defaultdict(lambda: {"prompts": 0, "exact": 0, "spec_tokens": 0, "ar_tokens": 0, "spec_s": 0.0, "ar_s": 0.0,
                                "hist": [0] * (min(config.max_depth, config.num_draft_tokens) + 1),
                                "gsm8k": [0, 0, 0], "humaneval": [0, 0, 0]})
@@ -125,6 +123,10 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     batches = [b for group in zip_longest(*per_cat) for b in group if b is not None]
     if time_limit_s is not None and time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
+    # warm-up outside the timing, at the batch size measured: Triton compiles a kernel for each
+    # new shape class on first use (seconds each), which would otherwise land in the first batches
+    spec.generate([r["prompt"] for r in batches[0]])
+    ar.generate([r["prompt"] for r in batches[0]])
     started, done = time.perf_counter(), 0
     for batch in tqdm(batches, desc="bench", unit="batch"):
         if done and time_limit_s is not None and time.perf_counter() - started > time_limit_s:
