@@ -105,3 +105,47 @@ def test_limit_depth_keeps_an_ancestor_closed_prefix():
     assert cut.tokens[0, :4].tolist() == [1, 2, 3, 5] and cut.parents[0, :4].tolist() == [-1, 0, -1, 2]
     assert cut.num_nodes.tolist() == [4, 0]
     assert tree.limit_depth(torch.tensor([9, 9])) is tree
+
+
+def loop_select(score, token, parent, depth, budget, tau):
+    """The per-sequence selection ``select_nodes`` replaced (one host loop per sequence): the
+    oracle for the tensor version."""
+    from specla.drafters.pruning import sorted_nodes
+
+    keep = score >= score.max(1, keepdim=True).values - tau
+    order = sorted_nodes(torch.where(keep, score, float("-inf")), depth)[:, :budget]
+    trees = []
+    for b in range(score.shape[0]):
+        ranked = [int(i) for i in order[b] if bool(keep[b, i])]
+        rank = {node: r for r, node in enumerate(ranked)}
+        chosen = sorted(ranked, key=lambda i: (int(depth[b, i]), rank[i]))
+        pos = {node: j for j, node in enumerate(chosen)}
+        trees.append(([int(token[b, i]) for i in chosen],
+                      [pos[int(parent[b, i])] if parent[b, i] >= 0 else -1 for i in chosen]))
+    return DraftTree.from_lists(trees)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tensor_selection_equals_the_per_sequence_loop(seed, monkeypatch):
+    """Random batches of best-first candidate sets (with tied scores) through ``build_tree``'s
+    expansion: the tensor selection gives exactly the trees of the per-sequence loop."""
+    from specla.drafters import pruning
+
+    g = torch.Generator().manual_seed(seed)
+    B, N, D, k = 5, int(torch.randint(1, 20, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g)), \
+        int(torch.randint(1, 5, (1,), generator=g))
+    lp = torch.log_softmax(torch.randn(V, V, generator=g).round() * 2, dim=-1)  # rounding makes ties
+    tau = [math.inf, 1.0, 0.0][seed % 3]
+    captured = {}
+    real = pruning.select_nodes
+
+    def spy(*args):
+        captured["args"] = args
+        return real(*args)
+
+    monkeypatch.setattr(pruning, "select_nodes", spy)
+    tree = build_tree(expand_with(lp, k)[0], torch.zeros(B, 1), torch.randint(0, V, (B,), generator=g),
+                      SpecConfig(num_draft_tokens=N, max_depth=D, top_k=k, tau_tree=tau))
+    ref = loop_select(*captured["args"])
+    assert torch.equal(tree.num_nodes, ref.num_nodes)
+    assert torch.equal(tree.tokens, ref.tokens) and torch.equal(tree.parents, ref.parents)

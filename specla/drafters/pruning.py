@@ -66,18 +66,40 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         ids = level_ids.gather(1, best)
         fscore = cand.gather(1, best)
     score, token, parent, depth = (torch.cat(x, 1) for x in (scores, tokens, parents, depths))
-    best_score = score.max(1, keepdim=True).values
-    keep = score >= best_score - config.tau_tree
-    # rank: kept first, then higher score, then shallower (parents before equal-score children)
-    order = sorted_nodes(torch.where(keep, score, float("-inf")), depth)[:, :N]
-    trees = []
-    for b in range(B):
-        ranked = [int(i) for i in order[b] if bool(keep[b, i])]
-        rank = {node: r for r, node in enumerate(ranked)}
-        chosen = sorted(ranked, key=lambda i: (int(depth[b, i]), rank[i]))  # topological: by depth
-        pos = {node: j for j, node in enumerate(chosen)}
-        trees.append(([int(token[b, i]) for i in chosen], [pos[int(parent[b, i])] if parent[b, i] >= 0 else -1 for i in chosen]))
-    return DraftTree.from_lists(trees, dev)
+    return select_nodes(score, token, parent, depth, N, config.tau_tree)
+
+
+def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, budget: int, tau: float) -> DraftTree:
+    """The draft tree of the ``budget`` best candidates within ``tau`` of each sequence's best,
+    in depth order, computed with tensor operations only (no per-sequence host loop: on a GPU
+    that loop cost one synchronisation per node).
+
+    Args:
+        score: ``[B, C]`` float32 path scores of the candidates; token: ``[B, C]`` int64;
+            parent: ``[B, C]`` int64 candidate index of the parent (``-1``: the root);
+            depth: ``[B, C]`` int64, ``>= 1``. Scores never increase along a path.
+        budget: ``N``, the most nodes per sequence; tau: the threshold in nats.
+    Returns:
+        a :class:`DraftTree` on ``score.device`` (padding: token 0, parent -1).
+    """
+    B, C = score.shape
+    keep = score >= score.max(1, keepdim=True).values - tau
+    order = sorted_nodes(torch.where(keep, score, float("-inf")), depth)[:, :budget]  # kept ones first
+    valid = keep.gather(1, order)
+    n = order.shape[1]
+    # topological order: by depth, then by rank; unkept slots sort last
+    rank = torch.arange(n, device=score.device).expand(B, n)
+    key = torch.where(valid, depth.gather(1, order) * (n + 1) + rank, (C + 2) * (n + 1))
+    topo = key.argsort(dim=1)
+    chosen, valid = order.gather(1, topo), valid.gather(1, topo)
+    pos = torch.full((B, C), -1, dtype=torch.int64, device=score.device)
+    pos.scatter_(1, chosen, torch.where(valid, rank, -1))
+    par = parent.gather(1, chosen)
+    par = torch.where((par >= 0) & valid, pos.gather(1, par.clamp(min=0)), -1)
+    num = valid.sum(1)
+    width = int(num.max()) if B else 0
+    tok = torch.where(valid, token.gather(1, chosen), 0)
+    return DraftTree(tok[:, :width].contiguous(), par[:, :width].contiguous(), num)
 
 
 def sorted_nodes(score: Tensor, depth: Tensor) -> Tensor:
