@@ -110,6 +110,10 @@ class DraftTree:
         tokens: ``[B, N]`` int64 draft token ids (padding nodes hold 0).
         parents: ``[B, N]`` int64 parent index, ``-1`` = child of the root (padding nodes hold -1).
         num_nodes: ``[B]`` int64, how many leading nodes of each row are real.
+        draft_probs: optional ``[B, N, vocab]`` float, the distribution each node's token was
+            sampled from (a sampling drafter's ``q``; may live on another device than the
+            tokens). ``None``: the drafts count as deterministic (one-hot ``q``), which is
+            lossless for any drafter but accepts less when the tokens were in fact sampled.
 
     Construction checks the structure (not token ranges or budgets: see :meth:`validate`).
 
@@ -121,9 +125,14 @@ class DraftTree:
     tokens: Tensor
     parents: Tensor
     num_nodes: Tensor
+    draft_probs: Tensor | None = None
 
     def __post_init__(self) -> None:
         t, p, n = self.tokens, self.parents, self.num_nodes
+        q = self.draft_probs
+        if q is not None and (q.dim() != 3 or q.shape[:2] != t.shape or not q.is_floating_point()):
+            raise InvalidTreeError(f"draft_probs must be float [B, N, vocab] matching tokens {tuple(t.shape)}, "
+                                   f"got {q.dtype} {tuple(q.shape)}")
         if t.dim() != 2 or p.shape != t.shape or n.shape != t.shape[:1]:
             raise InvalidTreeError(
                 f"draft tree shapes must be tokens [B, N], parents [B, N], num_nodes [B]; got "
@@ -219,13 +228,20 @@ class DraftTree:
         keep = self.valid & (self.depth <= limits.to(self.depth.device)[:, None])
         if bool((keep == self.valid).all()):
             return self
-        rows = []
+        rows, kept = [], []
         for b in range(self.batch_size):
             idx = keep[b].nonzero().flatten().tolist()
             pos = {node: j for j, node in enumerate(idx)}
             par = [int(self.parents[b, i]) for i in idx]
             rows.append(([int(self.tokens[b, i]) for i in idx], [pos[p] if p >= 0 else -1 for p in par]))
-        return DraftTree.from_lists(rows, self.tokens.device)
+            kept.append(idx)
+        tree = DraftTree.from_lists(rows, self.tokens.device)
+        if self.draft_probs is None:
+            return tree
+        width = tree.tokens.shape[1]
+        index = torch.tensor([i + [0] * (width - len(i)) for i in kept], dtype=torch.int64)
+        q = self.draft_probs.gather(1, index.to(self.draft_probs.device)[..., None].expand(-1, -1, self.draft_probs.shape[-1]))
+        return DraftTree(tree.tokens, tree.parents, tree.num_nodes, q)
 
     def path(self, b: int, node: int) -> list[int]:
         """Root-to-``node`` path of sequence ``b`` as node indices (the root itself excluded)."""

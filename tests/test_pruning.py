@@ -149,3 +149,40 @@ def test_tensor_selection_equals_the_per_sequence_loop(seed, monkeypatch):
     ref = loop_select(*captured["args"])
     assert torch.equal(tree.num_nodes, ref.num_nodes)
     assert torch.equal(tree.tokens, ref.tokens) and torch.equal(tree.parents, ref.parents)
+
+
+def test_sampled_tree_draws_children_from_q_and_keeps_its_shape_fixed():
+    """``sample_tree``: every node's token is drawn from its parent's row of ``q`` (attached as
+    ``draft_probs``), the shape (node count, parents' slots) is the same in every sequence and
+    every run, nodes come parents first, and a seeded generator repeats the draws."""
+    from specla.drafters.pruning import sample_tree
+
+    q_table = torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(3)), -1)
+
+    def step(state, tokens):
+        return state, q_table[tokens]
+
+    cfg = SpecConfig(num_draft_tokens=11, max_depth=4, top_k=3)
+    roots = torch.tensor([0, 2, 5, 5])
+    trees = [sample_tree(step, torch.zeros(4, 1), roots, cfg, torch.Generator().manual_seed(9)) for _ in range(2)]
+    t = trees[0]
+    assert torch.equal(t.tokens, trees[1].tokens) and torch.equal(t.parents, trees[1].parents)
+    assert t.num_nodes.tolist() == [11] * 4  # 3 + 8 (the budget cuts the second level)
+    assert (t.parents[:, :3] == -1).all() and (t.parents[:, 3:] >= 0).all() and (t.parents[:, 3:] < 3).all()
+    for b in range(4):
+        for i in range(11):
+            par = int(t.parents[b, i])
+            prev = int(roots[b]) if par < 0 else int(t.tokens[b, par])
+            assert torch.equal(t.draft_probs[b, i], q_table[prev])
+            assert q_table[prev, t.tokens[b, i]] > 0
+    cut = t.limit_depth(torch.tensor([1, 2, 2, 0]))  # draft_probs follow the kept nodes
+    assert cut.num_nodes.tolist() == [3, 11, 11, 0]
+    assert torch.equal(cut.draft_probs[0, :3], t.draft_probs[0, :3])
+    assert torch.equal(cut.draft_probs[1], t.draft_probs[1])
+
+
+def test_draft_probs_shape_is_checked():
+    from specla.errors import InvalidTreeError
+
+    with pytest.raises(InvalidTreeError, match="draft_probs"):
+        DraftTree(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([[-1, 0]]), torch.tensor([2]), torch.rand(1, 3, 5))

@@ -157,3 +157,52 @@ def test_engine_sampling_follows_the_model_distribution_and_repeats_with_a_seed(
     assert stat < bound(int(keep.sum()) - 1), stat
     again = SpecDecoder(model, "gdn", drafter=OracleDrafter([prompt] * n, [ref] * n, "all", 61), config=cfg)
     assert again.generate([prompt] * n).outputs == out.outputs
+
+
+def test_engine_sampling_with_the_eagle_drafters_q_follows_the_model_distribution(monkeypatch):
+    """The EAGLE drafter samples its draft tree from its own (untrained, so different) distribution
+    and hands ``q`` to the acceptance rule: two sampled tokens of a tiny GDN model still follow
+    the model's exact joint distribution (chi-square), the rule did receive ``q``, and a seed
+    repeats the run."""
+    from specla import SpecDecoder
+    from specla import acceptance as acc
+    from specla.drafters.eagle import EagleDrafter, EagleHead
+    from specla.registry import get_plugin
+    from specla_gdn.naive import NaiveGDN
+
+    arch = get_plugin("gdn")
+    model = arch.tiny_model("base", seed=4, dtype=torch.float32)
+    prompt, n, temp = [3, 14, 15, 9, 2], 3000, 0.6
+    torch.manual_seed(0)
+    head = EagleHead(model.config.hidden_size)
+    seen = []
+    real = acc.accept_sampling
+
+    def spy(tree, target, q, generator=None):
+        seen.append(q is not None and tree.draft_probs is not None)
+        return real(tree, target, q, generator)
+
+    monkeypatch.setattr("specla.engine.accept_sampling", spy)
+    cfg = dict(temperature=temp, max_new_tokens=2, num_draft_tokens=3, max_depth=2, top_k=2, seed=5)
+    out = SpecDecoder(model, "gdn", drafter=EagleDrafter(head), config=cfg).generate([prompt] * n)
+    assert seen and all(seen)
+    assert out.stats.mean_accepted_tokens > 0.05
+    pairs = torch.tensor(out.outputs)
+    first = NaiveGDN(model)
+    for t in prompt:
+        p1 = torch.softmax(first.step(t).double() / temp, -1)
+    V = p1.shape[0]
+    observed = torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).double()
+    expected = torch.zeros(V * V, dtype=torch.float64)
+    for x1 in range(V):
+        if p1[x1] * n < 1:
+            continue
+        dec1 = NaiveGDN(model)
+        for t in prompt + [x1]:
+            logits = dec1.step(t)
+        expected[x1 * V : (x1 + 1) * V] = p1[x1] * torch.softmax(logits.double() / temp, -1) * n
+    keep = expected > 5
+    stat = float(((observed - expected)[keep] ** 2 / expected[keep]).sum())
+    assert stat < bound(int(keep.sum()) - 1), stat
+    again = SpecDecoder(model, "gdn", drafter=EagleDrafter(head), config=cfg).generate([prompt] * n)
+    assert again.outputs == out.outputs

@@ -25,7 +25,8 @@ from ..errors import DrafterError
 from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance, path_end
 from ..tree import DraftTree
-from .pruning import build_tree
+from ..acceptance import sampling_probs
+from .pruning import build_tree, sample_tree
 
 FORMAT = "specla-eagle-v1"
 
@@ -119,6 +120,7 @@ class EagleDrafter(Drafter):
         self.head = head
         self.adapter: TargetAdapter | None = None
         self.feature: Tensor | None = None  # [B, hidden] target feature at the end of the accepted path
+        self.generator: torch.Generator | None = None  # the draws of sampled proposals
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> "EagleDrafter":
@@ -135,6 +137,7 @@ class EagleDrafter(Drafter):
 
     def reset(self, prompts: list[list[int]]) -> None:
         self.feature = self.adapter.last_hidden
+        self.generator = None  # created at the first sampled proposal, from config.seed
 
     @torch.no_grad()
     def _expand(self, feature: Tensor, tokens: Tensor, k: int):
@@ -143,10 +146,27 @@ class EagleDrafter(Drafter):
         top = logp.topk(k, dim=-1)
         return new, top.values, top.indices
 
+    @torch.no_grad()
+    def _sample_step(self, feature: Tensor, tokens: Tensor, config: SpecConfig):
+        new = self.head(feature, self.adapter.embed(tokens))
+        return new, sampling_probs(self.adapter.lm_logits(new), config.temperature, config.sampling_top_k, config.top_p)
+
     def propose(self, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
+        """Greedy decoding (``temperature == 0``): the best-first, confidence-pruned tree of the
+        drafter's top-``k`` tokens (:func:`build_tree`). Sampling: a tree of tokens drawn from the
+        drafter's own distribution, warped like the target's (temperature, top-k, top-p), with
+        that distribution attached as ``draft_probs`` (:func:`sample_tree`), so acceptance can use
+        ``min(1, p / q)``; seeded by ``config.seed``. Tokens and structure come back on the CPU,
+        ``draft_probs`` stays on the target's device."""
         roots = torch.tensor([c[-1] for c in contexts], dtype=torch.int64, device=self.adapter.device)
-        tree = build_tree(lambda f, t: self._expand(f, t, config.top_k), self.feature, roots, config)
-        return DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)))
+        if config.temperature > 0:
+            if self.generator is None:
+                self.generator = torch.Generator(device=self.adapter.device)
+                self.generator.manual_seed(config.seed + 1) if config.seed is not None else self.generator.seed()
+            tree = sample_tree(lambda f, t: self._sample_step(f, t, config), self.feature, roots, config, self.generator)
+        else:
+            tree = build_tree(lambda f, t: self._expand(f, t, config.top_k), self.feature, roots, config)
+        return DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=tree.draft_probs)
 
     def on_commit(self, acceptance: Acceptance, out: VerifyOutput) -> None:
         end = path_end(acceptance.path, acceptance.num_accepted + 1).to(out.hidden.device)

@@ -107,3 +107,64 @@ def sorted_nodes(score: Tensor, depth: Tensor) -> Tensor:
     by_depth = torch.argsort(depth, dim=1, stable=True)
     by_score = torch.argsort(score.gather(1, by_depth), dim=1, descending=True, stable=True)
     return by_depth.gather(1, by_score)
+
+
+# step(parent_state [B, M, ...], tokens [B, M]) -> (state [B, M, ...], q [B, M, vocab]): the
+# drafter's step for M frontier nodes, returning its sampling distribution at each.
+SampleStepFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: SpecConfig,
+                generator: torch.Generator | None = None) -> DraftTree:
+    """A draft tree whose tokens are *sampled* from the drafter, with their distributions, for
+    lossless recursive rejection sampling with the drafter's ``q`` (SpecInfer's multi-draft
+    speculative sampling, Miao et al. 2024).
+
+    Level-synchronous like :func:`build_tree`, but the shape never depends on a node's own
+    sampled token, which the acceptance rule needs (siblings must be independent draws from
+    their parent's ``q``): at depth ``d`` the frontier nodes, best path score first, get ``top_k``
+    children each, drawn independently (with replacement) from their ``q``, until the budget
+    ``N`` runs out; every drawn node is kept. The next frontier is the ``top_k`` best children
+    of the level (their own tokens decide only whether *they* are expanded, not whether they
+    exist). ``tau_tree`` does not apply (pruning a node by its own score would bias the draws).
+
+    Args:
+        step: the drafter step (see ``SampleStepFn``).
+        root_state: ``[B, ...]`` the drafter state at the roots; roots: ``[B]`` int64.
+        config: ``num_draft_tokens`` (N), ``max_depth`` (D), ``top_k``.
+        generator: the random source of the draws.
+    Returns:
+        a :class:`DraftTree` on ``roots.device`` with the same number of nodes (at most ``N``)
+        in every sequence, in depth order, and ``draft_probs`` ``[B, n, vocab]`` float32.
+    """
+    N, k = config.num_draft_tokens, config.top_k
+    D = min(config.max_depth, N)
+    B, dev = roots.shape[0], roots.device
+    if N == 0:
+        return DraftTree.empty(B, dev)
+    state, toks = root_state[:, None], roots[:, None]
+    ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
+    fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
+    tokens, parents, probs = [], [], []
+    count = 0
+    for _ in range(D):
+        state, q = step(state, toks)
+        M, V = q.shape[1], q.shape[2]
+        width = min(M * k, N - count)  # the best frontier nodes come first, so they get children first
+        child = torch.multinomial(q.float().flatten(0, 1), k, replacement=True, generator=generator).view(B, M * k)
+        child, slot = child[:, :width], (torch.arange(width, device=dev) // k).expand(B, width)
+        qc = q.float().gather(1, slot[..., None].expand(B, width, V))
+        score = fscore.gather(1, slot) + qc.gather(2, child[..., None]).squeeze(-1).log()
+        tokens.append(child)
+        parents.append(ids.gather(1, slot))
+        probs.append(qc)
+        level_ids = count + torch.arange(width, device=dev).expand(B, -1)
+        count += width
+        if count >= N:
+            break
+        best = score.topk(min(k, width), dim=1).indices  # sorted: best first
+        state = state.gather(1, slot.gather(1, best).view(B, -1, *([1] * (state.dim() - 2)))
+                             .expand(-1, -1, *state.shape[2:]))
+        toks, ids, fscore = child.gather(1, best), level_ids.gather(1, best), score.gather(1, best)
+    tok, par, q = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(probs, 1)
+    return DraftTree(tok, par, torch.full((B,), count, dtype=torch.int64, device=dev), q)
