@@ -7,7 +7,8 @@ Loads the target once and calls :func:`specla.bench.run_bench` (the code of ``sp
 for each run of :data:`RUNS`: a prompt suite, a drafter and its tree settings, a temperature.
 Each run decodes its suite speculatively and autoregressively side by side, batch by batch, and
 stops starting new batches after ``--time-per-run`` seconds (batches alternate categories, so a
-cut run still covers each; the report says how many prompts were decoded). Writes every report in
+cut run covers as many categories as batches it decoded; the report says how many prompts were
+decoded). Every run name and option is checked before the model loads. Writes every report in
 one JSON file (rewritten after each run, so a run cut short by a time limit keeps the others) and
 prints a markdown table of the ``all`` rows.
 """
@@ -41,7 +42,10 @@ def run_config(name: str, base: dict) -> tuple[str, str, dict]:
     """``suite/drafter[/tTEMP|/reference|/bf16]`` -> (suite file, drafter kind, SpecConfig fields):
     sampling at temperature TEMP (seeded), the PyTorch reference path instead of the default
     kernels (Triton on CUDA), bfloat16 activations instead of ``--dtype``."""
-    suite, drafter, *extra = name.split("/")
+    suite, drafter, *extra = name.split("/") + [""] * (name.count("/") < 1)
+    if suite not in SUITES or drafter not in DRAFTERS:
+        raise ValueError(f"run {name!r}: expected SUITE/DRAFTER[/MODIFIER...] with SUITE in {sorted(SUITES)} "
+                         f"and DRAFTER in {sorted(DRAFTERS)}")
     kind, tree = DRAFTERS[drafter]
     cfg = dict(base, **tree)
     for e in extra:
@@ -49,7 +53,7 @@ def run_config(name: str, base: dict) -> tuple[str, str, dict]:
             cfg.update(kernels=e)
         elif e == "bf16":
             cfg.update(dtype="bfloat16")
-        elif e.startswith("t"):
+        elif e.startswith("t") and e[1:].replace(".", "", 1).isdigit():
             cfg.update(temperature=float(e[1:]), seed=0)
         else:
             raise ValueError(f"unknown run modifier {e!r} in {name!r}")
@@ -73,10 +77,21 @@ def main() -> None:
     from specla.api import SpecDecoder
 
     base = dict(max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device)
+    try:  # every run checked before the model loads
+        plan = {name: run_config(name, base) for name in args.runs.split(",")}
+        for _, _, cfg in plan.values():
+            SpecConfig(**cfg)
+    except (ValueError, KeyError) as err:  # pydantic's ValidationError is a ValueError
+        ap.error(str(err).splitlines()[0] if "validation error" not in str(err) else str(err))
+    if args.time_per_run <= 0 or args.batch_size < 1:
+        ap.error("--time-per-run must be > 0 and --batch-size >= 1")
+    if not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"--out {args.out}: its directory does not exist")
+    if any(kind == "eagle" for _, kind, _ in plan.values()) and not Path(args.drafter).is_dir():
+        ap.error(f"--drafter {args.drafter}: not a directory")
     loaded = SpecDecoder(args.model, config=SpecConfig(**base))  # loaded once for every run
     reports, out = {}, Path(args.out)
-    for name in args.runs.split(","):
-        suite, kind, cfg = run_config(name, base)
+    for name, (suite, kind, cfg) in plan.items():
         t0 = time.time()
         report = run_bench(loaded.model, args.drafter if kind == "eagle" else "ngram", Path(args.prompts) / suite,
                            config=SpecConfig(**cfg), batch_size=args.batch_size, time_limit_s=args.time_per_run,

@@ -10,6 +10,7 @@ from .config import SpecConfig
 from .engine import Engine, RunStats
 from .errors import (
     BudgetError,
+    ConfigError,
     DrafterError,
     InvalidTokenError,
     InvalidTreeError,
@@ -24,7 +25,7 @@ from .tree import DraftTree
 __version__ = "0.1.0"
 
 __all__ = [
-    "Acceptance", "ArchitecturePlugin", "BudgetError", "DrafterError", "DraftTree", "Drafter", "Engine",
+    "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "DrafterError", "DraftTree", "Drafter", "Engine",
     "InvalidTokenError", "InvalidTreeError", "PendingCommit", "Record", "RunResult", "RunStats",
     "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter", "UnknownPluginError",
     "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",

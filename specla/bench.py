@@ -56,8 +56,13 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows of a prompt-suite JSONL (each with ``id``, ``category``, ``prompt``); with ``limit``,
     the first ``limit`` rows taken round-robin over the categories (in file order within each).
 
+    Every row is checked before anything is decoded: rows without a category get
+    ``uncategorized``; ``all`` is reserved for the report's total.
+
     Raises:
-        ValueError: a row that is not JSON or has no ``prompt``, no rows, ``limit < 1``.
+        ValueError: naming the file and line: a row that is not a JSON object, has no non-empty
+            string ``prompt``, a category that is not a non-empty string or is ``all``, an
+            ``answer`` that is not a string; also no rows, ``limit < 1``.
     """
     rows = []
     for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
@@ -66,9 +71,14 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{i + 1}: not JSON ({err})") from err
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{i + 1}: row has no string 'prompt'")
-            row.setdefault("category", "all")
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise ValueError(f"{path}:{i + 1}: row has no non-empty string 'prompt'")
+            row.setdefault("category", "uncategorized")
+            if not isinstance(row["category"], str) or not row["category"] or row["category"] == "all":
+                raise ValueError(f"{path}:{i + 1}: 'category' must be a non-empty string other than 'all' "
+                                 f"(the report's total), got {row['category']!r}")
+            if "answer" in row and not isinstance(row["answer"], str):
+                raise ValueError(f"{path}:{i + 1}: 'answer' must be a string, got {type(row['answer']).__name__}")
             rows.append(row)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -78,17 +79,22 @@ def _bench(args: argparse.Namespace) -> int:
     overrides = {}
     if args.config:  # inline JSON or a JSON file
         text = args.config if args.config.lstrip()[:1] in "{[" else Path(args.config).read_text()
-        overrides = json.loads(text)
+        try:
+            overrides = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--config: not valid JSON ({err})") from None
         if not isinstance(overrides, dict):
             raise ValueError("--config must be a JSON object of SpecConfig fields")
     flags = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("device", args.device)) if v is not None}
     config = SpecConfig(**{"max_new_tokens": 256, "device": "cuda" if torch.cuda.is_available() else "cpu",
                            **overrides, **flags})  # explicit flags win over --config
+    if args.out and not Path(args.out).resolve().parent.is_dir():  # found before decoding, not after
+        raise ValueError(f"--out {args.out}: directory {Path(args.out).resolve().parent} does not exist")
     report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
                        batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit)
+    print(format_table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
-    print(format_table(report))
     return 0
 
 
@@ -100,15 +106,32 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds, got {text}")
+    return value
+
+
 def _at_least_3(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 3:  # the two-step unrolled loss needs two targets after the first token
         raise argparse.ArgumentTypeError(f"must be >= 3, got {value}")
     return value
@@ -159,12 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", required=True)
     bench.add_argument("--drafter", default="ngram", help="ngram or a drafter directory (specla train-drafter)")
     bench.add_argument("--prompts", required=True, help="JSONL with id, category, prompt (+ answer / test)")
-    bench.add_argument("--limit", type=_positive, default=None)
+    bench.add_argument("--limit", type=_positive, default=None,
+                       help="decode only this many prompts, taken round-robin over the categories")
     bench.add_argument("--config", default=None, help="SpecConfig fields as JSON (inline or a file)")
     bench.add_argument("--max-new-tokens", type=_positive, default=None, help="default 256")
-    bench.add_argument("--batch-size", type=_positive, default=1)
-    bench.add_argument("--time-limit", type=float, default=None,
-                       help="seconds: start no new batch after this (the report counts the prompts decoded)")
+    bench.add_argument("--batch-size", type=_positive, default=1,
+                       help="prompts decoded together (batches never mix categories)")
+    bench.add_argument("--time-limit", type=_positive_seconds, default=None,
+                       help="seconds: start no new batch after this (the first batch always runs; the untimed "
+                            "warm-up on the first batch comes on top; the report counts the prompts decoded)")
     bench.add_argument("--device", default=None)
     bench.add_argument("--plugin", default=None)
     bench.add_argument("--out", default=None, help="write the JSON report here")

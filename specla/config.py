@@ -65,7 +65,7 @@ class SpecConfig(BaseModel):
     top_k: int = Field(1, ge=1, le=64)
     tau_tree: float = Field(math.inf, ge=0.0)
     commit: CommitStrategy = "factor"
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     sampling_top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None

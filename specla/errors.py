@@ -37,3 +37,8 @@ class UnknownPluginError(SpecError, LookupError):
 class DrafterError(SpecError, ValueError):
     """A drafter cannot be used: a drafter directory that is incomplete or malformed, or one
     trained for a target of another shape, or training data that yields nothing to train on."""
+
+
+class ConfigError(SpecError, ValueError):
+    """A valid configuration that cannot run on this machine (e.g. ``kernels="triton"`` on a CPU
+    without ``TRITON_INTERPRET=1``)."""

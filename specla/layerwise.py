@@ -5,11 +5,13 @@ a commit moves its states (:meth:`LayerwiseAdapter._apply`) and empty states."""
 
 from __future__ import annotations
 
+import os
 from abc import abstractmethod
 
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
 from .interfaces import TargetAdapter, VerifyOutput
 from .ops.norm import rms_norm
 from .records import Acceptance, PendingCommit, Record
@@ -29,6 +31,15 @@ class LayerwiseAdapter(TargetAdapter):
     """
 
     def _init_state(self) -> None:
+        """Empty state; also rejects ``kernels="triton"`` where Triton cannot run.
+
+        Raises:
+            ConfigError: ``kernels="triton"`` on a non-CUDA device without ``TRITON_INTERPRET=1``.
+        """
+        if (self.config.kernels == "triton" and self.device.type != "cuda"
+                and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise ConfigError(f"kernels='triton' on {self.device.type} needs TRITON_INTERPRET=1 (Triton's CPU "
+                              "interpreter, for tests); use kernels='auto' or 'reference'")
         self.recurrent: list[Tensor] = []
         self.conv: list[Tensor | None] = []
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)

@@ -67,10 +67,10 @@ def test_bench_cli_user_errors_are_one_line(tmp_path):
     noprompt.write_text('{"id": "a", "text": "hi"}\n')
     cases = [
         (["--prompts", str(empty)], "holds no prompts"),
-        (["--prompts", str(noprompt)], "row has no string 'prompt'"),
+        (["--prompts", str(noprompt)], "row has no non-empty string 'prompt'"),
         (["--prompts", DATA, "--limit", "0"], "must be >= 1"),
         (["--prompts", DATA, "--config", "[1, 2]"], "--config must be a JSON object"),
-        (["--prompts", DATA, "--config", "{top_k: 2}"], "Expecting property name"),
+        (["--prompts", DATA, "--config", "{top_k: 2}"], "--config: not valid JSON (Expecting property name"),
         (["--prompts", DATA, "--batch-size", "0"], "must be >= 1"),
     ]
     for extra, message in cases:
@@ -106,3 +106,32 @@ def test_time_limit_stops_after_the_first_batch_and_says_so():
     assert "time limit: 1 of 4 prompts decoded" in format_table(report)
     with pytest.raises(ValueError, match="time_limit_s must be positive"):
         run_bench(TINY, "ngram", DATA, config=cfg, limit=1, time_limit_s=0)
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"prompt": "x", "category": None}, "'category' must be a non-empty string"),
+    ({"prompt": "x", "category": ["a"]}, "'category' must be a non-empty string"),
+    ({"prompt": "x", "category": "all"}, "other than 'all'"),
+    ({"prompt": "x", "answer": 42}, "'answer' must be a string"),
+    ({"prompt": ""}, "non-empty string 'prompt'"),
+])
+def test_every_row_is_checked_before_decoding(tmp_path, row, match):
+    """A bad row anywhere in the file is reported with its line before any prompt is decoded."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "fine", "category": "a"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=f"p.jsonl:2: .*{match}"):
+        load_prompts(f)
+    plain = tmp_path / "q.jsonl"
+    plain.write_text('{"prompt": "y"}\n')
+    assert load_prompts(plain)[0]["category"] == "uncategorized"
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--time-limit", "nan"], "positive finite number of seconds"),
+    (["--time-limit", "0"], "positive finite number of seconds"),
+    (["--limit", "abc"], "not an integer: 'abc'"),
+    (["--out", "/nonexistent-dir/r.json"], "does not exist"),
+])
+def test_bench_flags_are_checked_before_decoding(args, match):
+    proc = _cli("bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", *args)
+    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr

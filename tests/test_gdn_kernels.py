@@ -362,3 +362,15 @@ def test_kernels_auto_means_triton_on_cuda_only(plugin):
         assert adapter.triton_kernels is on_cpu
     if torch.cuda.is_available():
         assert p.make_adapter(model, SpecConfig(device="cuda", dtype="float32")).triton_kernels is True
+
+
+def test_triton_kernels_on_cpu_without_the_interpreter_are_rejected_clearly(monkeypatch):
+    from specla import ConfigError, SpecConfig
+    from specla.registry import get_plugin
+
+    p = get_plugin("gdn")
+    model = p.tiny_model("base")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="needs TRITON_INTERPRET=1"):
+        p.make_adapter(model, SpecConfig(kernels="triton", device="cpu"))
+    p.make_adapter(model, SpecConfig(kernels="auto", device="cpu"))  # auto falls back to the reference path

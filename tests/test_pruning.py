@@ -186,3 +186,12 @@ def test_draft_probs_shape_is_checked():
 
     with pytest.raises(InvalidTreeError, match="draft_probs"):
         DraftTree(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([[-1, 0]]), torch.tensor([2]), torch.rand(1, 3, 5))
+
+
+def test_top_k_wider_than_the_vocabulary_is_capped():
+    """A drafter whose vocabulary is narrower than ``top_k`` returns fewer children per node."""
+    small = torch.log_softmax(torch.randn(3, 3, generator=torch.Generator().manual_seed(1)), -1)
+    tree = build_tree(expand_with(small, 3)[0], torch.zeros(2, 1), torch.tensor([0, 2]),
+                      SpecConfig(num_draft_tokens=8, max_depth=3, top_k=5))
+    tree.validate(vocab_size=3, max_nodes=8, max_depth=3)
+    assert tree.num_nodes.tolist() == [8, 8]

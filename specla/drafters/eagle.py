@@ -143,7 +143,7 @@ class EagleDrafter(Drafter):
     def _expand(self, feature: Tensor, tokens: Tensor, k: int):
         new = self.head(feature, self.adapter.embed(tokens))
         logp = torch.log_softmax(self.adapter.lm_logits(new).float(), dim=-1)
-        top = logp.topk(k, dim=-1)
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
         return new, top.values, top.indices
 
     @torch.no_grad()

@@ -50,7 +50,7 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
     for d in range(1, D + 1):
         state, logp, child = expand(state, toks)
         cand = (fscore[..., None] + logp.float()).flatten(1)  # [B, M * k]
-        M = logp.shape[1]
+        M, k = logp.shape[1], logp.shape[2]  # k < top_k when the vocabulary is smaller
         scores.append(cand)
         tokens.append(child.flatten(1))
         parents.append(ids[..., None].expand(B, M, k).flatten(1))
