@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The small-target study in one command (BENCHMARKS.md section 4): train the `small` GDN target,
+# train its EAGLE drafter, then run benchmarks/acceptance.py. One CUDA GPU, ~6 minutes before the
+# acceptance runs; nothing is downloaded.
+#
+#   bash benchmarks/small_target.sh OUT_DIR [DATA_DIR] [RUNS]
+#
+# DATA_DIR (default ../shared/data) holds corpus/, prompts/ and tokenizer/. RUNS is a comma-separated
+# subset of acceptance.py's runs (default: all). TIME_PER_RUN (seconds, default 60), BATCH_SIZE
+# (default 32) and STEPS (target steps, default 434: what a 220 s throughput probe chose on an
+# H200) can be set in the environment. Writes OUT_DIR/{small,eagle,acceptance.json,*.log}.
+set -euo pipefail
+out=${1:?usage: bash benchmarks/small_target.sh OUT_DIR [DATA_DIR] [RUNS]}
+data=${2:-../shared/data}
+runs=${3:-}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+python "$here/targets/train_target.py" --preset small --corpus "$data/corpus" --tokenizer "$data/tokenizer" \
+    --out "$out/small" --steps "${STEPS:-434}" 2>&1 | tee "$out/train.log"
+python -m specla.cli train-drafter --model "$out/small" --data "$data"/corpus/*.xz --out "$out/eagle" \
+    --steps 1500 --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 256 --ce-weight 1.0 \
+    --device cuda 2>&1 | tee "$out/drafter.log"
+python "$here/acceptance.py" --model "$out/small" --drafter "$out/eagle" --prompts "$data/prompts" \
+    --out "$out/acceptance.json" --time-per-run "${TIME_PER_RUN:-60}" --batch-size "${BATCH_SIZE:-32}" \
+    --max-new-tokens 128 ${runs:+--runs "$runs"} 2>&1 | tee "$out/acceptance.log"
