@@ -269,9 +269,11 @@ def tree_verify(
     y, u, G = out = _outputs(x, out)
     pB, pu, pG, path, plen, Lp, Tp = _pending_args(state, pending)
     BP = max(16, min(triton.next_power_of_2(P), 64))  # tl.dot needs tiles of at least 16
+    # node tiles of at least 32: on an H200 at the Mamba2-1.3B shape, 32-node trees (BT = 32) ran
+    # 3.4x to 4.2x faster than 8- and 16-node ones with BT = 16 (BENCHMARKS.md section 2)
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
         *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), mask.to(torch.int8).contiguous(), state, y, u, G,
-        pB, pu, pG, path, plen, T, Lp, Tp, H=H, NG=NG, N=N, P=P, BT=max(16, triton.next_power_of_2(T)),
+        pB, pu, pG, path, plen, T, Lp, Tp, H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(T)),
         BN=max(16, triton.next_power_of_2(N)), BP=BP, HAS_PENDING=pending is not None, D_HDIM=D.dim() == 2,
     )
     return out
