@@ -25,10 +25,13 @@ class LayerwiseAdapter(TargetAdapter):
     or float64) and ``conv[l]`` (``[B, C - 1, D]`` or ``None``), plus ``roots [B]``, ``last_hidden
     [B, hidden]`` and an optional :class:`PendingCommit`.
 
-    Subclasses set ``embed_weight``, ``norm``, ``norm_eps``, ``lm_head``, ``device``, ``dtype`` and
-    ``config``, call :meth:`_init_state` in ``__init__``, and implement :meth:`_empty_state`,
-    :meth:`forward` and :meth:`_apply`.
+    Subclasses set ``embed_weight``, ``norm``, ``norm_eps``, ``lm_head``, ``device``, ``dtype``,
+    ``state_dtype`` and ``config`` (and ``differentiable`` when they can train), call
+    :meth:`_init_state` in ``__init__``, and implement :meth:`_empty_state`, :meth:`forward` and
+    :meth:`_apply`.
     """
+
+    differentiable = False  # True: forward keeps autograd graphs (target training)
 
     def _init_state(self) -> None:
         """Empty state; also rejects ``kernels="triton"`` where Triton cannot run.
@@ -67,6 +70,12 @@ class LayerwiseAdapter(TargetAdapter):
         ``auto`` on a CUDA device."""
         return self.config.kernels == "triton" or (self.config.kernels == "auto" and self.device.type == "cuda")
 
+    def _use_kernel(self, records: str) -> bool:
+        """Whether this pass runs the plugin's Triton kernels: they may run here, the records are
+        factor records, the state is float32 and no gradient is needed (the kernels have none)."""
+        return (self.triton_kernels and records == "factor" and self.state_dtype == torch.float32
+                and not self.differentiable)
+
     @property
     def batch_size(self) -> int:
         return self._roots.shape[0]
@@ -101,6 +110,25 @@ class LayerwiseAdapter(TargetAdapter):
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """Logits ``[..., vocab]`` of last-layer features ``[..., hidden]`` (final norm + LM head)."""
         return rms_norm(hidden, self.norm, self.norm_eps) @ self.lm_head.T
+
+    def score(self, tokens: Tensor, return_hidden: bool = False):
+        """Teacher-forced logits of whole sequences from an empty state (chunked chains; a plugin
+        may override it with a whole-sequence form, as GDN does).
+
+        Args:
+            tokens: ``[B, T]`` int64, ``T >= 1``.
+            return_hidden: also return the last-layer features ``[B, T, hidden]``.
+        Returns:
+            ``[B, T, vocab]`` logits in the activation dtype (and the features).
+        Discards any batch the adapter held.
+        """
+        self.pending = None
+        self._empty_state(tokens.shape[0])
+        self._roots = torch.zeros(tokens.shape[0], dtype=torch.int64, device=self.device)
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64, device=self.device)
+        with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
+            logits, hidden = self._run_chunks(tokens.to(self.device), lengths, logits=True)
+        return (logits, hidden) if return_hidden else logits
 
     def _run_chunks(self, tokens: Tensor, lengths: Tensor, logits: bool = False) -> tuple[Tensor | None, Tensor]:
         """Run every sequence's tokens into its state, ``PREFILL_CHUNK`` at a time (chains).

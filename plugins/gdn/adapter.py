@@ -153,10 +153,6 @@ class GDNAdapter(LayerwiseAdapter):
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
             return self._forward(tokens, parents, counts, records, logits, pending)
 
-    def _use_kernel(self, records: str) -> bool:
-        return (self.triton_kernels and records == "factor"
-                and self.state_dtype == torch.float32 and not self.differentiable)
-
     def _kernel_plan(self, parents: Tensor, counts: Tensor):
         """The verify kernel for this batch of trees (``SpecConfig.verify_kernel``) and, for the
         hybrid kernel, its launch plan: decided once per pass, shared by every layer."""

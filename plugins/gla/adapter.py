@@ -156,10 +156,6 @@ class GLAAdapter(LayerwiseAdapter):
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
             return self._forward(tokens, parents, counts, records, logits, pending)
 
-    def _use_kernel(self, records: str) -> bool:
-        return (self.triton_kernels and records == "factor"
-                and self.state_dtype == torch.float32 and not self.differentiable)
-
     def _kernel_verify(self, q, k, v, gk, S0, parents, counts, mask, scale, pending):
         """Dispatch to the serial or parallel verify kernel (``SpecConfig.verify_kernel``); trees
         over the kernels' size commit with the flush kernel, then verify on the reference path."""
@@ -258,21 +254,3 @@ class GLAAdapter(LayerwiseAdapter):
                 self.conv[li] = torch.where((path_len > 0)[:, None, None], picked, win)
             else:
                 self.conv[li] = conv_window_after(rec.conv_x, win, path, path_len)
-
-    # ------------------------------------------------------------------ contract
-    def score(self, tokens: Tensor, return_hidden: bool = False):
-        """Teacher-forced logits of whole sequences from an empty state (chunked chains).
-
-        Args:
-            tokens: ``[B, T]`` int64, ``T >= 1``.
-            return_hidden: also return the last-layer features ``[B, T, hidden]``.
-        Returns:
-            ``[B, T, vocab]`` logits in the activation dtype (and the features).
-        Discards any batch the adapter held.
-        """
-        self.pending = None
-        self._empty_state(tokens.shape[0])
-        self._roots = torch.zeros(tokens.shape[0], dtype=torch.int64, device=self.device)
-        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64, device=self.device)
-        logits, hidden = self._run_chunks(tokens.to(self.device), lengths, logits=True)
-        return (logits, hidden) if return_hidden else logits

@@ -195,9 +195,6 @@ class Mamba2Adapter(LayerwiseAdapter):
         out = rms_norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
         return out, x, tuple(out_records)
 
-    def _use_kernel(self, records: str) -> bool:
-        return self.triton_kernels and records == "factor" and self.state_dtype == torch.float32
-
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         """Commit ``path`` (``[B, L]``, ``path_len [B]``) to every layer from its records."""
         end = path_end(path, path_len)
@@ -219,22 +216,3 @@ class Mamba2Adapter(LayerwiseAdapter):
             else:
                 self.recurrent[li] = ssd_commit_replay(S0, rec.Bm, rec.u, rec.a, path, path_len)
             self.conv[li] = conv_window_after(rec.conv_x, win, path, path_len)
-
-    # ------------------------------------------------------------------ contract
-    @torch.no_grad()
-    def score(self, tokens: Tensor, return_hidden: bool = False):
-        """Teacher-forced logits of whole sequences from an empty state (chunked chains).
-
-        Args:
-            tokens: ``[B, T]`` int64, ``T >= 1``.
-            return_hidden: also return the last-layer features ``[B, T, hidden]``.
-        Returns:
-            ``[B, T, vocab]`` logits in the activation dtype (and the features).
-        Discards any batch the adapter held.
-        """
-        self.pending = None
-        self._empty_state(tokens.shape[0])
-        self._roots = torch.zeros(tokens.shape[0], dtype=torch.int64, device=self.device)
-        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64, device=self.device)
-        logits, hidden = self._run_chunks(tokens.to(self.device), lengths, logits=True)
-        return (logits, hidden) if return_hidden else logits
