@@ -120,15 +120,14 @@ class Engine:
             room = torch.tensor([cfg.max_new_tokens - len(outputs[i]) - 1 for i in active])
             tree = tree.limit_depth(room)
             tree = DraftTree(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),
-                             draft_probs=tree.draft_probs)
+                             draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(adapter.device))
             t1 = self._clock()
             out = adapter.verify(tree)
             if generator is None:
                 acceptance = accept_greedy(tree, out.logits)
             else:  # with the drafter's q when it gives one, else one-hot q: lossless either way
                 probs = sampling_probs(out.logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p)
-                q = tree.draft_probs.to(adapter.device) if tree.draft_probs is not None else None
-                acceptance = accept_sampling(tree, probs, q, generator)
+                acceptance = accept_sampling(tree, probs, tree.draft_probs, generator)
             t2 = self._clock()
             adapter.commit(tree, out, acceptance)
             self.drafter.on_commit(acceptance, out)

@@ -61,7 +61,7 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
             break
         best = cand.topk(min(k, M * k), dim=1).indices  # the next frontier: best nodes of this level
         slot = best // k  # which frontier node produced them
-        state = state.gather(1, slot.view(B, -1, *([1] * (state.dim() - 2))).expand(-1, -1, *state.shape[2:]))
+        state = take_rows(state, slot)
         toks = child.flatten(1).gather(1, best)
         ids = level_ids.gather(1, best)
         fscore = cand.gather(1, best)
@@ -100,6 +100,11 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
     width = int(num.max()) if B else 0
     tok = torch.where(valid, token.gather(1, chosen), 0)
     return DraftTree(tok[:, :width].contiguous(), par[:, :width].contiguous(), num)
+
+
+def take_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[b, index[b, j]]`` for every ``b, j``: ``[B, M, ...]`` by ``[B, n]`` int64 -> ``[B, n, ...]``."""
+    return x.gather(1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
 
 
 def sorted_nodes(score: Tensor, depth: Tensor) -> Tensor:
@@ -149,11 +154,11 @@ def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: S
     count = 0
     for _ in range(D):
         state, q = step(state, toks)
-        M, V = q.shape[1], q.shape[2]
+        q, M = q.float(), q.shape[1]
         width = min(M * k, N - count)  # the best frontier nodes come first, so they get children first
-        child = torch.multinomial(q.float().flatten(0, 1), k, replacement=True, generator=generator).view(B, M * k)
+        child = torch.multinomial(q.flatten(0, 1), k, replacement=True, generator=generator).view(B, M * k)
         child, slot = child[:, :width], (torch.arange(width, device=dev) // k).expand(B, width)
-        qc = q.float().gather(1, slot[..., None].expand(B, width, V))
+        qc = take_rows(q, slot)
         score = fscore.gather(1, slot) + qc.gather(2, child[..., None]).squeeze(-1).log()
         tokens.append(child)
         parents.append(ids.gather(1, slot))
@@ -163,8 +168,7 @@ def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: S
         if count >= N:
             break
         best = score.topk(min(k, width), dim=1).indices  # sorted: best first
-        state = state.gather(1, slot.gather(1, best).view(B, -1, *([1] * (state.dim() - 2)))
-                             .expand(-1, -1, *state.shape[2:]))
+        state = take_rows(state, slot.gather(1, best))
         toks, ids, fscore = child.gather(1, best), level_ids.gather(1, best), score.gather(1, best)
     tok, par, q = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(probs, 1)
     return DraftTree(tok, par, torch.full((B,), count, dtype=torch.int64, device=dev), q)
