@@ -52,6 +52,19 @@ def humaneval_passes(row: dict, completion: str, timeout_s: float = 10.0) -> boo
     return proc.returncode == 0
 
 
+def _by_category(rows: list[dict]) -> list[list[dict]]:
+    """Rows grouped by ``category``, categories in order of first appearance."""
+    groups = defaultdict(list)
+    for row in rows:
+        groups[row["category"]].append(row)
+    return list(groups.values())
+
+
+def _interleave(groups: list[list]) -> list:
+    """One item of each group in turn (the first of every group, then the second...)."""
+    return [item for turn in zip_longest(*groups) for item in turn if item is not None]
+
+
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows of a prompt-suite JSONL (each with ``id``, ``category``, ``prompt``); with ``limit``,
     the first ``limit`` rows taken round-robin over the categories (in file order within each).
@@ -83,11 +96,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     if limit is not None:  # round-robin over categories, so a short run still covers every one
-        by_cat = defaultdict(list)
-        for row in rows:
-            by_cat[row["category"]].append(row)
-        order = [row for group in zip_longest(*by_cat.values()) for row in group if row is not None]
-        rows = order[:limit]
+        rows = _interleave(_by_category(rows))[:limit]
     if not rows:
         raise ValueError(f"{path} holds no prompts")
     return rows
@@ -125,12 +134,9 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     # batches never mix categories, so every per-category figure is measured, not apportioned
-    per_cat = []
-    for cat in dict.fromkeys(r["category"] for r in rows):
-        same = [r for r in rows if r["category"] == cat]
-        per_cat.append([same[i : i + batch_size] for i in range(0, len(same), batch_size)])
     # alternate categories so that a time-limited run still covers every one
-    batches = [b for group in zip_longest(*per_cat) for b in group if b is not None]
+    batches = _interleave([[same[i : i + batch_size] for i in range(0, len(same), batch_size)]
+                           for same in _by_category(rows)])
     if time_limit_s is not None and time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
     # warm-up outside the timing, at the batch size measured: Triton compiles a kernel for each
