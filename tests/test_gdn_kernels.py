@@ -100,7 +100,7 @@ def test_serial_verify_rejects_bad_input():
 
 from specla.tree import inclusive_ancestor_mask  # noqa: E402
 from specla_gdn.verify import tree_verify  # noqa: E402
-from trees import SHAPES, tree_parents  # noqa: E402
+from trees import SHAPES, f64, rel_err, tree_parents  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", SHAPES)
@@ -266,12 +266,6 @@ def test_hybrid_verify_equals_naive(kind, with_pending):
     assert torch.allclose(state.cpu(), committed, rtol=1e-5, atol=1e-5)
 
 
-def f64(x):
-    """The float64 reference runs on the test device (on the GPU machine's shared CPU it took minutes at
-    these shapes)."""
-    return x.to(DEV, torch.float64)
-
-
 @pytest.mark.skipif(DEV != "cuda", reason="the GDN-1.3B layer shape needs a GPU")
 @pytest.mark.parametrize("kernel", ["serial", "parallel", "hybrid"])
 def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
@@ -308,14 +302,12 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
     ro, rd, rG, _ = naive_tree_gdn(f64(q), f64(k), f64(v), f64(g), f64(beta), committed,
                                    parents, K**-0.5)
 
-    def rel(got, ref):
-        return float((got.double() - ref.to(got.device)).abs().max() / ref.abs().max())
 
     assert not any(x.isnan().any() for x in (o, d, G))
     assert o.dtype == torch.bfloat16 and state.dtype == torch.float32
-    assert rel(o, ro) < 1e-2
-    assert rel(d, rd) < 1e-3 and rel(G, rG) < 1e-5
-    assert rel(state, committed) < 1e-5
+    assert rel_err(o.double(), ro) < 1e-2
+    assert rel_err(d.double(), rd) < 1e-3 and rel_err(G.double(), rG) < 1e-5
+    assert rel_err(state.double(), committed) < 1e-5
     assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical
 
 

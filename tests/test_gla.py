@@ -23,7 +23,7 @@ from specla_gla.naive import NaiveGLA, naive_greedy_decode, naive_tree_gla
 from specla_gla.plugin import TINY_BASE, TINY_VARIANTS
 from specla_gla.reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
 from specla.testing import OracleDrafter
-from trees import SHAPES, tree_parents
+from trees import SHAPES, f64, rel_err, tree_parents
 
 BASE = TINY_BASE
 GLA_CONFIGS = TINY_VARIANTS
@@ -580,12 +580,6 @@ def test_trees_over_the_kernel_size_take_the_reference_path_after_a_flush():
     assert torch.allclose(logits["triton"], logits["reference"], rtol=1e-4, atol=1e-5)
 
 
-def f64(x):
-    """The float64 reference runs on the test device (on the GPU machine's shared CPU it took minutes at
-    these shapes)."""
-    return x.to(DEV, torch.float64)
-
-
 @pytest.mark.skipif(DEV != "cuda", reason="the GLA-1.3B layer shape needs a GPU")
 @pytest.mark.parametrize("kernel", ["serial", "parallel", "flush"])
 def test_kernels_at_gla13b_layer_shape_bf16(kernel):
@@ -614,8 +608,6 @@ def test_kernels_at_gla13b_layer_shape_bf16(kernel):
     pending = on_dev(pk, pv, pGk, path.to(DEV), plen.to(DEV))
     state = S0.clone().to(DEV)
 
-    def rel(got, ref):
-        return float((got.double() - ref.to(got.device)).abs().max() / ref.abs().max())
 
     if kernel == "flush":
         flush_commit(state, *pending)
@@ -630,8 +622,8 @@ def test_kernels_at_gla13b_layer_shape_bf16(kernel):
         ro, rG, _ = naive_tree_gla(f64(q), f64(k), f64(v), f64(gk), committed, parents, K**-0.5)
         assert not o.isnan().any() and not G.isnan().any()
         assert o.dtype == torch.bfloat16 and G.dtype == torch.float32
-        assert rel(o, ro) < 1e-2
-        assert rel(G, rG) < 1e-5
+        assert rel_err(o.double(), ro) < 1e-2
+        assert rel_err(G.double(), rG) < 1e-5
     assert state.dtype == torch.float32
-    assert rel(state, committed) < 1e-5
+    assert rel_err(state.double(), committed) < 1e-5
     assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical

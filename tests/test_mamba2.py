@@ -19,7 +19,7 @@ from specla.ops.naive import root_path
 from specla_mamba2.naive import NaiveMamba2, naive_greedy_decode, naive_tree_ssd
 from specla_mamba2.reference import node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 from specla.testing import OracleDrafter
-from trees import SHAPES, TOL, batch_parents, rel_err, tree_parents
+from trees import SHAPES, TOL, batch_parents, f64, rel_err, tree_parents
 
 
 MODEL_TOL = 1e-9  # float64 models: batched factorized form vs sequential loop
@@ -578,12 +578,6 @@ def test_triton_adapter_tree_over_kernel_size_commits_then_runs_the_reference():
         assert rel_err(a, b) < 1e-5
 
 
-def f64(x):
-    """The float64 reference runs on the test device (on the GPU machine's shared CPU it took minutes at
-    these shapes)."""
-    return x.to(DEV, torch.float64)
-
-
 @pytest.mark.skipif(DEV != "cuda", reason="the Mamba2-1.3B layer shape needs a GPU")
 @pytest.mark.parametrize("kernel", ["serial", "parallel", "flush"])
 def test_kernels_at_mamba2_13b_layer_shape_bf16(kernel):
@@ -613,8 +607,6 @@ def test_kernels_at_mamba2_13b_layer_shape_bf16(kernel):
     pending = tuple(t.to(DEV) for t in (pB, pu, pG, path, plen))
     state = S0.clone().to(DEV)
 
-    def rel(got, ref):
-        return float((got.double() - ref.to(got.device)).abs().max() / ref.abs().max())
 
     if kernel == "flush":
         flush_commit(state, *pending)
@@ -629,8 +621,8 @@ def test_kernels_at_mamba2_13b_layer_shape_bf16(kernel):
         ry, ru, rG, _ = naive_tree_ssd(f64(x), f64(dt), f64(A), f64(Bm), f64(Cm), f64(D),
                                        committed, parents)
         assert not any(t.isnan().any() for t in (y, u, G))
-        assert rel(y, ry) < 1e-4
-        assert rel(u, ru) < 1e-5 and rel(G, rG) < 1e-5
+        assert rel_err(y.double(), ry) < 1e-4
+        assert rel_err(u.double(), ru) < 1e-5 and rel_err(G.double(), rG) < 1e-5
     assert state.dtype == torch.float32
-    assert rel(state, committed) < 1e-5
+    assert rel_err(state.double(), committed) < 1e-5
     assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical

@@ -7,9 +7,18 @@ import torch
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}  # operator vs sequential twin, by dtype
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def rel_err(a, b) -> float:
     """Largest absolute difference over the largest reference magnitude."""
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def f64(x):
+    """``x`` in float64 on the test device: float64 references of the GPU-shape kernel tests run
+    there (on the GPU machine's shared CPU they took minutes at those shapes)."""
+    return x.to(DEV, torch.float64)
 
 SHAPES = ("single", "chain", "star", "binary", "random")
 
