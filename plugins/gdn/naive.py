@@ -42,15 +42,15 @@ def naive_tree_gdn(q, k, v, g, beta, S0, parents, scale):
     B, T, H, _ = k.shape
     HV = v.shape[2]
     ct = S0.dtype
-    o = torch.zeros(B, T, HV, v.shape[-1], dtype=ct)
-    delta, G = torch.zeros_like(o), torch.zeros(B, T, HV, dtype=ct)
-    states = torch.zeros(B, T, *S0.shape[1:], dtype=ct)
+    o = torch.zeros(B, T, HV, v.shape[-1], dtype=ct, device=S0.device)
+    delta, G = torch.zeros_like(o), torch.zeros(B, T, HV, dtype=ct, device=S0.device)
+    states = torch.zeros(B, T, *S0.shape[1:], dtype=ct, device=S0.device)
     for b in range(B):
         par = parents[b].tolist()
         for i in range(T):
             for hv in range(HV):
                 h = hv // (HV // H)
-                S, Gs = S0[b, hv].clone(), torch.zeros((), dtype=ct)
+                S, Gs = S0[b, hv].clone(), torch.zeros((), dtype=ct, device=S0.device)
                 for j in root_path(par, i):
                     S, out, d = gdn_step(
                         S, q[b, j, h].to(ct), k[b, j, h].to(ct), v[b, j, hv].to(ct),

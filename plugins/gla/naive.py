@@ -43,14 +43,14 @@ def naive_tree_gla(q, k, v, gk, S0, parents, scale):
     """
     B, T, H, K = k.shape
     ct = S0.dtype
-    o = torch.zeros(B, T, H, v.shape[-1], dtype=ct)
-    Gk = torch.zeros(B, T, H, K, dtype=ct)
-    states = torch.zeros(B, T, *S0.shape[1:], dtype=ct)
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=ct, device=S0.device)
+    Gk = torch.zeros(B, T, H, K, dtype=ct, device=S0.device)
+    states = torch.zeros(B, T, *S0.shape[1:], dtype=ct, device=S0.device)
     for b in range(B):
         par = parents[b].tolist()
         for i in range(T):
             for h in range(H):
-                S, G = S0[b, h].clone(), torch.zeros(K, dtype=ct)
+                S, G = S0[b, h].clone(), torch.zeros(K, dtype=ct, device=S0.device)
                 for j in root_path(par, i):
                     S, out = gla_step(S, q[b, j, h].to(ct), k[b, j, h].to(ct), v[b, j, h].to(ct),
                                       gk[b, j, h].to(ct), scale)

@@ -43,14 +43,14 @@ def naive_tree_ssd(x, dt, A, Bm, Cm, D, S0, parents):
     B, T, H, P = x.shape
     grp = H // Bm.shape[2]
     ct = S0.dtype
-    y, u = torch.zeros(B, T, H, P, dtype=ct), torch.zeros(B, T, H, P, dtype=ct)
-    G = torch.zeros(B, T, H, dtype=ct)
-    states = torch.zeros(B, T, *S0.shape[1:], dtype=ct)
+    y, u = torch.zeros(B, T, H, P, dtype=ct, device=S0.device), torch.zeros(B, T, H, P, dtype=ct, device=S0.device)
+    G = torch.zeros(B, T, H, dtype=ct, device=S0.device)
+    states = torch.zeros(B, T, *S0.shape[1:], dtype=ct, device=S0.device)
     for b in range(B):
         par = parents[b].tolist()
         for i in range(T):
             for h in range(H):
-                S, Gs = S0[b, h].clone(), torch.zeros((), dtype=ct)
+                S, Gs = S0[b, h].clone(), torch.zeros((), dtype=ct, device=S0.device)
                 for j in root_path(par, i):
                     S, out = ssd_step(S, x[b, j, h].to(ct), dt[b, j, h].to(ct), A[h].to(ct),
                                       Bm[b, j, h // grp].to(ct), Cm[b, j, h // grp].to(ct), D[h].to(ct))
