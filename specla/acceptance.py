@@ -9,7 +9,7 @@ from .records import Acceptance
 from .tree import DraftTree
 
 
-def accept_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
+def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None) -> Acceptance:
     """Greedy tree acceptance with a bonus token.
 
     Walk from the root; at each node follow the first child (lowest index) whose token equals the
@@ -21,8 +21,11 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
         tree: ``B`` draft trees of width ``N``.
         logits: ``[B, N + 1, vocab]`` target logits, row 0 for the root, row ``i + 1`` for draft
             node ``i`` (any float dtype).
+        max_depth: a bound on the deepest real node, used as ``D`` instead of reading the trees'
+            depth on the host (no synchronisation; CUDA graphs need it). ``None``: measured.
     Returns:
-        :class:`Acceptance` with ``path`` ``[B, D + 1]`` where ``D`` is the deepest real node.
+        :class:`Acceptance` with ``path`` ``[B, D + 1]`` where ``D`` is the deepest real node
+        (or ``max_depth``).
     Raises:
         ValueError: ``logits`` is not ``[B, N + 1, vocab]``.
     """
@@ -31,7 +34,10 @@ def accept_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
         raise ValueError(f"logits must be [B={B}, N+1={N + 1}, vocab], got {tuple(logits.shape)}")
     target = logits.argmax(-1)  # [B, N + 1]
     parents = tree.parents_with_root[:, 1:]  # [B, N], parent in root-explicit indexing
-    depth = int(torch.where(tree.valid, tree.depth, 0).max()) if N else 0
+    if max_depth is not None:
+        depth = min(max_depth, N)
+    else:
+        depth = int(torch.where(tree.valid, tree.depth, 0).max()) if N else 0
     rows = torch.arange(B, device=logits.device)
     cur = torch.zeros(B, dtype=torch.int64, device=logits.device)
     alive = torch.ones(B, dtype=torch.bool, device=logits.device)

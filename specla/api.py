@@ -111,6 +111,7 @@ class SpecDecoder:
         self.adapter = self.plugin.make_adapter(model, self.config)
         self.drafter = make_drafter(drafter)
         self.drafter.bind(self.adapter)
+        self.engine = Engine(self.adapter, self.drafter, self.config)  # kept: its CUDA graphs are reused
 
     def encode(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
         """Token ids of each prompt.
@@ -139,7 +140,7 @@ class SpecDecoder:
             InvalidTokenError: an empty prompt or an out-of-vocabulary id (state untouched).
         """
         ids = self.encode(prompts)
-        outputs, stats = Engine(self.adapter, self.drafter, self.config).generate(ids)
+        outputs, stats = self.engine.generate(ids)
         texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if self.tokenizer else None
         return RunResult(outputs=outputs, texts=texts, stats=stats)
 

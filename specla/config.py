@@ -52,7 +52,12 @@ class SpecConfig(BaseModel):
             the Triton kernels need ``TRITON_INTERPRET=1``.
         verify_kernel: when the Triton kernels run: ``auto`` (the plugin's measured rule; for
             GDN: parallel up to 64 nodes, hybrid for more than 32 nodes at batch 1), or force
-            ``serial``, ``parallel`` or ``hybrid``.
+            ``serial``, ``parallel`` or ``hybrid``. CUDA graphs always use ``parallel``.
+        cuda_graphs: ``auto`` (default): on a CUDA device, each greedy step after the first
+            runs as one recorded CUDA graph (:mod:`specla.graphs`) when the adapter supports it
+            and the budget fits its recorded verify (``N <= 63`` with the Triton kernels), else
+            eagerly; ``off``: always eager; ``on``: graphs or a ``ConfigError`` (on a CPU, the
+            same fixed-shape step runs without recording: a test of the graph path's logic).
 
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.
@@ -76,6 +81,7 @@ class SpecConfig(BaseModel):
     device: str | None = None
     kernels: Literal["auto", "reference", "triton"] = "auto"
     verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
 
     @field_serializer("tau_tree", when_used="json")
     def _finite_json(self, value: float) -> float | str:

@@ -9,6 +9,8 @@ import torch
 
 from .acceptance import accept_greedy, accept_sampling, sampling_probs
 from .config import SpecConfig
+from .errors import ConfigError
+from .graphs import GraphRunner, batch_bucket, graph_problem
 from .interfaces import Drafter, TargetAdapter
 from .tree import DraftTree
 
@@ -74,6 +76,7 @@ class Engine:
 
     def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig):
         self.adapter, self.drafter, self.config = adapter, drafter, config
+        self._runner: GraphRunner | None = None
 
     def _clock(self) -> float:
         if self.adapter.device.type == "cuda":
@@ -90,15 +93,22 @@ class Engine:
         Raises:
             InvalidTokenError: empty prompt or id outside the vocabulary (nothing is run).
             InvalidTreeError / BudgetError: the drafter produced an invalid tree.
+            ConfigError: ``cuda_graphs="on"`` for a configuration graphs cannot run.
         """
         cfg, adapter = self.config, self.adapter
         stats = RunStats(accepted_histogram=[0] * (min(cfg.max_depth, cfg.num_draft_tokens) + 1))
+        runner = self._graph_runner()
         start = self._clock()
         adapter.prefill(prompts)
         self.drafter.reset(prompts)
         contexts = [list(p) for p in prompts]
         outputs: list[list[int]] = [[] for _ in prompts]
-        active = list(range(len(prompts)))
+        # rows[r]: the prompt decoded in row r of the adapter's batch, None for a finished row
+        # that a CUDA graph keeps until the batch is gathered; shown[r]: whose context row r shows
+        rows: list[int | None] = list(range(len(prompts)))
+        shown = list(range(len(prompts)))
+        if runner is not None and batch_bucket(len(rows)) > len(rows):  # graphs run power-of-two batches
+            self._gather(rows, shown, list(range(len(rows))), batch_bucket(len(rows)))
         stops = set(cfg.stop_token_ids)
         if cfg.stop_at_eos and adapter.eos_token_id is not None:
             stops.add(adapter.eos_token_id)
@@ -111,54 +121,95 @@ class Engine:
                 generator.seed()
         t = self._clock()
         stats.prefill_s = t - start
-        while active:
-            tree = self.drafter.propose([contexts[i] for i in active], cfg) if cfg.num_draft_tokens else None
-            tree = tree if tree is not None else DraftTree.empty(len(active))
-            if not isinstance(tree, DraftTree):
-                raise TypeError(f"drafter {self.drafter.name!r} returned {type(tree).__name__}, not a DraftTree")
-            # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
-            room = torch.tensor([cfg.max_new_tokens - len(outputs[i]) - 1 for i in active])
-            tree = tree.limit_depth(room)
-            tree = DraftTree(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),
-                             draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(adapter.device))
-            t1 = self._clock()
-            out = adapter.verify(tree)
-            if generator is None:
-                acceptance = accept_greedy(tree, out.logits)
-            else:  # with the drafter's q when it gives one, else one-hot q: lossless either way
-                probs = sampling_probs(out.logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p)
-                acceptance = accept_sampling(tree, probs, tree.draft_probs, generator)
-            t2 = self._clock()
-            adapter.commit(tree, out, acceptance)
-            self.drafter.on_commit(acceptance, out)
-            t3 = self._clock()
-            stats.draft_s += t1 - t
-            stats.verify_s += t2 - t1
-            stats.commit_s += t3 - t2
+        while True:
+            row_contexts = [contexts[s] for s in shown]
+            if runner is not None:  # the whole step in one replay; its time counts as verify
+                num, drafted, bonus = runner.step(row_contexts)
+                t3 = self._clock()
+                stats.verify_s += t3 - t
+            else:
+                room = [cfg.max_new_tokens - len(outputs[s]) - 1 for s in shown]
+                num, drafted, bonus, (t1, t2, t3) = self._eager_step(row_contexts, room, generator)
+                stats.draft_s += t1 - t
+                stats.verify_s += t2 - t1
+                stats.commit_s += t3 - t2
             t = t3
             stats.steps += 1
-            stats.sequence_steps += len(active)
-            num = acceptance.num_accepted.tolist()  # the step's outcome, read on the host
-            drafted = acceptance.tokens.tolist()
-            bonus = acceptance.bonus.tolist()
-            keep = []
-            for row, seq in enumerate(active):
-                stats.accepted_histogram[num[row]] += 1
-                done = False
+            for row, seq in enumerate(rows):
+                if seq is None:
+                    continue
+                stats.sequence_steps += 1
+                room = cfg.max_new_tokens - len(outputs[seq])
+                stats.accepted_histogram[min(num[row], room - 1)] += 1  # a graph verifies past the room
                 for tok in drafted[row][: num[row]] + [bonus[row]]:
                     outputs[seq].append(tok)
                     contexts[seq].append(tok)
                     if tok in stops or len(outputs[seq]) >= cfg.max_new_tokens:
-                        done = True
+                        rows[row] = None
                         break
-                if not done:
-                    keep.append(row)
-            if len(keep) < len(active):
-                index = torch.tensor(keep, dtype=torch.int64)
-                adapter.select(index)
-                self.drafter.select(index)
-                active = [active[r] for r in keep]
+            live = [r for r, seq in enumerate(rows) if seq is not None]
+            if not live:
+                break
+            if runner is None and len(live) < len(rows):
+                self._gather(rows, shown, live, len(live))
+            elif runner is not None and len(live) <= len(rows) // 2:
+                self._gather(rows, shown, live, batch_bucket(len(live)))
         adapter.flush()
         stats.wall_s = self._clock() - start
         stats.generated_tokens = sum(len(o) for o in outputs)
         return outputs, stats
+
+    def _eager_step(self, contexts: list[list[int]], room: list[int], generator: torch.Generator | None):
+        """draft -> verify -> accept -> commit, op by op. ``room[r]``: drafts row ``r`` may still
+        use (deeper nodes are cut). Returns ``(num_accepted, accepted tokens, bonus)`` per row
+        (host lists) and the clock after drafting, verify+accept and commit."""
+        cfg, adapter = self.config, self.adapter
+        tree = self.drafter.propose(contexts, cfg) if cfg.num_draft_tokens else None
+        tree = tree if tree is not None else DraftTree.empty(len(contexts))
+        if not isinstance(tree, DraftTree):
+            raise TypeError(f"drafter {self.drafter.name!r} returned {type(tree).__name__}, not a DraftTree")
+        # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
+        tree = tree.limit_depth(torch.tensor(room).clamp(min=0))
+        tree = DraftTree(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),
+                         draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(adapter.device))
+        t1 = self._clock()
+        out = adapter.verify(tree)
+        if generator is None:
+            acceptance = accept_greedy(tree, out.logits)
+        else:  # with the drafter's q when it gives one, else one-hot q: lossless either way
+            probs = sampling_probs(out.logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p)
+            acceptance = accept_sampling(tree, probs, tree.draft_probs, generator)
+        t2 = self._clock()
+        adapter.commit(tree, out, acceptance)
+        self.drafter.on_commit(acceptance, out)
+        t3 = self._clock()
+        # the step's outcome, read on the host
+        return acceptance.num_accepted.tolist(), acceptance.tokens.tolist(), acceptance.bonus.tolist(), (t1, t2, t3)
+
+    def _gather(self, rows: list[int | None], shown: list[int], keep: list[int], size: int) -> None:
+        """Keep the adapter and drafter rows ``keep`` (in order), padded to ``size`` rows with
+        copies of the first one (dead rows); updates ``rows`` and ``shown`` in place."""
+        index = keep + [keep[0]] * (size - len(keep))
+        tensor = torch.tensor(index, dtype=torch.int64)
+        self.adapter.select(tensor)
+        self.drafter.select(tensor)
+        rows[:] = [rows[i] for i in keep] + [None] * (size - len(keep))
+        shown[:] = [shown[i] for i in index]
+
+    def _graph_runner(self) -> GraphRunner | None:
+        """The CUDA-graph runner ``config.cuda_graphs`` asks for, or ``None`` (eager steps).
+
+        Raises:
+            ConfigError: ``cuda_graphs="on"`` and graphs cannot run this configuration.
+        """
+        cfg, adapter = self.config, self.adapter
+        if cfg.cuda_graphs == "off":
+            return None
+        problem = graph_problem(adapter, cfg)
+        if cfg.cuda_graphs == "auto" and (problem or adapter.device.type != "cuda"):
+            return None
+        if problem:
+            raise ConfigError(f"cuda_graphs='on': {problem}")
+        if self._runner is None:  # kept across generate calls: its graphs are reused
+            self._runner = GraphRunner(adapter, self.drafter, cfg, capture=adapter.device.type == "cuda")
+        return self._runner

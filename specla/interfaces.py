@@ -157,6 +157,31 @@ class TargetAdapter(ABC):
     def select(self, index: Tensor) -> None:
         """Keep only the sequences ``index`` (``[B']`` int64), e.g. when others finish."""
 
+    # -- CUDA graphs (specla.graphs): optional; the default says "not supported"
+    static_shapes: bool = False
+    """Set by :class:`specla.graphs.GraphRunner` while it records a step: every operation must
+    then be one a CUDA graph can capture (no host reads of device values, e.g. no kernel choice
+    from the tree's shape; fixed tensor shapes)."""
+
+    def graph_state(self) -> list[Tensor] | None:
+        """Every tensor a decoding step reads and replaces (recurrent states, conv windows, roots,
+        a pending commit...), in a fixed order, or ``None`` when the adapter cannot run in a CUDA
+        graph (the default). :class:`specla.graphs.GraphRunner` keeps static copies of them and
+        rebinds them with :meth:`set_graph_state`."""
+        return None
+
+    def set_graph_state(self, tensors: list[Tensor]) -> None:
+        """Make ``tensors`` (shaped like :meth:`graph_state`'s, same order) the adapter's state.
+
+        Raises:
+            NotImplementedError: the adapter has no graph state.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot run in CUDA graphs")
+
+    def graph_max_nodes(self) -> int:
+        """The largest draft budget ``N`` a captured verify supports (default: none)."""
+        return -1
+
     @abstractmethod
     def _prefill(self, prompts: list[list[int]]) -> None: ...
 
@@ -270,3 +295,28 @@ class Drafter(ABC):
 
     def select(self, index: Tensor) -> None:
         """Keep only the sequences ``index`` (default: nothing to keep)."""
+
+    # -- CUDA graphs (specla.graphs): optional
+    device_proposals: bool = False
+    """Whether :meth:`propose_on_device` builds greedy trees (then a CUDA graph records the
+    proposal with the verify pass; else :meth:`propose` runs on the host before each step)."""
+
+    def graph_state(self) -> list[Tensor]:
+        """The device tensors a step reads and replaces (e.g. the EAGLE feature), fixed order;
+        default: none (a host-side drafter)."""
+        return []
+
+    def set_graph_state(self, tensors: list[Tensor]) -> None:
+        """Make ``tensors`` (shaped like :meth:`graph_state`'s) the drafter's state."""
+
+    def propose_on_device(self, roots: Tensor, config: SpecConfig) -> DraftTree:
+        """The greedy draft tree computed on the target's device with fixed shapes (padded to
+        the budget) and no host synchronisation, so that a CUDA graph can record it with the
+        verify pass. Only called when :attr:`device_proposals` is true.
+
+        Args:
+            roots: ``[B]`` int64, the last committed tokens, on the device.
+        Raises:
+            NotImplementedError: the drafter proposes on the host only (the default).
+        """
+        raise NotImplementedError(f"drafter {self.name!r} proposes on the host")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from abc import abstractmethod
+from dataclasses import fields, replace
 
 import torch
 from torch import Tensor
@@ -75,6 +76,44 @@ class LayerwiseAdapter(TargetAdapter):
         factor records, the state is float32 and no gradient is needed (the kernels have none)."""
         return (self.triton_kernels and records == "factor" and self.state_dtype == torch.float32
                 and not self.differentiable)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    graph_kernel_nodes = 63
+    """The largest draft budget ``N`` whose verify a CUDA graph can record with the Triton
+    kernels: the parallel kernel (the one launch that needs nothing from the host) holds trees of
+    up to 64 nodes, the root included. Plugins with another limit override it."""
+
+    def graph_max_nodes(self) -> int:
+        """See :meth:`TargetAdapter.graph_max_nodes`: ``graph_kernel_nodes`` on the Triton path
+        (with float32 state and factor records), unbounded on the PyTorch reference path."""
+        return self.graph_kernel_nodes if self._use_kernel(self.config.commit) else 1024
+
+    def graph_state(self) -> list[Tensor] | None:
+        """``recurrent`` (every layer), ``conv`` (the layers that have one), ``roots``, then, with
+        the ``factor`` commit, the pending commit's record fields layer by layer, ``path`` and
+        ``path_len``. ``None`` while a ``factor`` run has no pending commit yet (before its first
+        step): its record shapes are not known."""
+        out = [*self.recurrent, *(c for c in self.conv if c is not None), self._roots]
+        if self.config.commit == "factor":
+            if self.pending is None:
+                return None
+            self._pending_template = self.pending
+            for rec in self.pending.records:
+                out += [x for x in (getattr(rec, f.name) for f in fields(rec)) if isinstance(x, Tensor)]
+            out += [self.pending.path, self.pending.path_len]
+        return out
+
+    def set_graph_state(self, tensors: list[Tensor]) -> None:
+        """Rebind the state to ``tensors`` (the layout of :meth:`graph_state`)."""
+        it = iter(tensors)
+        self.recurrent = [next(it) for _ in self.recurrent]
+        self.conv = [None if c is None else next(it) for c in self.conv]
+        self._roots = next(it)
+        if self.config.commit == "factor":
+            records = tuple(
+                replace(r, **{f.name: next(it) for f in fields(r) if isinstance(getattr(r, f.name), Tensor)})
+                for r in self._pending_template.records)
+            self.pending = PendingCommit(records, next(it), next(it))
 
     @property
     def batch_size(self) -> int:

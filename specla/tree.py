@@ -160,6 +160,19 @@ class DraftTree:
         object.__setattr__(self, "parents", torch.where(valid, p, torch.full_like(p, -1)))
 
     @classmethod
+    def trusted(cls, tokens: Tensor, parents: Tensor, num_nodes: Tensor,
+                draft_probs: Tensor | None = None) -> "DraftTree":
+        """A tree built by device code that guarantees the structure itself (canonical padding:
+        token 0, parent -1), *without* the construction checks: they read values on the host,
+        which a CUDA graph cannot do and which costs a synchronisation per step on a GPU.
+        Same shapes as the class; nothing is checked or copied."""
+        tree = object.__new__(cls)
+        for name, x in (("tokens", tokens), ("parents", parents), ("num_nodes", num_nodes),
+                        ("draft_probs", draft_probs)):
+            object.__setattr__(tree, name, x)
+        return tree
+
+    @classmethod
     def from_lists(
         cls, trees: list[tuple[list[int], list[int]]], device: torch.device | str = "cpu"
     ) -> "DraftTree":
@@ -184,7 +197,7 @@ class DraftTree:
     def empty(cls, batch_size: int, device: torch.device | str = "cpu") -> "DraftTree":
         """A batch of trees with no draft nodes (a plain autoregressive step)."""
         z = torch.zeros(batch_size, 0, dtype=torch.int64, device=device)
-        return cls(z, z.clone(), torch.zeros(batch_size, dtype=torch.int64, device=device))
+        return cls.trusted(z, z.clone(), torch.zeros(batch_size, dtype=torch.int64, device=device))
 
     @property
     def batch_size(self) -> int:

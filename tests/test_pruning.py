@@ -146,9 +146,16 @@ def test_tensor_selection_equals_the_per_sequence_loop(seed, monkeypatch):
     monkeypatch.setattr(pruning, "select_nodes", spy)
     tree = build_tree(expand_with(lp, k)[0], torch.zeros(B, 1), torch.randint(0, V, (B,), generator=g),
                       SpecConfig(num_draft_tokens=N, max_depth=D, top_k=k, tau_tree=tau))
-    ref = loop_select(*captured["args"])
+    ref = loop_select(*captured["args"][:6])
     assert torch.equal(tree.num_nodes, ref.num_nodes)
     assert torch.equal(tree.tokens, ref.tokens) and torch.equal(tree.parents, ref.parents)
+    # fixed width (what a CUDA graph records): the same trees, padded to min(N, candidates)
+    fixed = real(*captured["args"][:6], True)
+    w = tree.width
+    assert fixed.width == min(N, captured["args"][0].shape[1])
+    assert torch.equal(fixed.num_nodes, ref.num_nodes)
+    assert torch.equal(fixed.tokens[:, :w], ref.tokens) and torch.equal(fixed.parents[:, :w], ref.parents)
+    assert (fixed.tokens[:, w:] == 0).all() and (fixed.parents[:, w:] == -1).all()
 
 
 def test_sampled_tree_draws_children_from_q_and_keeps_its_shape_fixed():

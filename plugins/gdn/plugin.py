@@ -33,7 +33,7 @@ class GDNPlugin(ArchitecturePlugin):
 
     name = "gdn"
     model_types = ("gated_deltanet",)
-    capabilities = frozenset({"trees"})
+    capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
     # trained by benchmarks/targets/train_target.py --preset tiny (docs/targets.md)
     demo_checkpoint = Path(__file__).resolve().parent / "assets" / "tiny"

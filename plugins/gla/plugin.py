@@ -35,7 +35,7 @@ class GLAPlugin(ArchitecturePlugin):
 
     name = "gla"
     model_types = ("gla",)
-    capabilities = frozenset({"trees"})
+    capabilities = frozenset({"trees", "cuda_graphs"})
     known_failures: dict[str, str] = {}
     tiny_variants = tuple(TINY_VARIANTS)
 

@@ -34,7 +34,7 @@ class Mamba2Plugin(ArchitecturePlugin):
 
     name = "mamba2"
     model_types = ("mamba2",)
-    capabilities = frozenset({"trees"})
+    capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:

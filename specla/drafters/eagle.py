@@ -168,6 +168,21 @@ class EagleDrafter(Drafter):
             tree = build_tree(lambda f, t: self._expand(f, t, config.top_k), self.feature, roots, config)
         return DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=tree.draft_probs)
 
+    device_proposals = True
+
+    def propose_on_device(self, roots: Tensor, config: SpecConfig) -> DraftTree:
+        """The greedy tree of :meth:`propose`, padded to the budget, left on the device, with no
+        host synchronisation (what :class:`specla.graphs.GraphRunner` records)."""
+        return build_tree(lambda f, t: self._expand(f, t, config.top_k), self.feature, roots, config,
+                          fixed_width=True)
+
+    def graph_state(self) -> list[Tensor]:
+        """``[feature]``: ``[B, hidden]``, the target feature at the end of the accepted path."""
+        return [self.feature]
+
+    def set_graph_state(self, tensors: list[Tensor]) -> None:
+        (self.feature,) = tensors
+
     def on_commit(self, acceptance: Acceptance, out: VerifyOutput) -> None:
         end = path_end(acceptance.path, acceptance.num_accepted + 1).to(out.hidden.device)
         self.feature = out.hidden[torch.arange(out.hidden.shape[0], device=out.hidden.device), end]

@@ -24,7 +24,8 @@ from ..tree import DraftTree
 ExpandFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 
 
-def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: SpecConfig) -> DraftTree:
+def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: SpecConfig,
+               fixed_width: bool = False) -> DraftTree:
     """Best-first, confidence-pruned draft tree for a batch.
 
     Args:
@@ -33,6 +34,8 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
             the target feature at the last accepted node, ``[B, hidden]``).
         roots: ``[B]`` int64, the roots' tokens (the last committed tokens).
         config: ``num_draft_tokens`` (N), ``max_depth`` (D), ``top_k``, ``tau_tree`` (nats).
+        fixed_width: pad every tree to ``N`` columns (no host read of the widest tree: what a
+            CUDA graph needs); else the width is that of the widest tree.
     Returns:
         a :class:`DraftTree` on ``roots.device`` with at most ``N`` nodes per sequence, nodes in
         depth order (so parents come first).
@@ -66,10 +69,11 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         ids = level_ids.gather(1, best)
         fscore = cand.gather(1, best)
     score, token, parent, depth = (torch.cat(x, 1) for x in (scores, tokens, parents, depths))
-    return select_nodes(score, token, parent, depth, N, config.tau_tree)
+    return select_nodes(score, token, parent, depth, N, config.tau_tree, fixed_width)
 
 
-def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, budget: int, tau: float) -> DraftTree:
+def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, budget: int, tau: float,
+                 fixed_width: bool = False) -> DraftTree:
     """The draft tree of the ``budget`` best candidates within ``tau`` of each sequence's best,
     in depth order, computed with tensor operations only (no per-sequence host loop: on a GPU
     that loop cost one synchronisation per node).
@@ -79,8 +83,11 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
             parent: ``[B, C]`` int64 candidate index of the parent (``-1``: the root);
             depth: ``[B, C]`` int64, ``>= 1``. Scores never increase along a path.
         budget: ``N``, the most nodes per sequence; tau: the threshold in nats.
+        fixed_width: return ``min(budget, C)`` columns instead of the widest tree's width (which
+            is read on the host).
     Returns:
-        a :class:`DraftTree` on ``score.device`` (padding: token 0, parent -1).
+        a :class:`DraftTree` on ``score.device`` (padding: token 0, parent -1), built without the
+        host-side checks (:meth:`DraftTree.trusted`): the structure holds by construction.
     """
     B, C = score.shape
     keep = score >= score.max(1, keepdim=True).values - tau
@@ -97,9 +104,9 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
     par = parent.gather(1, chosen)
     par = torch.where((par >= 0) & valid, pos.gather(1, par.clamp(min=0)), -1)
     num = valid.sum(1)
-    width = int(num.max()) if B else 0
+    width = n if fixed_width else (int(num.max()) if B else 0)
     tok = torch.where(valid, token.gather(1, chosen), 0)
-    return DraftTree(tok[:, :width].contiguous(), par[:, :width].contiguous(), num)
+    return DraftTree.trusted(tok[:, :width].contiguous(), par[:, :width].contiguous(), num)
 
 
 def take_rows(x: Tensor, index: Tensor) -> Tensor:

@@ -146,6 +146,36 @@ class PluginSuite:
             end = refs[b].index(stop) + 1 if stop in refs[b][:24] else 24
             assert alone == refs[b][:end]
 
+    @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+    def test_cuda_graph_step_token_identical_or_refused(self, arch, rng, commit):
+        """The fixed-shape step :class:`specla.graphs.GraphRunner` records (``cuda_graphs="on"``;
+        on a CPU it runs without recording): a batch of 7 (run as 8 rows) whose sequences stop at
+        different steps, so finished rows stay as dead rows and the live ones are gathered into
+        smaller batches, must equal sequential greedy decoding for every acceptance pattern.
+        Without the ``cuda_graphs`` capability, ``on`` must raise a ConfigError."""
+        import specla
+        from specla.errors import ConfigError
+
+        model = self._model(arch)
+        V = self._vocab(model)
+        if "cuda_graphs" not in arch.capabilities:
+            with pytest.raises(ConfigError):
+                specla.run(model, arch.name, prompts=[[1, 2]], config=dict(cuda_graphs="on", commit=commit))
+            return
+        prompts = [[rng.randrange(V) for _ in range(n)] for n in (1, 2, N, N + 1, N + 2, 9, 30)]
+        new = 16
+        refs = [arch.reference_decode(model, p, new + N) for p in prompts]
+        stops = sorted({r[j] for r, j in zip(refs, (0, 2, 4, 7, 11))})  # ends at different steps
+        ends = [min([r.index(t) + 1 for t in stops if t in r[:new]] + [new]) for r in refs]
+        assert len(set(ends)) >= 3, "the stops must end sequences at different steps"
+        patterns = [p for p in OracleDrafter.PATTERNS if p != "tree" or "trees" in arch.capabilities]
+        for pattern in patterns:
+            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit, cuda_graphs="on",
+                             stop_token_ids=tuple(stops))
+            out = specla.run(model, arch.name, prompts=prompts, drafter=OracleDrafter(prompts, refs, pattern, V),
+                             config=cfg)
+            assert out.outputs == [r[:e] for r, e in zip(refs, ends)], f"pattern {pattern!r}"
+
     def test_tree_drafts_supported_or_rejected_clearly(self, arch):
         """A plugin without the ``trees`` capability must refuse a branching draft with a
         SpecError rather than verify it wrongly."""

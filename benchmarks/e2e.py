@@ -1,0 +1,379 @@
+"""End-to-end speed at the GDN-1.3B shape on one GPU (issue 5; BENCHMARKS.md section 5).
+
+    python benchmarks/e2e.py --out DIR [--studies step,oracle,baselines] [--batches 1,8,32,64]
+
+The target is FLA's ``GatedDeltaNetForCausalLM`` at the GDN-1.3B shape (hidden 2048, 24 layers, 8
+heads of dim 256, expand_v 1, vocab 32000) in bfloat16 with random weights, except that the input
+embedding is scaled by ``--embed-scale`` (default 32) and copied into the LM head: the last-layer
+feature is then dominated by the input token's embedding, so the greedy next token is the input
+token itself with a margin bf16 rounding cannot flip. That fixes the greedy continuation (the root
+token, repeated) without changing any cost, which lets an *oracle drafter* set acceptance exactly:
+each step it draws the number of correct drafts ``a`` from a profile, proposes ``a`` right tokens
+then wrong ones along a chain of depth ``D``, and fills the budget ``N`` with wrong siblings. With
+``--eagle`` (default) it also runs a random EAGLE head of this shape over a full draft tree each
+step, whose output it discards, so the drafter's cost is counted.
+
+Studies (each one command; every figure is a median over ``--repeats`` timed runs after a warm-up):
+
+- ``step``: ms per decoding step (CUDA graphs, no drafter compute) for budgets ``N`` and batches;
+  ``N = 0`` is specla's graph-captured autoregressive step; ratios to it in the same run.
+- ``oracle``: tokens/s of SpecLA chain (N = D = 6) and tree (N = 16, D = 6) against the graph AR
+  baseline, for per-token acceptance ``alpha`` (profile ``P(a >= k) = alpha^k``) and for the
+  profile measured with the ``small`` target on GSM8K (``--profile``), per batch.
+- ``baselines``: at the GSM8K profile, one table per batch with: transformers ``generate``
+  (eager, batch 1 and 8 only: it is ~70 ms per token), specla AR (graph), speculative tree with
+  ``snapshot`` and ``replay`` commit, SpecLA chain and tree (``factor``); each row's greedy output
+  compared token for token with the AR row; peak transient memory per sequence of each strategy.
+
+Writes ``DIR/e2e.json`` (every row), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specla import SpecConfig
+from specla.api import SpecDecoder
+from specla.drafters.eagle import EagleDrafter, EagleHead
+from specla.interfaces import Drafter
+from specla.tree import DraftTree
+
+VOCAB = 32000
+CHAIN = dict(num_draft_tokens=6, max_depth=6, top_k=1)
+TREE = dict(num_draft_tokens=16, max_depth=6, top_k=4)
+
+
+def gdn13b(layers: int, embed_scale: float, seed: int = 0):
+    """The GDN-1.3B-shaped FLA model (see the module docstring), bf16, on the GPU."""
+    import fla  # noqa: F401  (registers the model classes)
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    cfg = GatedDeltaNetConfig(vocab_size=VOCAB, hidden_size=2048, num_hidden_layers=layers, num_heads=8,
+                              head_dim=256, expand_v=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = GatedDeltaNetForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():  # untied like GDN-1.3B (the head is read as its own matrix), same values
+        model.model.embeddings.weight.mul_(embed_scale)
+        model.lm_head.weight.copy_(model.model.embeddings.weight)
+    return model
+
+
+class ProfileDrafter(Drafter):
+    """The oracle drafter of the module docstring, on the device (CUDA-graph friendly).
+
+    Args:
+        profile: ``P(a)`` for ``a = 0..D`` correct drafts per step (normalised here).
+        eagle: an EAGLE drafter whose tree is computed and discarded each step (its cost), or
+            ``None``.
+    """
+
+    name = "oracle-profile"
+    device_proposals = True
+
+    def __init__(self, profile: list[float], eagle: EagleDrafter | None = None):
+        self.eagle, self.adapter = eagle, None
+        self.cdf = torch.tensor(profile, dtype=torch.float64)
+
+    def set_profile(self, profile: list[float]) -> None:
+        """Change the profile in place (recorded graphs read the same tensor)."""
+        p = torch.tensor(profile, dtype=torch.float64)
+        self.cdf.copy_((p / p.sum()).cumsum(0).to(self.cdf.device, self.cdf.dtype))
+
+    def bind(self, adapter) -> None:
+        self.adapter = adapter
+        profile = self.cdf
+        self.cdf = torch.zeros(len(profile), dtype=torch.float32, device=adapter.device)
+        self.set_profile(profile.tolist())
+        if self.eagle is not None:
+            self.eagle.bind(adapter)
+
+    def reset(self, prompts) -> None:
+        if self.eagle is not None:
+            self.eagle.reset(prompts)
+
+    def propose_on_device(self, roots, config) -> DraftTree:
+        if self.eagle is not None:
+            self.eagle.propose_on_device(roots, config)  # counted, then discarded
+        B, dev = roots.shape[0], roots.device
+        N, D = config.num_draft_tokens, min(config.max_depth, config.num_draft_tokens)
+        a = (torch.rand(B, device=dev)[:, None] > self.cdf[None, :-1]).sum(1)  # correct drafts this step
+        depth = torch.arange(D, device=dev)
+        V = self.adapter.vocab_size
+        chain = torch.where(depth[None, :] < a[:, None], roots[:, None], (roots[:, None] + 1) % V)
+        extra = (roots[:, None] + 2 + torch.arange(N - D, device=dev)[None, :]) % V  # wrong siblings
+        tokens = torch.cat([chain, extra], 1)
+        parents = torch.cat([depth - 1, torch.full((N - D,), -1, dtype=torch.int64, device=dev)]).expand(B, N).contiguous()
+        return DraftTree.trusted(tokens, parents, torch.full((B,), N, dtype=torch.int64, device=dev))
+
+    def propose(self, contexts, config) -> DraftTree:
+        roots = torch.tensor([c[-1] for c in contexts], device=self.adapter.device)
+        tree = self.propose_on_device(roots, config)
+        return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.num_nodes.cpu())
+
+    def on_commit(self, acceptance, out) -> None:
+        if self.eagle is not None:
+            self.eagle.on_commit(acceptance, out)
+
+    def select(self, index) -> None:
+        if self.eagle is not None:
+            self.eagle.select(index)
+
+    def graph_state(self):
+        return self.eagle.graph_state() if self.eagle is not None else []
+
+    def set_graph_state(self, tensors) -> None:
+        if self.eagle is not None:
+            self.eagle.set_graph_state(tensors)
+
+
+def geometric(alpha: float, D: int) -> list[float]:
+    """``P(a)`` with ``P(a >= k) = alpha^k``, ``a <= D``."""
+    return [alpha**a * (1 - alpha) for a in range(D)] + [alpha**D]
+
+
+class Harness:
+    """Builds decoders on one model and times them."""
+
+    def __init__(self, args):
+        self.args = args
+        self.model = gdn13b(args.layers, args.embed_scale)
+        self.params = sum(p.numel() for p in self.model.parameters())
+        g = torch.Generator().manual_seed(0)
+        self.prompts = torch.randint(0, VOCAB, (max(args.batches), args.prompt_len), generator=g).tolist()
+        self.head = EagleHead(2048) if args.eagle else None
+        self.rows: list[dict] = []
+        self.dump = None
+
+    def decoder(self, tree: dict, commit: str = "factor", graphs: str = "on", profile=None, eagle: bool = True):
+        """A SpecDecoder (its graphs are kept with it) with an oracle drafter."""
+        cfg = SpecConfig(device="cuda", dtype="bfloat16", commit=commit, cuda_graphs=graphs, stop_at_eos=False,
+                         max_new_tokens=self.args.tokens, **tree)
+        drafter = ProfileDrafter(profile or geometric(0.0, cfg.max_depth),
+                                 EagleDrafter(self.head) if (eagle and self.head is not None and tree["num_draft_tokens"])
+                                 else None)
+        return SpecDecoder(self.model, "gdn", drafter=drafter, config=cfg)
+
+    def time(self, dec: SpecDecoder, B: int) -> dict:
+        """Warm-up (records the graphs), then ``repeats`` timed runs: medians of decode time
+        (prefill excluded), tokens/s, ms per step, accepted per step; peak memory above the
+        pre-run level, per sequence."""
+        prompts = self.prompts[:B]
+        dec.generate(prompts)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        runs = []
+        for _ in range(self.args.repeats):
+            r = dec.generate(prompts)
+            decode_s = r.stats.wall_s - r.stats.prefill_s
+            runs.append((decode_s, r))
+        peak = torch.cuda.max_memory_allocated() - base
+        decode_s = statistics.median(s for s, _ in runs)
+        r = runs[0][1]
+        return dict(B=B, decode_ms=decode_s * 1e3, tokens_per_s=r.stats.generated_tokens / decode_s,
+                    ms_per_step=decode_s / r.stats.steps * 1e3, steps=r.stats.steps,
+                    accepted_per_step=r.stats.mean_accepted_tokens, transient_mib_per_seq=peak / B / 2**20,
+                    outputs=r.outputs)
+
+    def add(self, study: str, **row) -> dict:
+        row = dict(study=study, **row)
+        row.pop("outputs", None)
+        self.rows.append(row)
+        if self.dump is not None:  # every row on disk as soon as it is measured
+            self.dump(self.rows)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        return row
+
+    # ------------------------------------------------------------------ studies
+    def step_study(self) -> None:
+        for B in self.args.batches:
+            base = None
+            for N in self.args.budgets:
+                tree = dict(num_draft_tokens=N, max_depth=max(N, 1), top_k=1) if N else dict(num_draft_tokens=0)
+                dec = self.decoder(tree, eagle=False)
+                t = self.time(dec, B)
+                base = t["ms_per_step"] if N == 0 else base
+                self.add("step", N=N, B=B, ms_per_step=t["ms_per_step"], vs_ar_step=t["ms_per_step"] / base)
+                del dec
+
+    def oracle_study(self, profile: list[float]) -> None:
+        profiles = [(f"alpha={a}", geometric(a, 6)) for a in self.args.alphas] + [("gsm8k-small", profile)]
+        for B in self.args.batches:
+            ar = self.time(self.decoder(dict(num_draft_tokens=0)), B)
+            self.add("oracle", B=B, drafter="AR (graph)", profile="-", tokens_per_s=ar["tokens_per_s"], speedup=1.0,
+                     accepted_per_step=0.0)
+            for name, tree in (("SpecLA chain", CHAIN), ("SpecLA tree", TREE)):
+                dec = self.decoder(tree)
+                for pname, prof in profiles:
+                    dec.drafter.set_profile(prof)
+                    t = self.time(dec, B)
+                    self.add("oracle", B=B, drafter=name, profile=pname, tokens_per_s=t["tokens_per_s"],
+                             speedup=t["tokens_per_s"] / ar["tokens_per_s"], accepted_per_step=t["accepted_per_step"],
+                             ms_per_step=t["ms_per_step"])
+                del dec
+
+    def baselines(self, profile: list[float]) -> None:
+        for B in self.args.batches:
+            ar = self.time(self.decoder(dict(num_draft_tokens=0)), B)
+            ref = ar["outputs"]
+            self.add("baselines", B=B, row="AR, specla graph", tokens_per_s=ar["tokens_per_s"], vs_ar_graph=1.0,
+                     ms_per_step=ar["ms_per_step"], transient_mib_per_seq=ar["transient_mib_per_seq"], exact=1.0)
+            if B <= 8:
+                self.add("baselines", B=B, row="AR, transformers generate (eager)",
+                         **self.hf_generate(B, ar["tokens_per_s"]))
+            for name, tree, commit in (("spec tree, snapshot commit", TREE, "snapshot"),
+                                       ("spec tree, replay commit", TREE, "replay"),
+                                       ("SpecLA chain", CHAIN, "factor"), ("SpecLA tree", TREE, "factor")):
+                t = self.time(self.decoder(tree, commit=commit, profile=profile), B)
+                exact = sum(o == r for o, r in zip(t["outputs"], ref)) / B
+                self.add("baselines", B=B, row=name, tokens_per_s=t["tokens_per_s"],
+                         vs_ar_graph=t["tokens_per_s"] / ar["tokens_per_s"], ms_per_step=t["ms_per_step"],
+                         accepted_per_step=t["accepted_per_step"], transient_mib_per_seq=t["transient_mib_per_seq"],
+                         exact=exact)
+
+    def hf_generate(self, B: int, ar_graph_tps: float) -> dict:
+        """transformers ``generate`` (greedy, eager FLA model), ``--hf-tokens`` new tokens."""
+        ids = torch.tensor(self.prompts[:B], device="cuda")
+        n = self.args.hf_tokens
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)
+        with torch.no_grad():
+            self.model.generate(ids, **kw)
+            times = []
+            for _ in range(self.args.repeats):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                self.model.generate(ids, **kw)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+        tps = B * n / statistics.median(times)
+        return dict(tokens_per_s=tps, vs_ar_graph=tps / ar_graph_tps, ms_per_step=statistics.median(times) / n * 1e3)
+
+
+def measured_profile(spec: str, D: int = 6) -> list[float]:
+    """``FILE.json:RUN``: the accepted-drafts histogram of ``RUN`` in an acceptance.py report."""
+    path, _, run = spec.rpartition(":")
+    hist = json.loads(Path(path).read_text())[run]["categories"]["all"]["accepted_histogram"]
+    if len(hist) != D + 1:
+        raise ValueError(f"{spec}: a histogram of {len(hist)} bins, expected {D + 1} (max_depth {D})")
+    return [h / sum(hist) for h in hist]
+
+
+def tables(rows: list[dict]) -> str:
+    """Markdown tables of every study present in ``rows``."""
+    out = []
+    step = [r for r in rows if r["study"] == "step"]
+    if step:
+        Ns = sorted({r["N"] for r in step})
+        out += ["ms per step (graph, no drafter), ratio to the AR step (N=0) of the same batch", "",
+                "| batch | " + " | ".join(f"N={n}" for n in Ns) + " |", "|---" * (len(Ns) + 1) + "|"]
+        for B in sorted({r["B"] for r in step}):
+            cells = {r["N"]: r for r in step if r["B"] == B}
+            out.append(f"| {B} | " + " | ".join(f"{cells[n]['ms_per_step']:.3f} ({cells[n]['vs_ar_step']:.2f}x)"
+                                                 for n in Ns) + " |")
+        out.append("")
+    orc = [r for r in rows if r["study"] == "oracle" and r["drafter"] != "AR (graph)"]
+    if orc:
+        profiles = list(dict.fromkeys(r["profile"] for r in orc))
+        out += ["speedup over graph AR (accepted drafts per step)", "",
+                "| batch | drafter | " + " | ".join(profiles) + " |", "|---" * (len(profiles) + 2) + "|"]
+        for B in sorted({r["B"] for r in orc}):
+            for d in ("SpecLA chain", "SpecLA tree"):
+                cells = {r["profile"]: r for r in orc if r["B"] == B and r["drafter"] == d}
+                out.append(f"| {B} | {d} | " + " | ".join(
+                    f"{cells[p]['speedup']:.2f}x ({cells[p]['accepted_per_step']:.2f})" for p in profiles) + " |")
+        out.append("")
+    base = [r for r in rows if r["study"] == "baselines"]
+    if base:
+        out += ["| batch | row | tokens/s | vs AR graph | ms/step | accepted/step | transient MiB/seq | exact |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in base:
+            out.append(f"| {r['B']} | {r['row']} | {r['tokens_per_s']:.0f} | {r['vs_ar_graph']:.2f}x | "
+                       f"{r['ms_per_step']:.3f} | {r.get('accepted_per_step', 0):.2f} | "
+                       f"{r.get('transient_mib_per_seq', float('nan')):.1f} | {r.get('exact', float('nan')):.3f} |")
+    return "\n".join(out)
+
+
+def plots(rows: list[dict], out: Path) -> None:
+    """speedup vs acceptance (per batch) and speedup vs batch (GSM8K profile), PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    orc = [r for r in rows if r["study"] == "oracle" and r["profile"].startswith("alpha=")]
+    if orc:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for B in sorted({r["B"] for r in orc}):
+            for d, style in (("SpecLA tree", "-o"), ("SpecLA chain", "--s")):
+                pts = sorted((float(r["profile"][6:]), r["speedup"]) for r in orc if r["B"] == B and r["drafter"] == d)
+                ax.plot(*zip(*pts), style, label=f"{d}, batch {B}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xlabel="per-token acceptance probability", ylabel="speedup over graph AR",
+               title="GDN-1.3B shape, bf16, H200 (oracle drafter + EAGLE cost)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "speedup_vs_acceptance.png", dpi=120)
+    base = [r for r in rows if r["study"] == "baselines"]
+    if base:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in dict.fromkeys(r["row"] for r in base):
+            pts = sorted((r["B"], r["vs_ar_graph"]) for r in base if r["row"] == name)
+            ax.plot(*zip(*pts), "-o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set(xlabel="batch", ylabel="tokens/s relative to graph AR",
+               title="GSM8K acceptance profile of the small target")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "speedup_vs_batch.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--studies", default="step,oracle,baselines")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--budgets", default="0,1,2,4,8,16,32,63")
+    ap.add_argument("--alphas", default="0.5,0.6,0.7,0.8,0.9,0.95")
+    ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run2/acceptance-call2-gpu0-float32-triton.json"
+                    ":gsm8k/eagle-tree", help="FILE.json:RUN of acceptance.py: the measured profile")
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per sequence")
+    ap.add_argument("--hf-tokens", type=int, default=32, help="new tokens per transformers generate run")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--embed-scale", type=float, default=32.0)
+    ap.add_argument("--no-eagle", dest="eagle", action="store_false", help="do not count an EAGLE head's cost")
+    args = ap.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.budgets = [int(x) for x in args.budgets.split(",")]
+    args.alphas = [float(x) for x in args.alphas.split(",")]
+    studies = args.studies.split(",")
+    if not set(studies) <= {"step", "oracle", "baselines"}:
+        ap.error(f"--studies: unknown {sorted(set(studies) - {'step', 'oracle', 'baselines'})}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    profile = measured_profile(args.profile)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    h = Harness(args)
+    meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), params=h.params,
+                torch=torch.__version__, args={k: v for k, v in vars(args).items()}, gsm8k_profile=profile)
+    print(json.dumps(meta), flush=True)
+    h.dump = lambda rows: (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    for study in studies:
+        {"step": h.step_study, "oracle": lambda: h.oracle_study(profile),
+         "baselines": lambda: h.baselines(profile)}[study]()
+    (out / "e2e.md").write_text(tables(h.rows))
+    print(tables(h.rows))
+    plots(h.rows, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""CUDA-graph execution of the speculative step (docs/DESIGN.md section 8).
+
+Eager decoding of a linear-attention model is launch-bound: hundreds of small kernels per step,
+each costing more host time than GPU time. :class:`GraphRunner` records one whole step (the
+drafter's tree when it is built on the device, verify with the fused delayed commit, greedy
+acceptance, the commit bookkeeping and the drafter's update) as one CUDA graph per batch size, and
+replays it with a single host synchronisation per step: reading the step's outcome.
+
+How the step stays capturable:
+
+- every tensor a step reads and replaces lives in static buffers owned by the graph
+  (``TargetAdapter.graph_state`` / ``Drafter.graph_state``); the recorded step ends by copying
+  its new state into them, so each replay starts where the previous one ended;
+- shapes are fixed per graph: trees are padded to the budget ``N`` (unused nodes are padding
+  that acceptance never follows), acceptance paths to ``D + 1``; the adapter picks its kernel
+  without reading the tree (``TargetAdapter.static_shapes``); nothing is read on the host;
+- the batch is fixed per graph and rounded up to a power of two: sequences that finish stay in
+  the batch as dead rows until at most half the rows are alive, then the live ones are gathered
+  into the next smaller graph (so at most ``log2(B) + 1`` graphs exist per budget and are reused
+  from one ``generate`` call to the next);
+- a host-side drafter (n-gram) proposes on the CPU before each replay; its tree is copied into
+  the graph's static tree buffers.
+
+The step's depth limit (no drafts past ``max_new_tokens``) is left to the host: a graph verifies
+full trees and the engine keeps only the tokens a sequence still has room for, which gives the
+same output (every accepted token is the target's greedy token).
+
+Graphs serve greedy decoding (``temperature == 0``) on CUDA; sampling runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .acceptance import accept_greedy
+from .config import SpecConfig
+from .interfaces import Drafter, TargetAdapter
+from .tree import DraftTree
+
+
+def batch_bucket(n: int) -> int:
+    """The graph batch that holds ``n >= 1`` sequences: the next power of two."""
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass
+class _Graph:
+    """One recorded step for a batch of ``B`` rows."""
+
+    state: list[Tensor]  # static copies of adapter.graph_state()
+    drafter_state: list[Tensor]  # static copies of drafter.graph_state()
+    tree: tuple[Tensor, Tensor, Tensor] | None  # static host-drafter tree (tokens, parents, num_nodes)
+    outcome: Tensor  # [B, 2 + D] int64: num_accepted, bonus, accepted tokens
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class GraphRunner:
+    """Runs greedy speculative steps as CUDA graphs (see the module docstring).
+
+    Args:
+        adapter: the target; must provide ``graph_state`` (``LayerwiseAdapter`` does).
+        drafter: the drafter; proposes on the device (``propose_on_device``) or on the host.
+        config: the run's options; ``num_draft_tokens`` must be at most
+            ``adapter.graph_max_nodes()``.
+        capture: record CUDA graphs (``False`` runs the same static-buffer step eagerly, which is
+            how the CPU tests check the runner's logic).
+
+    Raises:
+        ValueError: the adapter cannot run in graphs, the budget is over its limit, or the
+            configuration samples (``temperature > 0``).
+    """
+
+    def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig, capture: bool = True):
+        problem = graph_problem(adapter, config)
+        if problem:
+            raise ValueError(f"CUDA graphs cannot run this configuration: {problem}")
+        self.adapter, self.drafter, self.config, self.capture = adapter, drafter, config, capture
+        self.depth = min(config.max_depth, config.num_draft_tokens)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._device_drafts = drafter.device_proposals and config.num_draft_tokens > 0
+        self._pinned: Tensor | None = None
+
+    # ------------------------------------------------------------------ the recorded step
+    def _body(self, tree: DraftTree | None) -> Tensor:
+        """verify -> accept -> commit -> drafter update on the bound state, with fixed shapes;
+        ``tree`` ``None``: the drafter builds it on the device. Returns the outcome rows
+        ``[B, 2 + D]`` int64 (num_accepted, bonus, accepted tokens padded with -1)."""
+        ad, dr, cfg = self.adapter, self.drafter, self.config
+        ad.static_shapes = True
+        try:
+            if tree is None:
+                tree = dr.propose_on_device(ad.roots, cfg)
+            out = ad._verify(tree)
+            acceptance = accept_greedy(tree, out.logits, max_depth=self.depth)
+            ad._commit(tree, out, acceptance)
+            dr.on_commit(acceptance, out)
+        finally:
+            ad.static_shapes = False
+        tokens = acceptance.tokens
+        pad = torch.full((tokens.shape[0], self.depth - tokens.shape[1]), -1, dtype=torch.int64, device=tokens.device)
+        return torch.cat([acceptance.num_accepted[:, None], acceptance.bonus[:, None], tokens, pad], 1)
+
+    def _record(self, g: _Graph) -> None:
+        """One step on ``g``'s static buffers, ending with its new state copied back into them:
+        what the CUDA graph holds."""
+        ad, dr = self.adapter, self.drafter
+        ad.set_graph_state(g.state)
+        dr.set_graph_state(g.drafter_state)
+        outcome = self._body(None if g.tree is None else DraftTree.trusted(*g.tree))
+        for static, new in zip(g.state + g.drafter_state, ad.graph_state() + dr.graph_state()):
+            if new is not static:
+                static.copy_(new)
+        ad.set_graph_state(g.state)
+        dr.set_graph_state(g.drafter_state)
+        g.outcome.copy_(outcome)
+
+    def _new_graph(self, B: int, state: list[Tensor], drafter_state: list[Tensor]) -> _Graph:
+        """Static buffers for batch ``B`` (filled from the live state), recorded into a CUDA graph
+        after a warm-up step on them (Triton compiles, cuBLAS picks its workspaces); the warm-up's
+        effect on the buffers is then undone by reloading the live state."""
+        dev = self.adapter.device
+        tree = None
+        if not self._device_drafts:
+            N = self.config.num_draft_tokens
+            tree = (torch.zeros(B, N, dtype=torch.int64, device=dev),
+                    torch.full((B, N), -1, dtype=torch.int64, device=dev),
+                    torch.zeros(B, dtype=torch.int64, device=dev))
+        g = _Graph([t.clone() for t in state], [t.clone() for t in drafter_state], tree,
+                   torch.zeros(B, 2 + self.depth, dtype=torch.int64, device=dev))
+        if self.capture:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._record(g)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=self.pool):
+                self._record(g)
+            self._load(g, state, drafter_state)
+        return g
+
+    @staticmethod
+    def _load(g: _Graph, state: list[Tensor], drafter_state: list[Tensor]) -> None:
+        for static, live in zip(g.state + g.drafter_state, state + drafter_state):
+            if live.data_ptr() != static.data_ptr():
+                static.copy_(live)
+
+    # ------------------------------------------------------------------ public
+    def step(self, contexts: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
+        """One speculative step of the whole (physical) batch.
+
+        Args:
+            contexts: per row of the adapter's batch, the tokens so far (what a host drafter
+                reads; dead rows may show any valid context).
+        Returns:
+            ``(num_accepted, accepted draft tokens, bonus)`` per row, on the host.
+        Raises:
+            BudgetError / InvalidTokenError / InvalidTreeError / ValueError: a host drafter's
+                tree is invalid (checked on the CPU before anything runs).
+        """
+        ad, dr = self.adapter, self.drafter
+        state, dstate = ad.graph_state(), dr.graph_state()
+        if state is None:  # no pending commit yet (first step after prefill): the same fixed-shape
+            # step, run eagerly on the live state; it leaves the pending commit the graphs copy
+            tree = None
+            if not self._device_drafts:
+                tree = self._host_tree(contexts)
+                tree = DraftTree.trusted(*(x.to(ad.device) for x in tree))
+            outcome = self._body(tree).tolist()
+        else:
+            B = ad.batch_size
+            g = self.graphs.get(B)
+            if g is None:
+                g = self.graphs[B] = self._new_graph(B, state, dstate)
+            else:
+                self._load(g, state, dstate)
+            ad.set_graph_state(g.state)
+            dr.set_graph_state(g.drafter_state)
+            if g.tree is not None:
+                for static, host in zip(g.tree, self._host_tree(contexts, pinned=self.capture)):
+                    static.copy_(host, non_blocking=True)
+            if g.graph is not None:
+                g.graph.replay()
+            else:
+                self._record(g)
+            outcome = g.outcome.tolist()  # the step's one host synchronisation
+        num = [row[0] for row in outcome]
+        return num, [row[2:] for row in outcome], [row[1] for row in outcome]
+
+    def _host_tree(self, contexts: list[list[int]], pinned: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """The host drafter's trees, checked on the CPU and padded to the budget ``N``:
+        ``(tokens [B, N], parents [B, N], num_nodes [B])`` int64 CPU tensors (in pinned memory
+        when ``pinned``, so the copy to the device is queued without waiting).
+
+        Raises:
+            BudgetError / InvalidTokenError / InvalidTreeError: the drafter's tree is invalid.
+        """
+        cfg, B, N = self.config, len(contexts), self.config.num_draft_tokens
+        buf = torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=pinned)
+        tokens, parents, num = buf[: B * N].view(B, N), buf[B * N : 2 * B * N].view(B, N), buf[2 * B * N :]
+        tokens.zero_()
+        parents.fill_(-1)
+        num.zero_()
+        if N:
+            tree = self.drafter.propose(contexts, cfg)
+            tree.validate(vocab_size=self.adapter.vocab_size, max_nodes=N, max_depth=cfg.max_depth)
+            if tree.batch_size != B:
+                raise ValueError(f"drafter {self.drafter.name!r} proposed {tree.batch_size} trees for {B} sequences")
+            n = tree.width
+            tokens[:, :n], parents[:, :n], num[:] = tree.tokens, tree.parents, tree.num_nodes
+        self._pinned = buf  # kept alive until the copy has run (each step synchronises)
+        return tokens, parents, num
+
+    def release(self) -> None:
+        """Drop every recorded graph and its buffers."""
+        self.graphs.clear()
+
+
+def graph_problem(adapter: TargetAdapter, config: SpecConfig) -> str | None:
+    """Why :class:`GraphRunner` cannot run ``config`` on ``adapter`` (``None``: it can)."""
+    if config.temperature > 0:
+        return "sampling (temperature > 0) runs eagerly"
+    if type(adapter).graph_state is TargetAdapter.graph_state:
+        return f"{type(adapter).__name__} has no graph state"
+    if config.num_draft_tokens > adapter.graph_max_nodes():
+        return (f"num_draft_tokens={config.num_draft_tokens} is over the {adapter.graph_max_nodes()} draft nodes "
+                "a recorded verify holds")
+    return None

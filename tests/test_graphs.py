@@ -1,0 +1,92 @@
+"""CUDA graphs (:mod:`specla.graphs`) on a GPU: recorded steps are token-identical to eager
+steps, with one host synchronisation per recorded step. Skipped without CUDA; the same
+fixed-shape step (unrecorded) runs on the CPU in the conformance suite
+(``test_cuda_graph_step_token_identical_or_refused``) and below."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from specla import SpecConfig
+from specla.api import SpecDecoder
+from specla.errors import ConfigError
+
+ASSETS = Path(__file__).resolve().parents[1] / "plugins" / "gdn" / "assets"
+TREES = {"chain": dict(num_draft_tokens=6, max_depth=6, top_k=1), "tree": dict(num_draft_tokens=16, max_depth=6, top_k=4)}
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def prompts_and_stops(n: int):
+    """``n`` random prompts and stop tokens taken from their greedy outputs at different
+    positions, so that the sequences end at different steps."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 30000, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    ar = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=dict(num_draft_tokens=0, max_new_tokens=40,
+                                                                  dtype="float32", cuda_graphs="off")).generate(prompts)
+    return prompts, tuple(sorted({o[min(3 * i, len(o) - 1)] for i, o in enumerate(ar.outputs)}))
+
+
+def run(device: str, drafter: str, tree: str, graphs: str, prompts, stops):
+    cfg = dict(device=device, dtype="float32", max_new_tokens=40, stop_token_ids=stops, cuda_graphs=graphs,
+               **TREES[tree])
+    dec = SpecDecoder(ASSETS / "tiny", drafter=str(ASSETS / "tiny-eagle") if drafter == "eagle" else "ngram", config=cfg)
+    return dec, dec.generate(prompts)
+
+
+@cuda
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+@pytest.mark.parametrize("tree", ["chain", "tree"])
+def test_recorded_steps_token_identical(drafter, tree):
+    """13 sequences (16 graph rows) ending at different steps: recorded CUDA graphs (for 16 and
+    the smaller batches the live rows are gathered into) give the eager output, twice (the
+    second call replays the graphs of the first)."""
+    prompts, stops = prompts_and_stops(13)
+    _, eager = run("cuda", drafter, tree, "off", prompts, stops)
+    dec, graphed = run("cuda", drafter, tree, "on", prompts, stops)
+    assert len({len(o) for o in eager.outputs}) >= 3  # sequences really end at different steps
+    assert graphed.outputs == eager.outputs
+    runner = dec.engine._runner
+    assert 16 in runner.graphs and all(g.graph is not None for g in runner.graphs.values())
+    assert dec.generate(prompts).outputs == eager.outputs
+
+
+@cuda
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_one_host_synchronisation_per_recorded_step(drafter):
+    """Once recorded, a step synchronises with the host once (reading its outcome): counted
+    with ``torch.cuda.set_sync_debug_mode("warn")`` around every replayed step."""
+    prompts, stops = prompts_and_stops(4)
+    dec, _ = run("cuda", drafter, "tree", "on", prompts, stops)
+    runner, counts = dec.engine._runner, []
+    step = runner.step
+
+    def counted(contexts):
+        if dec.adapter.graph_state() is None or dec.adapter.batch_size not in runner.graphs:
+            return step(contexts)  # the eager first step, or a batch not recorded yet
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = step(contexts)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in seen))
+        return result
+
+    runner.step = counted
+    dec.generate(prompts)
+    assert counts and max(counts) == 1
+
+
+def test_cuda_graphs_on_refuses_what_graphs_cannot_run():
+    """``cuda_graphs="on"`` with sampling, or with a budget over the recorded verify's limit
+    (Triton kernels: 63 draft nodes), raises a ConfigError before anything runs."""
+    with pytest.raises(ConfigError, match="sampling"):
+        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", temperature=0.7)).generate([[1, 2, 3]])
+    dec = SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", kernels="triton", num_draft_tokens=64,
+                                                   max_depth=8, dtype="float32"))
+    with pytest.raises(ConfigError, match="63"):
+        dec.generate([[1, 2, 3]])
