@@ -1,6 +1,7 @@
 """End-to-end speed at the GDN-1.3B shape on one GPU (issue 5; BENCHMARKS.md section 5).
 
     python benchmarks/e2e.py --out DIR [--studies step,oracle,baselines] [--batches 1,8,32,64]
+    python benchmarks/e2e.py --out DIR --replot e2e.json [e2e.json ...]   # tables and plots again
 
 The target is FLA's ``GatedDeltaNetForCausalLM`` at the GDN-1.3B shape (hidden 2048, 24 layers, 8
 heads of dim 256, expand_v 1, vocab 32000) in bfloat16 with random weights, except that the input
@@ -18,12 +19,16 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
 - ``step``: ms per decoding step (CUDA graphs, no drafter compute) for budgets ``N`` and batches;
   ``N = 0`` is specla's graph-captured autoregressive step; ratios to it in the same run.
 - ``oracle``: tokens/s of SpecLA chain (N = D = 6) and tree (N = 16, D = 6) against the graph AR
-  baseline, for per-token acceptance ``alpha`` (profile ``P(a >= k) = alpha^k``) and for the
-  profile measured with the ``small`` target on GSM8K (``--profile``), per batch.
+  baseline, for per-token acceptance ``alpha`` (profile ``P(a >= k) = alpha^k`` along the main
+  path; a tree's other nodes are pure cost here, so at equal ``alpha`` a tree cannot beat a chain)
+  and for the profiles measured with the ``small`` target on GSM8K, each drafter its own
+  (``--profile`` for the tree, ``--chain-profile`` for the chain), per batch.
 - ``baselines``: at the GSM8K profile, one table per batch with: transformers ``generate``
   (eager, batch 1 and 8 only: it is ~70 ms per token), specla AR (graph), speculative tree with
   ``snapshot`` and ``replay`` commit, SpecLA chain and tree (``factor``); each row's greedy output
-  compared token for token with the AR row; peak transient memory per sequence of each strategy.
+  compared token for token with the AR row; per sequence, the bytes one verify's records hold
+  (what commit needs: factor records, snapshot states or replay inputs) and the peak memory above
+  the model (CUDA-graph pools and static state included).
 
 Writes ``DIR/e2e.json`` (every row), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots).
 """
@@ -162,12 +167,12 @@ class Harness:
     def time(self, dec: SpecDecoder, B: int) -> dict:
         """Warm-up (records the graphs), then ``repeats`` timed runs: medians of decode time
         (prefill excluded), tokens/s, ms per step, accepted per step; peak memory above the
-        pre-run level, per sequence."""
+        model during all of them (graph pools included), per sequence."""
         prompts = self.prompts[:B]
-        dec.generate(prompts)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        dec.generate(prompts)
         runs = []
         for _ in range(self.args.repeats):
             r = dec.generate(prompts)
@@ -178,8 +183,21 @@ class Harness:
         r = runs[0][1]
         return dict(B=B, decode_ms=decode_s * 1e3, tokens_per_s=r.stats.generated_tokens / decode_s,
                     ms_per_step=decode_s / r.stats.steps * 1e3, steps=r.stats.steps,
-                    accepted_per_step=r.stats.mean_accepted_tokens, transient_mib_per_seq=peak / B / 2**20,
-                    outputs=r.outputs)
+                    accepted_per_step=r.stats.mean_accepted_tokens, peak_mib_per_seq=peak / B / 2**20,
+                    record_mib_per_seq=self.record_mib(dec, 1), outputs=r.outputs)
+
+    @staticmethod
+    def record_mib(dec: SpecDecoder, B: int) -> float:
+        """MiB per sequence held by one verify's records (all layers), from an eager verify of a
+        full tree after the timed runs."""
+        ad, cfg = dec.adapter, dec.config
+        ad.prefill([[1, 2]] * B)
+        tree = DraftTree.empty(B, ad.device)
+        if cfg.num_draft_tokens:
+            dec.drafter.reset([[1, 2]] * B)
+            tree = dec.drafter.propose_on_device(ad.roots, cfg)
+        out = ad.verify(tree)
+        return sum(r.nbytes_per_sequence() for r in out.records) / 2**20
 
     def add(self, study: str, **row) -> dict:
         row = dict(study=study, **row)
@@ -202,14 +220,15 @@ class Harness:
                 self.add("step", N=N, B=B, ms_per_step=t["ms_per_step"], vs_ar_step=t["ms_per_step"] / base)
                 del dec
 
-    def oracle_study(self, profile: list[float]) -> None:
-        profiles = [(f"alpha={a}", geometric(a, 6)) for a in self.args.alphas] + [("gsm8k-small", profile)]
+    def oracle_study(self, profiles_measured: dict[str, list[float]]) -> None:
         for B in self.args.batches:
             ar = self.time(self.decoder(dict(num_draft_tokens=0)), B)
             self.add("oracle", B=B, drafter="AR (graph)", profile="-", tokens_per_s=ar["tokens_per_s"], speedup=1.0,
                      accepted_per_step=0.0)
             for name, tree in (("SpecLA chain", CHAIN), ("SpecLA tree", TREE)):
                 dec = self.decoder(tree)
+                profiles = [(f"alpha={a}", geometric(a, 6)) for a in self.args.alphas]
+                profiles.append(("gsm8k-small (own drafter)", profiles_measured[name]))
                 for pname, prof in profiles:
                     dec.drafter.set_profile(prof)
                     t = self.time(dec, B)
@@ -218,24 +237,26 @@ class Harness:
                              ms_per_step=t["ms_per_step"])
                 del dec
 
-    def baselines(self, profile: list[float]) -> None:
+    def baselines(self, profiles: dict[str, list[float]]) -> None:
         for B in self.args.batches:
             ar = self.time(self.decoder(dict(num_draft_tokens=0)), B)
             ref = ar["outputs"]
             self.add("baselines", B=B, row="AR, specla graph", tokens_per_s=ar["tokens_per_s"], vs_ar_graph=1.0,
-                     ms_per_step=ar["ms_per_step"], transient_mib_per_seq=ar["transient_mib_per_seq"], exact=1.0)
+                     ms_per_step=ar["ms_per_step"], peak_mib_per_seq=ar["peak_mib_per_seq"],
+                     record_mib_per_seq=ar["record_mib_per_seq"], exact=1.0)
             if B <= 8:
                 self.add("baselines", B=B, row="AR, transformers generate (eager)",
                          **self.hf_generate(B, ar["tokens_per_s"]))
             for name, tree, commit in (("spec tree, snapshot commit", TREE, "snapshot"),
                                        ("spec tree, replay commit", TREE, "replay"),
                                        ("SpecLA chain", CHAIN, "factor"), ("SpecLA tree", TREE, "factor")):
-                t = self.time(self.decoder(tree, commit=commit, profile=profile), B)
+                prof = profiles["SpecLA chain" if tree is CHAIN else "SpecLA tree"]
+                t = self.time(self.decoder(tree, commit=commit, profile=prof), B)
                 exact = sum(o == r for o, r in zip(t["outputs"], ref)) / B
                 self.add("baselines", B=B, row=name, tokens_per_s=t["tokens_per_s"],
                          vs_ar_graph=t["tokens_per_s"] / ar["tokens_per_s"], ms_per_step=t["ms_per_step"],
-                         accepted_per_step=t["accepted_per_step"], transient_mib_per_seq=t["transient_mib_per_seq"],
-                         exact=exact)
+                         accepted_per_step=t["accepted_per_step"], peak_mib_per_seq=t["peak_mib_per_seq"],
+                         record_mib_per_seq=t["record_mib_per_seq"], exact=exact)
 
     def hf_generate(self, B: int, ar_graph_tps: float) -> dict:
         """transformers ``generate`` (greedy, eager FLA model), ``--hf-tokens`` new tokens."""
@@ -275,7 +296,7 @@ def tables(rows: list[dict]) -> str:
         for B in sorted({r["B"] for r in step}):
             cells = {r["N"]: r for r in step if r["B"] == B}
             out.append(f"| {B} | " + " | ".join(f"{cells[n]['ms_per_step']:.3f} ({cells[n]['vs_ar_step']:.2f}x)"
-                                                 for n in Ns) + " |")
+                                                 if n in cells else "not run" for n in Ns) + " |")
         out.append("")
     orc = [r for r in rows if r["study"] == "oracle" and r["drafter"] != "AR (graph)"]
     if orc:
@@ -286,16 +307,19 @@ def tables(rows: list[dict]) -> str:
             for d in ("SpecLA chain", "SpecLA tree"):
                 cells = {r["profile"]: r for r in orc if r["B"] == B and r["drafter"] == d}
                 out.append(f"| {B} | {d} | " + " | ".join(
-                    f"{cells[p]['speedup']:.2f}x ({cells[p]['accepted_per_step']:.2f})" for p in profiles) + " |")
+                    f"{cells[p]['speedup']:.2f}x ({cells[p]['accepted_per_step']:.2f})" if p in cells else "not run"
+                    for p in profiles) + " |")
         out.append("")
     base = [r for r in rows if r["study"] == "baselines"]
     if base:
-        out += ["| batch | row | tokens/s | vs AR graph | ms/step | accepted/step | transient MiB/seq | exact |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["| batch | row | tokens/s | vs AR graph | ms/step | accepted/step | records MiB/seq | "
+                "peak MiB/seq | exact |", "|---|---|---|---|---|---|---|---|---|"]
+        nan = float("nan")
         for r in base:
             out.append(f"| {r['B']} | {r['row']} | {r['tokens_per_s']:.0f} | {r['vs_ar_graph']:.2f}x | "
                        f"{r['ms_per_step']:.3f} | {r.get('accepted_per_step', 0):.2f} | "
-                       f"{r.get('transient_mib_per_seq', float('nan')):.1f} | {r.get('exact', float('nan')):.3f} |")
+                       f"{r.get('record_mib_per_seq', nan):.1f} | {r.get('peak_mib_per_seq', nan):.1f} | "
+                       f"{r.get('exact', nan):.3f} |")
     return "\n".join(out)
 
 
@@ -341,8 +365,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--budgets", default="0,1,2,4,8,16,32,63")
     ap.add_argument("--alphas", default="0.5,0.6,0.7,0.8,0.9,0.95")
-    ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run2/acceptance-call2-gpu0-float32-triton.json"
-                    ":gsm8k/eagle-tree", help="FILE.json:RUN of acceptance.py: the measured profile")
+    ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run3/acceptance-gsm8k.json:gsm8k/eagle-tree",
+                    help="FILE.json:RUN of acceptance.py: the tree's measured profile")
+    ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run3/acceptance-gsm8k.json"
+                    ":gsm8k/eagle-chain", help="FILE.json:RUN: the chain's measured profile")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per sequence")
     ap.add_argument("--hf-tokens", type=int, default=32, help="new tokens per transformers generate run")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -350,7 +376,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--embed-scale", type=float, default=32.0)
     ap.add_argument("--no-eagle", dest="eagle", action="store_false", help="do not count an EAGLE head's cost")
+    ap.add_argument("--replot", nargs="+", metavar="JSON", help="write the tables and plots of earlier runs' "
+                    "e2e.json files (rows merged) into --out; nothing is measured")
     args = ap.parse_args()
+    if args.replot:
+        rows = [r for f in args.replot for r in json.loads(Path(f).read_text())["rows"]]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "e2e.md").write_text(tables(rows))
+        print(tables(rows))
+        plots(rows, Path(args.out))
+        return
     args.batches = [int(x) for x in args.batches.split(",")]
     args.budgets = [int(x) for x in args.budgets.split(",")]
     args.alphas = [float(x) for x in args.alphas.split(",")]
@@ -359,17 +394,17 @@ def main() -> None:
         ap.error(f"--studies: unknown {sorted(set(studies) - {'step', 'oracle', 'baselines'})}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    profile = measured_profile(args.profile)
+    profiles = {"SpecLA tree": measured_profile(args.profile), "SpecLA chain": measured_profile(args.chain_profile)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     h = Harness(args)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), params=h.params,
-                torch=torch.__version__, args={k: v for k, v in vars(args).items()}, gsm8k_profile=profile)
+                torch=torch.__version__, args={k: v for k, v in vars(args).items()}, gsm8k_profiles=profiles)
     print(json.dumps(meta), flush=True)
     h.dump = lambda rows: (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     for study in studies:
-        {"step": h.step_study, "oracle": lambda: h.oracle_study(profile),
-         "baselines": lambda: h.baselines(profile)}[study]()
+        {"step": h.step_study, "oracle": lambda: h.oracle_study(profiles),
+         "baselines": lambda: h.baselines(profiles)}[study]()
     (out / "e2e.md").write_text(tables(h.rows))
     print(tables(h.rows))
     plots(h.rows, out)

@@ -22,7 +22,7 @@ def prompts_and_stops(n: int):
     """``n`` random prompts and stop tokens taken from their greedy outputs at different
     positions, so that the sequences end at different steps."""
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 30000, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+    prompts = [torch.randint(3, 8000, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n)]
     ar = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=dict(num_draft_tokens=0, max_new_tokens=40,
                                                                   dtype="float32", cuda_graphs="off")).generate(prompts)
@@ -40,16 +40,16 @@ def run(device: str, drafter: str, tree: str, graphs: str, prompts, stops):
 @pytest.mark.parametrize("drafter", ["ngram", "eagle"])
 @pytest.mark.parametrize("tree", ["chain", "tree"])
 def test_recorded_steps_token_identical(drafter, tree):
-    """13 sequences (16 graph rows) ending at different steps: recorded CUDA graphs (for 16 and
-    the smaller batches the live rows are gathered into) give the eager output, twice (the
-    second call replays the graphs of the first)."""
+    """13 sequences (16 graph rows) ending at different steps: recorded CUDA graphs (for the
+    batches the live rows are gathered into) give the eager output, twice (the second call
+    replays the graphs of the first)."""
     prompts, stops = prompts_and_stops(13)
     _, eager = run("cuda", drafter, tree, "off", prompts, stops)
     dec, graphed = run("cuda", drafter, tree, "on", prompts, stops)
     assert len({len(o) for o in eager.outputs}) >= 3  # sequences really end at different steps
     assert graphed.outputs == eager.outputs
     runner = dec.engine._runner
-    assert 16 in runner.graphs and all(g.graph is not None for g in runner.graphs.values())
+    assert runner.graphs and all(g.graph is not None for g in runner.graphs.values())
     assert dec.generate(prompts).outputs == eager.outputs
 
 
@@ -87,6 +87,7 @@ def test_cuda_graphs_on_refuses_what_graphs_cannot_run():
     with pytest.raises(ConfigError, match="sampling"):
         SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", temperature=0.7)).generate([[1, 2, 3]])
     dec = SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", kernels="triton", num_draft_tokens=64,
-                                                   max_depth=8, dtype="float32"))
+                                                   max_depth=8, dtype="float32",
+                                                   device="cuda" if torch.cuda.is_available() else "cpu"))
     with pytest.raises(ConfigError, match="63"):
         dec.generate([[1, 2, 3]])
