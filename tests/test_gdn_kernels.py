@@ -170,7 +170,8 @@ from specla_gdn.naive import naive_greedy_decode  # noqa: E402
 @pytest.mark.parametrize(
     "name, verify_kernel, pattern",
     [("base", "auto", "alternating"), ("base", "auto", "tree"), ("base", "auto", "zero_after_many"),
-     ("gva", "auto", "tree"), ("base", "hybrid", "tree"), ("gva", "serial", "tree"), ("base", "parallel", "alternating")],
+     ("gva", "auto", "tree"), ("base", "hybrid", "tree"), ("gva", "serial", "tree"), ("base", "parallel", "alternating"),
+     ("odd_nogate", "auto", "tree")],
 )
 def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monkeypatch):
     """The whole engine with kernels="triton" (fused delayed commit inside the verify kernel) is

@@ -50,12 +50,14 @@ def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
     T, B, D = max(sizes), 2, 37
     parents = torch.tensor([tree_parents(kind, n, rng) + [-1] * (T - n) for n in sizes])
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    x = torch.randn(B, T, D, generator=gen)
+    wide = torch.randn(B, T, D + 11, generator=gen)
+    x = wide[..., 5 : 5 + D]
+    xd = wide.to(DEV)[..., 5 : 5 + D]  # strided rows: a slice of a wider projection, as GDN passes them
     window = torch.randn(B, width - 1, D, generator=gen)
     weight = torch.randn(D, width, generator=gen)
     b = torch.randn(D, generator=gen) if bias else None
     anc = conv_ancestors(parents, width)
-    y = conv_kernels.tree_conv(*(t.to(DEV) for t in (x, window, weight)), b.to(DEV) if bias else None, anc.to(DEV),
+    y = conv_kernels.tree_conv(xd, *(t.to(DEV) for t in (window, weight)), b.to(DEV) if bias else None, anc.to(DEV),
                                out=torch.full((B, T, D), float("nan"), device=DEV))
     ry, rwin = naive_tree_conv(x, window, weight, b, parents)
     assert torch.allclose(y.cpu(), ry, rtol=1e-5, atol=1e-5)
@@ -64,10 +66,10 @@ def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
         P = max(len(p) for p in paths)
         path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
         plen = torch.tensor([len(p) for p in paths])
-        new = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), path.to(DEV), plen.to(DEV),
+        new = conv_kernels.conv_commit(xd, window.to(DEV), path.to(DEV), plen.to(DEV),
                                        out=torch.full_like(window, float("nan")).to(DEV))
         assert torch.equal(new.cpu(), rwin[:, node])  # pure gathers: exact
-    same = conv_kernels.conv_commit(x.to(DEV), window.to(DEV), torch.full((B, 1), -1, device=DEV),
+    same = conv_kernels.conv_commit(xd, window.to(DEV), torch.full((B, 1), -1, device=DEV),
                                     torch.zeros(B, dtype=torch.int64, device=DEV))
     assert torch.equal(same.cpu(), window)  # nothing accepted: bit-identical
 

@@ -107,3 +107,16 @@ def test_heavy_light_on_known_tree():
     assert [(c.nodes, c.parent, c.wave) for c in chains] == [
         ((0, 1, 3, 5), -1, 0), ((6,), -1, 0), ((2,), 0, 1), ((4,), 1, 1)
     ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 16, 17, 64, 65])
+def test_ancestor_mask_of_long_chains_and_mixed_batches(n):
+    """Chains as deep as the largest budgets (the closure needs every squaring), batched with a
+    star of the same width: exact masks."""
+    chain = torch.arange(-1, n - 1)
+    star = torch.tensor([-1] + [0] * (n - 1))
+    mask = inclusive_ancestor_mask(torch.stack([chain, star]))
+    assert torch.equal(mask[0], torch.ones(n, n, dtype=torch.bool).tril())
+    expect = torch.eye(n, dtype=torch.bool)
+    expect[:, 0] = True
+    assert torch.equal(mask[1], expect)

@@ -22,8 +22,9 @@ from specla.tree import inclusive_ancestor_mask
 
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
 from specla.ops import conv_triton as conv_kernels
+from specla.ops import norm_triton as norm_kernels
 from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.ops.norm import compute_dtype, l2norm, rms_norm
+from specla.ops.norm import compute_dtype, gated_rms_norm, l2norm, rms_norm
 
 from .commit import flush_commit
 from .reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
@@ -54,6 +55,9 @@ class _Layer:
     w_gate: Tensor
     w_up: Tensor
     w_down: Tensor
+    neg_A: Tensor  # [HV] float32, -exp(A_log): the gate's constant factor, computed once
+    w_in: Tensor | None  # [w_qkv; w_a; w_b; w_g] stacked (the fused path's one input GEMM), else None
+    w_gu: Tensor | None  # [w_gate; w_up] stacked (one MLP input GEMM), else None
     H: int
     HV: int
     K: int
@@ -97,16 +101,30 @@ class GDNAdapter(LayerwiseAdapter):
         self.eos_token_id = eos if isinstance(eos, int) else None
         self.norm, self.norm_eps = act(m.norm.weight), m.norm.eps
         self.lm_head = act(model.lm_head.weight)
+        # the fused path (Triton kernels) stacks the input projections into one GEMM each; the
+        # separate weights are then row views of the stacks (no extra memory)
+        stack = self.triton_kernels and not differentiable
         self.layers = []
         for blk in m.layers:
             a = blk.attn
             conv = [a.q_conv1d, a.k_conv1d, a.v_conv1d] if a.use_short_conv else None
+            ins = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.a_proj.weight, a.b_proj.weight]
+            ins += [a.g_proj.weight] if a.use_gate else []
+            HV, Dc = a.num_v_heads, sum(w.shape[0] for w in ins[:3])
+            mlp = [blk.mlp.gate_proj.weight, blk.mlp.up_proj.weight]
+            I = mlp[0].shape[0]
+            if stack:
+                w_in, w_gu = act(torch.cat(ins)), act(torch.cat(mlp))
+                w_qkv, w_a, w_b, w_g = w_in[:Dc], w_in[Dc:Dc + HV], w_in[Dc + HV:Dc + 2 * HV], w_in[Dc + 2 * HV:]
+                w_gate, w_up = w_gu[:I], w_gu[I:]
+            else:
+                w_in = w_gu = None
+                w_qkv, w_a, w_b, w_g = act(torch.cat(ins[:3])), act(ins[3]), act(ins[4]), act(ins[-1])
+                w_gate, w_up = act(mlp[0]), act(mlp[1])
             self.layers.append(
                 _Layer(
                     attn_norm=act(blk.attn_norm.weight), attn_eps=blk.attn_norm.eps,
-                    w_qkv=act(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                    w_a=act(a.a_proj.weight), w_b=act(a.b_proj.weight),
-                    w_g=act(a.g_proj.weight) if a.use_gate else None,
+                    w_qkv=w_qkv, w_a=w_a, w_b=w_b, w_g=w_g if a.use_gate else None,
                     conv_w=act(torch.cat([c.weight[:, 0] for c in conv])) if conv else None,
                     conv_b=act(torch.cat([c.bias for c in conv])) if conv and conv[0].bias is not None else None,
                     A_log=st(a.A_log), dt_bias=st(a.dt_bias),
@@ -114,9 +132,9 @@ class GDNAdapter(LayerwiseAdapter):
                     gate_act=getattr(a.o_norm, "activation", "swish"),
                     w_o=act(a.o_proj.weight),
                     mlp_norm=act(blk.mlp_norm.weight), mlp_eps=blk.mlp_norm.eps,
-                    w_gate=act(blk.mlp.gate_proj.weight), w_up=act(blk.mlp.up_proj.weight),
-                    w_down=act(blk.mlp.down_proj.weight),
-                    H=a.num_heads, HV=a.num_v_heads, K=a.head_k_dim, V=a.head_v_dim,
+                    w_gate=w_gate, w_up=w_up, w_down=act(blk.mlp.down_proj.weight),
+                    neg_A=-torch.exp(st(a.A_log)), w_in=w_in, w_gu=w_gu,
+                    H=a.num_heads, HV=HV, K=a.head_k_dim, V=a.head_v_dim,
                     beta_scale=2.0 if a.allow_neg_eigval else 1.0,
                 )
             )
@@ -171,30 +189,56 @@ class GDNAdapter(LayerwiseAdapter):
             pending = None
         return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
 
-    def _mixer_inputs(self, L: _Layer, h: Tensor, conv):
+    def _mixer_inputs(self, L: _Layer, h: Tensor, conv, fused: bool = False):
         """Projections, short conv (``conv(proj)``; SiLU alone when ``None``), L2-normalised q/k,
         gates. Returns ``proj [B, T, Dc]``, ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``,
-        ``g, beta [B, T, HV]`` (state dtype)."""
-        B, T = h.shape[:2]
-        proj = h @ L.w_qkv.T
-        qkv = conv(proj) if conv is not None else F.silu(proj)
-        q, k, v = qkv.split([L.H * L.K, L.H * L.K, L.HV * L.V], dim=-1)
-        q, k = l2norm(q.view(B, T, L.H, L.K)), l2norm(k.view(B, T, L.H, L.K))
-        v = v.reshape(B, T, L.HV, L.V)
-        st = self.state_dtype
-        g = -torch.exp(L.A_log) * F.softplus((h @ L.w_a.T).to(st) + L.dt_bias)
-        beta = torch.sigmoid((h @ L.w_b.T).to(st)) * L.beta_scale
-        return proj, q, k, v, g, beta
+        ``g, beta [B, T, HV]`` (state dtype) and the output gate's pre-activation
+        ``[B, T, HV * V]`` (``None``: computed later from ``h``, or no gate).
 
-    def _mixer_output_and_mlp(self, L: _Layer, x: Tensor, h: Tensor, o: Tensor) -> Tensor:
-        """Gated RMSNorm of the GDN output ``o [B, T, HV, V]``, output projection and residual,
-        then the MLP block; returns the new residual stream ``[B, T, hidden]``."""
-        B, T = x.shape[:2]
+        ``fused``: one GEMM for every input projection (``w_in``) and one Triton launch for both
+        L2 norms, instead of four GEMMs and ten elementwise kernels (same formulas)."""
+        B, T = h.shape[:2]
+        Dc, HV = L.w_qkv.shape[0], L.HV
+        gate = None
+        if fused:
+            z = h @ L.w_in.T
+            proj, a_raw, b_raw = z[..., :Dc], z[..., Dc:Dc + HV], z[..., Dc + HV:Dc + 2 * HV]
+            gate = z[..., Dc + 2 * HV:] if L.w_g is not None else None
+        else:
+            proj, a_raw, b_raw = h @ L.w_qkv.T, h @ L.w_a.T, h @ L.w_b.T
+        qkv = conv(proj) if conv is not None else F.silu(proj)
+        if fused:
+            q, k = norm_kernels.l2norm_pair(qkv, L.H, L.K)
+        else:
+            q, k = l2norm(qkv[..., : L.H * L.K].reshape(B, T, L.H, L.K)), \
+                l2norm(qkv[..., L.H * L.K : 2 * L.H * L.K].reshape(B, T, L.H, L.K))
+        v = qkv[..., 2 * L.H * L.K :].reshape(B, T, HV, L.V)
         st = self.state_dtype
-        o = rms_norm(o, L.o_norm, L.o_eps).to(st)
+        g = L.neg_A * F.softplus(a_raw.to(st) + L.dt_bias)
+        beta = torch.sigmoid(b_raw.to(st))
+        if L.beta_scale != 1.0:
+            beta = beta * L.beta_scale
+        return proj, q, k, v, g, beta, gate
+
+    def _mixer_output_and_mlp(self, L: _Layer, x: Tensor, h: Tensor, o: Tensor, gate: Tensor | None = None,
+                              fused: bool = False) -> Tensor:
+        """Gated RMSNorm of the GDN output ``o [B, T, HV, V]``, output projection and residual,
+        then the MLP block; returns the new residual stream ``[B, T, hidden]``. ``fused``: the
+        gated norm and the MLP's norm are single Triton launches, the gate's pre-activation
+        ``gate`` comes from the fused input GEMM, and the MLP has one input GEMM (``w_gu``)."""
+        B, T = x.shape[:2]
+        if fused:
+            og = gate.reshape(B, T, L.HV, L.V) if gate is not None else None
+            o = norm_kernels.rms_norm(o, L.o_norm, L.o_eps, og, L.gate_act, out_dtype=self.dtype)
+            x = x + o.reshape(B, T, -1) @ L.w_o.T
+            gu = norm_kernels.rms_norm(x, L.mlp_norm, L.mlp_eps) @ L.w_gu.T
+            inter = L.w_gate.shape[0]
+            return x + (F.silu(gu[..., :inter]) * gu[..., inter:]) @ L.w_down.T
+        st = self.state_dtype
         if L.w_g is not None:
-            gate = (h @ L.w_g.T).view(B, T, L.HV, L.V).to(st)
-            o = o * (torch.sigmoid(gate) if L.gate_act == "sigmoid" else F.silu(gate))
+            o = gated_rms_norm(o, L.o_norm, L.o_eps, (h @ L.w_g.T).view(B, T, L.HV, L.V), L.gate_act)
+        else:
+            o = rms_norm(o, L.o_norm, L.o_eps).to(st)
         x = x + o.reshape(B, T, -1).to(self.dtype) @ L.w_o.T
         h = rms_norm(x, L.mlp_norm, L.mlp_eps)
         return x + (F.silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
@@ -208,6 +252,7 @@ class GDNAdapter(LayerwiseAdapter):
         out_records: list[Record] = []
         kernel = self._use_kernel(records)
         plan = self._kernel_plan(parents, counts) if kernel else None
+        norm = norm_kernels.rms_norm if kernel else rms_norm
         for li, L in enumerate(self.layers):
             prev = pending.records[li] if pending is not None else None
             if prev is not None and self.conv[li] is not None:  # the conv window commits first
@@ -216,10 +261,11 @@ class GDNAdapter(LayerwiseAdapter):
             if prev is not None and not kernel:
                 self.recurrent[li] = gdn_commit_factor(self.recurrent[li], prev.k, prev.delta, prev.G,
                                                        pending.path, pending.path_len)
-            h = rms_norm(x, L.attn_norm, L.attn_eps)
+            h = norm(x, L.attn_norm, L.attn_eps)
             conv = conv_kernels.tree_conv if kernel else tree_conv
-            proj, q, k, v, g, beta = self._mixer_inputs(
-                L, h, (lambda p: conv(p, self.conv[li], L.conv_w, L.conv_b, anc)) if anc is not None else None)
+            proj, q, k, v, g, beta, gate = self._mixer_inputs(
+                L, h, (lambda p: conv(p, self.conv[li], L.conv_w, L.conv_b, anc)) if anc is not None else None,
+                fused=kernel)
             S0 = self.recurrent[li]
             if kernel:  # fused: the kernel applies the pending commit to S0 in place, then verifies
                 fused = None if prev is None else (prev.k, prev.delta, prev.G, pending.path, pending.path_len)
@@ -235,8 +281,8 @@ class GDNAdapter(LayerwiseAdapter):
                 out_records.append(GDNSnapshotRecord(node_states(S0, k, delta, G, mask), wins))
             else:
                 out_records.append(GDNReplayRecord(k=k, v=v.to(self.state_dtype), g=g, beta=beta, conv_x=conv_x))
-            x = self._mixer_output_and_mlp(L, x, h, o)
-        out = rms_norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
+            x = self._mixer_output_and_mlp(L, x, h, o, gate, fused=kernel)
+        out = norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
         return out, x, tuple(out_records)
 
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
@@ -288,7 +334,7 @@ class GDNAdapter(LayerwiseAdapter):
             for L in self.layers:
                 h = rms_norm(x, L.attn_norm, L.attn_eps)
                 conv = (lambda p: causal_conv(p, L.conv_w, L.conv_b)) if self.conv_width else None  # noqa: B023
-                _, q, k, v, g, beta = self._mixer_inputs(L, h, conv)
+                _, q, k, v, g, beta, _ = self._mixer_inputs(L, h, conv)
                 S0 = torch.zeros(B, L.HV, L.K, L.V, dtype=self.state_dtype, device=self.device)
                 o, _ = chunk_gdn(q, k, v, g, beta, S0, L.K**-0.5, PREFILL_CHUNK)
                 x = self._mixer_output_and_mlp(L, x, h, o)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 
 @triton.jit
-def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, W: tl.constexpr, C: tl.constexpr,
+def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, sxb, sxt, W: tl.constexpr, C: tl.constexpr,
                       BD: tl.constexpr, HAS_BIAS: tl.constexpr):
     i_d, i_bt = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b = i_bt // T
@@ -28,7 +28,7 @@ def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, W: tl.constexpr, C:
         from_win = e < W
         # both sources read at clamped (valid) rows, then selected: no data-dependent masks
         xw = tl.load(window + (i_b * W + tl.maximum(tl.minimum(e, W - 1), 0)) * D + o_d, mask=m_d & (W > 0), other=0.0)
-        xx = tl.load(x + (i_b * T + tl.maximum(e - W, 0)) * D + o_d, mask=m_d, other=0.0)
+        xx = tl.load(x + i_b * sxb + tl.maximum(e - W, 0) * sxt + o_d, mask=m_d, other=0.0)
         w = tl.load(weight + o_d * C + c, mask=m_d, other=0.0).to(tl.float32)
         acc += w * tl.where(from_win, xw.to(tl.float32), xx.to(tl.float32))
     if HAS_BIAS:
@@ -38,7 +38,7 @@ def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, W: tl.constexpr, C:
 
 
 @triton.jit
-def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, W: tl.constexpr, BD: tl.constexpr):
+def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, sxb, sxt, W: tl.constexpr, BD: tl.constexpr):
     i_d, i_bw = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, slot = i_bw // W, i_bw % W
     o_d = i_d * BD + tl.arange(0, BD)
@@ -47,7 +47,7 @@ def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, W: tl.constexpr
     from_win = pos < W
     node = tl.load(path + i_b * P + tl.maximum(tl.minimum(pos - W, P - 1), 0))
     xw = tl.load(window + (i_b * W + tl.minimum(pos, W - 1)) * D + o_d, mask=m_d, other=0.0)
-    xx = tl.load(x + (i_b * T + tl.maximum(node, 0)) * D + o_d, mask=m_d, other=0.0)
+    xx = tl.load(x + i_b * sxb + tl.maximum(node, 0) * sxt + o_d, mask=m_d, other=0.0)
     tl.store(new + i_bw * D + o_d, tl.where(from_win, xw, xx), mask=m_d)
 
 
@@ -56,7 +56,7 @@ def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, an
     """Tree-aware causal short convolution + SiLU (Triton twin of ``specla.ops.conv.tree_conv``).
 
     Args:
-        x: ``[B, T, D]`` node inputs; window: ``[B, C - 1, D]`` committed inputs (oldest first);
+        x: ``[B, T, D]`` node inputs (rows may be strided; the last dim is read densely); window: ``[B, C - 1, D]`` committed inputs (oldest first);
         weight: ``[D, C]``; bias: ``[D]`` or None; anc: ``[B, T, C]`` int64 from
         ``specla.ops.conv.conv_ancestors``; out: optional preallocated ``[B, T, D]``.
     Returns:
@@ -73,9 +73,10 @@ def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, an
         raise ValueError("all tensors must be on one device")
     y = torch.empty_like(x) if out is None else out
     BD = min(triton.next_power_of_2(D), 256)
+    x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a slice of a wider projection)
     _tree_conv_kernel[(B * T, triton.cdiv(D, BD))](
-        x.contiguous(), window.contiguous(), weight.contiguous(), bias if bias is not None else weight,
-        anc.contiguous(), y, T, D, W=C - 1, C=C, BD=BD, HAS_BIAS=bias is not None,
+        x, window.contiguous(), weight.contiguous(), bias if bias is not None else weight,
+        anc.contiguous(), y, T, D, x.stride(0), x.stride(1), W=C - 1, C=C, BD=BD, HAS_BIAS=bias is not None,
     )
     return y
 
@@ -100,8 +101,9 @@ def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: 
     if W == 0:
         return new
     BD = min(triton.next_power_of_2(D), 256)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     _conv_commit_kernel[(B * W, triton.cdiv(D, BD))](
-        x.contiguous(), window.contiguous(), path.contiguous(), path_len.contiguous(), new, T,
-        max(path.shape[1], 1), D, W=W, BD=BD,
+        x, window.contiguous(), path.contiguous(), path_len.contiguous(), new, T,
+        max(path.shape[1], 1), D, x.stride(0), x.stride(1), W=W, BD=BD,
     )
     return new

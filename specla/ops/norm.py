@@ -4,6 +4,7 @@ inputs) as FLA does."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -16,6 +17,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm computed in float32 (float64 for float64 inputs), returned in ``x.dtype`` (FLA)."""
     xc = x.to(compute_dtype(x))
     return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xc.dtype)).to(x.dtype)
+
+
+def gated_rms_norm(x: Tensor, weight: Tensor, eps: float, gate: Tensor, activation: str = "swish",
+                   out_dtype: torch.dtype | None = None) -> Tensor:
+    """``rms_norm(x)`` (rounded to ``x.dtype``) times ``act(gate)`` in the compute dtype, as FLA's
+    ``FusedRMSNormGated`` (``activation``: ``swish``/``silu`` or ``sigmoid``); returned in
+    ``out_dtype`` (default: the compute dtype). Twin of :func:`specla.ops.norm_triton.rms_norm`
+    with a gate."""
+    t = rms_norm(x, weight, eps).to(compute_dtype(x))
+    ga = gate.to(t.dtype)
+    t = t * (torch.sigmoid(ga) if activation == "sigmoid" else F.silu(ga))
+    return t if out_dtype is None else t.to(out_dtype)
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
