@@ -11,7 +11,8 @@ import torch
 from .config import SpecConfig
 from .drafters import make_drafter
 from .engine import Engine, RunStats
-from .errors import InvalidTokenError, UnsupportedModelError
+from .graphs import graph_problem
+from .errors import ConfigError, InvalidTokenError, UnsupportedModelError
 from .interfaces import ArchitecturePlugin, Drafter
 from .registry import detect_plugin, get_plugin
 
@@ -77,7 +78,9 @@ class SpecDecoder:
         UnsupportedModelError: the plugin cannot run the model (or none matches it), or a path
             is not a checkpoint directory.
         FileNotFoundError: a tokenizer directory that does not exist.
-        pydantic.ValidationError: invalid config fields (e.g. ``temperature != 0``).
+        pydantic.ValidationError: invalid config fields (e.g. ``temperature < 0``).
+        ConfigError: ``cuda_graphs="on"`` for a plugin without the ``cuda_graphs`` capability,
+            or a configuration graphs cannot run (sampling, a budget over the recorded verify's).
     """
 
     def __init__(
@@ -108,7 +111,14 @@ class SpecDecoder:
         self.model = model
         self.tokenizer = tokenizer
         self.config = _cpu_float32(self.config, model)
+        if "cuda_graphs" not in self.plugin.capabilities:  # the plugin does not promise graph-safe steps
+            if self.config.cuda_graphs == "on":
+                raise ConfigError(f"cuda_graphs='on': plugin {self.plugin.name!r} does not declare the "
+                                  "'cuda_graphs' capability")
+            self.config = self.config.model_copy(update={"cuda_graphs": "off"})
         self.adapter = self.plugin.make_adapter(model, self.config)
+        if self.config.cuda_graphs == "on" and (problem := graph_problem(self.adapter, self.config)):
+            raise ConfigError(f"cuda_graphs='on': {problem}")
         self.drafter = make_drafter(drafter)
         self.drafter.bind(self.adapter)
         self.engine = Engine(self.adapter, self.drafter, self.config)  # kept: its CUDA graphs are reused

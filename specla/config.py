@@ -53,11 +53,13 @@ class SpecConfig(BaseModel):
         verify_kernel: when the Triton kernels run: ``auto`` (the plugin's measured rule; for
             GDN: parallel up to 64 nodes, hybrid for more than 32 nodes at batch 1), or force
             ``serial``, ``parallel`` or ``hybrid``. CUDA graphs always use ``parallel``.
-        cuda_graphs: ``auto`` (default): on a CUDA device, each greedy step after the first
-            runs as one recorded CUDA graph (:mod:`specla.graphs`) when the adapter supports it
-            and the budget fits its recorded verify (``N <= 63`` with the Triton kernels), else
-            eagerly; ``off``: always eager; ``on``: graphs or a ``ConfigError`` (on a CPU, the
-            same fixed-shape step runs without recording: a test of the graph path's logic).
+        cuda_graphs: ``auto`` (default): on a CUDA device, greedy steps run as recorded CUDA
+            graphs (:mod:`specla.graphs`; with the ``factor`` commit every step after the first,
+            which creates the pending commit the graph copies) when the plugin declares the
+            ``cuda_graphs`` capability and the budget fits its recorded verify (``N <= 63`` with
+            the Triton kernels), else eagerly; ``off``: always eager; ``on``: graphs or a
+            ``ConfigError`` (on a CPU, the same fixed-shape step runs without recording: a test
+            of the graph path's logic).
 
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.

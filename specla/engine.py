@@ -10,7 +10,7 @@ import torch
 from .acceptance import accept_greedy, accept_sampling, sampling_probs
 from .config import SpecConfig
 from .errors import ConfigError
-from .graphs import GraphRunner, batch_bucket, graph_problem
+from .graphs import GraphRunner, batch_bucket, graph_problem, host_proposal
 from .interfaces import Drafter, TargetAdapter
 from .tree import DraftTree
 
@@ -25,7 +25,9 @@ class RunStats:
         generated_tokens: new tokens returned, all sequences.
         accepted_histogram: ``accepted_histogram[a]`` = sequence-steps that accepted ``a`` drafts.
         prefill_s, draft_s, verify_s, commit_s, wall_s: wall-clock seconds (CUDA synchronised);
-            ``draft_s`` includes the host bookkeeping between steps.
+            ``draft_s`` includes the host bookkeeping between steps. With CUDA graphs a step is
+            one replay: its whole time (a host drafter's proposal included) counts as
+            ``verify_s``, and ``draft_s`` / ``commit_s`` stay 0 after the first step.
     """
 
     steps: int = 0
@@ -164,10 +166,7 @@ class Engine:
         use (deeper nodes are cut). Returns ``(num_accepted, accepted tokens, bonus)`` per row
         (host lists) and the clock after drafting, verify+accept and commit."""
         cfg, adapter = self.config, self.adapter
-        tree = self.drafter.propose(contexts, cfg) if cfg.num_draft_tokens else None
-        tree = tree if tree is not None else DraftTree.empty(len(contexts))
-        if not isinstance(tree, DraftTree):
-            raise TypeError(f"drafter {self.drafter.name!r} returned {type(tree).__name__}, not a DraftTree")
+        tree = host_proposal(self.drafter, contexts, cfg)
         # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
         tree = tree.limit_depth(torch.tensor(room).clamp(min=0))
         tree = DraftTree(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),

@@ -1,4 +1,5 @@
-"""CUDA-graph execution of the speculative step (docs/DESIGN.md section 8).
+"""CUDA-graph execution of the speculative step (docs/architecture.md, "CUDA graphs"; the speed it
+is for: docs/DESIGN.md section 8, BENCHMARKS.md section 5).
 
 Eager decoding of a linear-attention model is launch-bound: hundreds of small kernels per step,
 each costing more host time than GPU time. :class:`GraphRunner` records one whole step (the
@@ -206,18 +207,31 @@ class GraphRunner:
         parents.fill_(-1)
         num.zero_()
         if N:
-            tree = self.drafter.propose(contexts, cfg)
+            tree = host_proposal(self.drafter, contexts, cfg)
             tree.validate(vocab_size=self.adapter.vocab_size, max_nodes=N, max_depth=cfg.max_depth)
             if tree.batch_size != B:
                 raise ValueError(f"drafter {self.drafter.name!r} proposed {tree.batch_size} trees for {B} sequences")
-            n = tree.width
-            tokens[:, :n], parents[:, :n], num[:] = tree.tokens, tree.parents, tree.num_nodes
+            n = int(tree.num_nodes.max()) if B else 0  # columns past the widest real row are padding
+            tokens[:, :n], parents[:, :n], num[:] = tree.tokens[:, :n], tree.parents[:, :n], tree.num_nodes
         self._pinned = buf  # kept alive until the copy has run (each step synchronises)
         return tokens, parents, num
 
     def release(self) -> None:
         """Drop every recorded graph and its buffers."""
         self.graphs.clear()
+
+
+def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
+    """``drafter.propose`` on the host, ``None`` read as "no drafts" (an empty tree).
+
+    Raises:
+        TypeError: the drafter returned something other than a ``DraftTree`` or ``None``.
+    """
+    tree = drafter.propose(contexts, config) if config.num_draft_tokens else None
+    tree = tree if tree is not None else DraftTree.empty(len(contexts))
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"drafter {drafter.name!r} returned {type(tree).__name__}, not a DraftTree")
+    return tree
 
 
 def graph_problem(adapter: TargetAdapter, config: SpecConfig) -> str | None:

@@ -282,8 +282,11 @@ class Drafter(ABC):
         """Propose one draft tree per sequence.
 
         Args:
-            contexts: per active sequence, every token so far (prompt and generated); the last one
-                is the root the tree hangs from.
+            contexts: per row of the batch, every token so far (prompt and generated); the last
+                one is the root the tree hangs from. With CUDA graphs the batch is rounded up to
+                a power of two and finished sequences stay in it until half the rows are done:
+                such rows show a finished or duplicated context, and their trees are verified
+                and discarded (they must still be valid trees).
             config: budget (``num_draft_tokens``, ``max_depth``, ``top_k``, ``tau_tree``).
         Returns:
             a CPU :class:`DraftTree` with ``len(contexts)`` rows within the budget.

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specla import SpecConfig
+from specla import DraftTree, SpecConfig
 from specla.api import SpecDecoder
+from specla.drafters.ngram import NgramDrafter
 from specla.errors import ConfigError
 
 ASSETS = Path(__file__).resolve().parents[1] / "plugins" / "gdn" / "assets"
@@ -83,11 +84,54 @@ def test_one_host_synchronisation_per_recorded_step(drafter):
 
 def test_cuda_graphs_on_refuses_what_graphs_cannot_run():
     """``cuda_graphs="on"`` with sampling, or with a budget over the recorded verify's limit
-    (Triton kernels: 63 draft nodes), raises a ConfigError before anything runs."""
+    (Triton kernels: 63 draft nodes), raises a ConfigError when the decoder is built."""
     with pytest.raises(ConfigError, match="sampling"):
-        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", temperature=0.7)).generate([[1, 2, 3]])
-    dec = SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", kernels="triton", num_draft_tokens=64,
-                                                   max_depth=8, dtype="float32",
-                                                   device="cuda" if torch.cuda.is_available() else "cpu"))
+        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", temperature=0.7))
     with pytest.raises(ConfigError, match="63"):
-        dec.generate([[1, 2, 3]])
+        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", kernels="triton", num_draft_tokens=64,
+                                                 max_depth=8, dtype="float32",
+                                                 device="cuda" if torch.cuda.is_available() else "cpu"))
+
+
+class _Padded(NgramDrafter):
+    """An ngram drafter whose trees carry padding columns past the budget (valid: num_nodes <= N)."""
+
+    name = "padded"
+
+    def propose(self, contexts, config):
+        t = super().propose(contexts, config)
+        pad = config.num_draft_tokens + 3 - t.width
+        B = t.batch_size
+        return DraftTree(torch.cat([t.tokens, torch.zeros(B, pad, dtype=torch.int64)], 1),
+                         torch.cat([t.parents, torch.full((B, pad), -1, dtype=torch.int64)], 1), t.num_nodes)
+
+
+class _Nothing(NgramDrafter):
+    name = "nothing"
+
+    def propose(self, contexts, config):
+        return None
+
+
+def test_host_drafters_behave_the_same_with_and_without_graphs():
+    """Host trees wider than the budget (padding only), a drafter returning None (no drafts) and
+    one returning a list (TypeError) are treated alike by the recorded step and the eager one."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8]]
+    for drafter in (_Padded, _Nothing):
+        out = {}
+        for graphs in ("off", "on"):
+            cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12, cuda_graphs=graphs)
+            out[graphs] = SpecDecoder(ASSETS / "tiny", drafter=drafter(), config=cfg).generate(prompts)
+        assert out["on"].outputs == out["off"].outputs
+        assert out["on"].stats.accepted_histogram == out["off"].stats.accepted_histogram
+
+    class Listy(NgramDrafter):
+        name = "listy"
+
+        def propose(self, contexts, config):
+            return []
+
+    for graphs in ("off", "on"):
+        dec = SpecDecoder(ASSETS / "tiny", drafter=Listy(), config=dict(cuda_graphs=graphs, num_draft_tokens=4))
+        with pytest.raises(TypeError, match="listy"):
+            dec.generate(prompts)
