@@ -135,3 +135,36 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
         dec = SpecDecoder(ASSETS / "tiny", drafter=Listy(), config=dict(cuda_graphs=graphs, num_draft_tokens=4))
         with pytest.raises(TypeError, match="listy"):
             dec.generate(prompts)
+
+
+@pytest.mark.parametrize("plugin", ["gla", "mamba2"])
+@pytest.mark.parametrize("commit", ["factor", "snapshot"])
+def test_fixed_shape_step_of_plugins_not_yet_declaring_graphs(plugin, commit):
+    """GLA and Mamba2 adapters provide the graph state (``LayerwiseAdapter``) but their plugins do
+    not declare ``cuda_graphs`` until the recorded step has run on a GPU: the engine driven
+    directly with ``cuda_graphs="on"`` (unrecorded on the CPU) still equals eager decoding, with
+    sequences stopping at different steps; through ``SpecDecoder`` "on" is refused."""
+    from specla.drafters.ngram import NgramDrafter
+    from specla.engine import Engine
+    from specla.registry import get_plugin
+
+    arch = get_plugin(plugin)
+    model = arch.tiny_model(arch.tiny_variants[0], seed=1)
+    V = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(2)
+    motif = torch.randint(0, V, (5,), generator=g).tolist()
+    prompts = [motif * 3, torch.randint(0, V, (9,), generator=g).tolist(), [motif[0]], motif * 2 + [1]]
+    ref = SpecDecoder(model, plugin, config=dict(num_draft_tokens=0, max_new_tokens=20, cuda_graphs="off"))
+    stops = tuple(sorted({o[min(4 * i, len(o) - 1)] for i, o in enumerate(ref.generate(prompts).outputs)}))
+    outs = {}
+    for graphs in ("off", "on"):
+        cfg = SpecConfig(num_draft_tokens=6, max_depth=4, top_k=2, max_new_tokens=20, commit=commit,
+                         stop_token_ids=stops, cuda_graphs=graphs)
+        adapter = arch.make_adapter(model, cfg)
+        drafter = NgramDrafter()
+        drafter.bind(adapter)
+        outs[graphs] = Engine(adapter, drafter, cfg).generate(prompts)[0]
+    assert outs["on"] == outs["off"]
+    assert len({len(o) for o in outs["off"]}) >= 2
+    with pytest.raises(ConfigError, match="capability"):
+        SpecDecoder(model, plugin, config=dict(cuda_graphs="on"))

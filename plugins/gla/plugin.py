@@ -35,7 +35,9 @@ class GLAPlugin(ArchitecturePlugin):
 
     name = "gla"
     model_types = ("gla",)
-    capabilities = frozenset({"trees", "cuda_graphs"})
+    # "cuda_graphs" waits for a GPU run of the recorded step (its fixed-shape form passes on the CPU:
+    # tests/test_graphs.py)
+    capabilities = frozenset({"trees"})
     known_failures: dict[str, str] = {}
     tiny_variants = tuple(TINY_VARIANTS)
 
