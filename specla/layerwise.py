@@ -114,6 +114,7 @@ class LayerwiseAdapter(TargetAdapter):
                 replace(r, **{f.name: next(it) for f in fields(r) if isinstance(getattr(r, f.name), Tensor)})
                 for r in self._pending_template.records)
             self.pending = PendingCommit(records, next(it), next(it))
+            self._pending_template = self.pending  # the template holds the bound tensors, nothing older
 
     @property
     def batch_size(self) -> int:
