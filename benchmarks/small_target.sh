@@ -6,7 +6,7 @@
 #   bash benchmarks/small_target.sh OUT_DIR [DATA_DIR] [RUNS]
 #
 # DATA_DIR (default ../shared/data) holds corpus/, prompts/ and tokenizer/. RUNS is a comma-separated
-# subset of acceptance.py's runs (default: all). TIME_PER_RUN (seconds, default 60), BATCH_SIZE
+# subset of acceptance.py's runs (default: all). TIME_PER_RUN (seconds, default 90: with CUDA graphs enough for a whole suite per greedy run at batch 32 on an H200), BATCH_SIZE
 # (default 32) and STEPS (target steps, default 434: what a 220 s throughput probe chose on an
 # H200) can be set in the environment. Writes OUT_DIR/{small,eagle,acceptance.json,*.log}.
 set -euo pipefail
@@ -21,5 +21,5 @@ python -m specla.cli train-drafter --model "$out/small" --data "$data"/corpus/*.
     --steps 1500 --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 256 --ce-weight 1.0 \
     --device cuda 2>&1 | tee "$out/drafter.log"
 python "$here/acceptance.py" --model "$out/small" --drafter "$out/eagle" --prompts "$data/prompts" \
-    --out "$out/acceptance.json" --time-per-run "${TIME_PER_RUN:-60}" --batch-size "${BATCH_SIZE:-32}" \
+    --out "$out/acceptance.json" --time-per-run "${TIME_PER_RUN:-90}" --batch-size "${BATCH_SIZE:-32}" \
     --max-new-tokens 128 ${runs:+--runs "$runs"} 2>&1 | tee "$out/acceptance.log"
