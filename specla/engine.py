@@ -74,11 +74,18 @@ class Engine:
         adapter: the target, prepared by its plugin.
         drafter: proposes the draft trees.
         config: budget, stop conditions (``adapter.config`` is used for the tree checks).
+
+    Raises:
+        ConfigError: ``cuda_graphs="on"`` for a configuration graphs cannot run.
     """
 
     def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig):
         self.adapter, self.drafter, self.config = adapter, drafter, config
         self._runner: GraphRunner | None = None
+        # why graphs cannot run here (None: they can), decided once
+        self._graph_problem = graph_problem(adapter, config) if config.cuda_graphs != "off" else None
+        if config.cuda_graphs == "on" and self._graph_problem:
+            raise ConfigError(f"cuda_graphs='on': {self._graph_problem}")
 
     def _clock(self) -> float:
         if self.adapter.device.type == "cuda":
@@ -95,7 +102,6 @@ class Engine:
         Raises:
             InvalidTokenError: empty prompt or id outside the vocabulary (nothing is run).
             InvalidTreeError / BudgetError: the drafter produced an invalid tree.
-            ConfigError: ``cuda_graphs="on"`` for a configuration graphs cannot run.
         """
         cfg, adapter = self.config, self.adapter
         stats = RunStats(accepted_histogram=[0] * (min(cfg.max_depth, cfg.num_draft_tokens) + 1))
@@ -196,19 +202,10 @@ class Engine:
         shown[:] = [shown[i] for i in index]
 
     def _graph_runner(self) -> GraphRunner | None:
-        """The CUDA-graph runner ``config.cuda_graphs`` asks for, or ``None`` (eager steps).
-
-        Raises:
-            ConfigError: ``cuda_graphs="on"`` and graphs cannot run this configuration.
-        """
-        cfg, adapter = self.config, self.adapter
-        if cfg.cuda_graphs == "off":
+        """The CUDA-graph runner ``config.cuda_graphs`` asks for, or ``None`` (eager steps)."""
+        cfg, on_cuda = self.config, self.adapter.device.type == "cuda"
+        if not (cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and on_cuda and not self._graph_problem)):
             return None
-        problem = graph_problem(adapter, cfg)
-        if cfg.cuda_graphs == "auto" and (problem or adapter.device.type != "cuda"):
-            return None
-        if problem:
-            raise ConfigError(f"cuda_graphs='on': {problem}")
         if self._runner is None:  # kept across generate calls: its graphs are reused
-            self._runner = GraphRunner(adapter, self.drafter, cfg, capture=adapter.device.type == "cuda")
+            self._runner = GraphRunner(self.adapter, self.drafter, cfg, capture=on_cuda)
         return self._runner

@@ -216,11 +216,6 @@ class GraphRunner:
         self._pinned = buf  # kept alive until the copy has run (each step synchronises)
         return tokens, parents, num
 
-    def release(self) -> None:
-        """Drop every recorded graph and its buffers."""
-        self.graphs.clear()
-
-
 def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
     """``drafter.propose`` on the host, ``None`` read as "no drafts" (an empty tree).
 

@@ -83,6 +83,13 @@ class LayerwiseAdapter(TargetAdapter):
     kernels: the parallel kernel (the one launch that needs nothing from the host) holds trees of
     up to 64 nodes, the root included. Plugins with another limit override it."""
 
+    def _kernel_choice(self, pick, parents: Tensor, counts: Tensor) -> str:
+        """The verify kernel of this pass: the plugin's rule ``pick(parents, counts,
+        config.verify_kernel)`` (it may read the tree on the host), or ``parallel`` while a CUDA
+        graph is recorded (``static_shapes``): the one kernel whose launch reads nothing on the
+        host; ``graph_kernel_nodes`` keeps recorded trees within its size."""
+        return "parallel" if self.static_shapes else pick(parents, counts, self.config.verify_kernel)
+
     def graph_max_nodes(self) -> int:
         """See :meth:`TargetAdapter.graph_max_nodes`: ``graph_kernel_nodes`` on the Triton path
         (with float32 state and factor records), unbounded on the PyTorch reference path."""

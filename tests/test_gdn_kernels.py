@@ -100,7 +100,7 @@ def test_serial_verify_rejects_bad_input():
 
 from specla.tree import inclusive_ancestor_mask  # noqa: E402
 from specla_gdn.verify import tree_verify  # noqa: E402
-from trees import SHAPES, f64, rel_err, tree_parents  # noqa: E402
+from trees import SHAPES, f64, ragged_pending, rel_err, tree_parents  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", SHAPES)
@@ -286,8 +286,7 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
     pk = F.normalize(torch.randn(B, Tp, H, K, generator=gen), dim=-1).bfloat16()
     pdelta = torch.randn(B, Tp, HV, V, generator=gen)
     pG = -(torch.rand(B, Tp, HV, generator=gen) * 0.5).cumsum(1)
-    path = torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1], [0, 1, -1]])
-    plen = torch.tensor([3, 1, 0, 2])
+    path, plen = ragged_pending()
     committed = gdn_commit_factor(f64(S0), f64(pk), f64(pdelta), f64(pG), path.to(DEV), plen.to(DEV))
     pending = tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen))
     state = S0.clone().to(DEV)

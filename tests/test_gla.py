@@ -23,7 +23,7 @@ from specla_gla.naive import NaiveGLA, naive_greedy_decode, naive_tree_gla
 from specla_gla.plugin import TINY_BASE, TINY_VARIANTS
 from specla_gla.reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
 from specla.testing import OracleDrafter
-from trees import SHAPES, f64, rel_err, tree_parents
+from trees import SHAPES, f64, ragged_pending, rel_err, tree_parents
 
 BASE = TINY_BASE
 GLA_CONFIGS = TINY_VARIANTS
@@ -602,8 +602,7 @@ def test_kernels_at_gla13b_layer_shape_bf16(kernel):
     q, k, v = (x.bfloat16().float() for x in (q, k, v))  # the reference sees the rounded inputs
     pk, pv = torch.randn(B, Tp, H, K, generator=gen).bfloat16(), torch.randn(B, Tp, H, V, generator=gen).bfloat16()
     pGk = -(torch.rand(B, Tp, H, K, generator=gen) * 0.5).cumsum(1)
-    path = torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1], [0, 1, -1]])
-    plen = torch.tensor([3, 1, 0, 2])
+    path, plen = ragged_pending()
     committed = gla_commit_factor(f64(S0), f64(pk), f64(pv), f64(pGk), path.to(DEV), plen.to(DEV))
     pending = on_dev(pk, pv, pGk, path.to(DEV), plen.to(DEV))
     state = S0.clone().to(DEV)

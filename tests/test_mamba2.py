@@ -19,7 +19,7 @@ from specla.ops.naive import root_path
 from specla_mamba2.naive import NaiveMamba2, naive_greedy_decode, naive_tree_ssd
 from specla_mamba2.reference import node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 from specla.testing import OracleDrafter
-from trees import SHAPES, TOL, batch_parents, f64, rel_err, tree_parents
+from trees import SHAPES, TOL, batch_parents, f64, ragged_pending, rel_err, tree_parents
 
 
 MODEL_TOL = 1e-9  # float64 models: batched factorized form vs sequential loop
@@ -601,8 +601,7 @@ def test_kernels_at_mamba2_13b_layer_shape_bf16(kernel):
     x, Bm, Cm = (t.bfloat16().float() for t in (x, Bm, Cm))  # the reference sees the rounded inputs
     pB, pu = torch.randn(B, Tp, NG, N, generator=gen).bfloat16(), torch.randn(B, Tp, H, P, generator=gen) * 0.5
     pG = -(torch.rand(B, Tp, H, generator=gen) * 0.5).cumsum(1)
-    path = torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1], [0, 1, -1]])
-    plen = torch.tensor([3, 1, 0, 2])
+    path, plen = ragged_pending()
     committed = ssd_commit_factor(f64(S0), f64(pB), f64(pu), f64(pG), path.to(DEV), plen.to(DEV))
     pending = tuple(t.to(DEV) for t in (pB, pu, pG, path, plen))
     state = S0.clone().to(DEV)

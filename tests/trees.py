@@ -20,6 +20,13 @@ def f64(x):
     there (on the GPU machine's shared CPU they took minutes at those shapes)."""
     return x.to(DEV, torch.float64)
 
+def ragged_pending():
+    """Accepted paths of a ragged pending commit for a batch of 4 (root-explicit node indices):
+    3, 1, 0 (nothing pending: that state must stay bit-identical) and 2 nodes. Returns
+    ``(path [4, 3], path_len [4])`` int64."""
+    return torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1], [0, 1, -1]]), torch.tensor([3, 1, 0, 2])
+
+
 SHAPES = ("single", "chain", "star", "binary", "random")
 
 

@@ -174,7 +174,7 @@ class GDNAdapter(LayerwiseAdapter):
     def _kernel_plan(self, parents: Tensor, counts: Tensor):
         """The verify kernel for this batch of trees (``SpecConfig.verify_kernel``) and, for the
         hybrid kernel, its launch plan: decided once per pass, shared by every layer."""
-        choice = pick_verify_kernel(parents, counts, self.config.verify_kernel, static=self.static_shapes)
+        choice = self._kernel_choice(pick_verify_kernel, parents, counts)
         return choice, (hybrid_plan(parents) if choice == "hybrid" else None)
 
     def _kernel_verify(self, q, k, v, g, beta, S0, parents, counts, mask, scale, pending, plan):

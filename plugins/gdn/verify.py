@@ -505,7 +505,7 @@ def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
     return bool(((parents == idx - 1) | (idx == 0) | ~real).all())
 
 
-def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto", static: bool = False) -> str:
+def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
     """``serial`` / ``parallel`` / ``hybrid`` for a batch of trees (``counts``: real nodes per row).
 
     ``auto``, the rule measured on one H200 at the GDN-1.3B layer shape (BENCHMARKS.md section 1,
@@ -515,12 +515,7 @@ def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto", st
     more than 32 nodes at batch 1 -> hybrid; up to ``MAX_TREE_NODES`` -> parallel; larger chains
     -> serial, larger trees -> hybrid. A forced ``serial`` on trees that are not chains, or
     ``parallel`` beyond ``MAX_TREE_NODES``, falls back to ``hybrid``.
-
-    ``static`` (a CUDA graph is being recorded, ``T <= MAX_TREE_NODES`` guaranteed by the caller):
-    always ``parallel``, whatever ``choice`` says.
     """
-    if static:  # a CUDA graph is being recorded: the only kernel whose launch reads nothing on the host
-        return "parallel"
     B, T = parents.shape
     is_chain = is_chain_batch(parents, counts)
     if choice == "auto":

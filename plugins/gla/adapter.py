@@ -159,7 +159,7 @@ class GLAAdapter(LayerwiseAdapter):
     def _kernel_verify(self, q, k, v, gk, S0, parents, counts, mask, scale, pending):
         """Dispatch to the serial or parallel verify kernel (``SpecConfig.verify_kernel``); trees
         over the kernels' size commit with the flush kernel, then verify on the reference path."""
-        choice = pick_verify_kernel(parents, counts, self.config.verify_kernel, static=self.static_shapes)
+        choice = self._kernel_choice(pick_verify_kernel, parents, counts)
         if choice == "serial":
             return serial_verify(q, k, v, gk, S0, counts, scale, pending=pending)
         if choice == "parallel":

@@ -279,7 +279,7 @@ def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
     return bool(((parents == idx - 1) | (idx == 0) | ~real).all())
 
 
-def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto", static: bool = False) -> str:
+def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
     """``serial`` / ``parallel`` / ``reference`` for a batch of trees (``counts``: real nodes per row).
 
     ``auto``, measured on one H200 at the GLA-1.3B layer shape (BENCHMARKS.md, 2026-11-30):
@@ -287,12 +287,7 @@ def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto", st
     batch 8 and 64), longer chains -> serial; trees up to ``MAX_TREE_NODES`` nodes -> parallel,
     larger -> reference (PyTorch). GLA has no hybrid kernel yet: ``hybrid`` is treated as
     ``auto``; a forced ``serial`` on trees that are not chains takes the parallel kernel.
-
-    ``static`` (a CUDA graph is being recorded, ``T <= MAX_TREE_NODES`` guaranteed by the caller):
-    always ``parallel``, whatever ``choice`` says.
     """
-    if static:  # a CUDA graph is being recorded: the only kernel whose launch reads nothing on the host
-        return "parallel"
     T = parents.shape[1]
     chain = is_chain_batch(parents, counts)
     if choice == "serial" and chain:

@@ -147,8 +147,7 @@ class Mamba2Adapter(LayerwiseAdapter):
         st = self.state_dtype
         out_records: list[Record] = []
         kernel = self._use_kernel(records)
-        choice = (pick_verify_kernel(parents, counts, self.config.verify_kernel, static=self.static_shapes)
-                  if kernel else "reference")
+        choice = self._kernel_choice(pick_verify_kernel, parents, counts) if kernel else "reference"
         for li, L in enumerate(self.layers):
             prev = pending.records[li] if pending is not None else None
             if prev is not None:  # delayed commit of the previous step, conv window first

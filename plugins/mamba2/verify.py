@@ -288,18 +288,13 @@ def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
     return bool(((parents == idx - 1) | (idx == 0) | ~real).all())
 
 
-def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto", static: bool = False) -> str:
+def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
     """``serial`` / ``parallel`` / ``reference`` for a batch of trees (``counts``: real nodes per row).
 
     Chains -> serial (unless ``parallel`` is forced), trees up to ``MAX_TREE_NODES`` -> parallel,
     larger trees -> the reference path (Mamba2 has no hybrid kernel yet; ``hybrid`` picks as
     ``auto``).
-
-    ``static`` (a CUDA graph is being recorded, ``T <= MAX_TREE_NODES`` guaranteed by the caller):
-    always ``parallel``, whatever ``choice`` says.
     """
-    if static:  # a CUDA graph is being recorded: the only kernel whose launch reads nothing on the host
-        return "parallel"
     if is_chain_batch(parents, counts) and choice != "parallel":
         return "serial"
     return "parallel" if parents.shape[1] <= MAX_TREE_NODES else "reference"

@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .norm import compute_dtype
+
 
 @triton.jit
 def _rms_norm_kernel(x, w, g, y, D, R, sxo, sxi, sgo, sgi, eps, BD: tl.constexpr, F64: tl.constexpr,
@@ -86,15 +88,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, gate: Tensor | None = None, 
                          f"{None if gate is None else list(gate.shape)}")
     if activation not in ("swish", "silu", "sigmoid"):
         raise ValueError(f"activation must be swish, silu or sigmoid, got {activation!r}")
-    f64 = x.dtype == torch.float64
+    ct = compute_dtype(x)
     if out_dtype is None:
-        out_dtype = x.dtype if gate is None else (torch.float64 if f64 else torch.float32)
+        out_dtype = x.dtype if gate is None else ct
     x3, R, sxo, sxi = _rows(x)
-    g3, Rg, sgo, sgi = _rows(gate) if gate is not None else (x3, R, sxo, sxi)
+    g3, _, sgo, sgi = _rows(gate) if gate is not None else (x3, R, sxo, sxi)
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     if x3.numel():
         _rms_norm_kernel[(x3.shape[0] * R,)](x3, weight, g3, y, D, R, sxo, sxi, sgo, sgi, eps,
-                                             BD=triton.next_power_of_2(D), F64=f64, GATE=gate is not None,
+                                             BD=triton.next_power_of_2(D), F64=ct == torch.float64, GATE=gate is not None,
                                              SIGMOID=activation == "sigmoid")
     return y
 
@@ -117,7 +119,7 @@ def l2norm_pair(x: Tensor, H: int, K: int, eps: float = 1e-6) -> tuple[Tensor, T
         raise ValueError(f"x has {D} channels, fewer than q and k's 2 * {H} * {K}")
     if x.stride(-1) != 1 or x.stride(0) != T * x.stride(1):
         x = x.contiguous()
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    ct = compute_dtype(x)
     q = torch.empty(B, T, H, K, dtype=ct, device=x.device)
     k = torch.empty_like(q)
     if B * T:
