@@ -82,19 +82,19 @@ class ProfileDrafter(Drafter):
     device_proposals = True
 
     def __init__(self, profile: list[float], eagle: EagleDrafter | None = None):
-        self.eagle, self.adapter = eagle, None
-        self.cdf = torch.tensor(profile, dtype=torch.float64)
+        self.eagle, self.adapter, self.profile = eagle, None, list(profile)
+        self.cdf: torch.Tensor | None = None  # [D + 1] cumulative profile on the device, from bind
 
     def set_profile(self, profile: list[float]) -> None:
         """Change the profile in place (recorded graphs read the same tensor)."""
+        self.profile = list(profile)
         p = torch.tensor(profile, dtype=torch.float64)
         self.cdf.copy_((p / p.sum()).cumsum(0).to(self.cdf.device, self.cdf.dtype))
 
     def bind(self, adapter) -> None:
         self.adapter = adapter
-        profile = self.cdf
-        self.cdf = torch.zeros(len(profile), dtype=torch.float32, device=adapter.device)
-        self.set_profile(profile.tolist())
+        self.cdf = torch.zeros(len(self.profile), dtype=torch.float32, device=adapter.device)
+        self.set_profile(self.profile)
         if self.eagle is not None:
             self.eagle.bind(adapter)
 
