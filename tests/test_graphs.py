@@ -137,13 +137,15 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
             dec.generate(prompts)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("plugin", ["gla", "mamba2"])
 @pytest.mark.parametrize("commit", ["factor", "snapshot"])
-def test_fixed_shape_step_of_plugins_not_yet_declaring_graphs(plugin, commit):
+def test_fixed_shape_step_of_plugins_not_yet_declaring_graphs(plugin, commit, device):
     """GLA and Mamba2 adapters provide the graph state (``LayerwiseAdapter``) but their plugins do
     not declare ``cuda_graphs`` until the recorded step has run on a GPU: the engine driven
-    directly with ``cuda_graphs="on"`` (unrecorded on the CPU) still equals eager decoding, with
-    sequences stopping at different steps; through ``SpecDecoder`` "on" is refused."""
+    directly with ``cuda_graphs="on"`` (unrecorded on the CPU, recorded on CUDA) still equals
+    eager decoding, with sequences stopping at different steps; through ``SpecDecoder`` "on" is
+    refused."""
     from specla.drafters.ngram import NgramDrafter
     from specla.engine import Engine
     from specla.registry import get_plugin
@@ -154,16 +156,20 @@ def test_fixed_shape_step_of_plugins_not_yet_declaring_graphs(plugin, commit):
     g = torch.Generator().manual_seed(2)
     motif = torch.randint(0, V, (5,), generator=g).tolist()
     prompts = [motif * 3, torch.randint(0, V, (9,), generator=g).tolist(), [motif[0]], motif * 2 + [1]]
-    ref = SpecDecoder(model, plugin, config=dict(num_draft_tokens=0, max_new_tokens=20, cuda_graphs="off"))
+    ref = SpecDecoder(model, plugin, config=dict(num_draft_tokens=0, max_new_tokens=20, cuda_graphs="off",
+                                                 device=device, dtype="float32"))
     stops = tuple(sorted({o[min(4 * i, len(o) - 1)] for i, o in enumerate(ref.generate(prompts).outputs)}))
     outs = {}
     for graphs in ("off", "on"):
         cfg = SpecConfig(num_draft_tokens=6, max_depth=4, top_k=2, max_new_tokens=20, commit=commit,
-                         stop_token_ids=stops, cuda_graphs=graphs)
+                         stop_token_ids=stops, cuda_graphs=graphs, device=device, dtype="float32")
         adapter = arch.make_adapter(model, cfg)
         drafter = NgramDrafter()
         drafter.bind(adapter)
-        outs[graphs] = Engine(adapter, drafter, cfg).generate(prompts)[0]
+        engine = Engine(adapter, drafter, cfg)
+        outs[graphs] = engine.generate(prompts)[0]
+        if device == "cuda" and graphs == "on":
+            assert engine._runner is not None and engine._runner.graphs, "no step was recorded"
     assert outs["on"] == outs["off"]
     assert len({len(o) for o in outs["off"]}) >= 2
     with pytest.raises(ConfigError, match="capability"):
