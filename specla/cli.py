@@ -62,7 +62,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     cfg = DrafterTrainConfig(
         steps=args.steps, batch_windows=args.batch_windows, window=args.window, max_tokens=args.max_tokens,
         distill_prompts=args.distill_prompts, lr=args.lr, ce_weight=args.ce_weight, save_every=args.save_every,
-        seed=args.seed,
+        seed=args.seed, unroll=args.unroll, num_heads=args.heads,
     )
     summary = train_drafter(dec.adapter, dec.tokenizer, args.data, args.out, cfg, resume=args.resume,
                             stop_at=args.stop_at)
@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--distill-prompts", type=int, default=256, help="prompts continued by the target")
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--ce-weight", type=float, default=0.1, help="weight of the token cross-entropy term")
+    tr.add_argument("--unroll", type=_positive, default=2, help="draft levels the loss is unrolled over")
+    tr.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64; 0: no attention)")
     tr.add_argument("--save-every", type=_positive, default=500)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")

@@ -56,6 +56,7 @@ class _Graph:
     tree: tuple[Tensor, Tensor, Tensor] | None  # static host-drafter tree (tokens, parents, num_nodes)
     outcome: Tensor  # [B, 2 + D] int64: num_accepted, bonus, accepted tokens
     graph: torch.cuda.CUDAGraph | None = None
+    host: Tensor | None = None  # [2 B N + B] int64 pinned staging of the host tree, reused every step
 
 
 class GraphRunner:
@@ -83,7 +84,6 @@ class GraphRunner:
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._device_drafts = drafter.device_proposals and config.num_draft_tokens > 0
-        self._pinned: Tensor | None = None
 
     # ------------------------------------------------------------------ the recorded step
     def _body(self, tree: DraftTree | None) -> Tensor:
@@ -175,6 +175,8 @@ class GraphRunner:
         else:
             B = ad.batch_size
             g = self.graphs.get(B)
+            if g is not None and any(a.shape != b.shape for a, b in zip(g.state + g.drafter_state, state + dstate)):
+                g = None  # a state sized per batch changed (the EAGLE cache follows the prompt length)
             if g is None:
                 g = self.graphs[B] = self._new_graph(B, state, dstate)
             else:
@@ -182,7 +184,10 @@ class GraphRunner:
             ad.set_graph_state(g.state)
             dr.set_graph_state(g.drafter_state)
             if g.tree is not None:
-                for static, host in zip(g.tree, self._host_tree(contexts, pinned=self.capture)):
+                if g.host is None:  # allocated once per graph: a pinned allocation synchronises
+                    N = self.config.num_draft_tokens
+                    g.host = torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=self.capture)
+                for static, host in zip(g.tree, self._host_tree(contexts, g.host)):
                     static.copy_(host, non_blocking=True)
             if g.graph is not None:
                 g.graph.replay()
@@ -192,16 +197,17 @@ class GraphRunner:
         num = [row[0] for row in outcome]
         return num, [row[2:] for row in outcome], [row[1] for row in outcome]
 
-    def _host_tree(self, contexts: list[list[int]], pinned: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def _host_tree(self, contexts: list[list[int]], buf: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """The host drafter's trees, checked on the CPU and padded to the budget ``N``:
-        ``(tokens [B, N], parents [B, N], num_nodes [B])`` int64 CPU tensors (in pinned memory
-        when ``pinned``, so the copy to the device is queued without waiting).
+        ``(tokens [B, N], parents [B, N], num_nodes [B])`` int64 CPU tensors, views of ``buf``
+        when given (a graph's pinned staging, so the copy to the device is queued without
+        waiting; the previous step's copy has finished, as each step synchronises).
 
         Raises:
             BudgetError / InvalidTokenError / InvalidTreeError: the drafter's tree is invalid.
         """
         cfg, B, N = self.config, len(contexts), self.config.num_draft_tokens
-        buf = torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=pinned)
+        buf = torch.empty(2 * B * N + B, dtype=torch.int64) if buf is None else buf
         tokens, parents, num = buf[: B * N].view(B, N), buf[B * N : 2 * B * N].view(B, N), buf[2 * B * N :]
         tokens.zero_()
         parents.fill_(-1)
@@ -213,7 +219,6 @@ class GraphRunner:
                 raise ValueError(f"drafter {self.drafter.name!r} proposed {tree.batch_size} trees for {B} sequences")
             n = int(tree.num_nodes.max()) if B else 0  # columns past the widest real row are padding
             tokens[:, :n], parents[:, :n], num[:] = tree.tokens[:, :n], tree.parents[:, :n], tree.num_nodes
-        self._pinned = buf  # kept alive until the copy has run (each step synchronises)
         return tokens, parents, num
 
 def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig) -> DraftTree:

@@ -127,6 +127,12 @@ class TargetAdapter(ABC):
     """``[B, hidden]`` last-layer feature of the last token prefill ran into the state (zeros for
     one-token prompts): where a feature-level drafter starts."""
 
+    prompt_hidden: Tensor | None = None
+    """``[B, T, hidden]`` last-layer features of every token prefill ran into the state (row ``b``
+    valid for its first ``len(prompt_b) - 1`` positions, right-padded), kept from prefill until
+    the first verify so a feature-level drafter can read the prompt's context; ``None`` when the
+    adapter does not keep them."""
+
     def embed(self, tokens: Tensor) -> Tensor:
         """Input embeddings ``[..., hidden]`` of ``tokens`` (for feature-level drafters).
 

@@ -197,7 +197,7 @@ class LayerwiseAdapter(TargetAdapter):
 
     @torch.no_grad()
     def _prefill(self, prompts: list[list[int]]) -> None:
-        self.pending = None
+        self.pending, self.prompt_hidden = None, None
         self._empty_state(len(prompts))
         bodies = [p[:-1] for p in prompts]
         T = max(len(b) for b in bodies)
@@ -208,11 +208,13 @@ class LayerwiseAdapter(TargetAdapter):
             _, hidden = self._run_chunks(tokens, lengths)
             last = hidden[torch.arange(len(prompts), device=self.device), (lengths - 1).clamp(min=0)]
             self.last_hidden = torch.where((lengths > 0)[:, None], last, self.last_hidden)
+            self.prompt_hidden = hidden
         self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
 
     @torch.no_grad()
     def _verify(self, tree: DraftTree) -> VerifyOutput:
         pending, self.pending = self.pending, None  # delayed commit: applied inside this pass
+        self.prompt_hidden = None  # read by the drafter's reset; not kept through decoding
         tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
         logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1, self.config.commit,
                                             pending=pending)

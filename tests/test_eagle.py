@@ -38,7 +38,8 @@ def test_head_roundtrip_and_errors(tmp_path):
     head.save(tmp_path / "d", note="x")
     assert is_eagle_dir(tmp_path / "d") and not is_eagle_dir(tmp_path)
     loaded = EagleHead.load(tmp_path / "d")
-    f, e = torch.randn(3, 16), torch.randn(3, 16)
+    assert loaded.num_heads == head.num_heads == 1
+    f, e = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
     assert torch.equal(loaded(f, e), head(f, e))
     with pytest.raises(ValueError, match="not a specla EAGLE drafter"):
         EagleHead.load(tmp_path)
@@ -98,7 +99,101 @@ def test_bad_drafter_directories_raise_drafter_errors(tmp_path):
 def test_training_config_is_validated():
     from specla import DrafterError
 
-    with pytest.raises(DrafterError, match="window must be >= 3"):
+    with pytest.raises(DrafterError, match=r"window must be >= max\(3, unroll \+ 1\) = 3, got 1"):
         DrafterTrainConfig(window=1)
+    with pytest.raises(DrafterError, match=r"= 5, got 4"):
+        DrafterTrainConfig(window=4, unroll=4)
+    with pytest.raises(DrafterError, match="unroll must be positive"):
+        DrafterTrainConfig(unroll=0)
+    with pytest.raises(DrafterError, match="num_heads 3 must be >= 0 and divide hidden_size 16"):
+        EagleHead(16, num_heads=3)
     with pytest.raises(DrafterError, match="batch_windows must be positive"):
         DrafterTrainConfig(batch_windows=0)
+
+
+def test_v1_directories_load_as_the_attention_free_head(tmp_path):
+    """Format v1 (before the attention) is the ``num_heads=0`` head: same weights, same output."""
+    head = EagleHead(16, 24, num_heads=0)
+    head.save(tmp_path / "v1")
+    cfg = json.loads((tmp_path / "v1" / "config.json").read_text())
+    del cfg["num_heads"]
+    (tmp_path / "v1" / "config.json").write_text(json.dumps({**cfg, "format": "specla-eagle-v1"}))
+    assert is_eagle_dir(tmp_path / "v1")
+    loaded = EagleHead.load(tmp_path / "v1")
+    f, e = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    assert loaded.num_heads == 0 and torch.equal(loaded(f, e), head(f, e))
+
+
+class _Toy:
+    """A stand-in target for the head alone: embeddings and a tied LM head (float64)."""
+
+    def __init__(self, vocab: int, hidden: int, g: torch.Generator):
+        self.E = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
+
+    def embed(self, tokens):
+        return self.E[tokens]
+
+    def lm_logits(self, hidden):
+        return hidden @ self.E.T
+
+
+@pytest.mark.parametrize("heads", [4, 0])
+def test_unrolled_training_levels_see_what_draft_levels_see(heads):
+    """The training loss's level-``k`` prediction at pair ``P`` equals what drafting computes for
+    a depth-``k`` node: the cache holding the true pairs before ``P - k + 1``, the root pair
+    there, then ``k - 1`` levels fed their own predictions (float64, fresh random weights)."""
+    from specla.drafters.training import unrolled_loss
+
+    g = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
+    H, b, T, unroll = 32, 2, 9, 4
+    head = EagleHead(H, num_heads=heads).double()
+    toy = _Toy(50, H, g)
+    feats = torch.randn(b, T, H, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (b, T), generator=g)
+    levels, finish = [], head.finish
+    head.finish = lambda h, a: levels.append(finish(h, a)) or levels[-1]
+    loss = unrolled_loss(head, toy, tokens, feats, 1.0, unroll=unroll)
+    del head.finish
+    assert torch.isfinite(loss) and len(levels) == unroll
+    nh, d = max(heads, 1), H // max(heads, 1)
+    for k in range(1, unroll + 1):
+        for P in range(k - 1, T - 1):
+            r = P - k + 1  # the root pair's position
+            cache_k = cache_v = torch.zeros(b, r, nh, d, dtype=torch.float64)
+            if heads:
+                _, cache_k, cache_v = head.qkv_heads(head.pair(feats[:, :r], toy.embed(tokens[:, 1 : r + 1])))
+            feature = feats[:, r][:, None]
+            anc_k = anc_v = torch.zeros(b, 1, 0, nh, d, dtype=torch.float64)
+            for level in range(1, k + 1):
+                h = head.pair(feature, toy.embed(tokens[:, r + level][:, None]))
+                feature, anc_k, anc_v = head.step(h, anc_k, anc_v, cache_k, cache_v, torch.full((b,), r))
+            torch.testing.assert_close(feature[:, 0], levels[k - 1][:, P], rtol=1e-12, atol=1e-12)
+
+
+def test_drafter_cache_follows_the_accepted_path():
+    """After decoding, the EAGLE cache holds exactly the pairs of the accepted sequence: its keys
+    and values equal those computed from the target's teacher-forced features of prompt +
+    output (float64; ragged prompts, random head on the trained tiny target)."""
+    torch.manual_seed(0)
+    head = EagleHead(256, num_heads=4)
+    dec = SpecDecoder(TINY, None, drafter=EagleDrafter(head),
+                      config=dict(dtype="float64", max_new_tokens=24, num_draft_tokens=6, max_depth=3, top_k=2,
+                                  stop_at_eos=False, cuda_graphs="off"))
+    prompts = [[5, 9, 31, 7, 5, 9, 31], [12, 40], [3]]
+    dec.engine.adapter.prefill(prompts)
+    dr = dec.drafter
+    dr.reset(prompts)
+    assert dr.cache_len.tolist() == [5, 0, 0]
+    result = dec.generate(prompts)
+    assert dr.cache_len.shape[0] == len(prompts)  # no early stop: no row was dropped
+    for b, (p, out) in enumerate(zip(prompts, result.outputs)):
+        seq, n = p + out, int(dr.cache_len[b])
+        assert n == len(seq) - 2 + (len(p) == 1)  # every pair but the last root's
+        _, feats = dec.adapter.score(torch.tensor([seq]), return_hidden=True)
+        nxt = seq[1:]
+        if len(p) == 1:  # no prefill: the first pair is (zeros, x_0), as the first tree was drafted from it
+            feats, nxt = torch.cat([torch.zeros_like(feats[:, :1]), feats], 1), seq
+        _, k, v = dr.head.qkv_heads(dr.head.pair(feats[:, :n], dec.adapter.embed(torch.tensor([nxt[:n]]))))
+        torch.testing.assert_close(dr.cache_k[b, :n], k[0], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(dr.cache_v[b, :n], v[0], rtol=1e-9, atol=1e-9)

@@ -2,13 +2,17 @@
 
 One layer reads the target's last-layer feature ``f_t`` and the embedding of the next token
 ``x_{t+1}`` and predicts the next feature ``f_{t+1}``; tokens are scored through the target's own
-final norm and LM head, so the drafter shares the target's vocabulary and output geometry. Its
-state is the target feature at the end of the accepted path (from the verify pass), so it follows
-the accepted path exactly; deeper draft levels feed its own predicted features back in. Trees
-are built by :func:`specla.drafters.pruning.build_tree`.
+final norm and LM head, so the drafter shares the target's vocabulary and output geometry. As in
+EAGLE the layer is a decoder block: causal attention over the (feature, token) pairs of the
+accepted prefix (its keys and values cached, the drafter's only growing state), then an MLP. The
+attention is what lets a one-layer head copy from the context, which a small target does a lot.
+The drafter state follows the accepted path exactly: after each step the accepted pairs, with the
+target's true features from the verify pass, join the cache; deeper draft levels feed the
+drafter's own predicted features back in and attend to the cache plus their tree ancestors.
+Trees are built by :func:`specla.drafters.pruning.build_tree`.
 
-Architecture-independent: it needs only ``TargetAdapter.embed``, ``lm_logits``, ``last_hidden``
-and ``VerifyOutput.hidden``.
+Architecture-independent: it needs only ``TargetAdapter.embed``, ``lm_logits``, ``last_hidden``,
+``prompt_hidden`` and ``VerifyOutput.hidden``.
 """
 
 from __future__ import annotations
@@ -28,40 +32,110 @@ from ..tree import DraftTree
 from ..acceptance import sampling_probs
 from .pruning import build_tree, sample_tree
 
-FORMAT = "specla-eagle-v1"
+FORMAT = "specla-eagle-v2"
+FORMATS = ("specla-eagle-v1", FORMAT)  # v1: the attention-free head (num_heads = 0)
 
 
 class EagleHead(nn.Module):
-    """``f_next = h + W_down(silu(W_gate n) * W_up n)``, ``h = W_fc [f ; e]``, ``n = RMSNorm(h)``.
+    """One decoder block over (feature, next-token embedding) pairs:
+    ``h = W_fc [f ; e]``, ``h' = h + W_o Attn(RMSNorm(h))``, ``f_next = h' + W_down(silu(W_gate n) *
+    W_up n)`` with ``n = RMSNorm(h')`` (EAGLE's draft layer; no positional encoding: the target's
+    recurrent features carry order).
 
     Args:
         hidden_size: the target's hidden size.
         intermediate_size: MLP width (default ``2 * hidden_size``).
+        num_heads: attention heads (default ``hidden_size // 64``, at least 1); ``0`` leaves the
+            attention out (the context-free head of format v1: the target feature alone carries
+            the context).
         eps: RMSNorm epsilon.
+    Raises:
+        DrafterError: ``num_heads`` does not divide ``hidden_size``.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int | None = None, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, intermediate_size: int | None = None, num_heads: int | None = None,
+                 eps: float = 1e-6):
         super().__init__()
         inter = intermediate_size or 2 * hidden_size
-        self.config = {"format": FORMAT, "hidden_size": hidden_size, "intermediate_size": inter, "eps": eps}
+        heads = max(hidden_size // 64, 1) if num_heads is None else num_heads
+        if heads < 0 or (heads and hidden_size % heads):
+            raise DrafterError(f"num_heads {heads} must be >= 0 and divide hidden_size {hidden_size}")
+        self.config = {"format": FORMAT, "hidden_size": hidden_size, "intermediate_size": inter,
+                       "num_heads": heads, "eps": eps}
+        self.num_heads = heads
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        if heads:
+            self.attn_norm = nn.RMSNorm(hidden_size, eps=eps)
+            self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+            self.o = nn.Linear(hidden_size, hidden_size, bias=False)
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.gate = nn.Linear(hidden_size, inter, bias=False)
         self.up = nn.Linear(hidden_size, inter, bias=False)
         self.down = nn.Linear(inter, hidden_size, bias=False)
 
-    def forward(self, feature: Tensor, embedding: Tensor) -> Tensor:
-        """Predict the next feature.
+    # -- the pieces (shared by drafting and training)
+    def pair(self, feature: Tensor, embedding: Tensor) -> Tensor:
+        """``h = W_fc [f ; e]``: ``[..., hidden]`` from a feature and the next token's embedding."""
+        return self.fc(torch.cat([feature, embedding], dim=-1))
 
-        Args:
-            feature: ``[..., hidden]`` target (or predicted) feature at position ``t``.
-            embedding: ``[..., hidden]`` embedding of token ``x_{t+1}``.
-        Returns:
-            ``[..., hidden]`` predicted feature at ``t + 1``.
-        """
-        h = self.fc(torch.cat([feature, embedding], dim=-1))
+    def qkv_heads(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys, values ``[..., heads, hidden / heads]`` of pairs ``h [..., hidden]``."""
+        q, k, v = self.qkv(self.attn_norm(h)).chunk(3, dim=-1)
+        shape = (*h.shape[:-1], self.num_heads, h.shape[-1] // self.num_heads)
+        return q.reshape(shape), k.reshape(shape), v.reshape(shape)
+
+    def finish(self, h: Tensor, attended: Tensor | None) -> Tensor:
+        """``f_next`` from the pair ``h [..., hidden]`` and its attention output
+        ``[..., heads, hidden / heads]`` (``None`` without attention)."""
+        if attended is not None:
+            h = h + self.o(attended.flatten(-2).to(h.dtype))
         n = self.norm(h)
         return h + self.down(F.silu(self.gate(n)) * self.up(n))
+
+    def forward(self, feature: Tensor, embedding: Tensor) -> Tensor:
+        """Teacher-forced prediction over whole sequences (each pair attends to itself and every
+        earlier pair).
+
+        Args:
+            feature: ``[B, T, hidden]`` target features ``f_t``; embedding: ``[B, T, hidden]``
+                embeddings of ``x_{t+1}``.
+        Returns:
+            ``[B, T, hidden]`` predicted features ``f_{t+1}``.
+        """
+        h = self.pair(feature, embedding)
+        if not self.num_heads:
+            return self.finish(h, None)
+        q, k, v = (x.transpose(1, 2) for x in self.qkv_heads(h))
+        return self.finish(h, F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2))
+
+    def step(self, h: Tensor, anc_k: Tensor, anc_v: Tensor, cache_k: Tensor, cache_v: Tensor,
+             cache_len: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One draft level: pairs ``h [B, M, hidden]`` attend to their sequence's cache and to
+        their own tree ancestors and themselves.
+
+        Args:
+            anc_k, anc_v: ``[B, M, A, heads, d]`` the ancestors' keys and values (``A`` may be 0).
+            cache_k, cache_v: ``[B, L, heads, d]`` the accepted prefix; ``cache_len [B]`` int64
+                entries valid per sequence.
+        Returns:
+            ``(f_next [B, M, hidden], keys, values [B, M, A + 1, heads, d])`` (the ancestors
+            with the pairs themselves appended: what their children attend to).
+        """
+        if not self.num_heads:
+            return self.finish(h, None), anc_k, anc_v
+        q, k, v = self.qkv_heads(h)
+        keys, values = torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)
+        acc = torch.promote_types(q.dtype, torch.float32)  # scores and mixing in at least float32
+        qf = q.to(acc) * q.shape[-1] ** -0.5
+        s_cache = torch.einsum("bmhd,blhd->bmhl", qf, cache_k.to(acc))
+        visible = torch.arange(cache_k.shape[1], device=h.device) < cache_len[:, None]  # [B, L]
+        s_cache = s_cache.masked_fill(~visible[:, None, None, :], float("-inf"))
+        s_anc = torch.einsum("bmhd,bmahd->bmha", qf, keys.to(acc))
+        p = torch.softmax(torch.cat([s_cache, s_anc], -1), -1)  # never empty: the pair itself is in
+        L = cache_k.shape[1]
+        out = torch.einsum("bmhl,blhd->bmhd", p[..., :L], cache_v.to(acc))
+        out = out + torch.einsum("bmha,bmahd->bmhd", p[..., L:], values.to(acc))
+        return self.finish(h, out), keys, values
 
     def save(self, directory: str | Path, **meta) -> None:
         """Write ``config.json`` (with ``meta``) and ``model.safetensors`` into ``directory``."""
@@ -74,19 +148,20 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path) -> "EagleHead":
-        """Load a head saved by :meth:`save`.
+        """Load a head saved by :meth:`save` (format v2, or v1: the attention-free head).
 
         Raises:
-            DrafterError: the directory is not a complete EAGLE drafter of this format.
+            DrafterError: the directory is not a complete EAGLE drafter of these formats.
         """
         from safetensors.torch import load_file
 
         d = Path(directory)
         try:
             cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
-            if cfg.get("format") != FORMAT:
-                raise DrafterError(f"{d} is not a specla EAGLE drafter (config.json format != {FORMAT!r})")
-            head = cls(cfg["hidden_size"], cfg["intermediate_size"], cfg["eps"])
+            if cfg.get("format") not in FORMATS:
+                raise DrafterError(f"{d} is not a specla EAGLE drafter (config.json format not in {FORMATS})")
+            heads = cfg["num_heads"] if cfg["format"] == FORMAT else 0
+            head = cls(cfg["hidden_size"], cfg["intermediate_size"], heads, cfg["eps"])
             head.load_state_dict(load_file(str(d / "model.safetensors")))
         except (KeyError, ValueError, OSError, RuntimeError) as err:
             if isinstance(err, DrafterError):
@@ -99,13 +174,19 @@ def is_eagle_dir(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding a saved EAGLE drafter (its config says so)."""
     cfg = Path(path) / "config.json"
     try:
-        return cfg.is_file() and json.loads(cfg.read_text()).get("format") == FORMAT
+        return cfg.is_file() and json.loads(cfg.read_text()).get("format") in FORMATS
     except ValueError:  # malformed JSON: EagleHead.load would say so; here it is just "not one"
         return False
 
 
 class EagleDrafter(Drafter):
     """Draft trees from an :class:`EagleHead` bound to a target adapter.
+
+    State per sequence (all on the target's device): the target feature at the end of the
+    accepted path ``[B, hidden]``, the root token ``[B]``, and the attention cache of the accepted
+    pairs ``[B, L, heads, hidden / heads]`` (keys and values, with ``L`` fixed per batch at
+    ``prompt + max_new_tokens + D + 2`` rounded up to 64, so CUDA graphs can hold it) with its
+    valid length ``[B]`` int64.
 
     Args:
         head: the trained head (moved to the target's device and dtype on :meth:`bind`).
@@ -120,6 +201,8 @@ class EagleDrafter(Drafter):
         self.head = head
         self.adapter: TargetAdapter | None = None
         self.feature: Tensor | None = None  # [B, hidden] target feature at the end of the accepted path
+        self.root: Tensor | None = None  # [B] the token the next tree hangs from
+        self.cache_k = self.cache_v = self.cache_len = None
         self.generator: torch.Generator | None = None  # the draws of sampled proposals
 
     @classmethod
@@ -135,21 +218,58 @@ class EagleDrafter(Drafter):
         self.adapter = adapter
         self.head = self.head.to(adapter.device, adapter.dtype).eval()
 
+    @torch.no_grad()
     def reset(self, prompts: list[list[int]]) -> None:
-        self.feature = self.adapter.last_hidden
+        """Start from prefill: the last prompt feature, and every earlier prompt pair
+        ``(f_p, x_{p+1})`` in the cache (from ``adapter.prompt_hidden``; an adapter without it
+        starts the cache empty)."""
+        ad, cfg = self.adapter, self.adapter.config
+        B, dev = len(prompts), ad.device
+        self.feature = ad.last_hidden
+        self.root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
         self.generator = None  # created at the first sampled proposal, from config.seed
+        heads = self.head.num_heads
+        depth = min(cfg.max_depth, cfg.num_draft_tokens)
+        cap = -(-(max(len(p) for p in prompts) + cfg.max_new_tokens + depth + 2) // 64) * 64 if heads else 0
+        d = self.head.config["hidden_size"] // max(heads, 1)
+        self.cache_k = torch.zeros(B, cap, max(heads, 1), d, dtype=ad.dtype, device=dev)
+        self.cache_v = torch.zeros_like(self.cache_k)
+        lengths = [max(len(p) - 2, 0) for p in prompts]
+        hidden = getattr(ad, "prompt_hidden", None)
+        self.cache_len = torch.zeros(B, dtype=torch.int64, device=dev)
+        T = max(lengths)
+        if heads and T and hidden is not None:
+            toks = torch.tensor([p[1 : 1 + T] + [0] * (T - len(p[1 : 1 + T])) for p in prompts], device=dev)
+            _, k, v = self.head.qkv_heads(self.head.pair(hidden[:, :T].to(ad.dtype), ad.embed(toks)))
+            self.cache_k[:, :T], self.cache_v[:, :T] = k, v
+            self.cache_len = torch.tensor(lengths, dtype=torch.int64, device=dev)
+
+    def _level(self, state: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft level. ``state [B, M, 1 + 2A, hidden]``: the parents' (predicted) features,
+        then the keys and values of their ``A`` ancestors (flattened heads). Returns the
+        children's state (``A + 1``) and their features ``[B, M, hidden]``."""
+        B, M, S, H = state.shape
+        heads = self.head.num_heads
+        A = (S - 1) // 2
+        h = self.head.pair(state[:, :, 0], self.adapter.embed(tokens))
+        shape = (B, M, A, max(heads, 1), H // max(heads, 1))
+        anc_k, anc_v = state[:, :, 1 : 1 + A].reshape(shape), state[:, :, 1 + A :].reshape(shape)
+        new, keys, values = self.head.step(h, anc_k, anc_v, self.cache_k, self.cache_v, self.cache_len)
+        if not heads:
+            return new[:, :, None], new
+        return torch.cat([new[:, :, None], keys.flatten(-2), values.flatten(-2)], 2), new
 
     @torch.no_grad()
-    def _expand(self, feature: Tensor, tokens: Tensor, k: int):
-        new = self.head(feature, self.adapter.embed(tokens))
+    def _expand(self, state: Tensor, tokens: Tensor, k: int):
+        state, new = self._level(state, tokens)
         logp = torch.log_softmax(self.adapter.lm_logits(new).float(), dim=-1)
         top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        return new, top.values, top.indices
+        return state, top.values, top.indices
 
     @torch.no_grad()
-    def _sample_step(self, feature: Tensor, tokens: Tensor, config: SpecConfig):
-        new = self.head(feature, self.adapter.embed(tokens))
-        return new, sampling_probs(self.adapter.lm_logits(new), config.temperature, config.sampling_top_k, config.top_p)
+    def _sample_step(self, state: Tensor, tokens: Tensor, config: SpecConfig):
+        state, new = self._level(state, tokens)
+        return state, sampling_probs(self.adapter.lm_logits(new), config.temperature, config.sampling_top_k, config.top_p)
 
     def propose(self, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
         """Greedy decoding (``temperature == 0``): the best-first, confidence-pruned tree of the
@@ -158,14 +278,16 @@ class EagleDrafter(Drafter):
         that distribution attached as ``draft_probs`` (:func:`sample_tree`), so acceptance can use
         ``min(1, p / q)``; seeded by ``config.seed``. Tokens and structure come back on the CPU,
         ``draft_probs`` stays on the target's device."""
-        roots = torch.tensor([c[-1] for c in contexts], dtype=torch.int64, device=self.adapter.device)
+        self.root = torch.tensor([c[-1] for c in contexts], dtype=torch.int64, device=self.adapter.device)
+        root_state = self.feature[:, None]
         if config.temperature > 0:
             if self.generator is None:
                 self.generator = torch.Generator(device=self.adapter.device)
                 self.generator.manual_seed(config.seed + 1) if config.seed is not None else self.generator.seed()
-            tree = sample_tree(lambda f, t: self._sample_step(f, t, config), self.feature, roots, config, self.generator)
+            tree = sample_tree(lambda f, t: self._sample_step(f, t, config), root_state, self.root, config,
+                               self.generator)
         else:
-            tree = build_tree(lambda f, t: self._expand(f, t, config.top_k), self.feature, roots, config)
+            tree = build_tree(lambda f, t: self._expand(f, t, config.top_k), root_state, self.root, config)
         return DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=tree.draft_probs)
 
     device_proposals = True
@@ -173,19 +295,43 @@ class EagleDrafter(Drafter):
     def propose_on_device(self, roots: Tensor, config: SpecConfig) -> DraftTree:
         """The greedy tree of :meth:`propose`, padded to the budget, left on the device, with no
         host synchronisation (what :class:`specla.graphs.GraphRunner` records)."""
-        return build_tree(lambda f, t: self._expand(f, t, config.top_k), self.feature, roots, config,
+        self.root = roots
+        return build_tree(lambda f, t: self._expand(f, t, config.top_k), self.feature[:, None], roots, config,
                           fixed_width=True)
 
     def graph_state(self) -> list[Tensor]:
-        """``[feature]``: ``[B, hidden]``, the target feature at the end of the accepted path."""
-        return [self.feature]
+        """``[feature [B, hidden], root [B], cache keys, cache values [B, L, heads, d],
+        cache length [B]]``."""
+        return [self.feature, self.root, self.cache_k, self.cache_v, self.cache_len]
 
     def set_graph_state(self, tensors: list[Tensor]) -> None:
-        (self.feature,) = tensors
+        self.feature, self.root, self.cache_k, self.cache_v, self.cache_len = tensors
 
+    @torch.no_grad()
     def on_commit(self, acceptance: Acceptance, out: VerifyOutput) -> None:
-        end = path_end(acceptance.path, acceptance.num_accepted + 1).to(out.hidden.device)
-        self.feature = out.hidden[torch.arange(out.hidden.shape[0], device=out.hidden.device), end]
+        """Append the accepted pairs to the cache (in place, fixed shapes): the root with the
+        feature it was drafted from, then each accepted node with the feature verify computed
+        for its parent; the new feature is the one at the end of the path, the new root the
+        bonus token. Rows whose cache is full (finished rows kept in a graph's batch) stop
+        growing; their drafts are discarded anyway."""
+        hidden, dev = out.hidden, out.hidden.device
+        rows = torch.arange(hidden.shape[0], device=dev)
+        if self.head.num_heads:
+            W = acceptance.tokens.shape[1] + 1
+            parents = acceptance.path[:, : W - 1].to(dev)
+            feats = torch.cat([self.feature[:, None], hidden[rows[:, None], parents]], 1)
+            toks = torch.cat([self.root[:, None], acceptance.tokens.to(dev).clamp(min=0)], 1)
+            _, k, v = self.head.qkv_heads(self.head.pair(feats, self.adapter.embed(toks)))
+            L = self.cache_k.shape[1]
+            pos = (self.cache_len[:, None] + torch.arange(W, device=dev)).clamp(max=L - 1)
+            self.cache_k[rows[:, None], pos] = k
+            self.cache_v[rows[:, None], pos] = v
+            self.cache_len.copy_((self.cache_len + acceptance.num_accepted.to(dev) + 1).clamp(max=L))
+        end = path_end(acceptance.path, acceptance.num_accepted + 1).to(dev)
+        self.feature = hidden[rows, end]
+        self.root = acceptance.bonus.to(dev)
 
     def select(self, index: Tensor) -> None:
-        self.feature = self.feature.index_select(0, index.to(self.feature.device))
+        index = index.to(self.feature.device)
+        self.feature, self.root, self.cache_k, self.cache_v, self.cache_len = (
+            x.index_select(0, index) for x in self.graph_state())

@@ -4,8 +4,8 @@
 Features are collected with the target's adapter (the same code that verifies): teacher forcing
 over windows of the given texts, and over the target's own greedy continuations of prompts taken
 from those texts (so the drafter learns what the target actually says). The head is trained with a
-two-step unroll (the second step reads its own first prediction, as drafting deeper levels does),
-minimising ``smooth_l1(f_hat, f) + ce_weight * CE(p_target, softmax(lm_logits(f_hat)))`` (EAGLE's
+loss unrolled over draft levels (a level reads the previous level's prediction and attends
+to what a draft node of its depth sees), minimising ``smooth_l1(f_hat, f) + ce_weight * CE(p_target, softmax(lm_logits(f_hat)))`` (EAGLE's
 feature regression plus a soft cross-entropy through the target's LM head).
 """
 
@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import lzma
 import random
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..errors import DrafterError
@@ -40,6 +42,8 @@ class DrafterTrainConfig:
         distill_prompt_tokens, distill_new_tokens: their prompt and continuation lengths.
         lr: peak AdamW learning rate (linear warm-up 5%, cosine to 10%).
         ce_weight: weight of the soft cross-entropy term.
+        unroll: draft levels the loss is unrolled over (:func:`unrolled_loss`).
+        num_heads: the head's attention heads (``None``: ``hidden // 64``; ``0``: no attention).
         save_every: steps between checkpoints (``checkpoint.pt``, resumable).
         seed: data order and initialisation.
     """
@@ -53,15 +57,29 @@ class DrafterTrainConfig:
     distill_new_tokens: int = 96
     lr: float = 1e-3
     ce_weight: float = 0.1
+    unroll: int = 2
+    num_heads: int | None = None
     save_every: int = 500
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_windows", "save_every", "lr"):
+        for name in ("steps", "batch_windows", "save_every", "lr", "unroll"):
             if getattr(self, name) <= 0:
                 raise DrafterError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.window < 3:  # the two-step unrolled loss needs two targets after the first token
-            raise DrafterError(f"window must be >= 3, got {self.window}")
+        if self.window < max(3, self.unroll + 1):  # level k needs k pairs before the window ends
+            raise DrafterError(f"window must be >= max(3, unroll + 1) = {max(3, self.unroll + 1)}, got {self.window}")
+
+
+@contextmanager
+def _matmul_precision(precision: str | None):
+    """``torch.set_float32_matmul_precision(precision)`` inside the block (``None``: unchanged)."""
+    before = torch.get_float32_matmul_precision()
+    if precision:
+        torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def read_texts(files: list[str | Path]) -> list[str]:
@@ -102,17 +120,63 @@ def collect_features(adapter: TargetAdapter, sequences: list[list[int]], window:
     return torch.cat(toks), torch.cat(feats)
 
 
-def unrolled_loss(head: EagleHead, adapter: TargetAdapter, tokens, feats, ce_weight: float):
-    """Two-step unrolled EAGLE loss on windows ``tokens [b, T]``, ``feats [b, T, hidden]``."""
-    total, f_in = 0.0, feats[:, :-1]
-    for k in (1, 2):
-        target = feats[:, k:]
-        f_hat = head(f_in[:, : target.shape[1]], adapter.embed(tokens[:, k:]))
-        with torch.no_grad():
-            p = torch.softmax(adapter.lm_logits(target).float(), -1)
+def unrolled_loss(head: EagleHead, adapter: TargetAdapter, tokens: Tensor, feats: Tensor, ce_weight: float,
+                  unroll: int = 2) -> Tensor:
+    """The EAGLE loss unrolled over ``unroll`` draft levels, each level seeing exactly what a
+    draft node of that depth sees.
+
+    Pair ``P`` is ``(f_P, x_{P+1})`` and predicts ``f_{P+1}``. Level 1 reads the target's true
+    features with causal attention over the true pairs. Level ``k`` reads at ``P`` the level
+    ``k - 1`` prediction made at ``P - 1`` and attends to the true pairs up to ``P - k + 1`` and
+    to the level-``j`` pairs at ``P - k + j`` (``j = 2..k``: its draft ancestors and itself).
+    Each level adds ``smooth_l1(f_hat, f) + ce_weight * CE(p_target, softmax(lm_logits(f_hat)))``.
+
+    Args:
+        tokens: ``[b, T]`` int64 windows; feats: ``[b, T, hidden]`` float32 target features.
+    Returns:
+        the scalar loss (float32).
+    """
+    emb = adapter.embed(tokens[:, 1:])
+    target = feats[:, 1:]
+    with torch.no_grad():
+        p = torch.softmax(adapter.lm_logits(target).float(), -1)
+    h1 = head.pair(feats[:, :-1], emb)
+    heads = head.num_heads
+    true_q = true_k = true_v = None
+    if heads:
+        true_q, true_k, true_v = head.qkv_heads(h1)
+        scale = true_q.shape[-1] ** -0.5
+        n = h1.shape[1]
+        pos = torch.arange(n, device=h1.device)
+    total, prev, levels = 0.0, None, []  # levels: (k, v) of the predicted pairs of levels 2..k
+    for k in range(1, unroll + 1):
+        if k == 1:
+            h, q = h1, true_q
+        else:  # shift by one: the level k - 1 prediction made at P - 1 is read at P
+            h = head.pair(F.pad(prev[:, :-1], (0, 0, 1, 0)), emb)
+            if heads:
+                q, kk, vv = head.qkv_heads(h)
+                levels.append((kk, vv))
+        attended = None
+        if heads:
+            visible = pos[None, :] <= pos[:, None] - (k - 1)  # [P, S]: true pairs up to P - k + 1
+            s_true = torch.einsum("bphd,bshd->bhps", q, true_k) * scale
+            s_true = s_true.masked_fill(~visible, float("-inf"))
+            diag = []  # level j's pair at P - (k - j): its score and value
+            for j, (kj, vj) in enumerate(levels, start=2):
+                shift = k - j
+                kj, vj = F.pad(kj, (0, 0, 0, 0, shift, 0))[:, :n], F.pad(vj, (0, 0, 0, 0, shift, 0))[:, :n]
+                diag.append(((q * kj).sum(-1).transpose(1, 2)[..., None] * scale, vj))
+            acc = torch.promote_types(q.dtype, torch.float32)
+            w = torch.softmax(torch.cat([s_true] + [sd for sd, _ in diag], -1).to(acc), -1).to(q.dtype)
+            attended = torch.einsum("bhps,bshd->bphd", w[..., :n], true_v)
+            for i, (_, vj) in enumerate(diag):
+                attended = attended + w[..., n + i].transpose(1, 2)[..., None] * vj
+        pred = head.finish(h, attended)
+        f_hat, f = pred[:, k - 1 :], target[:, k - 1 :]  # positions with k - 1 earlier pairs
         logq = torch.log_softmax(adapter.lm_logits(f_hat).float(), -1)
-        total = total + F.smooth_l1_loss(f_hat.float(), target.float()) - ce_weight * (p * logq).sum(-1).mean()
-        f_in = f_hat[:, :-1]
+        total = total + F.smooth_l1_loss(f_hat.float(), f.float()) - ce_weight * (p[:, k - 1 :] * logq).sum(-1).mean()
+        prev = pred
     return total
 
 
@@ -158,7 +222,7 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     tokens, feats = collect_features(adapter, sequences, cfg.window)
     log(f"training windows: {len(tokens)} x {cfg.window} tokens ({len(prompts)} self-distilled sequences)")
     hidden = feats.shape[-1]
-    head = EagleHead(hidden).to(adapter.device)
+    head = EagleHead(hidden, num_heads=cfg.num_heads).to(adapter.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     start, ckpt, history = 0, out / "checkpoint.pt", []
     if resume and ckpt.is_file():
@@ -171,31 +235,33 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     elif resume:
         log(f"no {ckpt} to resume from: starting from step 0")
     warm = max(cfg.steps // 20, 1)
-    bar = tqdm(range(start, cfg.steps), desc="train-drafter", initial=start, total=cfg.steps)
-    for step in bar:
-        lr = cfg.lr * min((step + 1) / warm, 0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * step / cfg.steps)).item()))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        idx = torch.randint(0, len(tokens), (cfg.batch_windows,))
-        x = tokens[idx].to(adapter.device)
-        f = feats[idx].to(adapter.device, torch.float32)
-        loss = unrolled_loss(head, adapter, x, f, cfg.ce_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0 or step == cfg.steps - 1:
-            history.append({"step": step, "loss": loss.item()})
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-        stopping = stop_at is not None and step + 1 >= stop_at
-        if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1 or stopping:
-            tmp = ckpt.with_suffix(".tmp")  # written then renamed: an interrupted save keeps the last one
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "rng": torch.get_rng_state(), "history": history}, tmp)
-            tmp.replace(ckpt)
-        if stopping and step + 1 < cfg.steps:
-            log(f"stopped at step {step + 1}; continue with --resume")
-            return {"config": asdict(cfg), "windows": len(tokens), "stopped_at": step + 1, "log": history}
+    # TF32 products on CUDA for the head and the LM head (the collected features are unchanged)
+    with _matmul_precision("high" if adapter.device.type == "cuda" else None):
+        bar = tqdm(range(start, cfg.steps), desc="train-drafter", initial=start, total=cfg.steps)
+        for step in bar:
+            lr = cfg.lr * min((step + 1) / warm, 0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * step / cfg.steps)).item()))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idx = torch.randint(0, len(tokens), (cfg.batch_windows,))
+            x = tokens[idx].to(adapter.device)
+            f = feats[idx].to(adapter.device, torch.float32)
+            loss = unrolled_loss(head, adapter, x, f, cfg.ce_weight, cfg.unroll)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            if step % 50 == 0 or step == cfg.steps - 1:
+                history.append({"step": step, "loss": loss.item()})
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+            stopping = stop_at is not None and step + 1 >= stop_at
+            if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1 or stopping:
+                tmp = ckpt.with_suffix(".tmp")  # written then renamed: an interrupted save keeps the last one
+                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                            "rng": torch.get_rng_state(), "history": history}, tmp)
+                tmp.replace(ckpt)
+            if stopping and step + 1 < cfg.steps:
+                log(f"stopped at step {step + 1}; continue with --resume")
+                return {"config": asdict(cfg), "windows": len(tokens), "stopped_at": step + 1, "log": history}
     head.save(out, trained_steps=cfg.steps)
     summary = {"config": asdict(cfg), "windows": len(tokens), "self_distilled": len(prompts), "log": history}
     (out / "training.json").write_text(json.dumps(summary, indent=1))
