@@ -197,3 +197,15 @@ def test_drafter_cache_follows_the_accepted_path():
         _, k, v = dr.head.qkv_heads(dr.head.pair(feats[:, :n], dec.adapter.embed(torch.tensor([nxt[:n]]))))
         torch.testing.assert_close(dr.cache_k[b, :n], k[0], rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(dr.cache_v[b, :n], v[0], rtol=1e-9, atol=1e-9)
+
+
+def test_cache_capacity_is_a_power_of_two_that_only_grows():
+    """So recorded CUDA graphs stay valid for batches of other prompt lengths."""
+    dec = SpecDecoder(TINY, None, drafter=EagleDrafter(EagleHead(256)), config=dict(dtype="float32", max_new_tokens=40,
+                                                                                  num_draft_tokens=6, max_depth=4))
+    dr, ad = dec.drafter, dec.adapter
+    for prompt_len, expected in ((10, 256), (300, 512), (10, 512)):
+        ad.prefill([[7] * prompt_len])
+        dr.reset([[7] * prompt_len])
+        assert dr.capacity == expected and dr.cache_k.shape[1] == expected
+        assert int(dr.cache_len[0]) == prompt_len - 2

@@ -184,9 +184,10 @@ class EagleDrafter(Drafter):
 
     State per sequence (all on the target's device): the target feature at the end of the
     accepted path ``[B, hidden]``, the root token ``[B]``, and the attention cache of the accepted
-    pairs ``[B, L, heads, hidden / heads]`` (keys and values, with ``L`` fixed per batch at
-    ``prompt + max_new_tokens + D + 2`` rounded up to 64, so CUDA graphs can hold it) with its
-    valid length ``[B]`` int64.
+    pairs ``[B, L, heads, hidden / heads]`` (keys and values) with its valid length ``[B]``
+    int64. ``L`` is fixed for a batch, so CUDA graphs can hold the cache: the longest prompt +
+    ``max_new_tokens`` + ``D`` + 2 rounded up to a power of two (at least 256), and never smaller
+    than for an earlier batch of this drafter (so recorded graphs stay valid across batches).
 
     Args:
         head: the trained head (moved to the target's device and dtype on :meth:`bind`).
@@ -203,6 +204,7 @@ class EagleDrafter(Drafter):
         self.feature: Tensor | None = None  # [B, hidden] target feature at the end of the accepted path
         self.root: Tensor | None = None  # [B] the token the next tree hangs from
         self.cache_k = self.cache_v = self.cache_len = None
+        self.capacity = 0  # cache entries per sequence (see reset)
         self.generator: torch.Generator | None = None  # the draws of sampled proposals
 
     @classmethod
@@ -230,7 +232,11 @@ class EagleDrafter(Drafter):
         self.generator = None  # created at the first sampled proposal, from config.seed
         heads = self.head.num_heads
         depth = min(cfg.max_depth, cfg.num_draft_tokens)
-        cap = -(-(max(len(p) for p in prompts) + cfg.max_new_tokens + depth + 2) // 64) * 64 if heads else 0
+        need = max(len(p) for p in prompts) + cfg.max_new_tokens + depth + 2
+        # a power of two that only grows: a new size means new CUDA graphs, so batches of other
+        # prompt lengths reuse the recorded ones
+        self.capacity = max(self.capacity, 1 << max(need - 1, 255).bit_length()) if heads else 0
+        cap = self.capacity
         d = self.head.config["hidden_size"] // max(heads, 1)
         self.cache_k = torch.zeros(B, cap, max(heads, 1), d, dtype=ad.dtype, device=dev)
         self.cache_v = torch.zeros_like(self.cache_k)
