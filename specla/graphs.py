@@ -132,6 +132,8 @@ class GraphRunner:
                     torch.zeros(B, dtype=torch.int64, device=dev))
         g = _Graph([t.clone() for t in state], [t.clone() for t in drafter_state], tree,
                    torch.zeros(B, 2 + self.depth, dtype=torch.int64, device=dev))
+        if tree is not None:  # the host tree's staging, once per graph: a pinned allocation synchronises
+            g.host = torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=self.capture)
         if self.capture:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -184,9 +186,6 @@ class GraphRunner:
             ad.set_graph_state(g.state)
             dr.set_graph_state(g.drafter_state)
             if g.tree is not None:
-                if g.host is None:  # allocated once per graph: a pinned allocation synchronises
-                    N = self.config.num_draft_tokens
-                    g.host = torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=self.capture)
                 for static, host in zip(g.tree, self._host_tree(contexts, g.host)):
                     static.copy_(host, non_blocking=True)
             if g.graph is not None:

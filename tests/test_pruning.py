@@ -174,8 +174,9 @@ def test_sampled_tree_draws_children_from_q_and_keeps_its_shape_fixed():
     trees = [sample_tree(step, torch.zeros(4, 1), roots, cfg, torch.Generator().manual_seed(9)) for _ in range(2)]
     t = trees[0]
     assert torch.equal(t.tokens, trees[1].tokens) and torch.equal(t.parents, trees[1].parents)
-    assert t.num_nodes.tolist() == [11] * 4  # 3 + 8 (the budget cuts the second level)
-    assert (t.parents[:, :3] == -1).all() and (t.parents[:, 3:] >= 0).all() and (t.parents[:, 3:] < 3).all()
+    assert t.num_nodes.tolist() == [11] * 4  # levels of ceil(11 / 4) = 3, 3, 3, then the 2 left: depth 4
+    for lo, hi, plo, phi in ((0, 3, -1, -1), (3, 6, 0, 2), (6, 9, 3, 5), (9, 11, 6, 8)):
+        assert (t.parents[:, lo:hi] >= plo).all() and (t.parents[:, lo:hi] <= phi).all()
     for b in range(4):
         for i in range(11):
             par = int(t.parents[b, i])
@@ -183,9 +184,9 @@ def test_sampled_tree_draws_children_from_q_and_keeps_its_shape_fixed():
             assert torch.equal(t.draft_probs[b, i], q_table[prev])
             assert q_table[prev, t.tokens[b, i]] > 0
     cut = t.limit_depth(torch.tensor([1, 2, 2, 0]))  # draft_probs follow the kept nodes
-    assert cut.num_nodes.tolist() == [3, 11, 11, 0]
+    assert cut.num_nodes.tolist() == [3, 6, 6, 0]
     assert torch.equal(cut.draft_probs[0, :3], t.draft_probs[0, :3])
-    assert torch.equal(cut.draft_probs[1], t.draft_probs[1])
+    assert torch.equal(cut.draft_probs[1, :6], t.draft_probs[1, :6])
 
 
 def test_draft_probs_shape_is_checked():

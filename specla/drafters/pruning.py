@@ -135,8 +135,9 @@ def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: S
     Level-synchronous like :func:`build_tree`, but the shape never depends on a node's own
     sampled token, which the acceptance rule needs (siblings must be independent draws from
     their parent's ``q``): at depth ``d`` the frontier nodes, best path score first, get ``top_k``
-    children each, drawn independently (with replacement) from their ``q``, until the budget
-    ``N`` runs out; every drawn node is kept. The next frontier is the ``top_k`` best children
+    children each, drawn independently (with replacement) from their ``q``, until the level's
+    share ``ceil(N / D)`` or the budget ``N`` runs out (so the tree reaches depth ``D``); every
+    drawn node is kept. The next frontier is the ``top_k`` best children
     of the level (their own tokens decide only whether *they* are expanded, not whether they
     exist). ``tau_tree`` does not apply (pruning a node by its own score would bias the draws).
 
@@ -154,6 +155,7 @@ def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: S
     B, dev = roots.shape[0], roots.device
     if N == 0:
         return DraftTree.empty(B, dev)
+    per_level = -(-N // D)
     state, toks = root_state[:, None], roots[:, None]
     ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
     fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
@@ -162,7 +164,10 @@ def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: S
     for _ in range(D):
         state, q = step(state, toks)
         q, M = q.float(), q.shape[1]
-        width = min(M * k, N - count)  # the best frontier nodes come first, so they get children first
+        # the best frontier nodes come first, so they get children first; a level takes at most
+        # ceil(N / D) nodes so that the tree reaches depth D (all N at depth 1 or 2 would cap
+        # the accepted length there)
+        width = min(M * k, N - count, per_level)
         child = torch.multinomial(q.flatten(0, 1), k, replacement=True, generator=generator).view(B, M * k)
         child, slot = child[:, :width], (torch.arange(width, device=dev) // k).expand(B, width)
         qc = take_rows(q, slot)
