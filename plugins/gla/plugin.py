@@ -35,9 +35,9 @@ class GLAPlugin(ArchitecturePlugin):
 
     name = "gla"
     model_types = ("gla",)
-    # "cuda_graphs" waits for a GPU run of the recorded step (its fixed-shape form passes on the CPU:
-    # tests/test_graphs.py)
-    capabilities = frozenset({"trees"})
+    # "cuda_graphs": the recorded step ran token-identical to eager decoding on an H200
+    # (tests/test_graphs.py, factor and snapshot commits, fifth session)
+    capabilities = frozenset({"trees", "cuda_graphs"})
     known_failures: dict[str, str] = {}
     tiny_variants = tuple(TINY_VARIANTS)
 
