@@ -25,7 +25,8 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
   (``--profile`` for the tree, ``--chain-profile`` for the chain), per batch.
 - ``baselines``: at the GSM8K profile, one table per batch with: transformers ``generate``
   (eager, batch 1 and 8 only: it is ~70 ms per token), specla AR (graph), speculative tree with
-  ``snapshot`` and ``replay`` commit, SpecLA chain and tree (``factor``); each row's greedy output
+  ``snapshot`` and ``replay`` commit, FLA-SD (chain; verify's recurrence and the replay commit on
+  FLA's stock kernel, :class:`FLASDAdapter`), SpecLA chain and tree (``factor``); each row's greedy output
   compared token for token with the AR row; per sequence, the bytes one verify's records hold
   (what commit needs: factor records, snapshot states or replay inputs) and the peak memory above
   the model (CUDA-graph pools and static state included).
@@ -48,9 +49,12 @@ from specla.api import SpecDecoder
 from specla.drafters.eagle import EagleDrafter, EagleHead
 from specla.interfaces import Drafter
 from specla.tree import DraftTree
+from specla_gdn.adapter import GDNAdapter
+from specla_gdn.reference import expand_heads
 
 VOCAB = 32000
 CHAIN = dict(num_draft_tokens=6, max_depth=6, top_k=1)
+FLA_SD = "FLA-SD: chain, replay on FLA kernels"
 TREE = dict(num_draft_tokens=16, max_depth=6, top_k=4)
 
 
@@ -67,6 +71,55 @@ def gdn13b(layers: int, embed_scale: float, seed: int = 0):
         model.model.embeddings.weight.mul_(embed_scale)
         model.lm_head.weight.copy_(model.model.embeddings.weight)
     return model
+
+
+class FLASDAdapter(GDNAdapter):
+    """The FLA-SD baseline (the SpecLA paper's comparison): chain drafts whose verify runs the
+    recurrence with FLA's stock ``fused_recurrent_gated_delta_rule`` (the chain as a sequence,
+    from the committed state), and a replay commit that runs the accepted tokens through the same
+    FLA kernel again (``output_final_state``). The rest of the layer (projections, conv, norms)
+    is specla's reference path, as in the snapshot and replay rows. Chains only: FLA's kernel
+    reads its tokens as one sequence. Made with :func:`use_fla_sd`."""
+
+    def _reference_verify(self, q, k, v, g, beta, S0, mask, scale, records):
+        if records != "replay":  # prefill (factor records) stays on specla's path; it is not timed
+            return super()._reference_verify(q, k, v, g, beta, S0, mask, scale, records)
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        HV = v.shape[2]
+        q, k = (expand_heads(x, HV).to(v.dtype) for x in (q, k))
+        o, _ = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=S0,
+                                                output_final_state=False)
+        return o.to(S0.dtype), None, None
+
+    def _replay_commit(self, S0, rec, path, path_len):
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        B, P = path.shape
+        rows = torch.arange(B, device=path.device)[:, None]
+        node = path.clamp(min=0)
+        live = (torch.arange(P, device=path.device)[None, :] < path_len[:, None])[..., None]  # [B, P, 1]
+        v = rec.v[rows, node]
+        k = expand_heads(rec.k[rows, node], v.shape[2]).to(v.dtype)
+        g = torch.where(live, rec.g[rows, node], 0.0)  # decay 1 and no update past the path's end
+        beta = torch.where(live, rec.beta[rows, node], 0.0)
+        _, S = fused_recurrent_gated_delta_rule(k, k, v, g=g, beta=beta, scale=1.0, initial_state=S0,
+                                                output_final_state=True)
+        return S.to(S0.dtype)
+
+
+def use_fla_sd(dec: SpecDecoder) -> SpecDecoder:
+    """Turn a GDN decoder with ``commit="replay"`` and chain drafts into the FLA-SD baseline
+    (:class:`FLASDAdapter`), before its first step.
+
+    Raises:
+        ValueError: the decoder drafts trees, or does not commit by replay.
+    """
+    cfg = dec.config
+    if cfg.top_k != 1 or cfg.commit != "replay" or not isinstance(dec.adapter, GDNAdapter):
+        raise ValueError("FLA-SD needs a GDN decoder with chain drafts (top_k=1) and commit='replay'")
+    dec.adapter.__class__ = FLASDAdapter  # same state, the two recurrence methods swapped
+    return dec
 
 
 class ProfileDrafter(Drafter):
@@ -155,14 +208,17 @@ class Harness:
         self.rows: list[dict] = []
         self.dump = None
 
-    def decoder(self, tree: dict, commit: str = "factor", graphs: str = "on", profile=None, eagle: bool = True):
-        """A SpecDecoder (its graphs are kept with it) with an oracle drafter."""
+    def decoder(self, tree: dict, commit: str = "factor", graphs: str = "on", profile=None, eagle: bool = True,
+                fla_sd: bool = False):
+        """A SpecDecoder (its graphs are kept with it) with an oracle drafter (``fla_sd``: the
+        FLA-SD baseline, :func:`use_fla_sd`)."""
         cfg = SpecConfig(device="cuda", dtype="bfloat16", commit=commit, cuda_graphs=graphs, stop_at_eos=False,
                          max_new_tokens=self.args.tokens, **tree)
         drafter = ProfileDrafter(profile or geometric(0.0, cfg.max_depth),
                                  EagleDrafter(self.head) if (eagle and self.head is not None and tree["num_draft_tokens"])
                                  else None)
-        return SpecDecoder(self.model, "gdn", drafter=drafter, config=cfg)
+        dec = SpecDecoder(self.model, "gdn", drafter=drafter, config=cfg)
+        return use_fla_sd(dec) if fla_sd else dec
 
     def time(self, dec: SpecDecoder, B: int) -> dict:
         """Warm-up (records the graphs), then ``repeats`` timed runs: medians of decode time
@@ -249,9 +305,10 @@ class Harness:
                          **self.hf_generate(B, ar["tokens_per_s"]))
             for name, tree, commit in (("spec tree, snapshot commit", TREE, "snapshot"),
                                        ("spec tree, replay commit", TREE, "replay"),
+                                       (FLA_SD, CHAIN, "replay"),
                                        ("SpecLA chain", CHAIN, "factor"), ("SpecLA tree", TREE, "factor")):
                 prof = profiles["SpecLA chain" if tree is CHAIN else "SpecLA tree"]
-                t = self.time(self.decoder(tree, commit=commit, profile=prof), B)
+                t = self.time(self.decoder(tree, commit=commit, profile=prof, fla_sd=name == FLA_SD), B)
                 exact = sum(o == r for o, r in zip(t["outputs"], ref)) / B
                 self.add("baselines", B=B, row=name, tokens_per_s=t["tokens_per_s"],
                          vs_ar_graph=t["tokens_per_s"] / ar["tokens_per_s"], ms_per_step=t["ms_per_step"],

@@ -63,3 +63,38 @@ def test_tables_mark_cells_that_were_not_run():
             dict(study="step", N=0, B=8, ms_per_step=4.4, vs_ar_step=1.0)]
     text = e2e.tables(rows)
     assert "| 1 | 3.000 (1.00x) | 4.900 (1.63x) |" in text and "| 8 | 4.400 (1.00x) | not run |" in text
+
+
+@pytest.mark.parametrize("variant", ["base", "gva"])
+def test_fla_sd_baseline_decodes_like_the_reference_replay(variant, monkeypatch):
+    """The FLA-SD row (FLA's stock kernel for verify's recurrence and the replay commit, run by
+    the Triton interpreter here): same tokens as autoregressive decoding and as specla's own
+    replay commit, and the same recurrent states after decoding (float32), with drafts accepted
+    (so replays of several tokens happened); trees are refused."""
+    from fla_oracle import enable_fla_interpreter
+
+    enable_fla_interpreter()
+    import fla.ops.gated_delta_rule as fla_gdr
+
+    calls, kernel = [], fla_gdr.fused_recurrent_gated_delta_rule
+    monkeypatch.setattr(fla_gdr, "fused_recurrent_gated_delta_rule",
+                        lambda *a, **kw: calls.append(kw["output_final_state"]) or kernel(*a, **kw))
+    model = get_plugin("gdn").tiny_model(variant, seed=0, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    V = model.get_input_embeddings().weight.shape[0]
+    motif = torch.randint(0, V, (4,), generator=g).tolist()
+    prompts = [motif * 4, torch.randint(0, V, (7,), generator=g).tolist() + motif * 2]
+    cfg = dict(num_draft_tokens=4, max_depth=4, top_k=1, commit="replay", max_new_tokens=20, stop_at_eos=False,
+               dtype="float32", cuda_graphs="off", kernels="reference")
+    ref = SpecDecoder(model, "gdn", drafter="ngram", config=cfg)
+    fla = e2e.use_fla_sd(SpecDecoder(model, "gdn", drafter="ngram", config=cfg))
+    assert isinstance(fla.adapter, e2e.FLASDAdapter)
+    r_ref, r_fla = ref.generate(prompts), fla.generate(prompts)
+    ar = SpecDecoder(model, "gdn", config=dict(cfg, num_draft_tokens=0)).generate(prompts)
+    assert r_fla.outputs == r_ref.outputs == ar.outputs
+    assert r_fla.stats.mean_accepted_tokens > 0
+    assert True in calls and False in calls  # FLA's kernel ran for verify and for commit
+    for s_ref, s_fla in zip(ref.adapter.recurrent, fla.adapter.recurrent):
+        torch.testing.assert_close(s_fla, s_ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="chain drafts"):
+        e2e.use_fla_sd(SpecDecoder(model, "gdn", config=dict(cfg, top_k=2)))

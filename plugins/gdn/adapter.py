@@ -272,7 +272,7 @@ class GDNAdapter(LayerwiseAdapter):
                 o, delta, G = self._kernel_verify(q, k, v, g, beta, S0, parents, counts, mask, L.K**-0.5, fused,
                                                   plan)
             else:
-                o, delta, G = tree_gdn(q, k, v, g, beta, S0, mask, L.K**-0.5)
+                o, delta, G = self._reference_verify(q, k, v, g, beta, S0, mask, L.K**-0.5, records)
             conv_x = proj if anc is not None else None
             if records == "factor":
                 out_records.append(GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x))
@@ -285,6 +285,20 @@ class GDNAdapter(LayerwiseAdapter):
         out = norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
         return out, x, tuple(out_records)
 
+    def _reference_verify(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, mask: Tensor,
+                          scale: float, records: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The reference path's recurrence over the tree (:func:`reference.tree_gdn`; shapes
+        there) for a pass building ``records``. One method so that a baseline can swap the
+        recurrence alone (the FLA-SD row of ``benchmarks/e2e.py`` runs FLA's kernel over the
+        chains of ``replay`` passes); ``delta`` and ``G`` may then be ``None``, which only
+        replay records allow."""
+        return tree_gdn(q, k, v, g, beta, S0, mask, scale)
+
+    def _replay_commit(self, S0: Tensor, rec: GDNReplayRecord, path: Tensor, path_len: Tensor) -> Tensor:
+        """Token-replay commit of one layer (:func:`reference.gdn_commit_replay`): ``[B, HV, K,
+        V]`` after the accepted path. One method so that a baseline can swap it (see above)."""
+        return gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
+
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         """Commit ``path`` (``[B, P]``, ``path_len [B]``) to every layer from its records."""
         end = path_end(path, path_len)
@@ -295,7 +309,7 @@ class GDNAdapter(LayerwiseAdapter):
             elif isinstance(rec, GDNFactorRecord):
                 self.recurrent[li] = gdn_commit_factor(S0, rec.k, rec.delta, rec.G, path, path_len)
             elif isinstance(rec, GDNReplayRecord):
-                self.recurrent[li] = gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
+                self.recurrent[li] = self._replay_commit(S0, rec, path, path_len)
             else:
                 picked = rec.states[torch.arange(S0.shape[0], device=S0.device), end.clamp(min=0)]
                 self.recurrent[li] = torch.where((path_len > 0)[:, None, None, None], picked, S0)
