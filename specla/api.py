@@ -64,7 +64,8 @@ class SpecDecoder:
             directory in transformers format.
         plugin: architecture plugin name (``"gdn"``), or ``None`` to detect it from
             ``config.model_type``.
-        drafter: ``"ngram"`` or a :class:`~specla.interfaces.Drafter` instance.
+        drafter: ``"ngram"``, a drafter directory written by ``specla train-drafter``, or a
+            :class:`~specla.interfaces.Drafter` instance.
         config: a :class:`SpecConfig` or a dict of its fields.
         tokenizer: a transformers tokenizer, a tokenizer directory, or ``None`` (a checkpoint
             directory's own tokenizer is used when it has one).

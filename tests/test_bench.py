@@ -104,6 +104,9 @@ def test_time_limit_stops_after_the_first_batch_and_says_so():
     assert report["prompts_decoded"] == 1 and report["prompts_total"] == 4 and report["stopped_early"] is True
     assert report["categories"]["all"]["prompts"] == 1
     assert "time limit: 1 of 4 prompts decoded" in format_table(report)
+    assert "sampling" not in format_table(report)  # greedy: exact is meant to be 1
+    report["config"]["temperature"] = 0.7
+    assert "sampling: 'exact' is not expected to be 1" in format_table(report)
     with pytest.raises(ValueError, match="time_limit_s must be positive"):
         run_bench(TINY, "ngram", DATA, config=cfg, limit=1, time_limit_s=0)
 

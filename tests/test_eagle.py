@@ -99,7 +99,7 @@ def test_bad_drafter_directories_raise_drafter_errors(tmp_path):
 def test_training_config_is_validated():
     from specla import DrafterError
 
-    with pytest.raises(DrafterError, match=r"window must be >= max\(3, unroll \+ 1\) = 3, got 1"):
+    with pytest.raises(DrafterError, match=r"window must be >= max\(3, unroll \+ 1\) = 4, got 1"):
         DrafterTrainConfig(window=1)
     with pytest.raises(DrafterError, match=r"= 5, got 4"):
         DrafterTrainConfig(window=4, unroll=4)
@@ -209,3 +209,21 @@ def test_cache_capacity_is_a_power_of_two_that_only_grows():
         dr.reset([[7] * prompt_len])
         assert dr.capacity == expected and dr.cache_k.shape[1] == expected
         assert int(dr.cache_len[0]) == prompt_len - 2
+
+
+def test_train_drafter_checks_its_options_before_reading_data(tmp_path):
+    """Bad heads or stop_at fail before any data is read (the data file here does not exist),
+    and --resume refuses a checkpoint written under other options, naming them."""
+    from specla import DrafterError
+
+    dec = SpecDecoder(TINY, None, config=dict(dtype="float32"))
+    missing = [tmp_path / "no-such-data.jsonl"]
+    with pytest.raises(DrafterError, match="num_heads 3 must be >= 0 and divide hidden_size 256"):
+        train_drafter(dec.adapter, dec.tokenizer, missing, tmp_path / "x", DrafterTrainConfig(num_heads=3))
+    with pytest.raises(DrafterError, match="stop_at must be >= 1"):
+        train_drafter(dec.adapter, dec.tokenizer, missing, tmp_path / "x", DrafterTrainConfig(), stop_at=0)
+    _train(tmp_path, "part", stop_at=3)
+    cfg = DrafterTrainConfig(steps=6, batch_windows=4, window=32, max_tokens=600, distill_prompts=2,
+                             distill_new_tokens=16, save_every=3, seed=1, num_heads=8)
+    with pytest.raises(DrafterError, match=r"other options \(num_heads None there, 8 now\)"):
+        train_drafter(dec.adapter, dec.tokenizer, missing, tmp_path / "part", cfg, resume=True)

@@ -56,8 +56,8 @@ class DrafterTrainConfig:
     distill_prompt_tokens: int = 48
     distill_new_tokens: int = 96
     lr: float = 1e-3
-    ce_weight: float = 0.1
-    unroll: int = 2
+    ce_weight: float = 1.0
+    unroll: int = 3
     num_heads: int | None = None
     save_every: int = 500
     seed: int = 0
@@ -189,9 +189,28 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     that step (time-boxed runs), leaving the drafter unsaved until a resumed run finishes.
 
     Raises:
-        DrafterError: the data yields no training window.
+        DrafterError: the data yields no training window; ``num_heads`` does not divide the
+            target's hidden size; ``stop_at < 1``; ``resume`` with a checkpoint written under
+            other options (anything but ``save_every`` differs). All are checked before any data
+            is read.
     """
     out = Path(out)
+    hidden = adapter.embed(torch.zeros(1, dtype=torch.int64, device=adapter.device)).shape[-1]
+    EagleHead(hidden, num_heads=cfg.num_heads)  # checks num_heads against the target now, not after the data
+    if stop_at is not None and stop_at < 1:
+        raise DrafterError(f"stop_at must be >= 1, got {stop_at}")
+    ckpt = out / "checkpoint.pt"
+    if resume and ckpt.is_file():
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False).get("config")
+        ours = {k: v for k, v in asdict(cfg).items() if k != "save_every"}
+        if saved is not None:
+            diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+            if diff:
+                raise DrafterError("--resume: the checkpoint was written with other options ("
+                                   + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+                                   + "); resume with the same options, or start afresh in another --out")
+    if stop_at is not None and stop_at >= cfg.steps:
+        log(f"stop_at {stop_at} >= steps {cfg.steps}: training runs to the end")
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -221,10 +240,9 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
         raise DrafterError(f"no training window of {cfg.window} tokens in the data ({len(texts)} texts)")
     tokens, feats = collect_features(adapter, sequences, cfg.window)
     log(f"training windows: {len(tokens)} x {cfg.window} tokens ({len(prompts)} self-distilled sequences)")
-    hidden = feats.shape[-1]
     head = EagleHead(hidden, num_heads=cfg.num_heads).to(adapter.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    start, ckpt, history = 0, out / "checkpoint.pt", []
+    start, history = 0, []
     if resume and ckpt.is_file():
         state = torch.load(ckpt, map_location=adapter.device, weights_only=False)
         head.load_state_dict(state["head"])
@@ -257,7 +275,7 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
             if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1 or stopping:
                 tmp = ckpt.with_suffix(".tmp")  # written then renamed: an interrupted save keeps the last one
                 torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                            "rng": torch.get_rng_state(), "history": history}, tmp)
+                            "rng": torch.get_rng_state(), "history": history, "config": asdict(cfg)}, tmp)
                 tmp.replace(ckpt)
             if stopping and step + 1 < cfg.steps:
                 log(f"stopped at step {step + 1}; continue with --resume")
