@@ -21,8 +21,10 @@ from specla.records import PendingCommit, Record, path_end
 from specla.tree import inclusive_ancestor_mask
 
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
+from specla.ops import act_triton as act_kernels
 from specla.ops import conv_triton as conv_kernels
 from specla.ops import norm_triton as norm_kernels
+from specla.ops.act import decay_and_sigmoid_gates
 from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
 from specla.ops.norm import compute_dtype, gated_rms_norm, l2norm, rms_norm
 
@@ -195,8 +197,9 @@ class GDNAdapter(LayerwiseAdapter):
         ``g, beta [B, T, HV]`` (state dtype) and the output gate's pre-activation
         ``[B, T, HV * V]`` (``None``: computed later from ``h``, or no gate).
 
-        ``fused``: one GEMM for every input projection (``w_in``) and one Triton launch for both
-        L2 norms, instead of four GEMMs and ten elementwise kernels (same formulas)."""
+        ``fused``: one GEMM for every input projection (``w_in``), one Triton launch for both
+        L2 norms and one for both gates, instead of four GEMMs and sixteen elementwise kernels
+        (same formulas)."""
         B, T = h.shape[:2]
         Dc, HV = L.w_qkv.shape[0], L.HV
         gate = None
@@ -213,27 +216,28 @@ class GDNAdapter(LayerwiseAdapter):
             q, k = l2norm(qkv[..., : L.H * L.K].reshape(B, T, L.H, L.K)), \
                 l2norm(qkv[..., L.H * L.K : 2 * L.H * L.K].reshape(B, T, L.H, L.K))
         v = qkv[..., 2 * L.H * L.K :].reshape(B, T, HV, L.V)
-        st = self.state_dtype
-        g = L.neg_A * F.softplus(a_raw.to(st) + L.dt_bias)
-        beta = torch.sigmoid(b_raw.to(st))
-        if L.beta_scale != 1.0:
-            beta = beta * L.beta_scale
+        if fused:  # the state is float32 on this path
+            g, beta = act_kernels.decay_and_sigmoid_gates(a_raw, b_raw, L.dt_bias, L.neg_A, L.beta_scale)
+        else:
+            g, beta = decay_and_sigmoid_gates(a_raw, b_raw, L.dt_bias, L.neg_A, L.beta_scale, self.state_dtype)
         return proj, q, k, v, g, beta, gate
 
     def _mixer_output_and_mlp(self, L: _Layer, x: Tensor, h: Tensor, o: Tensor, gate: Tensor | None = None,
                               fused: bool = False) -> Tensor:
         """Gated RMSNorm of the GDN output ``o [B, T, HV, V]``, output projection and residual,
         then the MLP block; returns the new residual stream ``[B, T, hidden]``. ``fused``: the
-        gated norm and the MLP's norm are single Triton launches, the gate's pre-activation
-        ``gate`` comes from the fused input GEMM, and the MLP has one input GEMM (``w_gu``)."""
+        gated norm, the MLP's norm and its SwiGLU are single Triton launches, the gate's
+        pre-activation ``gate`` comes from the fused input GEMM, the MLP has one input GEMM
+        (``w_gu``), and both residual adds run inside their GEMMs (``addmm``)."""
         B, T = x.shape[:2]
         if fused:
             og = gate.reshape(B, T, L.HV, L.V) if gate is not None else None
             o = norm_kernels.rms_norm(o, L.o_norm, L.o_eps, og, L.gate_act, out_dtype=self.dtype)
-            x = x + o.reshape(B, T, -1) @ L.w_o.T
+            # residual adds inside the GEMMs (addmm's epilogue), SwiGLU in one launch
+            x = torch.addmm(x.reshape(B * T, -1), o.reshape(B * T, -1), L.w_o.T)
             gu = norm_kernels.rms_norm(x, L.mlp_norm, L.mlp_eps) @ L.w_gu.T
-            inter = L.w_gate.shape[0]
-            return x + (F.silu(gu[..., :inter]) * gu[..., inter:]) @ L.w_down.T
+            act = act_kernels.swiglu(gu, L.w_gate.shape[0])
+            return torch.addmm(x, act, L.w_down.T).view(B, T, -1)
         st = self.state_dtype
         if L.w_g is not None:
             o = gated_rms_norm(o, L.o_norm, L.o_eps, (h @ L.w_g.T).view(B, T, L.HV, L.V), L.gate_act)

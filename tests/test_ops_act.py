@@ -1,0 +1,51 @@
+"""The Triton activation and gate kernels (``specla.ops.act_triton``) against their PyTorch twins
+(``specla.ops.act``), on fresh random inputs, with NaN-prefilled outputs and strided rows (under
+``TRITON_INTERPRET=1`` on the CPU, compiled on a GPU)."""
+
+import pytest
+import torch
+
+from specla.ops import act, act_triton
+from trees import DEV
+
+# bf16: two roundings of 2^-8 each (the interpreter truncates where a GPU rounds to nearest)
+TOL = {torch.float32: 1e-6, torch.bfloat16: 2e-2}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_kernel_equals_twin(dtype):
+    """The gate/up halves of a wider row (strided), inter = 37 (odd), values up to |x| ~ 12."""
+    g = torch.Generator().manual_seed(5)
+    wide = (torch.randn(3, 4, 2 * 37 + 11, generator=g) * 4).to(dtype).to(DEV)
+    gu = wide[..., 11:]
+    out = torch.full((3, 4, 37), float("nan"), dtype=dtype, device=DEV)
+    got = act_triton.swiglu(gu, 37, out=out)
+    ref = act.swiglu(gu, 37)
+    assert got is out and not got.isnan().any() and got.dtype == ref.dtype
+    assert rel(got, ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="expected 2 \\* 36"):
+        act_triton.swiglu(gu, 36)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_gates_kernel_equals_twin(dtype, beta_scale):
+    """``a`` and ``b`` as columns of one projection (strided rows), inputs spanning the softplus
+    threshold (|a + dt_bias| up to ~30), HV = 5."""
+    g = torch.Generator().manual_seed(6)
+    z = (torch.randn(2, 7, 40, generator=g) * 10).to(dtype).to(DEV)
+    a, b = z[..., 20:25], z[..., 25:30]
+    dt_bias = torch.randn(5, generator=g).to(DEV) * 5
+    neg_A = -torch.rand(5, generator=g).to(DEV) * 4
+    out = tuple(torch.full((2, 7, 5), float("nan"), device=DEV) for _ in range(2))
+    got_g, got_b = act_triton.decay_and_sigmoid_gates(a, b, dt_bias, neg_A, beta_scale, out=out)
+    ref_g, ref_b = act.decay_and_sigmoid_gates(a, b, dt_bias, neg_A, beta_scale)
+    assert got_g is out[0] and got_b is out[1] and not (got_g.isnan().any() or got_b.isnan().any())
+    assert rel(got_g, ref_g) < 1e-6 and rel(got_b, ref_b) < 1e-6
+    assert ((a.float() + dt_bias) > 20).any()  # the softplus threshold branch was exercised
+    with pytest.raises(ValueError, match="must be float32"):
+        act_triton.decay_and_sigmoid_gates(a, b, dt_bias.double(), neg_A)
