@@ -37,7 +37,7 @@ def test_gates_kernel_equals_twin(dtype, beta_scale):
     """``a`` and ``b`` as columns of one projection (strided rows), inputs spanning the softplus
     threshold (|a + dt_bias| up to ~30), HV = 5."""
     g = torch.Generator().manual_seed(6)
-    z = (torch.randn(2, 7, 40, generator=g) * 10).to(dtype).to(DEV)
+    z = (torch.randn(2, 7, 40, generator=g) * 12).to(dtype).to(DEV)
     a, b = z[..., 20:25], z[..., 25:30]
     dt_bias = torch.randn(5, generator=g).to(DEV) * 5
     neg_A = -torch.rand(5, generator=g).to(DEV) * 4
@@ -45,7 +45,11 @@ def test_gates_kernel_equals_twin(dtype, beta_scale):
     got_g, got_b = act_triton.decay_and_sigmoid_gates(a, b, dt_bias, neg_A, beta_scale, out=out)
     ref_g, ref_b = act.decay_and_sigmoid_gates(a, b, dt_bias, neg_A, beta_scale)
     assert got_g is out[0] and got_b is out[1] and not (got_g.isnan().any() or got_b.isnan().any())
-    assert rel(got_g, ref_g) < 1e-6 and rel(got_b, ref_b) < 1e-6
-    assert ((a.float() + dt_bias) > 20).any()  # the softplus threshold branch was exercised
+    def elementwise(x, y):  # tiny gates too (softplus far left of 0 is tiny): each element relative
+        return float(((x.double() - y.double()).abs() / y.double().abs().clamp_min(1e-30)).max())
+
+    assert elementwise(got_g, ref_g) < 1e-5 and elementwise(got_b, ref_b) < 1e-5
+    x = a.float() + dt_bias
+    assert (x > 20).any() and (x < -18.5).any() and ((x > -18) & (x < -5)).any()  # every softplus branch
     with pytest.raises(ValueError, match="must be float32"):
         act_triton.decay_and_sigmoid_gates(a, b, dt_bias.double(), neg_A)
