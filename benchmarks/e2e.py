@@ -81,13 +81,25 @@ class FLASDAdapter(GDNAdapter):
     is specla's reference path, as in the snapshot and replay rows. Chains only: FLA's kernel
     reads its tokens as one sequence. Made with :func:`use_fla_sd`."""
 
+    def _verify(self, tree):
+        """Refuses branching drafts (FLA's kernel would read them as one chain); checked on the
+        host when not recording (a recorded step's drafts come from a chain drafter)."""
+        if not self.static_shapes:
+            n = tree.parents.shape[1]
+            chain = torch.arange(-1, n - 1, device=tree.parents.device).expand_as(tree.parents)
+            valid = torch.arange(n, device=tree.parents.device)[None, :] < tree.num_nodes.to(tree.parents.device)[:, None]
+            if bool(((tree.parents != chain) & valid).any()):
+                raise ValueError("FLA-SD verifies chains only: the drafter proposed a branching tree")
+        return super()._verify(tree)
+
     def _reference_verify(self, q, k, v, g, beta, S0, mask, scale, records):
         if records != "replay":  # prefill (factor records) stays on specla's path; it is not timed
             return super()._reference_verify(q, k, v, g, beta, S0, mask, scale, records)
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
+        # q, k as they are (FLA upcasts every load; its output o takes v's dtype, as in FLA)
         HV = v.shape[2]
-        q, k = (expand_heads(x, HV).to(v.dtype) for x in (q, k))
+        q, k = (expand_heads(x, HV) for x in (q, k))
         o, _ = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=S0,
                                                 output_final_state=False)
         return o.to(S0.dtype), None, None
@@ -100,7 +112,7 @@ class FLASDAdapter(GDNAdapter):
         node = path.clamp(min=0)
         live = (torch.arange(P, device=path.device)[None, :] < path_len[:, None])[..., None]  # [B, P, 1]
         v = rec.v[rows, node]
-        k = expand_heads(rec.k[rows, node], v.shape[2]).to(v.dtype)
+        k = expand_heads(rec.k[rows, node], v.shape[2])
         g = torch.where(live, rec.g[rows, node], 0.0)  # decay 1 and no update past the path's end
         beta = torch.where(live, rec.beta[rows, node], 0.0)
         _, S = fused_recurrent_gated_delta_rule(k, k, v, g=g, beta=beta, scale=1.0, initial_state=S0,

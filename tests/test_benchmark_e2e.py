@@ -98,3 +98,8 @@ def test_fla_sd_baseline_decodes_like_the_reference_replay(variant, monkeypatch)
         torch.testing.assert_close(s_fla, s_ref, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="chain drafts"):
         e2e.use_fla_sd(SpecDecoder(model, "gdn", config=dict(cfg, top_k=2)))
+    from specla.tree import DraftTree
+
+    fla.adapter.prefill([prompts[0]])
+    with pytest.raises(ValueError, match="chains only"):  # a drafter that branches anyway
+        fla.adapter.verify(DraftTree.from_lists([([1, 2, 3], [-1, 0, 0])]))

@@ -171,22 +171,24 @@ def test_unrolled_training_levels_see_what_draft_levels_see(heads):
             torch.testing.assert_close(feature[:, 0], levels[k - 1][:, P], rtol=1e-12, atol=1e-12)
 
 
-def test_drafter_cache_follows_the_accepted_path():
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_drafter_cache_follows_the_accepted_path(graphs):
     """After decoding, the EAGLE cache holds exactly the pairs of the accepted sequence: its keys
     and values equal those computed from the target's teacher-forced features of prompt +
-    output (float64; ragged prompts, random head on the trained tiny target)."""
+    output (float64; ragged prompts, random head on the trained tiny target), eagerly and with
+    the fixed-shape graph step (unrecorded on the CPU; its batch of 3 runs as 4 rows)."""
     torch.manual_seed(0)
     head = EagleHead(256, num_heads=4)
     dec = SpecDecoder(TINY, None, drafter=EagleDrafter(head),
                       config=dict(dtype="float64", max_new_tokens=24, num_draft_tokens=6, max_depth=3, top_k=2,
-                                  stop_at_eos=False, cuda_graphs="off"))
+                                  stop_at_eos=False, cuda_graphs=graphs))
     prompts = [[5, 9, 31, 7, 5, 9, 31], [12, 40], [3]]
     dec.engine.adapter.prefill(prompts)
     dr = dec.drafter
     dr.reset(prompts)
     assert dr.cache_len.tolist() == [5, 0, 0]
     result = dec.generate(prompts)
-    assert dr.cache_len.shape[0] == len(prompts)  # no early stop: no row was dropped
+    assert dr.cache_len.shape[0] == (len(prompts) if graphs == "off" else 4)  # no row was dropped
     for b, (p, out) in enumerate(zip(prompts, result.outputs)):
         seq, n = p + out, int(dr.cache_len[b])
         assert n == len(seq) - 2 + (len(p) == 1)  # every pair but the last root's

@@ -29,6 +29,8 @@ def test_swiglu_kernel_equals_twin(dtype):
     assert rel(got, ref) < TOL[dtype]
     with pytest.raises(ValueError, match="expected 2 \\* 36"):
         act_triton.swiglu(gu, 36)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        act_triton.swiglu(gu, 37, out=torch.empty(3, 4, 38, dtype=dtype, device=DEV))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,3 +55,16 @@ def test_gates_kernel_equals_twin(dtype, beta_scale):
     assert (x > 20).any() and (x < -18.5).any() and ((x > -18) & (x < -5)).any()  # every softplus branch
     with pytest.raises(ValueError, match="must be float32"):
         act_triton.decay_and_sigmoid_gates(a, b, dt_bias.double(), neg_A)
+    with pytest.raises(ValueError, match="out must be two contiguous float32"):
+        act_triton.decay_and_sigmoid_gates(a, b, dt_bias, neg_A, out=(out[0].double(), out[1]))
+
+
+def test_gates_kernel_keeps_nan():
+    """A NaN projection gives NaN gates, as in PyTorch (a blown-up model must not get plausible
+    decays)."""
+    a = torch.tensor([[float("nan"), 1.0]], device=DEV)
+    b = torch.tensor([[0.5, float("nan")]], device=DEV)
+    z = torch.zeros(2, device=DEV)
+    g, beta = act_triton.decay_and_sigmoid_gates(a, b, z, -torch.ones(2, device=DEV))
+    rg, rb = act.decay_and_sigmoid_gates(a, b, z, -torch.ones(2, device=DEV))
+    assert torch.equal(g.isnan(), rg.isnan()) and torch.equal(beta.isnan(), rb.isnan()) and g.isnan().any()

@@ -228,16 +228,18 @@ class GDNAdapter(LayerwiseAdapter):
         then the MLP block; returns the new residual stream ``[B, T, hidden]``. ``fused``: the
         gated norm, the MLP's norm and its SwiGLU are single Triton launches, the gate's
         pre-activation ``gate`` comes from the fused input GEMM, the MLP has one input GEMM
-        (``w_gu``), and both residual adds run inside their GEMMs (``addmm``)."""
+        (``w_gu``), and both residual adds run inside their GEMMs (in-place ``addmm_``)."""
         B, T = x.shape[:2]
         if fused:
             og = gate.reshape(B, T, L.HV, L.V) if gate is not None else None
             o = norm_kernels.rms_norm(o, L.o_norm, L.o_eps, og, L.gate_act, out_dtype=self.dtype)
-            # residual adds inside the GEMMs (addmm's epilogue), SwiGLU in one launch
-            x = torch.addmm(x.reshape(B * T, -1), o.reshape(B * T, -1), L.w_o.T)
+            # residual adds inside the GEMMs: in-place addmm_ is one GEMM with beta = 1 (out of
+            # place it would copy x first); x is this pass's own residual stream, held nowhere else
+            x = x.reshape(B * T, -1).contiguous()
+            x.addmm_(o.reshape(B * T, -1), L.w_o.T)
             gu = norm_kernels.rms_norm(x, L.mlp_norm, L.mlp_eps) @ L.w_gu.T
-            act = act_kernels.swiglu(gu, L.w_gate.shape[0])
-            return torch.addmm(x, act, L.w_down.T).view(B, T, -1)
+            x.addmm_(act_kernels.swiglu(gu, L.w_gate.shape[0]), L.w_down.T)
+            return x.view(B, T, -1)
         st = self.state_dtype
         if L.w_g is not None:
             o = gated_rms_norm(o, L.o_norm, L.o_eps, (h @ L.w_g.T).view(B, T, L.HV, L.V), L.gate_act)

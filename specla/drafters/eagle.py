@@ -125,15 +125,17 @@ class EagleHead(nn.Module):
             return self.finish(h, None), anc_k, anc_v
         q, k, v = self.qkv_heads(h)
         keys, values = torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)
-        acc = torch.promote_types(q.dtype, torch.float32)  # scores and mixing in at least float32
+        acc = torch.promote_types(q.dtype, torch.float32)  # scores and softmax in at least float32
         qf = q.to(acc) * q.shape[-1] ** -0.5
-        s_cache = torch.einsum("bmhd,blhd->bmhl", qf, cache_k.to(acc))
+        # the cache is read in its own dtype (upcasting it would copy all of it every level);
+        # the products accumulate in float32 and only the [B, M, h, L] scores are upcast
+        s_cache = torch.einsum("bmhd,blhd->bmhl", qf.to(cache_k.dtype), cache_k).to(acc)
         visible = torch.arange(cache_k.shape[1], device=h.device) < cache_len[:, None]  # [B, L]
         s_cache = s_cache.masked_fill(~visible[:, None, None, :], float("-inf"))
         s_anc = torch.einsum("bmhd,bmahd->bmha", qf, keys.to(acc))
         p = torch.softmax(torch.cat([s_cache, s_anc], -1), -1)  # never empty: the pair itself is in
         L = cache_k.shape[1]
-        out = torch.einsum("bmhl,blhd->bmhd", p[..., :L], cache_v.to(acc))
+        out = torch.einsum("bmhl,blhd->bmhd", p[..., :L].to(cache_v.dtype), cache_v).to(acc)
         out = out + torch.einsum("bmha,bmahd->bmhd", p[..., L:], values.to(acc))
         return self.finish(h, out), keys, values
 
@@ -231,6 +233,9 @@ class EagleDrafter(Drafter):
         self.root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
         self.generator = None  # created at the first sampled proposal, from config.seed
         heads = self.head.num_heads
+        # sized from the adapter's config, the run's (an Engine given a larger max_new_tokens
+        # would fill the cache: later pairs then overwrite its last slot, which costs acceptance,
+        # never exactness)
         depth = min(cfg.max_depth, cfg.num_draft_tokens)
         need = max(len(p) for p in prompts) + cfg.max_new_tokens + depth + 2
         # a power of two that only grows: a new size means new CUDA graphs, so batches of other

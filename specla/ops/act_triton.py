@@ -42,6 +42,7 @@ def _gates_kernel(a, b, dt_bias, neg_A, g, beta, n, HV, sa, sb, beta_scale, BLOC
     xd = tl.minimum(x, 20.0).to(tl.float64)
     e = tl.exp(xd)
     sp = tl.where(x > 20.0, x, tl.where(xd < -18.5, e, tl.log(1.0 + e)).to(tl.float32))
+    sp = tl.where(x != x, x, sp)  # NaN stays NaN (min(NaN, 20) is 20), as in PyTorch
     tl.store(g + i, tl.load(neg_A + h, mask=m, other=0.0) * sp, mask=m)
     bt = tl.sigmoid(tl.load(b + row * sb + h, mask=m, other=0.0).to(tl.float32))
     if SCALE:
@@ -66,16 +67,19 @@ def swiglu(gu: Tensor, inter: int, out: Tensor | None = None) -> Tensor:
 
     Args:
         gu: ``[..., 2 * inter]`` (rows may be strided; the last dim must be dense, else a copy).
-        out: optional preallocated ``[..., inter]`` result in ``gu.dtype``.
+        out: optional preallocated ``[..., inter]`` result in ``gu.dtype``, contiguous.
     Returns:
         ``[..., inter]`` contiguous, ``gu.dtype``.
     Raises:
-        ValueError: ``gu``'s last dim is not ``2 * inter``.
+        ValueError: ``gu``'s last dim is not ``2 * inter``, or ``out`` is not as described.
     """
     if gu.shape[-1] != 2 * inter:
         raise ValueError(f"gu has {gu.shape[-1]} channels, expected 2 * {inter}")
     rows, srow = _row_view(gu)
-    y = torch.empty(*gu.shape[:-1], inter, dtype=gu.dtype, device=gu.device) if out is None else out
+    shape = (*gu.shape[:-1], inter)
+    if out is not None and (out.shape != shape or out.dtype != gu.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {gu.dtype} tensor of shape {list(shape)}")
+    y = torch.empty(shape, dtype=gu.dtype, device=gu.device) if out is None else out
     n = rows.shape[0] * inter
     if n:
         _swiglu_kernel[(triton.cdiv(n, BLOCK),)](rows, y, n, inter, srow, BLOCK=BLOCK)
@@ -90,11 +94,12 @@ def decay_and_sigmoid_gates(a: Tensor, b: Tensor, dt_bias: Tensor, neg_A: Tensor
     Args:
         a, b: ``[..., HV]`` raw projections, same leading shape (rows may be strided: columns of
             a wider projection). dt_bias, neg_A: ``[HV]`` float32. beta_scale: 1 or 2.
-        out: optional preallocated ``(g, beta)``, ``[..., HV]`` float32.
+        out: optional preallocated ``(g, beta)``, ``[..., HV]`` float32, contiguous.
     Returns:
-        ``g, beta``: ``[..., HV]`` float32, contiguous.
+        ``g, beta``: ``[..., HV]`` float32, contiguous (NaN inputs give NaN, as in PyTorch).
     Raises:
-        ValueError: shapes disagree, or ``dt_bias`` / ``neg_A`` are not float32.
+        ValueError: shapes disagree, ``dt_bias`` / ``neg_A`` are not float32, or ``out`` is
+            not as described.
     """
     HV = a.shape[-1]
     if b.shape != a.shape or dt_bias.shape != (HV,) or neg_A.shape != (HV,):
@@ -104,6 +109,8 @@ def decay_and_sigmoid_gates(a: Tensor, b: Tensor, dt_bias: Tensor, neg_A: Tensor
         raise ValueError(f"dt_bias and neg_A must be float32, got {dt_bias.dtype} and {neg_A.dtype}")
     a2, sa = _row_view(a)
     b2, sb = _row_view(b)
+    if out is not None and any(o.shape != a.shape or o.dtype != torch.float32 or not o.is_contiguous() for o in out):
+        raise ValueError(f"out must be two contiguous float32 tensors of shape {list(a.shape)}")
     g, beta = out if out is not None else (torch.empty(a.shape, dtype=torch.float32, device=a.device),
                                            torch.empty(a.shape, dtype=torch.float32, device=a.device))
     n = a2.shape[0] * HV
