@@ -200,8 +200,9 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     if stop_at is not None and stop_at < 1:
         raise DrafterError(f"stop_at must be >= 1, got {stop_at}")
     ckpt = out / "checkpoint.pt"
-    if resume and ckpt.is_file():
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False).get("config")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False) if resume and ckpt.is_file() else None
+    if state is not None:
+        saved = state.get("config")
         ours = {k: v for k, v in asdict(cfg).items() if k != "save_every"}
         if saved is not None:
             diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
@@ -243,8 +244,7 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     head = EagleHead(hidden, num_heads=cfg.num_heads).to(adapter.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     start, history = 0, []
-    if resume and ckpt.is_file():
-        state = torch.load(ckpt, map_location=adapter.device, weights_only=False)
+    if state is not None:  # loaded (on the CPU) and checked above; tensors move to the head's device
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         start, history = state["step"], state.get("history", [])
