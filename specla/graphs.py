@@ -133,7 +133,7 @@ class GraphRunner:
         g = _Graph([t.clone() for t in state], [t.clone() for t in drafter_state], tree,
                    torch.zeros(B, 2 + self.depth, dtype=torch.int64, device=dev))
         if tree is not None:  # the host tree's staging, once per graph: a pinned allocation synchronises
-            g.host = torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=self.capture)
+            g.host = self._staging(B, pinned=self.capture)
         if self.capture:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -206,7 +206,7 @@ class GraphRunner:
             BudgetError / InvalidTokenError / InvalidTreeError: the drafter's tree is invalid.
         """
         cfg, B, N = self.config, len(contexts), self.config.num_draft_tokens
-        buf = torch.empty(2 * B * N + B, dtype=torch.int64) if buf is None else buf
+        buf = self._staging(B) if buf is None else buf
         tokens, parents, num = buf[: B * N].view(B, N), buf[B * N : 2 * B * N].view(B, N), buf[2 * B * N :]
         tokens.zero_()
         parents.fill_(-1)
@@ -219,6 +219,13 @@ class GraphRunner:
             n = int(tree.num_nodes.max()) if B else 0  # columns past the widest real row are padding
             tokens[:, :n], parents[:, :n], num[:] = tree.tokens[:, :n], tree.parents[:, :n], tree.num_nodes
         return tokens, parents, num
+
+    def _staging(self, B: int, pinned: bool = False) -> Tensor:
+        """``[2 B N + B]`` int64 host buffer for one batch of host trees (tokens, parents,
+        num_nodes)."""
+        N = self.config.num_draft_tokens
+        return torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=pinned)
+
 
 def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
     """``drafter.propose`` on the host, ``None`` read as "no drafts" (an empty tree).
