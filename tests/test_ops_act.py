@@ -6,14 +6,10 @@ import pytest
 import torch
 
 from specla.ops import act, act_triton
-from trees import DEV
+from trees import DEV, rel_err
 
 # bf16: two roundings of 2^-8 each (the interpreter truncates where a GPU rounds to nearest)
 TOL = {torch.float32: 1e-6, torch.bfloat16: 2e-2}
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,7 +22,7 @@ def test_swiglu_kernel_equals_twin(dtype):
     got = act_triton.swiglu(gu, 37, out=out)
     ref = act.swiglu(gu, 37)
     assert got is out and not got.isnan().any() and got.dtype == ref.dtype
-    assert rel(got, ref) < TOL[dtype]
+    assert rel_err(got.double(), ref.double()) < TOL[dtype]
     with pytest.raises(ValueError, match="expected 2 \\* 36"):
         act_triton.swiglu(gu, 36)
     with pytest.raises(ValueError, match="out must be a contiguous"):

@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from specla.ops import norm, norm_triton
-from trees import DEV
+from trees import DEV, rel_err
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -30,7 +26,7 @@ def test_rms_norm_kernel_equals_twin(dtype, gated):
     got = norm_triton.rms_norm(x, w, 1e-6, gate, gated or "swish", out_dtype=out_dtype, out=out)
     ref = norm.gated_rms_norm(x, w, 1e-6, gate, gated, out_dtype) if gated else norm.rms_norm(x, w, 1e-6)
     assert got is out and got.dtype == ref.dtype and not got.isnan().any()
-    assert rel(got, ref) < TOL[dtype]
+    assert rel_err(got.double(), ref.double()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -45,7 +41,7 @@ def test_l2norm_pair_kernel_equals_twin(dtype):
     assert q.dtype == rq.dtype and k.dtype == rk.dtype and q.shape == (B, T, H, K)
     assert not q.isnan().any() and not k.isnan().any()
     tol = 1e-12 if dtype == torch.float64 else 1e-6
-    assert rel(q, rq) < tol and rel(k, rk) < tol
+    assert rel_err(q.double(), rq.double()) < tol and rel_err(k.double(), rk.double()) < tol
 
 
 def test_norm_kernels_reject_bad_shapes():
