@@ -26,8 +26,8 @@ class RunStats:
         accepted_histogram: ``accepted_histogram[a]`` = sequence-steps that accepted ``a`` drafts.
         prefill_s, draft_s, verify_s, commit_s, wall_s: wall-clock seconds (CUDA synchronised);
             ``draft_s`` includes the host bookkeeping between steps. With CUDA graphs a step is
-            one replay: its whole time (a host drafter's proposal included) counts as
-            ``verify_s``, and ``draft_s`` / ``commit_s`` stay 0 after the first step.
+            one replay, and the whole decode (a host drafter's proposals included) counts as
+            ``verify_s``; ``draft_s`` / ``commit_s`` stay 0.
     """
 
     steps: int = 0
@@ -109,63 +109,58 @@ class Engine:
         start = self._clock()
         adapter.prefill(prompts)
         self.drafter.reset(prompts)
-        contexts = [list(p) for p in prompts]
-        outputs: list[list[int]] = [[] for _ in prompts]
-        # rows[r]: the prompt decoded in row r of the adapter's batch, None for a finished row
-        # that a CUDA graph keeps until the batch is gathered; shown[r]: whose context row r shows
-        rows: list[int | None] = list(range(len(prompts)))
-        shown = list(range(len(prompts)))
-        if runner is not None and batch_bucket(len(rows)) > len(rows):  # graphs run power-of-two batches
-            self._gather(rows, shown, list(range(len(rows))), batch_bucket(len(rows)))
-        stops = set(cfg.stop_token_ids)
-        if cfg.stop_at_eos and adapter.eos_token_id is not None:
-            stops.add(adapter.eos_token_id)
+        if runner is not None:
+            runner.release()  # the state was replaced: the next step loads it into its graph
+        run = _Decoding(prompts, cfg, adapter.eos_token_id, stats)
+        if runner is not None and batch_bucket(len(run.rows)) > len(run.rows):  # graphs run power-of-two batches
+            self._gather(run, list(range(len(run.rows))), batch_bucket(len(run.rows)))
+        t = self._clock()
+        stats.prefill_s = t - start
+        if runner is not None:
+            self._decode_graphs(runner, run)
+            stats.verify_s = self._clock() - t  # one span: a step is one replay
+        else:
+            self._decode_eager(run, t)
+        adapter.flush()
+        stats.wall_s = self._clock() - start
+        stats.generated_tokens = sum(len(o) for o in run.outputs)
+        return run.outputs, stats
+
+    def _decode_eager(self, run: _Decoding, t: float) -> None:
+        """Eager steps until every sequence is done; finished rows leave the batch at once."""
+        cfg, stats = self.config, run.stats
         generator = None
         if cfg.temperature > 0:
-            generator = torch.Generator(device=adapter.device)
+            generator = torch.Generator(device=self.adapter.device)
             if cfg.seed is not None:
                 generator.manual_seed(cfg.seed)
             else:
                 generator.seed()
-        t = self._clock()
-        stats.prefill_s = t - start
         while True:
-            row_contexts = [contexts[s] for s in shown]
-            if runner is not None:  # the whole step in one replay; its time counts as verify
-                num, drafted, bonus = runner.step(row_contexts)
-                t3 = self._clock()
-                stats.verify_s += t3 - t
-            else:
-                room = [cfg.max_new_tokens - len(outputs[s]) - 1 for s in shown]
-                num, drafted, bonus, (t1, t2, t3) = self._eager_step(row_contexts, room, generator)
-                stats.draft_s += t1 - t
-                stats.verify_s += t2 - t1
-                stats.commit_s += t3 - t2
+            room = [cfg.max_new_tokens - len(run.outputs[s]) - 1 for s in run.shown]
+            num, drafted, bonus, (t1, t2, t3) = self._eager_step(run.row_contexts(), room, generator)
+            stats.draft_s += t1 - t
+            stats.verify_s += t2 - t1
+            stats.commit_s += t3 - t2
             t = t3
-            stats.steps += 1
-            for row, seq in enumerate(rows):
-                if seq is None:
-                    continue
-                stats.sequence_steps += 1
-                room = cfg.max_new_tokens - len(outputs[seq])
-                stats.accepted_histogram[min(num[row], room - 1)] += 1  # a graph verifies past the room
-                for tok in drafted[row][: num[row]] + [bonus[row]]:
-                    outputs[seq].append(tok)
-                    contexts[seq].append(tok)
-                    if tok in stops or len(outputs[seq]) >= cfg.max_new_tokens:
-                        rows[row] = None
-                        break
-            live = [r for r, seq in enumerate(rows) if seq is not None]
+            run.absorb(num, drafted, bonus)
+            live = run.live()
             if not live:
-                break
-            if runner is None and len(live) < len(rows):
-                self._gather(rows, shown, live, len(live))
-            elif runner is not None and len(live) <= len(rows) // 2:
-                self._gather(rows, shown, live, batch_bucket(len(live)))
-        adapter.flush()
-        stats.wall_s = self._clock() - start
-        stats.generated_tokens = sum(len(o) for o in outputs)
-        return outputs, stats
+                return
+            if len(live) < len(run.rows):
+                self._gather(run, live, len(live))
+
+    def _decode_graphs(self, runner: GraphRunner, run: _Decoding) -> None:
+        """Recorded steps until every sequence is done. Finished rows stay as dead rows until at
+        most half the batch is alive, then the live ones are gathered into a smaller graph."""
+        while True:
+            run.absorb(*runner.step(run.row_contexts()))
+            live = run.live()
+            if not live:
+                return
+            if len(live) <= len(run.rows) // 2:
+                self._gather(run, live, batch_bucket(len(live)))
+                runner.release()
 
     def _eager_step(self, contexts: list[list[int]], room: list[int], generator: torch.Generator | None):
         """draft -> verify -> accept -> commit, op by op. ``room[r]``: drafts row ``r`` may still
@@ -191,15 +186,15 @@ class Engine:
         # the step's outcome, read on the host
         return acceptance.num_accepted.tolist(), acceptance.tokens.tolist(), acceptance.bonus.tolist(), (t1, t2, t3)
 
-    def _gather(self, rows: list[int | None], shown: list[int], keep: list[int], size: int) -> None:
+    def _gather(self, run: _Decoding, keep: list[int], size: int) -> None:
         """Keep the adapter and drafter rows ``keep`` (in order), padded to ``size`` rows with
-        copies of the first one (dead rows); updates ``rows`` and ``shown`` in place."""
+        copies of the first one (dead rows); updates ``run.rows`` and ``run.shown``."""
         index = keep + [keep[0]] * (size - len(keep))
         tensor = torch.tensor(index, dtype=torch.int64)
         self.adapter.select(tensor)
         self.drafter.select(tensor)
-        rows[:] = [rows[i] for i in keep] + [None] * (size - len(keep))
-        shown[:] = [shown[i] for i in index]
+        run.rows[:] = [run.rows[i] for i in keep] + [None] * (size - len(keep))
+        run.shown[:] = [run.shown[i] for i in index]
 
     def _graph_runner(self) -> GraphRunner | None:
         """The CUDA-graph runner ``config.cuda_graphs`` asks for, or ``None`` (eager steps)."""
@@ -209,3 +204,43 @@ class Engine:
         if self._runner is None:  # kept across generate calls: its graphs are reused
             self._runner = GraphRunner(self.adapter, self.drafter, cfg, capture=on_cuda)
         return self._runner
+
+
+class _Decoding:
+    """The host's bookkeeping of one ``generate`` call: outputs and contexts per prompt, and which
+    prompt each row of the adapter's batch decodes (``rows[r]``: ``None`` for a finished row a
+    CUDA graph keeps until the batch is gathered; ``shown[r]``: whose context row ``r`` shows)."""
+
+    def __init__(self, prompts: list[list[int]], cfg: SpecConfig, eos: int | None, stats: RunStats):
+        self.cfg, self.stats = cfg, stats
+        self.contexts = [list(p) for p in prompts]
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.rows: list[int | None] = list(range(len(prompts)))
+        self.shown = list(range(len(prompts)))
+        self.stops = set(cfg.stop_token_ids)
+        if cfg.stop_at_eos and eos is not None:
+            self.stops.add(eos)
+
+    def row_contexts(self) -> list[list[int]]:
+        return [self.contexts[s] for s in self.shown]
+
+    def live(self) -> list[int]:
+        return [r for r, seq in enumerate(self.rows) if seq is not None]
+
+    def absorb(self, num: list[int], drafted: list[list[int]], bonus: list[int]) -> None:
+        """One step's outcome per row: append the accepted drafts and the bonus token, up to a stop
+        token or ``max_new_tokens`` (a graph verifies past a row's room; the rest is dropped)."""
+        cfg, stats = self.cfg, self.stats
+        stats.steps += 1
+        for row, seq in enumerate(self.rows):
+            if seq is None:
+                continue
+            stats.sequence_steps += 1
+            room = cfg.max_new_tokens - len(self.outputs[seq])
+            stats.accepted_histogram[min(num[row], room - 1)] += 1
+            for tok in drafted[row][: num[row]] + [bonus[row]]:
+                self.outputs[seq].append(tok)
+                self.contexts[seq].append(tok)
+                if tok in self.stops or len(self.outputs[seq]) >= cfg.max_new_tokens:
+                    self.rows[row] = None
+                    break

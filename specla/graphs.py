@@ -83,7 +83,9 @@ class GraphRunner:
         self.depth = min(config.max_depth, config.num_draft_tokens)
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self._device_drafts = drafter.device_proposals and config.num_draft_tokens > 0
+        # trees come from the host only for a host drafter with a budget (N = 0: an empty tree)
+        self._host_drafts = not drafter.device_proposals and config.num_draft_tokens > 0
+        self._bound: _Graph | None = None  # the graph whose static buffers hold the live state
 
     # ------------------------------------------------------------------ the recorded step
     def _body(self, tree: DraftTree | None) -> Tensor:
@@ -93,7 +95,9 @@ class GraphRunner:
         ad, dr, cfg = self.adapter, self.drafter, self.config
         ad.static_shapes = True
         try:
-            if tree is None:
+            if tree is None and cfg.num_draft_tokens == 0:
+                tree = DraftTree.empty(ad.batch_size, ad.device)
+            elif tree is None:
                 tree = dr.propose_on_device(ad.roots, cfg)
             out = ad._verify(tree)
             acceptance = accept_greedy(tree, out.logits, max_depth=self.depth)
@@ -112,9 +116,7 @@ class GraphRunner:
         ad.set_graph_state(g.state)
         dr.set_graph_state(g.drafter_state)
         outcome = self._body(None if g.tree is None else DraftTree.trusted(*g.tree))
-        for static, new in zip(g.state + g.drafter_state, ad.graph_state() + dr.graph_state()):
-            if new is not static:
-                static.copy_(new)
+        copy_into(g.state + g.drafter_state, ad.graph_state() + dr.graph_state())
         ad.set_graph_state(g.state)
         dr.set_graph_state(g.drafter_state)
         g.outcome.copy_(outcome)
@@ -125,7 +127,7 @@ class GraphRunner:
         effect on the buffers is then undone by reloading the live state."""
         dev = self.adapter.device
         tree = None
-        if not self._device_drafts:
+        if self._host_drafts:
             N = self.config.num_draft_tokens
             tree = (torch.zeros(B, N, dtype=torch.int64, device=dev),
                     torch.full((B, N), -1, dtype=torch.int64, device=dev),
@@ -156,6 +158,11 @@ class GraphRunner:
     def step(self, contexts: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
         """One speculative step of the whole (physical) batch.
 
+        The first step after a prefill runs eagerly (it creates the pending commit the graphs
+        copy); after that a step is one replay of the batch's graph (recorded on first use).
+        While the live state is the graph's own buffers (see :meth:`release`) nothing is copied
+        or checked before the replay.
+
         Args:
             contexts: per row of the adapter's batch, the tokens so far (what a host drafter
                 reads; dead rows may show any valid context).
@@ -166,15 +173,15 @@ class GraphRunner:
                 tree is invalid (checked on the CPU before anything runs).
         """
         ad, dr = self.adapter, self.drafter
-        state, dstate = ad.graph_state(), dr.graph_state()
-        if state is None:  # no pending commit yet (first step after prefill): the same fixed-shape
-            # step, run eagerly on the live state; it leaves the pending commit the graphs copy
-            tree = None
-            if not self._device_drafts:
-                tree = self._host_tree(contexts)
-                tree = DraftTree.trusted(*(x.to(ad.device) for x in tree))
-            outcome = self._body(tree).tolist()
-        else:
+        g = self._bound
+        if g is None or self.graphs.get(ad.batch_size) is not g:
+            state, dstate = ad.graph_state(), dr.graph_state()
+            if state is None:  # no pending commit yet (first step after prefill): the same
+                # fixed-shape step, run eagerly on the live state; it leaves the pending commit
+                tree = None
+                if self._host_drafts:
+                    tree = DraftTree.trusted(*(x.to(ad.device) for x in self._host_tree(contexts)))
+                return self._rows(self._body(tree).tolist())
             B = ad.batch_size
             g = self.graphs.get(B)
             if g is not None and any(a.shape != b.shape for a, b in zip(g.state + g.drafter_state, state + dstate)):
@@ -185,16 +192,25 @@ class GraphRunner:
                 self._load(g, state, dstate)
             ad.set_graph_state(g.state)
             dr.set_graph_state(g.drafter_state)
-            if g.tree is not None:
-                for static, host in zip(g.tree, self._host_tree(contexts, g.host)):
-                    static.copy_(host, non_blocking=True)
-            if g.graph is not None:
-                g.graph.replay()
-            else:
-                self._record(g)
-            outcome = g.outcome.tolist()  # the step's one host synchronisation
-        num = [row[0] for row in outcome]
-        return num, [row[2:] for row in outcome], [row[1] for row in outcome]
+            self._bound = g
+        if g.tree is not None:
+            for static, host in zip(g.tree, self._host_tree(contexts, g.host)):
+                static.copy_(host, non_blocking=True)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            self._record(g)
+        return self._rows(g.outcome.tolist())  # the step's one host synchronisation
+
+    @staticmethod
+    def _rows(outcome: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
+        return [row[0] for row in outcome], [row[2:] for row in outcome], [row[1] for row in outcome]
+
+    def release(self) -> None:
+        """Forget which graph holds the live state: the next :meth:`step` reads the adapter's and
+        drafter's state again. Call it whenever they were changed outside the runner (prefill,
+        ``select``); the engine does."""
+        self._bound = None
 
     def _host_tree(self, contexts: list[list[int]], buf: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """The host drafter's trees, checked on the CPU and padded to the budget ``N``:
@@ -225,6 +241,25 @@ class GraphRunner:
         num_nodes)."""
         N = self.config.num_draft_tokens
         return torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=pinned)
+
+
+def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
+    """``static[i].copy_(new[i])`` for every ``new[i]`` that is not ``static[i]`` itself, with one
+    multi-tensor copy per dtype for the dense pairs (the pending commit's records alone are about
+    100 tensors per step; one copy kernel each would be 100 graph nodes), and a copy each for
+    the rest (strided views)."""
+    groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+    for dst, src in zip(static, new):
+        if src is dst:
+            continue
+        if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype:
+            pair = groups.setdefault(dst.dtype, ([], []))
+            pair[0].append(dst)
+            pair[1].append(src)
+        else:
+            dst.copy_(src)
+    for dsts, srcs in groups.values():
+        torch._foreach_copy_(dsts, srcs)
 
 
 def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig) -> DraftTree:

@@ -174,3 +174,48 @@ def test_fixed_shape_step_of_gla_and_mamba2(plugin, commit, device):
     assert outs["on"] == outs["off"]
     assert len({len(o) for o in outs["off"]}) >= 2
     assert SpecDecoder(model, plugin, config=dict(cuda_graphs="on")).engine is not None
+
+
+@pytest.mark.parametrize("drafter,tree", [("eagle", "tree"), ("eagle", "chain"), ("ngram", "none")])
+def test_bound_steps_and_release(drafter, tree):
+    """Steps that replay on the bound graph without reloading the state (``GraphRunner.step``
+    while bound; the engine releases it after a prefill or a gather), here unrecorded on the CPU:
+    13 sequences ending at different steps (stop tokens, then gathers into smaller batches) give
+    eager decoding's outputs and acceptance histogram, with a device-side drafter, and with no
+    budget (an empty tree built on the device); a second call with other prompts (a new prefill
+    into the same graphs) does too."""
+    prompts, stops = prompts_and_stops(13)
+    trees = dict(TREES, none=dict(num_draft_tokens=0))
+
+    def decoder(graphs):
+        cfg = dict(device="cpu", dtype="float32", max_new_tokens=40, stop_token_ids=stops, cuda_graphs=graphs,
+                   **trees[tree])
+        return SpecDecoder(ASSETS / "tiny", drafter=str(ASSETS / "tiny-eagle") if drafter == "eagle" else "ngram",
+                           config=cfg)
+
+    eager, graphed = decoder("off"), decoder("on")
+    for batch in (prompts, prompts[3:11][::-1]):
+        want, got = eager.generate(batch), graphed.generate(batch)
+        assert got.outputs == want.outputs
+        assert got.stats.accepted_histogram == want.stats.accepted_histogram
+        assert len({len(o) for o in want.outputs}) >= 3
+    assert graphed.engine._runner.graphs
+
+
+def test_copy_into_copies_every_replaced_tensor():
+    """The recorded step's closing copy: dense pairs of several dtypes (multi-tensor copies),
+    a strided source, a dtype change, and a tensor that is its own static copy (left alone)."""
+    from specla.graphs import copy_into
+
+    g = torch.Generator().manual_seed(3)
+    same = torch.randn(3, generator=g)
+    wide = torch.randn(4, 6, generator=g)
+    new = [torch.randn(2, 3, generator=g), torch.randint(0, 9, (5,), generator=g), wide[:, :2], same,
+           torch.randn(4, generator=g)]
+    static = [torch.full((2, 3), float("nan")), torch.full((5,), -1), torch.full((4, 2), float("nan")), same,
+              torch.full((4,), float("nan"), dtype=torch.float64)]
+    before = same.clone()
+    copy_into(static, new)
+    for dst, src in zip(static, new):
+        assert torch.equal(dst, src.to(dst.dtype))
+    assert torch.equal(same, before)
