@@ -52,7 +52,8 @@ class SpecConfig(BaseModel):
             the Triton kernels need ``TRITON_INTERPRET=1``.
         verify_kernel: when the Triton kernels run: ``auto`` (the plugin's measured rule; for
             GDN: parallel up to 64 nodes, hybrid for more than 32 nodes at batch 1), or force
-            ``serial``, ``parallel`` or ``hybrid``. CUDA graphs always use ``parallel``.
+            ``serial``, ``parallel`` or ``hybrid``. CUDA graphs use ``serial`` for one-token passes
+            (plain decoding) and ``parallel`` otherwise, whatever this says.
         cuda_graphs: ``auto`` (default): on a CUDA device, greedy steps run as recorded CUDA
             graphs (:mod:`specla.graphs`; with the ``factor`` commit every step after the first,
             which creates the pending commit the graph copies) when the plugin declares the

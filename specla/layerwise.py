@@ -85,10 +85,14 @@ class LayerwiseAdapter(TargetAdapter):
 
     def _kernel_choice(self, pick, parents: Tensor, counts: Tensor) -> str:
         """The verify kernel of this pass: the plugin's rule ``pick(parents, counts,
-        config.verify_kernel)`` (it may read the tree on the host), or ``parallel`` while a CUDA
-        graph is recorded (``static_shapes``): the one kernel whose launch reads nothing on the
-        host; ``graph_kernel_nodes`` keeps recorded trees within its size."""
-        return "parallel" if self.static_shapes else pick(parents, counts, self.config.verify_kernel)
+        config.verify_kernel)`` (it may read the tree on the host), or, while a CUDA graph is
+        recorded (``static_shapes``), a kernel whose launch reads nothing on the host: ``serial``
+        for one-token passes (plain decoding: a chain of one; at the GDN-1.3B shape on an H200
+        it took the recorded batch-64 step from 15.1 to 6.7 ms, BENCHMARKS.md section 5), else
+        ``parallel``; ``graph_kernel_nodes`` keeps recorded trees within its size."""
+        if self.static_shapes:
+            return "serial" if parents.shape[1] == 1 else "parallel"
+        return pick(parents, counts, self.config.verify_kernel)
 
     def graph_max_nodes(self) -> int:
         """See :meth:`TargetAdapter.graph_max_nodes`: ``graph_kernel_nodes`` on the Triton path

@@ -197,7 +197,7 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
     states = {}
     for kernels in ("triton", "reference"):
         cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=14, kernels=kernels, device=DEV,
-                         verify_kernel=verify_kernel)
+                         verify_kernel=verify_kernel, cuda_graphs="off")  # graphs pick their own kernel
         dec = specla.SpecDecoder(model, "gdn", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
         result = dec.generate(prompts)
         assert result.outputs == [r[:14] for r in refs]
@@ -316,7 +316,7 @@ def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch):
     outputs, records and committed state as the naive reference."""
     from specla_gdn import verify as vk
 
-    monkeypatch.setitem(vk.TUNING, "tree", {"BV": 16, "BKC": 16, "num_warps": 4})
+    monkeypatch.setitem(vk.TUNING, "tree", {**vk.TUNING["tree"], "BV": 16, "BKC": 16, "num_warps": 4})
     B, Tp, H, HV, K, V = 2, 4, 1, 2, 40, 20
     gen = torch.Generator().manual_seed(17)
     rng = random.Random(17)
@@ -340,12 +340,13 @@ def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2"])
-def test_kernels_auto_means_triton_on_cuda_only(plugin):
+def test_kernels_auto_means_triton_on_cuda_only(plugin, monkeypatch):
     """``SpecConfig.kernels`` defaults to ``auto``: the Triton kernels on a CUDA device, the
     reference path elsewhere; ``triton`` and ``reference`` force either."""
     from specla import SpecConfig
     from specla.registry import get_plugin
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels="triton" on the CPU needs it (GPU runs unset it)
     p = get_plugin(plugin)
     model = p.tiny_model(next(iter(p.tiny_variants)))
     assert SpecConfig().kernels == "auto"
@@ -366,3 +367,25 @@ def test_triton_kernels_on_cpu_without_the_interpreter_are_rejected_clearly(monk
     with pytest.raises(ConfigError, match="needs TRITON_INTERPRET=1"):
         p.make_adapter(model, SpecConfig(kernels="triton", device="cpu"))
     p.make_adapter(model, SpecConfig(kernels="auto", device="cpu"))  # auto falls back to the reference path
+
+
+def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
+    """Plain decoding (no budget) with ``cuda_graphs="on"`` (unrecorded on the CPU) and the Triton
+    kernels: the fixed-shape one-token verify runs the serial kernel (the parallel one is for
+    trees) and the output equals sequential decoding."""
+    import specla_gdn.adapter as adapter_mod
+
+    calls = []  # (kernel, nodes per row) of every verify call
+    for fn, kind in ((serial_verify, "serial"), (tree_verify, "parallel")):
+        monkeypatch.setattr(adapter_mod, fn.__name__,
+                            (lambda f, k: lambda *a, **kw: calls.append((k, a[0].shape[1])) or f(*a, **kw))(fn, kind))
+    model = make_model("base", dtype=torch.float32, seed=6)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 9)]
+    cfg = SpecConfig(num_draft_tokens=0, max_new_tokens=6, kernels="triton", device=DEV, cuda_graphs="on")
+    out = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts).outputs
+    assert out == [naive_greedy_decode(model, p, 6) for p in prompts]
+    # the decoding steps' calls (prefill chunks are longer); a recorded graph calls Python only
+    # while it is recorded, so on CUDA these are the eager first step, the warm-up and the capture
+    one = [kind for kind, T in calls if T == 1]
+    assert len(one) >= 2 * 2 and set(one) == {"serial"}

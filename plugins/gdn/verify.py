@@ -26,9 +26,11 @@ from torch import Tensor
 # Measured on one H200 at the GDN-1.3B layer shape (K = V = 256), 2026-11-30 (BENCHMARKS.md):
 # small tiles with one warp won for the serial and chain kernels (BV 64 spills the tile). The tree
 # kernel was rewritten after that run to visit the state in K blocks of BKC rows; its setting is
-# a first guess, not yet measured.
+# a first guess, not yet measured. The tree's prepare kernel (one program per sequence and head,
+# a serial forward substitution): 2 warps, measured against 1, 4 and 8 (sixth session, BENCHMARKS.md
+# section 5: 7.2 vs 8.6 us at 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "chain": {"BV": 16, "num_warps": 1},
-          "tree": {"BV": 32, "BKC": 64, "num_warps": 8}}
+          "tree": {"BV": 32, "BKC": 64, "num_warps": 8}, "prepare": {"num_warps": 2}}
 
 
 @triton.jit
@@ -232,12 +234,15 @@ def _tree_verify_kernel(
     scale, T, P, Tp,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PREC: tl.constexpr,
+    BP: tl.constexpr,
 ):
     """Per (sequence, value head, V tile): fused delayed commit, then the tree-masked factorized
     verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta.
-    The state tile is visited in K blocks of ``BKC`` rows: each block is committed (and written
-    once), then contributes to ``k S0``, ``q S0`` and ``q k^T``; nothing larger than a
-    ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time."""
+    The state tile is visited in K blocks of ``BKC`` rows: each block is committed (one product
+    ``K_p^T (w Delta_p)`` of the accepted path's keys with its weighted ``Delta`` rows, which are
+    loaded once per program; in float32, "ieee", so that the committed state is not rounded to
+    TF32) and written once, then contributes to ``k S0``, ``q S0`` and ``q k^T``; nothing larger
+    than a ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -247,6 +252,19 @@ def _tree_verify_kernel(
     b_kS = tl.zeros([BT, BV], dtype=tl.float32)
     b_qS = tl.zeros([BT, BV], dtype=tl.float32)
     b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    if HAS_PENDING:
+        # the pending commit as one product per K block: S = exp(G_a) S + K_p^T (w * Delta_p), with
+        # the path's weighted Delta rows [BP, BV] loaded once (they do not depend on the K block)
+        n_p = tl.load(path_len + i_b)
+        o_p = tl.arange(0, BP)
+        m_p = o_p < n_p
+        nodes = tl.load(path + i_b * P + o_p, mask=m_p & (o_p < P), other=0)
+        end = tl.maximum(tl.load(path + i_b * P + tl.maximum(n_p - 1, 0)), 0)  # -1 padded when n_p = 0
+        G_a = tl.load(pG + (i_b * Tp + end) * HV + i_hv)
+        w = tl.where(m_p, tl.exp(G_a - tl.load(pG + (i_b * Tp + nodes) * HV + i_hv, mask=m_p, other=0.0)), 0.0)
+        b_dp = tl.load(pdelta + ((i_b * Tp + nodes[:, None]) * HV + i_hv) * V + o_v[None, :],
+                       mask=m_p[:, None] & m_v[None, :], other=0.0).to(tl.float32) * w[:, None]
+        decay = tl.exp(G_a)
     for kb in range(0, K, BKC):
         o_k = kb + tl.arange(0, BKC)
         m_k = o_k < K
@@ -254,8 +272,12 @@ def _tree_verify_kernel(
         p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
         b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
         if HAS_PENDING:
-            b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
-                                 P, Tp, H, HV, K, V)
+            if n_p > 0:
+                b_kp = tl.load(pk + ((i_b * Tp + nodes[None, :]) * H + i_h) * K + o_k[:, None],
+                               mask=m_k[:, None] & m_p[None, :], other=0.0).to(tl.float32)
+                # "ieee": the committed state keeps float32 products (TF32 would round Delta)
+                b_S = b_S * decay + tl.dot(b_kp, b_dp, input_precision="ieee")
+                tl.store(p_S, b_S, mask=m_s)
         m_tk = m_t[:, None] & m_k[None, :]
         # bf16 -> float32 is exact, and so are TF32 products of bf16 values: only the products with
         # the float32 state are rounded (bf16 inputs only)
@@ -324,11 +346,13 @@ def tree_verify(
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     o, d, G = out
     Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
-    _tree_prepare_kernel[(B * HV,)](k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec)
+    _tree_prepare_kernel[(B * HV,)](k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
+                                    num_warps=TUNING["prepare"]["num_warps"])
     pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, beta, m8, Tm, G, state, o, d, pk, pd, pG, path, plen, scale, T, P, Tp,
         H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, HAS_PENDING=pending is not None, DOT_PREC=prec,
+        BP=max(16, triton.next_power_of_2(P)),
         num_warps=TUNING["tree"]["num_warps"],
     )
     return out
