@@ -141,11 +141,12 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("plugin", ["gla", "mamba2"])
-@pytest.mark.parametrize("commit", ["factor", "snapshot"])
-def test_fixed_shape_step_of_gla_and_mamba2(plugin, commit, device):
+@pytest.mark.parametrize("commit,budget", [("factor", 6), ("snapshot", 6), ("factor", 0)])
+def test_fixed_shape_step_of_gla_and_mamba2(plugin, commit, budget, device):
     """The GLA and Mamba2 adapters' graph state (``LayerwiseAdapter``): the engine with
     ``cuda_graphs="on"`` (unrecorded on the CPU, recorded on CUDA) equals eager decoding, with
-    sequences stopping at different steps; their plugins declare ``cuda_graphs``, so
+    sequences stopping at different steps, with drafts and without (one-token steps: the serial
+    kernels inside the graph on CUDA); their plugins declare ``cuda_graphs``, so
     ``SpecDecoder`` accepts "on"."""
     from specla.drafters.ngram import NgramDrafter
     from specla.engine import Engine
@@ -162,7 +163,7 @@ def test_fixed_shape_step_of_gla_and_mamba2(plugin, commit, device):
     stops = tuple(sorted({o[min(4 * i, len(o) - 1)] for i, o in enumerate(ref.generate(prompts).outputs)}))
     outs = {}
     for graphs in ("off", "on"):
-        cfg = SpecConfig(num_draft_tokens=6, max_depth=4, top_k=2, max_new_tokens=20, commit=commit,
+        cfg = SpecConfig(num_draft_tokens=budget, max_depth=4, top_k=2, max_new_tokens=20, commit=commit,
                          stop_token_ids=stops, cuda_graphs=graphs, device=device, dtype="float32")
         adapter = arch.make_adapter(model, cfg)
         drafter = NgramDrafter()

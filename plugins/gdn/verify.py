@@ -29,8 +29,13 @@ from torch import Tensor
 # a first guess, not yet measured. The tree's prepare kernel (one program per sequence and head,
 # a serial forward substitution): 2 warps, measured against 1, 4 and 8 (sixth session, BENCHMARKS.md
 # section 5: 7.2 vs 8.6 us at 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
-TUNING = {"serial": {"BV": 8, "num_warps": 1}, "chain": {"BV": 16, "num_warps": 1},
-          "tree": {"BV": 32, "BKC": 64, "num_warps": 8}, "prepare": {"num_warps": 2}}
+# Sixth-session sweep with a pending commit (BENCHMARKS.md section 5, run5/sweep.log): the tree
+# kernel on 4 warps (16 nodes: 139 vs 208 us at batch 64, 23.7 vs 31.1 at batch 8, 14.5 vs 15.2
+# at batch 1, against 8), and one-token passes (plain decoding: "decode") on the serial kernel
+# with 16-column tiles (141 vs 178 us at batch 64, 9.1 vs 13.3 at batch 8, 3.7 vs 3.9 at batch 1).
+TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 16, "num_warps": 1},
+          "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4},
+          "prepare": {"num_warps": 2}}
 
 
 @triton.jit
@@ -103,12 +108,13 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     HV, V = v.shape[2], v.shape[3]
     o, d, G = out
     BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
+    tune = TUNING["decode" if T == 1 else "serial"]
+    BV = min(triton.next_power_of_2(V), tune["BV"])
     pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, state, o, d, G, num_nodes, pk, pd, pG, path, plen,
         scale, T, P, Tp, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None,
-        num_warps=TUNING["serial"]["num_warps"],
+        num_warps=tune["num_warps"],
     )
 
 
