@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -347,6 +349,21 @@ class Harness:
         return dict(tokens_per_s=tps, vs_ar_graph=tps / ar_graph_tps, ms_per_step=statistics.median(times) / n * 1e3)
 
 
+def source_commit() -> str:
+    """The commit the run measures: ``$SPECLA_COMMIT`` (for a copy of the tree without ``.git``),
+    else ``git rev-parse HEAD`` (with ``+dirty`` for uncommitted changes), else ``unknown``."""
+    if os.environ.get("SPECLA_COMMIT"):
+        return os.environ["SPECLA_COMMIT"]
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def measured_profile(spec: str, D: int = 6) -> list[float]:
     """``FILE.json:RUN``: the accepted-drafts histogram of ``RUN`` in an acceptance.py report."""
     path, _, run = spec.rpartition(":")
@@ -470,7 +487,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     h = Harness(args)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), params=h.params,
-                torch=torch.__version__, args={k: v for k, v in vars(args).items()}, gsm8k_profiles=profiles)
+                torch=torch.__version__, commit=source_commit(), args={k: v for k, v in vars(args).items()},
+                gsm8k_profiles=profiles)
     print(json.dumps(meta), flush=True)
     h.dump = lambda rows: (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     for study in studies:

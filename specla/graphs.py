@@ -86,6 +86,7 @@ class GraphRunner:
         # trees come from the host only for a host drafter with a budget (N = 0: an empty tree)
         self._host_drafts = not drafter.device_proposals and config.num_draft_tokens > 0
         self._bound: _Graph | None = None  # the graph whose static buffers hold the live state
+        self._bound_roots: Tensor | None = None  # adapter.roots while bound (replaced by any prefill or select)
 
     # ------------------------------------------------------------------ the recorded step
     def _body(self, tree: DraftTree | None) -> Tensor:
@@ -174,7 +175,8 @@ class GraphRunner:
         """
         ad, dr = self.adapter, self.drafter
         g = self._bound
-        if g is None or self.graphs.get(ad.batch_size) is not g:
+        # a prefill or select outside the runner replaces the roots: that also unbinds
+        if g is None or ad.roots is not self._bound_roots or self.graphs.get(ad.batch_size) is not g:
             state, dstate = ad.graph_state(), dr.graph_state()
             if state is None:  # no pending commit yet (first step after prefill): the same
                 # fixed-shape step, run eagerly on the live state; it leaves the pending commit
@@ -192,7 +194,7 @@ class GraphRunner:
                 self._load(g, state, dstate)
             ad.set_graph_state(g.state)
             dr.set_graph_state(g.drafter_state)
-            self._bound = g
+            self._bound, self._bound_roots = g, ad.roots
         if g.tree is not None:
             for static, host in zip(g.tree, self._host_tree(contexts, g.host)):
                 static.copy_(host, non_blocking=True)
@@ -208,9 +210,10 @@ class GraphRunner:
 
     def release(self) -> None:
         """Forget which graph holds the live state: the next :meth:`step` reads the adapter's and
-        drafter's state again. Call it whenever they were changed outside the runner (prefill,
-        ``select``); the engine does."""
-        self._bound = None
+        drafter's state again. Call it whenever they were changed outside the runner; the engine
+        does after a prefill or a gather (those also replace ``adapter.roots``, which the runner
+        checks as well)."""
+        self._bound = self._bound_roots = None
 
     def _host_tree(self, contexts: list[list[int]], buf: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """The host drafter's trees, checked on the CPU and padded to the budget ``N``:
@@ -245,14 +248,14 @@ class GraphRunner:
 
 def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
     """``static[i].copy_(new[i])`` for every ``new[i]`` that is not ``static[i]`` itself, with one
-    multi-tensor copy per dtype for the dense pairs (the pending commit's records alone are about
-    100 tensors per step; one copy kernel each would be 100 graph nodes), and a copy each for
-    the rest (strided views)."""
+    multi-tensor copy per dtype for the pairs of equal layout (the pending commit's records alone
+    are about 100 tensors per step; one copy kernel each would be 100 graph nodes), and a copy
+    each for the rest (views whose static copy was made contiguous)."""
     groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
     for dst, src in zip(static, new):
         if src is dst:
             continue
-        if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype:
+        if dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride():
             pair = groups.setdefault(dst.dtype, ([], []))
             pair[0].append(dst)
             pair[1].append(src)

@@ -220,3 +220,32 @@ def test_copy_into_copies_every_replaced_tensor():
     for dst, src in zip(static, new):
         assert torch.equal(dst, src.to(dst.dtype))
     assert torch.equal(same, before)
+
+
+def test_runner_notices_a_state_replaced_outside_it():
+    """A ``select`` outside the runner (no ``release``) replaces the adapter's roots: the next
+    step reloads the state instead of replaying on the stale buffers, so it gives the same
+    outcome as a runner that was released (unrecorded, on the CPU)."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 3]]
+    outcomes = []
+    for release in (True, False):
+        cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12, cuda_graphs="on")
+        dec = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=cfg)
+        dec.generate(prompts)  # the runner's graph for this batch exists
+        runner, ad, dr = dec.engine._runner, dec.adapter, dec.drafter
+        ad.prefill(prompts)
+        dr.reset(prompts)
+        runner.release()
+        contexts = [list(p) for p in prompts]
+        for _ in range(2):  # the eager first step, then a step on the bound buffers
+            num, drafted, bonus = runner.step(contexts)
+            for c, n, d, b in zip(contexts, num, drafted, bonus):
+                c += d[:n] + [b]
+        swap = torch.tensor([1, 0])
+        ad.select(swap)
+        dr.select(swap)
+        if release:
+            runner.release()
+        outcomes.append(runner.step(contexts[::-1]))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][2][0] != outcomes[0][2][1]  # the rows differ, so a stale replay would show
