@@ -18,9 +18,10 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
 
 - ``step``: ms per decoding step (CUDA graphs, no drafter compute) for budgets ``N`` and batches;
   ``N = 0`` is specla's graph-captured autoregressive step; ratios to it in the same run.
-- ``oracle``: tokens/s of SpecLA chain (N = D = 6) and tree (N = 15 drafts, 16 nodes with the root, D = 6) against the graph AR
-  baseline, for per-token acceptance ``alpha`` (profile ``P(a >= k) = alpha^k`` along the main
-  path; a tree's other nodes are pure cost here, so at equal ``alpha`` a tree cannot beat a chain)
+- ``oracle``: tokens/s of SpecLA chain (N = D = 6) and tree (N = 15 drafts, 16 nodes with the
+  root, D = 6) against the graph AR baseline, for per-token acceptance ``alpha`` (profile
+  ``P(a >= k) = alpha^k`` along the main path; a tree's other nodes are pure cost here, so at
+  equal ``alpha`` a tree cannot beat a chain)
   and for the profiles measured with the ``small`` target on GSM8K, each drafter its own
   (``--profile`` for the tree, ``--chain-profile`` for the chain), per batch.
 - ``baselines``: at the GSM8K profile, one table per batch with: transformers ``generate``

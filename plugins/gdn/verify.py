@@ -26,9 +26,9 @@ from torch import Tensor
 # Measured on one H200 at the GDN-1.3B layer shape (K = V = 256), 2026-11-30 (BENCHMARKS.md):
 # small tiles with one warp won for the serial and chain kernels (BV 64 spills the tile). The tree
 # kernel was rewritten after that run to visit the state in K blocks of BKC rows (swept below).
-# The tree's prepare kernel (one program per sequence and head,
-# a serial forward substitution): 2 warps, measured against 1, 4 and 8 (sixth session, BENCHMARKS.md
-# section 5: 7.2 vs 8.6 us at 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
+# The tree's prepare kernel (one program per sequence and head, a serial forward substitution):
+# 2 warps, measured against 1, 4 and 8 (sixth session, BENCHMARKS.md section 5: 7.2 vs 8.6 us at
+# 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
 # Sixth-session sweep with a pending commit (BENCHMARKS.md section 5, run5/sweep.log): the tree
 # kernel on 4 warps (16 nodes: 139 vs 208 us at batch 64, 23.7 vs 31.1 at batch 8, 14.5 vs 15.2
 # at batch 1, against 8), and one-token passes (plain decoding: "decode") on the serial kernel
