@@ -11,12 +11,14 @@ GSM8K final-answer accuracy (rows with an ``answer`` ending in ``#### N``) and H
 from __future__ import annotations
 
 import json
+import lzma
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from itertools import zip_longest
 from pathlib import Path
 
@@ -65,6 +67,30 @@ def _interleave(groups: list[list]) -> list:
     return [item for turn in zip_longest(*groups) for item in turn if item is not None]
 
 
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
+    """``(line number, parsed value)`` of each non-blank line of a JSONL file (``.xz``
+    compressed when the name ends so), read lazily.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: naming the file and line: a line that is not JSON; naming the file: a
+            corrupt ``.xz`` stream or text that is not UTF-8.
+    """
+    opener = lzma.open if str(path).endswith(".xz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for i, line in enumerate(fh, start=1):
+                if line.strip():
+                    try:
+                        yield i, json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{path}:{i}: not JSON ({err})") from err
+    except (lzma.LZMAError, EOFError) as err:  # EOFError: a truncated .xz stream
+        raise ValueError(f"{path}: not a valid .xz file ({err})") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err})") from err
+
+
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows of a prompt-suite JSONL (each with ``id``, ``category``, ``prompt``); with ``limit``,
     the first ``limit`` rows taken round-robin over the categories (in file order within each).
@@ -78,21 +104,16 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
             ``answer`` that is not a string; also no rows, ``limit < 1``.
     """
     rows = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{i + 1}: not JSON ({err})") from err
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                raise ValueError(f"{path}:{i + 1}: row has no non-empty string 'prompt'")
-            row.setdefault("category", "uncategorized")
-            if not isinstance(row["category"], str) or not row["category"] or row["category"] == "all":
-                raise ValueError(f"{path}:{i + 1}: 'category' must be a non-empty string other than 'all' "
-                                 f"(the report's total), got {row['category']!r}")
-            if "answer" in row and not isinstance(row["answer"], str):
-                raise ValueError(f"{path}:{i + 1}: 'answer' must be a string, got {type(row['answer']).__name__}")
-            rows.append(row)
+    for i, row in read_jsonl(path):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f"{path}:{i}: row has no non-empty string 'prompt'")
+        row.setdefault("category", "uncategorized")
+        if not isinstance(row["category"], str) or not row["category"] or row["category"] == "all":
+            raise ValueError(f"{path}:{i}: 'category' must be a non-empty string other than 'all' "
+                             f"(the report's total), got {row['category']!r}")
+        if "answer" in row and not isinstance(row["answer"], str):
+            raise ValueError(f"{path}:{i}: 'answer' must be a string, got {type(row['answer']).__name__}")
+        rows.append(row)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     if limit is not None:  # round-robin over categories, so a short run still covers every one

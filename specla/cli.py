@@ -12,31 +12,103 @@ from pydantic import ValidationError
 
 from . import registry
 from .config import SpecConfig
-from .errors import SpecError
+from .errors import SpecError, UnsupportedModelError
+
+
+def _auto_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _spec_config(base: dict, overrides: dict | None, flags: dict) -> SpecConfig:
+    """``SpecConfig`` from defaults, then ``--config``'s fields, then the flags given (``None``:
+    not given), each later one winning."""
+    return SpecConfig(**{**base, **(overrides or {}), **{k: v for k, v in flags.items() if v is not None}})
+
+
+def _checkpoint_dir(model: str) -> Path:
+    """``--model`` as a checkpoint directory, checked before anything loads."""
+    if not (Path(model) / "config.json").is_file():
+        raise UnsupportedModelError(f"--model {model} is not a checkpoint directory (no config.json in it)")
+    return Path(model)
+
+
+def _tokenizer_dir(model: Path, tokenizer: str | None) -> Path:
+    """The tokenizer directory for text prompts: ``--tokenizer DIR``, else the checkpoint's."""
+    if tokenizer is None:
+        if not (model / "tokenizer.json").is_file():
+            raise ValueError(f"--model {model} has no tokenizer (no tokenizer.json in it): pass --tokenizer DIR")
+        return model
+    if not Path(tokenizer).is_dir():
+        raise FileNotFoundError(f"--tokenizer {tokenizer}: directory does not exist")
+    return Path(tokenizer)
+
+
+def _load_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # loaded before the model: transformers would warn that it does not know the model type,
+    # which the plugin registers only when it loads the model
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def stop_string_ids(tokenizer, stops: list[str]) -> list[int]:
+    """The token id of each ``--stop`` string: each must be exactly one token of ``tokenizer``
+    (encoded on its own, without special tokens), since generation stops on token ids.
+
+    Args:
+        tokenizer: a transformers tokenizer; stops: the ``--stop`` texts, in order.
+    Raises:
+        ValueError: a string that encodes to no token or to several (the message gives its ids).
+    """
+    ids = []
+    for text in stops:
+        enc = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(enc) != 1:
+            raise ValueError(f"--stop {text!r} is {len(enc)} tokens {enc} for this tokenizer; --stop takes text "
+                             "that is exactly one token (pass token ids with --stop-token-id)")
+        ids.append(enc[0])
+    return ids
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
     from .api import SpecDecoder
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config = SpecConfig(
-        num_draft_tokens=args.num_draft_tokens,
-        max_depth=args.max_depth,
-        top_k=args.top_k,
-        commit=args.commit,
-        max_new_tokens=args.max_new_tokens,
-        dtype=args.dtype,
-        device=device,
-    )
-    decoder = SpecDecoder(args.model, args.plugin, drafter=args.drafter, config=config, tokenizer=args.tokenizer)
+    flags = {"max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+             "max_depth": args.max_depth, "top_k": args.tree_top_k, "commit": args.commit, "dtype": args.dtype,
+             "device": args.device, "temperature": args.temperature, "top_p": args.top_p,
+             "sampling_top_k": args.top_k, "seed": args.seed}
+    overrides = read_config_option(args.config)
+    config = _spec_config({"device": _auto_device()}, overrides, flags)  # options fail before any load
+    sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if sampling_only and config.temperature == 0:
+        # greedy decoding ignores them; --top-k is easily meant as the tree's --tree-top-k
+        verbs, it = (("filter sampling and need", "them") if len(sampling_only) > 1
+                     else ("filters sampling and needs", "it"))
+        raise ValueError(f"{' and '.join(sampling_only)} {verbs} --temperature > 0 (greedy decoding ignores "
+                         f"{it}); the draft tree's children per node is --tree-top-k")
+    model = _checkpoint_dir(args.model)
+    tokenizer = _tokenizer_dir(model, args.tokenizer)
+    if args.stop_token_id is not None or args.stop is not None:
+        if args.stop:  # the config needs their ids before the decoder is built
+            tokenizer = _load_tokenizer(tokenizer)
+        stops = list(args.stop_token_id or []) + stop_string_ids(tokenizer, args.stop or [])
+        config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops})
+    decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
     result = decoder.generate(list(args.prompt))
-    for text in result.texts or [str(o) for o in result.outputs]:
+    for text in result.texts:
         print(text)
         print("-" * 40)
     stats = result.stats.to_dict()
-    stats.update(device=device, plugin=decoder.plugin.name)
+    stats.update(device=decoder.config.device or str(decoder.adapter.device), plugin=decoder.plugin.name,
+                 config=decoder.config.model_dump(mode="json"))
     print(json.dumps(stats))
     return 0
 
@@ -45,49 +117,39 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     summary = run_demo(device=args.device, max_new_tokens=args.max_new_tokens, drafter=args.drafter)
-    print(json.dumps(summary))
+    print(json.dumps(summary), flush=True)
     return 0 if summary["exact_match"] else 1
 
 
 def _train_drafter(args: argparse.Namespace) -> int:
-    import torch
-
     from .api import SpecDecoder
-    from .drafters.training import DrafterTrainConfig, train_drafter
+    from .drafters.training import DrafterTrainConfig, check_output, read_texts, train_drafter
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dec = SpecDecoder(args.model, args.plugin, config=SpecConfig(dtype="float32", device=device))
-    if dec.tokenizer is None:
-        raise OSError(f"{args.model} has no tokenizer files; train-drafter reads text")
+    # everything that can be checked without the target is, before it loads and before --out exists
     cfg = DrafterTrainConfig(
         steps=args.steps, batch_windows=args.batch_windows, window=args.window, max_tokens=args.max_tokens,
         distill_prompts=args.distill_prompts, lr=args.lr, ce_weight=args.ce_weight, save_every=args.save_every,
         seed=args.seed, unroll=args.unroll, num_heads=args.heads,
     )
+    check_output(args.out, cfg, resume=args.resume, overwrite=args.overwrite)
+    model = _checkpoint_dir(args.model)
+    if not (model / "tokenizer.json").is_file():
+        raise ValueError(f"--model {model} has no tokenizer (no tokenizer.json in it); train-drafter reads text")
+    texts = read_texts(args.data)
+    config = SpecConfig(dtype="float32", device=args.device or _auto_device())
+    dec = SpecDecoder(model, args.plugin, config=config)
     summary = train_drafter(dec.adapter, dec.tokenizer, args.data, args.out, cfg, resume=args.resume,
-                            stop_at=args.stop_at)
+                            stop_at=args.stop_at, overwrite=args.overwrite, texts=texts)
     print(json.dumps({"out": args.out, "windows": summary["windows"], "stopped_at": summary.get("stopped_at"),
                       "last_logged_loss": summary["log"][-1]["loss"] if summary["log"] else None}))
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import torch
-
     from .bench import format_table, run_bench
 
-    overrides = {}
-    if args.config:  # inline JSON or a JSON file
-        text = args.config if args.config.lstrip()[:1] in "{[" else Path(args.config).read_text()
-        try:
-            overrides = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--config: not valid JSON ({err})") from None
-        if not isinstance(overrides, dict):
-            raise ValueError("--config must be a JSON object of SpecConfig fields")
-    flags = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("device", args.device)) if v is not None}
-    config = SpecConfig(**{"max_new_tokens": 256, "device": "cuda" if torch.cuda.is_available() else "cpu",
-                           **overrides, **flags})  # explicit flags win over --config
+    config = _spec_config({"max_new_tokens": 256, "device": _auto_device()}, read_config_option(args.config),
+                          {"max_new_tokens": args.max_new_tokens, "device": args.device})
     if args.out and not Path(args.out).resolve().parent.is_dir():  # found before decoding, not after
         raise ValueError(f"--out {args.out}: directory {Path(args.out).resolve().parent} does not exist")
     report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
@@ -113,11 +175,17 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
-def _positive(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(low: int):
+    """An argparse type: an integer ``>= low``."""
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+_positive, _non_negative = _at_least(1), _at_least(0)
 
 
 def _positive_seconds(text: str) -> float:
@@ -130,6 +198,61 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+    return value
+
+
+def read_config_option(text: str | None) -> dict:
+    """The fields given by ``--config`` (``generate`` and ``bench``): a JSON object of
+    :class:`~specla.config.SpecConfig` fields, inline (text starting with ``{``) or the path of a
+    file holding it; ``None`` (not given) is ``{}``. The fields themselves are checked when the
+    config is built, after the command's flags have overridden them.
+
+    Args:
+        text: the ``--config`` value, or ``None``.
+    Raises:
+        ValueError: a file that does not exist or cannot be read, text that is not JSON (the
+            message names the file, if any, and the JSON problem), JSON that is not an object.
+    """
+    if text is None:
+        return {}
+    inline = text.lstrip()[:1] in "{["
+    if inline:
+        source, body = "--config", text
+    else:
+        source = f"--config {text}"
+        try:
+            body = Path(text).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"{source}: no such file (inline JSON starts with '{{')") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{source}: cannot be read ({err})") from None
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{source}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{source} must be a JSON object of SpecConfig fields, got {type(value).__name__}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to each option's help (argparse shows nothing for an option
+    without help text, so every option has some); options whose default is ``None`` or ``False``
+    say in their help what leaving them out does, instead of ``(default: None)``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _at_least_3(text: str) -> int:
     value = _integer(text)
     if value < 3:  # the two-step unrolled loss needs two targets after the first token
@@ -137,67 +260,136 @@ def _at_least_3(text: str) -> int:
     return value
 
 
+def _spec_default(field: str):
+    """A SpecConfig field's default, for help texts of flags whose own default is "not given"."""
+    return SpecConfig.model_fields[field].default
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``specla`` argument parser."""
     parser = argparse.ArgumentParser(prog="specla", description="Speculative decoding for linear-attention models")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="decode prompts with a checkpoint directory")
-    gen.add_argument("--model", required=True, help="checkpoint directory (transformers format)")
-    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    gen.add_argument("--plugin", default=None, help="architecture plugin (default: detect from config.json)")
-    gen.add_argument("--drafter", default="ngram", help="ngram (default) or a drafter directory (specla train-drafter)")
-    gen.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    config_help = ("SpecConfig fields as a JSON object, inline ('{\"temperature\": 0.8}') or the path of a file "
+                   "holding one; the flags of this command override its fields")
+
+    gen = sub.add_parser("generate", help="decode prompts with a checkpoint directory", formatter_class=_HelpFormatter,
+                         description="Decode text prompts speculatively; prints each generation, then a JSON line "
+                                     "of run statistics (with the config used).")
+    # flags that set SpecConfig fields leave the range checks to SpecConfig, as for --config's fields
+    gen.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (transformers format)")
+    gen.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                     help="prompt text (repeat for a batch)")
+    gen.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
+    gen.add_argument("--drafter", default="ngram", help="ngram, or a drafter directory (specla train-drafter)")
+    gen.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="tokenizer directory (default: the checkpoint's own tokenizer.json)")
+    gen.add_argument("--config", default=None, metavar="JSON|FILE", help=config_help)
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    gen.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"])
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--num-draft-tokens", type=int, default=8, help="draft budget N per step")
-    gen.add_argument("--max-depth", type=int, default=8)
-    gen.add_argument("--top-k", type=int, default=1, help="children per draft node (1 = chains)")
-    gen.add_argument("--commit", default="factor", choices=["factor", "snapshot", "replay"])
+    gen.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"],
+                     help="(default: the model's; half precision runs in float32 on a CPU)")
+    gen.add_argument("--max-new-tokens", type=_integer, default=None, metavar="N",
+                     help=f"tokens generated per prompt (default: {_spec_default('max_new_tokens')})")
+    samp = gen.add_argument_group("sampling (all need --temperature > 0, except --seed)")
+    samp.add_argument("--temperature", type=_number, default=None, metavar="T",
+                      help="0 decodes greedily; above 0 samples losslessly from softmax(logits / T) "
+                           f"(default: {_spec_default('temperature')})")
+    samp.add_argument("--top-p", type=_number, default=None, metavar="P",
+                      help="keep the smallest set of most likely tokens whose probability reaches P "
+                           f"(default: {_spec_default('top_p')}, all)")
+    samp.add_argument("--top-k", type=_integer, default=None, metavar="K",
+                      help="keep only the K most likely tokens (0: all; default: "
+                           f"{_spec_default('sampling_top_k')}); not the draft tree's width, which is --tree-top-k")
+    samp.add_argument("--seed", type=_integer, default=None, metavar="N",
+                      help="sampling seed: the same seed repeats a run (default: a fresh random seed)")
+    stop = gen.add_argument_group("stopping (a stop token is kept in the output; the model's eos_token_id also "
+                                  "stops unless --config sets stop_at_eos to false)")
+    stop.add_argument("--stop-token-id", type=_integer, action="append", default=None, metavar="ID",
+                      help="end a sequence after it emits this token id (repeatable; with --stop, replaces "
+                           "--config's stop_token_ids)")
+    stop.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                      help="end a sequence after it emits this text, which must be exactly one token of the "
+                           "tokenizer (an error names its tokens otherwise); repeatable")
+    tree = gen.add_argument_group("draft tree")
+    tree.add_argument("--num-draft-tokens", type=_integer, default=None, metavar="N",
+                      help="draft budget per step (0: plain autoregressive decoding; default: "
+                           f"{_spec_default('num_draft_tokens')})")
+    tree.add_argument("--max-depth", type=_integer, default=None, metavar="D",
+                      help=f"most draft tokens on one path (default: {_spec_default('max_depth')})")
+    tree.add_argument("--tree-top-k", type=_integer, default=None, metavar="K",
+                      help=f"children per draft node (1: chains; default: {_spec_default('top_k')}); "
+                           "SpecConfig's top_k")
+    tree.add_argument("--commit", default=None, choices=["factor", "snapshot", "replay"],
+                      help=f"how the accepted path reaches the state (default: {_spec_default('commit')})")
     gen.set_defaults(func=_generate)
-    demo = sub.add_parser("demo", help="run the bundled tiny target on bundled prompts, against autoregressive")
+
+    demo = sub.add_parser("demo", help="run the bundled tiny target on bundled prompts, against autoregressive",
+                          formatter_class=_HelpFormatter,
+                          description="Progress goes to stderr; generations, then a JSON summary line, to stdout.")
     demo.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
-    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--max-new-tokens", type=_positive, default=96, metavar="N", help="tokens generated per prompt")
     demo.add_argument("--drafter", default="ngram", help="ngram, eagle (shipped with the demo target) or a directory")
     demo.set_defaults(func=_demo)
+
     tr = sub.add_parser("train-drafter", help="train an EAGLE drafter on a target's own features",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    tr.add_argument("--model", required=True, help="target checkpoint directory (with tokenizer)")
-    tr.add_argument("--data", nargs="+", required=True, help="JSONL(.xz) files with 'text' or 'prompt'")
-    tr.add_argument("--out", required=True, help="drafter directory (pass it as --drafter / drafter=)")
-    tr.add_argument("--plugin", default=None)
-    tr.add_argument("--device", default=None)
-    tr.add_argument("--steps", type=_positive, default=2000)
-    tr.add_argument("--batch-windows", type=_positive, default=32)
-    tr.add_argument("--window", type=_at_least_3, default=128,
+                        formatter_class=_HelpFormatter,
+                        description="Options, --out and the data files are all checked before the target loads "
+                                    "and before anything is written.")
+    tr.add_argument("--model", required=True, metavar="DIR", help="target checkpoint directory (with tokenizer)")
+    tr.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                    help="JSONL or JSONL.xz files, rows with 'text' (else 'prompt')")
+    tr.add_argument("--out", required=True, metavar="DIR",
+                    help="drafter directory (pass it as --drafter / drafter=); refused if it already holds a "
+                         "drafter, unless --resume or --overwrite")
+    tr.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
+    tr.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    tr.add_argument("--steps", type=_positive, default=2000, metavar="N",
+                    help="optimiser steps in all (with --resume, may exceed the checkpoint's run)")
+    tr.add_argument("--batch-windows", type=_positive, default=32, metavar="N", help="training windows per step")
+    tr.add_argument("--window", type=_at_least_3, default=128, metavar="T",
                     help="tokens per training window (>= 3 and >= unroll + 1)")
-    tr.add_argument("--max-tokens", type=int, default=400_000, help="teacher-forced corpus tokens")
-    tr.add_argument("--distill-prompts", type=int, default=256, help="prompts continued by the target")
-    tr.add_argument("--lr", type=float, default=1e-3)
-    tr.add_argument("--ce-weight", type=float, default=1.0, help="weight of the token cross-entropy term")
-    tr.add_argument("--unroll", type=_positive, default=3, help="draft levels the loss is unrolled over")
-    tr.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64; 0: no attention)")
-    tr.add_argument("--save-every", type=_positive, default=500)
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    tr.add_argument("--stop-at", type=_positive, default=None, help="checkpoint and stop after this step")
+    tr.add_argument("--max-tokens", type=_non_negative, default=400_000, metavar="N",
+                    help="teacher-forced corpus tokens")
+    tr.add_argument("--distill-prompts", type=_non_negative, default=256, metavar="N",
+                    help="prompts continued by the target (self-distillation; 0: none)")
+    tr.add_argument("--lr", type=_number, default=1e-3, help="peak AdamW learning rate")
+    tr.add_argument("--ce-weight", type=_number, default=1.0, metavar="W",
+                    help="weight of the token cross-entropy term")
+    tr.add_argument("--unroll", type=_positive, default=3, metavar="K", help="draft levels the loss is unrolled over")
+    tr.add_argument("--heads", type=_non_negative, default=None, metavar="H",
+                    help="attention heads (0: no attention; default: hidden size / 64)")
+    tr.add_argument("--save-every", type=_positive, default=500, metavar="N",
+                    help="steps between checkpoints (OUT/checkpoint.pt)")
+    tr.add_argument("--seed", type=_integer, default=0, help="data order and initialisation")
+    mode = tr.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue from OUT/checkpoint.pt, to the same or a larger --steps (the other options, "
+                           "except --save-every, must match the checkpoint's; without a checkpoint: from step 0)")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="replace the drafter in OUT (its files are removed once the data has been checked)")
+    tr.add_argument("--stop-at", type=_positive, default=None, metavar="N",
+                    help="checkpoint and stop after this step (finish with --resume; default: run to --steps)")
     tr.set_defaults(func=_train_drafter)
-    bench = sub.add_parser("bench", help="a prompt suite, speculative against autoregressive")
-    bench.add_argument("--model", required=True)
+
+    bench = sub.add_parser("bench", help="a prompt suite, speculative against autoregressive",
+                           formatter_class=_HelpFormatter)
+    bench.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (transformers format)")
     bench.add_argument("--drafter", default="ngram", help="ngram or a drafter directory (specla train-drafter)")
-    bench.add_argument("--prompts", required=True, help="JSONL with id, category, prompt (+ answer / test)")
-    bench.add_argument("--limit", type=_positive, default=None,
-                       help="decode only this many prompts, taken round-robin over the categories")
-    bench.add_argument("--config", default=None, help="SpecConfig fields as JSON (inline or a file)")
-    bench.add_argument("--max-new-tokens", type=_positive, default=None, help="default 256")
-    bench.add_argument("--batch-size", type=_positive, default=1,
+    bench.add_argument("--prompts", required=True, metavar="FILE",
+                       help="JSONL with id, category, prompt (+ answer / test)")
+    bench.add_argument("--limit", type=_positive, default=None, metavar="N",
+                       help="decode only this many prompts, taken round-robin over the categories (default: all)")
+    bench.add_argument("--config", default=None, metavar="JSON|FILE", help=config_help)
+    bench.add_argument("--max-new-tokens", type=_positive, default=None, metavar="N",
+                       help="tokens generated per prompt (default: 256)")
+    bench.add_argument("--batch-size", type=_positive, default=1, metavar="B",
                        help="prompts decoded together (batches never mix categories)")
-    bench.add_argument("--time-limit", type=_positive_seconds, default=None,
+    bench.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="S",
                        help="seconds: start no new batch after this (the first batch always runs; the untimed "
-                            "warm-up on the first batch comes on top; the report counts the prompts decoded)")
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--plugin", default=None)
-    bench.add_argument("--out", default=None, help="write the JSON report here")
+                            "warm-up on the first batch comes on top; the report counts the prompts decoded; "
+                            "default: no limit)")
+    bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    bench.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
+    bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here (default: none)")
     bench.set_defaults(func=_bench)
     plug = sub.add_parser("plugins", help="list registered architecture plugins")
     plug.set_defaults(func=_plugins)

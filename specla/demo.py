@@ -4,10 +4,12 @@ autoregressive baseline in the same run."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from importlib import resources
 
 import torch
+from tqdm.auto import tqdm
 
 from . import registry
 from .api import SpecDecoder
@@ -33,7 +35,41 @@ def default_checkpoint() -> tuple[str, object]:
     raise RuntimeError("no installed plugin ships a demo checkpoint")
 
 
-def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str = "ngram", echo=print) -> dict:
+def shown_prompt(prompt: str, limit: int = 300) -> str:
+    """What the demo prints of a prompt: all of it up to ``limit`` characters (trailing
+    whitespace dropped), else its end from the first line start among the last ``limit``
+    characters (a word start when that line start would leave less than half of them), after a
+    ``[... N characters cut]`` line. The model always reads the whole prompt; only the echo is
+    shortened.
+
+    Args:
+        prompt: the prompt text; limit: the most characters shown (> 0).
+    Raises:
+        ValueError: ``limit < 1``.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    text = prompt.rstrip()
+    if len(text) <= limit:
+        return text
+    start = len(text) - limit
+    line = text.find("\n", start - 1)  # a cut right before a line start keeps that whole line
+    if line != -1 and line + 1 <= start + limit // 2:  # a line start, unless it would hide most of the end
+        cut = line + 1
+    else:  # a word start: after whitespace, or the hard limit when the end is one long word
+        cut = next((i + 1 for i in range(start - 1, len(text) - 1) if text[i].isspace() and not text[i + 1].isspace()),
+                   start)
+    return f"[... {cut} characters cut]\n{text[cut:]}"
+
+
+def _stdout_line(line: str) -> None:
+    """One line to stdout, flushed, without tearing a progress bar drawn on stderr."""
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str = "ngram", echo=None,
+             progress: bool = True) -> dict:
     """Decode the bundled prompts speculatively and autoregressively (batch 1, float32), print each
     generation, and return the summary figures.
 
@@ -43,14 +79,19 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
         drafter: ``ngram`` (the default: on the tiny target it accepts more than the shipped
             EAGLE drafter, docs/targets.md), ``eagle`` (the drafter shipped with the demo
             target), or a drafter directory.
-        echo: where lines go (``print``).
+        echo: where lines go, one call per line (``None``: stdout, flushed at each line).
+        progress: show a progress bar on stderr (loading, warm-up, then one update per prompt).
     Returns:
         ``exact_match`` (speculative == autoregressive tokens for every prompt),
         ``mean_accepted_tokens`` (drafts accepted per step), ``tokens_per_s`` and
         ``ar_tokens_per_s`` (generated tokens over decode wall time, prefill included, batch 1),
         ``speedup`` (their ratio), ``device``, ``plugin``, ``prompts``.
     """
+    echo = echo or _stdout_line
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = demo_prompts()
+    bar = tqdm(total=len(rows), desc="demo: loading the target", unit="prompt", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
     plugin, path = default_checkpoint()
     drafter_arg = registry.get_plugin(plugin).demo_drafters.get(drafter, drafter)
     cfg = SpecConfig(num_draft_tokens=8, max_depth=6, top_k=2, max_new_tokens=max_new_tokens,
@@ -58,12 +99,14 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
     spec = SpecDecoder(path, plugin, drafter=str(drafter_arg), config=cfg)
     ar = SpecDecoder(spec.model, plugin, config=cfg.model_copy(update={"num_draft_tokens": 0}),
                      tokenizer=spec.tokenizer)
-    rows = demo_prompts()
+    bar.set_description("demo: warm-up")
     spec.generate([rows[0]["prompt"]])  # warm-up: first-call allocations stay out of the timing
     ar.generate([rows[0]["prompt"]])
+    bar.set_description("demo: decoding")
     totals = {"spec_s": 0.0, "ar_s": 0.0, "tokens": 0, "ar_tokens": 0, "accepted": 0, "steps": 0}
     exact = True
     for row in rows:
+        bar.set_postfix_str(row["id"])
         t = time.perf_counter()
         s = spec.generate([row["prompt"]])
         totals["spec_s"] += time.perf_counter() - t
@@ -76,9 +119,11 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
         totals["accepted"] += sum(k * n for k, n in enumerate(s.stats.accepted_histogram))
         totals["steps"] += s.stats.sequence_steps
         echo(f"=== {row['id']} ({row['category']}) " + "=" * 30)
-        echo(row["prompt"].rstrip()[-300:])
+        echo(shown_prompt(row["prompt"]))
         echo(f"--- generated ({s.stats.generated_tokens} tokens, {s.stats.tokens_per_step:.2f} per step):")
         echo(s.texts[0])
+        bar.update(1)
+    bar.close()
     tps, ar_tps = totals["tokens"] / totals["spec_s"], totals["ar_tokens"] / totals["ar_s"]
     return {
         "exact_match": bool(exact),

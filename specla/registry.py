@@ -103,10 +103,24 @@ def plugin_infos() -> list[PluginInfo]:
 
 
 def model_type_of(model: torch.nn.Module | str | Path) -> str | None:
-    """``config.model_type`` of a loaded model or of a checkpoint directory's ``config.json``."""
+    """``config.model_type`` of a loaded model or of a checkpoint directory's ``config.json``
+    (``None`` when the directory has no ``config.json``).
+
+    Raises:
+        UnsupportedModelError: the ``config.json`` is not valid JSON or not a JSON object (the
+            message names the file and the problem).
+    """
     if isinstance(model, (str, Path)):
         cfg = Path(model) / "config.json"
-        return json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
+        if not cfg.is_file():
+            return None
+        try:
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise UnsupportedModelError(f"{cfg} is not valid JSON: {err}") from err
+        if not isinstance(data, dict):
+            raise UnsupportedModelError(f"{cfg} is not a JSON object (got {type(data).__name__})")
+        return data.get("model_type")
     return getattr(getattr(model, "config", None), "model_type", None)
 
 
@@ -114,7 +128,8 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
     """The plugin whose ``model_types`` contains the model's ``config.model_type``.
 
     Raises:
-        UnsupportedModelError: no registered plugin runs this model type.
+        UnsupportedModelError: no registered plugin runs this model type, or a checkpoint
+            directory's ``config.json`` is not a valid JSON object.
     """
     model_type = model_type_of(model)
     for arch, _ in _architectures().values():

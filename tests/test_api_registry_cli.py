@@ -166,9 +166,9 @@ def test_input_robustness():
     model = make_model()
     with pytest.raises(specla.InvalidTokenError, match="no prompts given"):
         specla.run(model, "gdn", prompts=[])
-    with pytest.raises(specla.InvalidTokenError, match="token id 2.9"):
+    with pytest.raises(specla.TokenTypeError, match="position 1: token ids must be integers, got float 2.9"):
         specla.run(model, "gdn", prompts=[[5, 2.9]])
-    with pytest.raises(specla.InvalidTokenError, match="token id True"):
+    with pytest.raises(specla.TokenTypeError, match="got bool True"):
         specla.run(model, "gdn", prompts=[[5, True]])
     # tensors and arrays are accepted as token-id rows
     out = specla.run(model, "gdn", prompts=[torch.tensor([5, 6, 7])], config=dict(max_new_tokens=3))

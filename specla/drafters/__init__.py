@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from ..errors import UnknownPluginError
+from ..errors import DrafterError, UnknownPluginError
 from ..interfaces import Drafter
 from .eagle import EagleDrafter, is_eagle_dir
 from .ngram import NgramDrafter
@@ -12,16 +13,36 @@ from .ngram import NgramDrafter
 BUILTIN_DRAFTERS: dict[str, type[Drafter]] = {"ngram": NgramDrafter}
 
 
+def _looks_like_path(drafter: str | Path) -> bool:
+    """Whether ``drafter`` names a directory rather than a built-in drafter."""
+    if isinstance(drafter, Path):
+        return True
+    seps = {os.sep, "/"} | ({os.altsep} if os.altsep else set())
+    return any(sep in drafter for sep in seps) or drafter.startswith((".", "~"))
+
+
 def make_drafter(drafter: str | Path | Drafter) -> Drafter:
     """A drafter instance from a name (``"ngram"``), a directory saved by ``specla
     train-drafter`` (an EAGLE drafter), or an instance (returned as is).
 
+    A string that looks like a path (it contains a path separator or starts with ``.`` or
+    ``~``) and every :class:`~pathlib.Path` is taken as a directory; other strings are names.
+
     Raises:
-        UnknownPluginError: unknown name; the message lists the known drafters.
+        UnknownPluginError: unknown name (the message lists the known drafters), or a directory
+            that is not a trained drafter.
+        DrafterError: a path to a directory that does not exist.
         TypeError: neither a name, a drafter directory nor a :class:`Drafter`.
     """
     if isinstance(drafter, Drafter):
         return drafter
+    if isinstance(drafter, (str, Path)) and _looks_like_path(drafter):
+        given, drafter = drafter, Path(drafter).expanduser()
+        if not drafter.exists():
+            raise DrafterError(f"drafter directory {given} does not exist")
+        if not drafter.is_dir():
+            raise DrafterError(f"drafter {given} is not a directory (a drafter is the directory "
+                               "`specla train-drafter` wrote)")
     if isinstance(drafter, (str, Path)) and is_eagle_dir(drafter):
         return EagleDrafter.from_dir(drafter)
     if isinstance(drafter, (str, Path)) and Path(drafter).is_dir():

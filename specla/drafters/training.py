@@ -12,7 +12,6 @@ feature regression plus a soft cross-entropy through the target's LM head).
 from __future__ import annotations
 
 import json
-import lzma
 import random
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..bench import read_jsonl
 from ..errors import DrafterError
 from ..interfaces import TargetAdapter
 from .eagle import EagleHead
@@ -46,6 +46,10 @@ class DrafterTrainConfig:
         num_heads: the head's attention heads (``None``: ``hidden // 64``; ``0``: no attention).
         save_every: steps between checkpoints (``checkpoint.pt``, resumable).
         seed: data order and initialisation.
+
+    Raises:
+        DrafterError: a count, ``lr`` or ``unroll`` that is not positive; ``max_tokens``,
+            ``distill_prompts`` or ``ce_weight`` below 0; ``window < max(3, unroll + 1)``.
     """
 
     steps: int = 2000
@@ -63,9 +67,13 @@ class DrafterTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_windows", "save_every", "lr", "unroll"):
+        for name in ("steps", "batch_windows", "save_every", "lr", "unroll", "distill_prompt_tokens",
+                     "distill_new_tokens"):
             if getattr(self, name) <= 0:
                 raise DrafterError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_tokens", "distill_prompts", "ce_weight"):
+            if getattr(self, name) < 0:
+                raise DrafterError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.window < max(3, self.unroll + 1):  # level k needs k pairs before the window ends
             raise DrafterError(f"window must be >= max(3, unroll + 1) = {max(3, self.unroll + 1)}, got {self.window}")
 
@@ -85,20 +93,30 @@ def _matmul_precision(precision: str | None):
 def read_texts(files: list[str | Path]) -> list[str]:
     """Texts from JSONL files (optionally ``.xz``): the ``text`` field, else ``prompt``.
 
+    Every file is checked to exist before any is read (a typo in the last of several large
+    files is reported at once).
+
     Raises:
-        FileNotFoundError: a file is missing. DrafterError: a row has neither field.
+        FileNotFoundError: a file is missing (the message names every missing one).
+        ValueError: naming the file and line: a line that is not JSON (see
+            :func:`specla.bench.read_jsonl`). DrafterError (a ValueError), naming the file and
+            line: a row that is not a JSON object, has neither field, or whose text is not a
+            string.
     """
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"data file{'s' if len(missing) > 1 else ''} not found: {', '.join(missing)}")
     out = []
     for f in files:
-        opener = lzma.open if str(f).endswith(".xz") else open
-        with opener(f, "rt", encoding="utf-8") as fh:
-            for i, line in enumerate(fh):
-                if line.strip():
-                    row = json.loads(line)
-                    text = row.get("text", row.get("prompt"))
-                    if text is None:
-                        raise DrafterError(f"{f}:{i + 1}: row has neither 'text' nor 'prompt'")
-                    out.append(text)
+        for i, row in read_jsonl(f):
+            if not isinstance(row, dict):
+                raise DrafterError(f"{f}:{i}: row is not a JSON object")
+            text = row.get("text", row.get("prompt"))
+            if text is None:
+                raise DrafterError(f"{f}:{i}: row has neither 'text' nor 'prompt'")
+            if not isinstance(text, str):
+                raise DrafterError(f"{f}:{i}: 'text'/'prompt' must be a string, got {type(text).__name__}")
+            out.append(text)
     return out
 
 
@@ -180,42 +198,106 @@ def unrolled_loss(head: EagleHead, adapter: TargetAdapter, tokens: Tensor, feats
     return total
 
 
+# what a run writes into its --out folder (and all that --overwrite removes)
+DRAFTER_FILES = ("config.json", "model.safetensors", "training.json", "checkpoint.pt", "checkpoint.tmp")
+
+
+def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = False,
+                 overwrite: bool = False) -> dict | None:
+    """Check that a training run may write its drafter into ``out``, and return the checkpoint
+    it resumes from (``None``: it starts from step 0). Reads ``out/checkpoint.pt`` at most;
+    writes nothing.
+
+    ``out`` may be missing or hold other files; a file a run writes (:data:`DRAFTER_FILES`)
+    already there is never replaced silently: ``resume`` continues from ``out/checkpoint.pt``
+    (to the same or a larger ``cfg.steps``: only ``steps`` and ``save_every`` may differ from the
+    checkpoint's options), ``overwrite`` replaces the drafter there (its files are removed once
+    the data has been checked, just before training).
+
+    Args:
+        out: the output folder; cfg: the run's options (compared with the checkpoint's);
+        resume, overwrite: as in :func:`train_drafter` (``--resume``, ``--overwrite``).
+    Raises:
+        DrafterError: both ``resume`` and ``overwrite``; ``out`` exists and is not a directory;
+            ``out`` holds drafter files and neither ``overwrite`` nor ``resume`` with a
+            checkpoint there (the message names the folder); a checkpoint that cannot be read,
+            was written with other options (each named), or has already passed ``cfg.steps``.
+    """
+    out = Path(out)
+    if resume and overwrite:
+        raise DrafterError("--resume (resume=True) continues the drafter in the output folder and --overwrite "
+                           "(overwrite=True) replaces it: pass one of them")
+    if out.exists() and not out.is_dir():
+        raise DrafterError(f"output folder {out} exists and is not a directory")
+    ckpt = out / "checkpoint.pt"
+    existing = [name for name in DRAFTER_FILES if (out / name).exists()]
+    if overwrite or not existing:
+        return None
+    if not resume:
+        raise DrafterError(f"output folder {out} already holds a drafter ({', '.join(existing)}): continue its "
+                           "training with --resume (resume=True), replace it with --overwrite (overwrite=True), "
+                           "or choose another folder")
+    if not ckpt.is_file():
+        raise DrafterError(f"--resume: output folder {out} holds a drafter ({', '.join(existing)}) but no "
+                           "checkpoint.pt to resume from: replace it with --overwrite (overwrite=True), or choose "
+                           "another folder")
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch.load raises pickle, zip and runtime errors alike
+        raise DrafterError(f"--resume: {ckpt} is not a readable checkpoint ({type(err).__name__}: {err})") from err
+    if not isinstance(state, dict) or "step" not in state:
+        raise DrafterError(f"--resume: {ckpt} is not a specla train-drafter checkpoint")
+    saved = state.get("config")
+    if saved is not None:
+        ours = {k: v for k, v in asdict(cfg).items() if k not in ("save_every", "steps")}
+        diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+        if diff:
+            raise DrafterError("--resume: the checkpoint was written with other options ("
+                               + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+                               + "); resume with the same options (only --steps and --save-every may change), "
+                               "or start afresh in another --out")
+    if state["step"] > cfg.steps:
+        raise DrafterError(f"--resume: the checkpoint in {out} is at step {state['step']}, beyond --steps "
+                           f"{cfg.steps}; pass --steps {state['step']} or more")
+    return state
+
+
 def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], out: str | Path,
-                  cfg: DrafterTrainConfig, resume: bool = False, stop_at: int | None = None, log=print) -> dict:
+                  cfg: DrafterTrainConfig, resume: bool = False, stop_at: int | None = None, log=print, *,
+                  overwrite: bool = False, texts: list[str] | None = None) -> dict:
     """Collect features, train an :class:`EagleHead`, save it in ``out`` (loadable as
     ``drafter=out``). Returns the training summary (also written to ``out/training.json``).
 
-    ``resume`` continues from ``out/checkpoint.pt``; ``stop_at`` checkpoints and returns after
-    that step (time-boxed runs), leaving the drafter unsaved until a resumed run finishes.
+    ``resume`` continues from ``out/checkpoint.pt``, also to a larger ``cfg.steps`` than the
+    checkpoint's run had (the learning-rate schedule then follows the new total from the resumed
+    step on); ``stop_at`` checkpoints and returns after that step (time-boxed runs), leaving the
+    drafter unsaved until a resumed run finishes. ``overwrite`` replaces a drafter already in
+    ``out`` (see :func:`check_output`). Nothing is created or removed in ``out`` before the
+    options and the data have been checked and the training windows collected.
+
+    Args:
+        files: JSONL(.xz) data files (:func:`read_texts`).
+        texts: their texts, when the caller has already read them with :func:`read_texts` (the
+            CLI does, before loading the target); ``None`` reads ``files`` here.
 
     Raises:
         DrafterError: the data yields no training window; ``num_heads`` does not divide the
-            target's hidden size; ``stop_at < 1``; ``resume`` with a checkpoint written under
-            other options (anything but ``save_every`` differs). All are checked before any data
-            is read.
+            target's hidden size; ``stop_at < 1``; the output folder cannot be used (see
+            :func:`check_output`). These, except the first, are checked before any data is read.
+        FileNotFoundError, ValueError: a data file is missing or malformed (:func:`read_texts`).
     """
     out = Path(out)
     hidden = adapter.embed(torch.zeros(1, dtype=torch.int64, device=adapter.device)).shape[-1]
     EagleHead(hidden, num_heads=cfg.num_heads)  # checks num_heads against the target now, not after the data
     if stop_at is not None and stop_at < 1:
         raise DrafterError(f"stop_at must be >= 1, got {stop_at}")
+    state = check_output(out, cfg, resume=resume, overwrite=overwrite)
     ckpt = out / "checkpoint.pt"
-    state = torch.load(ckpt, map_location="cpu", weights_only=False) if resume and ckpt.is_file() else None
-    if state is not None:
-        saved = state.get("config")
-        ours = {k: v for k, v in asdict(cfg).items() if k != "save_every"}
-        if saved is not None:
-            diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
-            if diff:
-                raise DrafterError("--resume: the checkpoint was written with other options ("
-                                   + ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
-                                   + "); resume with the same options, or start afresh in another --out")
     if stop_at is not None and stop_at >= cfg.steps:
         log(f"stop_at {stop_at} >= steps {cfg.steps}: training runs to the end")
-    out.mkdir(parents=True, exist_ok=True)
+    texts = list(read_texts(files) if texts is None else texts)  # a copy: it is shuffled below
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
-    texts = read_texts(files)
     rng.shuffle(texts)
     sequences, prompts, count = [], [], 0
     for text in texts:  # tokenize lazily: the corpus may be far larger than what is used
@@ -241,6 +323,10 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
         raise DrafterError(f"no training window of {cfg.window} tokens in the data ({len(texts)} texts)")
     tokens, feats = collect_features(adapter, sequences, cfg.window)
     log(f"training windows: {len(tokens)} x {cfg.window} tokens ({len(prompts)} self-distilled sequences)")
+    if overwrite:  # the data is good: only now is the old drafter replaced
+        for name in DRAFTER_FILES:
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     head = EagleHead(hidden, num_heads=cfg.num_heads).to(adapter.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     start, history = 0, []

@@ -1,0 +1,285 @@
+"""The command line's options and messages: generate's sampling, stop and --config flags,
+train-drafter's checks before it writes, clear errors for broken checkpoints and missing
+drafters, and the demo's progress and prompt echo. In-process ``specla.cli.main`` calls on the
+tiny target shipped with the gdn plugin."""
+
+import json
+import shutil
+from importlib import resources
+
+import pytest
+
+import specla
+from specla import DrafterError, SpecDecoder, UnsupportedModelError
+from specla.cli import main, read_config_option
+from specla.demo import shown_prompt
+from specla.drafters import make_drafter
+from specla.drafters.eagle import EagleHead
+from specla.drafters.training import DrafterTrainConfig, read_texts, train_drafter
+from specla.registry import detect_plugin, get_plugin
+
+TINY = get_plugin("gdn").demo_checkpoint
+DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
+PROMPT = "def add(a, b):"
+# the greedy continuation of PROMPT on TINY: [332 '\n   ', 618 ' return', 293 ' b', 201 '\n', 201, 1042 'def', ...]
+GREEDY = [332, 618, 293, 201, 201, 1042, 835, 65, 68, 347, 65, 68]
+
+
+def cli(capsys, *args):
+    """``(exit code, stdout, stderr)`` of ``specla ARGS`` run in this process."""
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse and main's one-line errors exit
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def generate(capsys, *args):
+    """``specla generate`` on TINY (CPU); returns the final JSON line's dict and stdout."""
+    code, out, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu", *args)
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1]), out
+
+
+def last_error(err: str) -> str:
+    return err.strip().splitlines()[-1]
+
+
+# item 9: generate's sampling, stop and --config flags
+
+
+def test_generate_samples_from_the_command_line_as_the_api_does(capsys):
+    stats, out = generate(capsys, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "5", "--seed", "3",
+                          "--max-new-tokens", "6")
+    cfg = stats["config"]
+    assert (cfg["temperature"], cfg["top_p"], cfg["sampling_top_k"], cfg["seed"], cfg["max_new_tokens"]) == (
+        0.8, 0.9, 5, 3, 6)
+    assert cfg["top_k"] == 1  # --top-k is sampling's; the tree keeps its default width
+    api = specla.run(TINY, None, prompts=[PROMPT], config=dict(temperature=0.8, top_p=0.9, sampling_top_k=5, seed=3,
+                                                               max_new_tokens=6, device="cpu"))
+    assert out.split("-" * 40)[0] == api.texts[0] + "\n"
+
+
+def test_generate_flags_override_config_inline_and_from_a_file(capsys, tmp_path):
+    fields = {"temperature": 0.7, "seed": 1, "max_new_tokens": 20, "top_k": 2, "num_draft_tokens": 4}
+    stats, _ = generate(capsys, "--config", json.dumps(fields), "--max-new-tokens", "5", "--seed", "4")
+    cfg = stats["config"]
+    assert (cfg["temperature"], cfg["seed"], cfg["max_new_tokens"], cfg["top_k"], cfg["num_draft_tokens"]) == (
+        0.7, 4, 5, 2, 4)
+    assert stats["generated_tokens"] <= 5
+    (tmp_path / "c.json").write_text(json.dumps(fields))
+    stats, _ = generate(capsys, "--config", tmp_path / "c.json", "--tree-top-k", "3", "--temperature", "0")
+    cfg = stats["config"]
+    assert (cfg["temperature"], cfg["seed"], cfg["max_new_tokens"], cfg["top_k"]) == (0.0, 1, 20, 3)
+
+
+def test_sampling_filters_without_temperature_are_refused(capsys):
+    code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--top-k", "2")
+    assert code == 2
+    assert last_error(err) == ("specla: error: --top-k filters sampling and needs --temperature > 0 (greedy "
+                               "decoding ignores it); the draft tree's children per node is --tree-top-k")
+
+
+def test_stop_token_ids_and_single_token_stop_strings(capsys):
+    stats, _ = generate(capsys, "--max-new-tokens", "12", "--stop-token-id", "1042")
+    assert stats["generated_tokens"] == GREEDY.index(1042) + 1 and stats["config"]["stop_token_ids"] == [1042]
+    stats, out = generate(capsys, "--max-new-tokens", "12", "--stop", "\n", "--stop-token-id", "618")
+    assert stats["config"]["stop_token_ids"] == [618, 201]
+    assert stats["generated_tokens"] == 2 and out.startswith("\n    return\n" + "-" * 40)
+    stats, _ = generate(capsys, "--max-new-tokens", "12", "--stop", "\n")
+    assert stats["generated_tokens"] == GREEDY.index(201) + 1 and stats["config"]["stop_token_ids"] == [201]
+
+
+def test_stop_strings_of_several_tokens_are_refused(capsys):
+    code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--stop", "Question: x")
+    assert code == 2
+    assert last_error(err) == ("specla: error: --stop 'Question: x' is 3 tokens [1666, 28, 1004] for this "
+                               "tokenizer; --stop takes text that is exactly one token (pass token ids with "
+                               "--stop-token-id)")
+
+
+def test_generate_and_bench_share_the_config_parser(capsys, tmp_path):
+    assert read_config_option('{"seed": 2}') == {"seed": 2} and read_config_option(None) == {}
+    with pytest.raises(ValueError, match=r"^--config must be a JSON object of SpecConfig fields, got list$"):
+        read_config_option("[1]")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    for command in (["generate", "--model", TINY, "--prompt", "x"], ["bench", "--model", TINY, "--prompts", DATA]):
+        code, _, err = cli(capsys, *command, "--config", bad)
+        assert code == 2
+        assert last_error(err) == (f"specla: error: --config {bad}: not valid JSON (Expecting property name "
+                                   "enclosed in double quotes: line 1 column 2 (char 1))")
+        code, _, err = cli(capsys, *command, "--config", tmp_path / "none.json")
+        assert code == 2
+        assert last_error(err) == (f"specla: error: --config {tmp_path / 'none.json'}: no such file (inline JSON "
+                                   "starts with '{')")
+
+
+# item 10: train-drafter
+
+
+SMALL = ["--steps", "2", "--batch-windows", "2", "--window", "32", "--max-tokens", "300", "--distill-prompts", "0",
+         "--device", "cpu"]
+
+
+def test_train_drafter_checks_data_before_loading_and_creates_nothing(capsys, tmp_path, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data was checked")
+
+    monkeypatch.setattr(specla.api, "SpecDecoder", no_load)
+    out = tmp_path / "new"
+    code, _, err = cli(capsys, "train-drafter", "--model", TINY, "--data", DATA, tmp_path / "missing.jsonl",
+                       "--out", out, *SMALL)
+    assert code == 2 and not out.exists()
+    assert last_error(err) == f"specla: error: data file not found: {tmp_path / 'missing.jsonl'}"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n\n{"text": oops}\n')
+    code, _, err = cli(capsys, "train-drafter", "--model", TINY, "--data", bad, "--out", out, *SMALL)
+    assert code == 2 and not out.exists()
+    assert last_error(err) == (f"specla: error: {bad}:3: not JSON (Expecting value: line 1 column 10 (char 9))")
+
+
+def test_bad_rows_name_file_and_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "a"}\n[1, 2]\n')
+    with pytest.raises(DrafterError, match=rf"^{f}:2: row is not a JSON object$"):
+        read_texts([f])
+    f.write_text('{"text": "a"}\n{"prompt": 3}\n')
+    with pytest.raises(DrafterError, match=rf"^{f}:2: 'text'/'prompt' must be a string, got int$"):
+        read_texts([f])
+    with pytest.raises(FileNotFoundError, match=rf"^data files not found: {tmp_path}/a, {tmp_path}/b$"):
+        read_texts([tmp_path / "a", f, tmp_path / "b"])
+
+
+def test_train_drafter_refuses_to_overwrite_a_drafter(capsys, tmp_path):
+    out = tmp_path / "d"
+    EagleHead(256).save(out, trained_steps=7)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, err = cli(capsys, "train-drafter", "--model", TINY, "--data", DATA, "--out", out, *SMALL)
+    assert code == 2
+    assert last_error(err) == (f"specla: error: output folder {out} already holds a drafter (config.json, "
+                               "model.safetensors): continue its training with --resume (resume=True), replace it "
+                               "with --overwrite (overwrite=True), or choose another folder")
+    code, _, err = cli(capsys, "train-drafter", "--model", TINY, "--data", DATA, "--out", out, *SMALL, "--resume")
+    assert code == 2 and "holds a drafter (config.json, model.safetensors) but no checkpoint.pt" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    code, _, err = cli(capsys, "train-drafter", "--model", TINY, "--data", DATA, "--out", out, *SMALL, "--resume",
+                       "--overwrite")
+    assert code == 2 and "argument --overwrite: not allowed with argument --resume" in err
+    code, stdout, err = cli(capsys, "train-drafter", "--model", TINY, "--data", DATA, "--out", out, *SMALL,
+                            "--overwrite")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["trained_steps"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "model.safetensors",
+                                                     "training.json"]
+
+
+def _train(tmp_path, steps, **kw):
+    dec = SpecDecoder(TINY, None, config=dict(dtype="float32"))
+    cfg = DrafterTrainConfig(steps=steps, batch_windows=2, window=32, max_tokens=300, distill_prompts=0, save_every=2,
+                             seed=1)
+    return train_drafter(dec.adapter, dec.tokenizer, [DATA], tmp_path / "d", cfg, log=lambda *_: None, **kw)
+
+
+def test_resume_extends_a_finished_run_to_more_steps(tmp_path):
+    _train(tmp_path, 2)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["trained_steps"] == 2
+    summary = _train(tmp_path, 4, resume=True)
+    assert summary["config"]["steps"] == 4 and summary["log"][-1]["step"] == 3
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["trained_steps"] == 4
+    with pytest.raises(DrafterError, match=rf"^--resume: the checkpoint in {tmp_path / 'd'} is at step 4, beyond "
+                                           r"--steps 3; pass --steps 4 or more$"):
+        _train(tmp_path, 3, resume=True)
+
+
+def test_train_drafter_help_shows_every_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # one line per option
+    code, out, _ = cli(capsys, "train-drafter", "--help")
+    assert code == 0
+    lines, flag = {}, None
+    for line in out.splitlines():  # an option's help may start on the line after it
+        if line.strip().startswith("--"):
+            flag = line.split()[0]
+            lines[flag] = line.rstrip()
+        elif flag and line.startswith("     "):
+            lines[flag] += " " + line.strip()
+    expected = {"--steps": "(default: 2000)", "--batch-windows": "(default: 32)", "--window": "(default: 128)",
+                "--max-tokens": "(default: 400000)", "--distill-prompts": "(default: 256)", "--lr": "(default: 0.001)",
+                "--ce-weight": "(default: 1.0)", "--unroll": "(default: 3)", "--save-every": "(default: 500)",
+                "--seed": "(default: 0)", "--heads": "default: hidden size / 64)",
+                "--device": "(default: cuda if available)", "--plugin": "(default: detected from config.json)",
+                "--stop-at": "default: run to --steps)"}
+    for flag, text in expected.items():
+        assert lines[flag].endswith(text), lines[flag]
+
+
+# item 11: broken checkpoints, missing drafters, --tokenizer
+
+
+def test_corrupt_config_json_is_an_unsupported_model_naming_the_file(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    shutil.copy(TINY / "tokenizer.json", tmp_path)
+    shutil.copy(TINY / "tokenizer_config.json", tmp_path)
+    message = (f"{tmp_path / 'config.json'} is not valid JSON: Expecting property name enclosed in double quotes: "
+               "line 1 column 2 (char 1)")
+    with pytest.raises(UnsupportedModelError) as err:
+        detect_plugin(tmp_path)
+    assert str(err.value) == message
+    with pytest.raises(UnsupportedModelError) as err:
+        SpecDecoder(tmp_path, None)
+    assert str(err.value) == message
+    code, _, err = cli(capsys, "generate", "--model", tmp_path, "--prompt", "hi", "--device", "cpu")
+    assert code == 2 and last_error(err) == f"specla: error: {message}"
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(UnsupportedModelError, match=r"config.json is not a JSON object \(got list\)$"):
+        detect_plugin(tmp_path)
+
+
+def test_missing_drafter_directories_say_so(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("/no/such/dir", "./missing", "~/no-such-specla-drafter", "sub/missing"):
+        with pytest.raises(DrafterError) as err:
+            make_drafter(name)
+        assert str(err.value) == f"drafter directory {name} does not exist"
+    with pytest.raises(specla.UnknownPluginError, match=r"^unknown drafter 'missing'; available drafters: ngram, or a "
+                                                        r"directory saved by `specla train-drafter`$"):
+        make_drafter("missing")
+    code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", "hi", "--device", "cpu", "--drafter",
+                       "./missing")
+    assert code == 2 and last_error(err) == "specla: error: drafter directory ./missing does not exist"
+
+
+def test_cli_asks_for_the_tokenizer_flag(capsys, tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(TINY / name, tmp_path)
+    code, _, err = cli(capsys, "generate", "--model", tmp_path, "--prompt", "hi", "--device", "cpu")
+    assert code == 2
+    assert last_error(err) == (f"specla: error: --model {tmp_path} has no tokenizer (no tokenizer.json in it): "
+                               "pass --tokenizer DIR")
+    stats, _ = generate(capsys, "--model", tmp_path, "--tokenizer", TINY, "--max-new-tokens", "3")  # the flag named
+    assert stats["generated_tokens"] == 3
+
+
+# item 12: the demo
+
+
+def test_demo_reports_progress_on_stderr_and_ends_stdout_with_its_json(capsys):
+    code, out, err = cli(capsys, "demo", "--device", "cpu", "--max-new-tokens", "4")
+    assert code == 0
+    assert "demo: decoding" in err and "6/6" in err and "demo:" not in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["prompts"] == 6 and summary["exact_match"] is True
+    assert '[... 98 characters cut]\n    """ Check if in given list of numbers' in out
+
+
+def test_shown_prompt_cuts_at_a_boundary_with_a_marker():
+    assert shown_prompt("short prompt\n") == "short prompt"
+    assert shown_prompt("first line\nsecond line\nthird", limit=18) == "[... 11 characters cut]\nsecond line\nthird"
+    # the only line start would leave 3 of 12 characters: a word start instead
+    assert shown_prompt("long first line here\nend", limit=12) == "[... 16 characters cut]\nhere\nend"
+    assert shown_prompt("x\nlong line here", limit=12) == "[... 7 characters cut]\nline here"  # no line start
+    assert shown_prompt("aaa bbb ccc ddd", limit=6) == "[... 12 characters cut]\nddd"
+    assert shown_prompt("abcdefgh", limit=3) == "[... 5 characters cut]\nfgh"  # one word: the hard limit
+    with pytest.raises(ValueError, match="limit must be >= 1, got 0"):
+        shown_prompt("x", limit=0)
