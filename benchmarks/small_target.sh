@@ -19,7 +19,7 @@ python "$here/targets/train_target.py" --preset small --corpus "$data/corpus" --
     --out "$out/small" --steps "${STEPS:-434}" 2>&1 | tee "$out/train.log"
 python -m specla.cli train-drafter --model "$out/small" --data "$data"/corpus/*.xz --out "$out/eagle" \
     --steps 3000 --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 --ce-weight 1.0 \
-    --unroll 3 --device cuda 2>&1 | tee "$out/drafter.log"
+    --unroll 3 --device cuda --overwrite 2>&1 | tee "$out/drafter.log"
 python "$here/acceptance.py" --model "$out/small" --drafter "$out/eagle" --prompts "$data/prompts" \
     --out "$out/acceptance.json" --time-per-run "${TIME_PER_RUN:-90}" --batch-size "${BATCH_SIZE:-32}" \
     --max-new-tokens 128 ${runs:+--runs "$runs"} 2>&1 | tee "$out/acceptance.log"

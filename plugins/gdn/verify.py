@@ -22,17 +22,19 @@ import triton.language as tl
 from torch import Tensor
 
 # Launch parameters per kernel: the V-tile width (each program keeps a [K, BV] float32 state tile
-# in registers) and warps per program. benchmarks/kernels.py --sweep measures the alternatives.
-# Measured on one H200 at the GDN-1.3B layer shape (K = V = 256), 2026-11-30 (BENCHMARKS.md):
-# small tiles with one warp won for the serial and chain kernels (BV 64 spills the tile). The tree
-# kernel was rewritten after that run to visit the state in K blocks of BKC rows (swept below).
+# in registers) and warps per program, as measured on one H200 at the GDN-1.3B layer shape
+# (K = V = 256). benchmarks/kernels.py --only sweep and benchmarks/scripts/gdn_pending_verify.py
+# --sweep time the alternatives.
+# Serial and chain kernels: small tiles with one warp (BV 64 spills the tile; BENCHMARKS.md
+# section 1, launch-parameter sweep).
+# Tree kernel (it visits the state in K blocks of BKC rows) and one-token passes (plain decoding:
+# "decode", on the serial kernel), timed with a pending commit (BENCHMARKS.md section 5, launch
+# sweep): the tree kernel on 4 warps (16 nodes: 139 vs 208 us at batch 64, 23.7 vs 31.1 at batch
+# 8, 14.5 vs 15.2 at batch 1, against 8), one-token passes on 16-column tiles (141 vs 178 us at
+# batch 64, 9.1 vs 13.3 at batch 8, 3.7 vs 3.9 at batch 1, against 8 columns).
 # The tree's prepare kernel (one program per sequence and head, a serial forward substitution):
-# 2 warps, measured against 1, 4 and 8 (sixth session, BENCHMARKS.md section 5: 7.2 vs 8.6 us at
-# 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
-# Sixth-session sweep with a pending commit (BENCHMARKS.md section 5, run5/sweep.log): the tree
-# kernel on 4 warps (16 nodes: 139 vs 208 us at batch 64, 23.7 vs 31.1 at batch 8, 14.5 vs 15.2
-# at batch 1, against 8), and one-token passes (plain decoding: "decode") on the serial kernel
-# with 16-column tiles (141 vs 178 us at batch 64, 9.1 vs 13.3 at batch 8, 3.7 vs 3.9 at batch 1).
+# 2 warps, measured against 1, 4 and 8 (BENCHMARKS.md section 5: 7.2 vs 8.6 us at 17 nodes and
+# batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 16, "num_warps": 1},
           "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4},
           "prepare": {"num_warps": 2}}
@@ -539,7 +541,7 @@ def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") ->
     """``serial`` / ``parallel`` / ``hybrid`` for a batch of trees (``counts``: real nodes per row).
 
     ``auto``, the rule measured on one H200 at the GDN-1.3B layer shape (BENCHMARKS.md section 1,
-    2026-11-30, second run): the tree-masked parallel kernel was the fastest for every chain and
+    verify at commit f6bc47c): the tree-masked parallel kernel was the fastest for every chain and
     tree of up to 32 nodes at batch 1, 8 and 64 (3.2x to 7.5x replay on trees), and for 64-node
     trees at batch 8 and 64; hybrid won only at 64 nodes and batch 1 (4.5x vs 3.2x replay). So:
     more than 32 nodes at batch 1 -> hybrid; up to ``MAX_TREE_NODES`` -> parallel; larger chains

@@ -1,7 +1,19 @@
-"""Where a speculative step of the small-target shape spends its time (dev tool, not committed).
-Random weights (step cost in a graph does not depend on acceptance), float32, batch 32, graphs."""
+"""Where a graph-captured speculative step of the ``small`` target's shape spends its time
+(BENCHMARKS.md section 4, the float32 batch-32 diagnosis).
+
+    python benchmarks/scripts/small_step_diag.py > diag.log
+
+A randomly initialised GDN model of the ``small`` preset's shape (step cost in a CUDA graph does
+not depend on acceptance), float32, batch 32, 128 new tokens, CUDA graphs. Rows: AR, ngram (N 8,
+top-k 2), EAGLE chain (N 6) and tree (N 16, top-k 4) with a random attention head, and the tree
+with an attention-free head (``num_heads=0``). Each row decodes 60-200-token prompts twice (warm-up,
+timed) and 300-400-token prompts once, printing one JSON line per call: wall time, steps, prefill,
+graphs recorded and their recording time, median and first step time. Then torch profiler tables
+(by CUDA and by CPU time) of one EAGLE-tree and one ngram ``generate``. One CUDA GPU; FLA installed.
+"""
 import sys, time, json, torch
-sys.path.insert(0, "benchmarks/targets")
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
 import fla  # noqa
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 from train_target import PRESETS

@@ -1,5 +1,19 @@
-"""Diagnostic: per-step engine cost, reference vs triton kernels, random-weight small-shape GDN."""
+"""Eager engine step cost on a GPU, PyTorch reference path against the Triton kernels (BENCHMARKS.md
+section 3).
+
+    python benchmarks/scripts/eager_step_probe.py OUT_DIR
+
+A randomly initialised GDN model of the ``small`` preset's shape (hidden 768, 12 layers, 4 heads
+of 128, expand_v 2, vocab 32,000), 100-token random prompts, 48 new tokens, ``SpecDecoder`` with
+CUDA graphs off. For float32 and bfloat16, each kernel path and batches 1 and 32: an
+autoregressive step (N = 0, ngram drafter) and a verify of a 16-draft chain whose drafts are all
+wrong (``OracleDrafter`` pattern ``none``: every step verifies 17 nodes and commits one token).
+Two warm-up runs, then one timed run; prints one JSON line per configuration, writes them to
+``OUT_DIR/e2e-probe.json`` and torch profiler tables of float32, batch 32, N = 16 to
+``OUT_DIR/prof-{reference,triton}-float32-B32-N16.txt``. One CUDA GPU; FLA installed.
+"""
 import json, sys, time
+from pathlib import Path
 import torch
 import fla  # noqa
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
@@ -7,7 +21,10 @@ from specla import SpecConfig
 from specla.api import SpecDecoder
 from specla.testing.drafters import OracleDrafter
 
+if len(sys.argv) != 2:
+    sys.exit("usage: python benchmarks/scripts/eager_step_probe.py OUT_DIR")
 out = sys.argv[1]
+Path(out).mkdir(parents=True, exist_ok=True)
 cfg = GatedDeltaNetConfig(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128,
                           expand_v=2, tie_word_embeddings=True)
 torch.manual_seed(0)
@@ -18,7 +35,7 @@ conts = [torch.randint(0, 32000, (200,), generator=g).tolist() for _ in range(32
 rows = []
 def run(dtype, kernels, B, N, profile=False):
     sc = SpecConfig(device="cuda", dtype=dtype, kernels=kernels, num_draft_tokens=N, max_depth=max(N, 1), top_k=1,
-                    max_new_tokens=48, stop_at_eos=False)
+                    max_new_tokens=48, stop_at_eos=False, cuda_graphs="off")
     drafter = OracleDrafter(prompts[:B], conts[:B], "none", 32000) if N else "ngram"
     dec = SpecDecoder(model, "gdn", drafter=drafter, config=sc)
     dec.generate(prompts[:B]); dec.generate(prompts[:B])  # warm-up, compile

@@ -1,0 +1,118 @@
+"""GDN verify kernels with a pending (fused delayed) commit at the GDN-1.3B layer shape (BENCHMARKS.md
+section 5: the step-change table and the launch sweep).
+
+    python benchmarks/scripts/gdn_pending_verify.py            # kernel table
+    python benchmarks/scripts/gdn_pending_verify.py --sweep    # launch settings, one row per setting
+
+One layer, H = HV = 8 heads, K = V = 256, q/k/v bfloat16, gates and state float32; the pending
+commit is a path of ``P`` accepted nodes out of a previous step of 17 nodes. Times are device
+times in µs (``triton.testing.do_bench_cudagraph``), for batches 1, 8 and 64 and ``(T, P)`` =
+(1, 1), (7, 5), (16, 6), (17, 6), ``T`` counting the root.
+
+Kernel table: the serial kernel (``serial_verify``), the tree-masked parallel kernel
+(``tree_verify``) with and without the pending commit, and the parallel kernel's prepare kernel
+on 1, 2, 4 and 8 warps. ``--sweep``: the serial kernel of one-token passes (``TUNING["decode"]``:
+V-tile width ``BV`` and warps) and the parallel kernel with a pending commit (``TUNING["tree"]``);
+``TUNING`` is restored afterwards. One CUDA GPU.
+"""
+import argparse
+import copy
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from specla.tree import inclusive_ancestor_mask
+from specla_gdn import verify as vk
+
+H = HV = 8
+K = V = 256
+SHAPES = ((1, 1), (7, 5), (16, 6), (17, 6))  # (T, P)
+
+
+def make(B, T, Tp, P):
+    """Random inputs of one verify pass: a chain of ``T`` nodes and a pending path of ``P`` of ``Tp``."""
+    d = "cuda"
+    q = F.normalize(torch.randn(B, T, H, K, device=d), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, K, device=d), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, V, device=d).bfloat16()
+    g = -torch.rand(B, T, HV, device=d) * 0.1
+    beta = torch.rand(B, T, HV, device=d)
+    S = torch.randn(B, HV, K, V, device=d) * 0.1
+    pk = F.normalize(torch.randn(B, Tp, H, K, device=d), dim=-1).bfloat16()
+    pd = torch.randn(B, Tp, HV, V, device=d) * 0.01
+    pG = -torch.rand(B, Tp, HV, device=d).cumsum(1) * 0.1
+    path = torch.arange(P, device=d).expand(B, P).contiguous()
+    plen = torch.full((B,), P, device=d)
+    parents = torch.arange(-1, T - 1, device=d).expand(B, T).contiguous()
+    return q, k, v, g, beta, S, (pk, pd, pG, path, plen), parents
+
+
+def us(f, rep=50):
+    f()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(f, rep=rep) * 1e3
+
+
+def kernel_table():
+    print("| B | T | P | serial | parallel | parallel, no pending | prepare w1 | w2 | w4 | w8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for B in (1, 8, 64):
+        for T, P in SHAPES:
+            q, k, v, g, beta, S, pend, parents = make(B, T, 17, P)
+            mask = inclusive_ancestor_mask(parents)
+            n = torch.full((B,), T, device="cuda")
+            res = {"serial": us(lambda: vk.serial_verify(q, k, v, g, beta, S, n, K**-0.5, pending=pend)),
+                   "parallel": us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend)),
+                   "nopend": us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5))}
+            m8 = mask.to(torch.int8)
+            BT = max(16, triton.next_power_of_2(T))
+            Tm = torch.empty(B * HV, BT, BT, device="cuda")
+            G = torch.empty(B, T, HV, device="cuda")
+            for w in (1, 2, 4, 8):
+                res[f"w{w}"] = us(lambda: vk._tree_prepare_kernel[(B * HV,)](
+                    k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=64, DOT_PREC="tf32", num_warps=w))
+            cols = ("serial", "parallel", "nopend", "w1", "w2", "w4", "w8")
+            print(f"| {B} | {T} | {P} | " + " | ".join(f"{res[c]:.1f}" for c in cols) + " |", flush=True)
+
+
+def sweep():
+    saved = copy.deepcopy(vk.TUNING)
+    print("| kernel | B | T | setting | us |")
+    print("|---|---|---|---|---|")
+    try:
+        for B in (1, 8, 64):
+            for T, P in SHAPES[:3]:
+                q, k, v, g, beta, S, pend, parents = make(B, T, 17, P)
+                mask = inclusive_ancestor_mask(parents)
+                n = torch.full((B,), T, device="cuda")
+                if T == 1:
+                    for bv in (4, 8, 16):
+                        for w in (1, 2, 4):
+                            vk.TUNING["decode"] = {"BV": bv, "num_warps": w}
+                            t = us(lambda: vk.serial_verify(q, k, v, g, beta, S, n, K**-0.5, pending=pend), rep=40)
+                            print(f"| serial | {B} | {T} | BV{bv}/w{w} | {t:.1f} |", flush=True)
+                    vk.TUNING["decode"] = dict(saved["decode"])
+                    continue
+                for bv in (16, 32, 64):
+                    for w in (4, 8):
+                        vk.TUNING["tree"] = {"BV": bv, "BKC": 64, "num_warps": w}
+                        t = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend), rep=40)
+                        print(f"| parallel | {B} | {T} | BV{bv}/w{w} | {t:.1f} |", flush=True)
+                vk.TUNING["tree"] = dict(saved["tree"])
+    finally:
+        vk.TUNING.clear()
+        vk.TUNING.update(saved)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="time launch settings instead of the kernel table")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    sweep() if a.sweep else kernel_table()
+
+
+if __name__ == "__main__":
+    main()
