@@ -28,16 +28,22 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
   (eager, batch 1 and 8 only: it is ~70 ms per token), specla AR (graph), speculative tree with
   ``snapshot`` and ``replay`` commit, FLA-SD (chain; verify's recurrence and the replay commit on
   FLA's stock kernel, :class:`FLASDAdapter`), SpecLA chain and tree (``factor``); each row's greedy output
-  compared token for token with the AR row; per sequence, the bytes one verify's records hold
+  compared token for token with the AR row (``exact``: the fraction of sequences equal to it;
+  transformers ``generate``'s ``--hf-tokens`` against the AR row's first ones); per sequence, the
+  bytes one verify's records hold
   (what commit needs: factor records, snapshot states or replay inputs) and the peak memory above
-  the model (CUDA-graph pools and static state included).
+  the model (CUDA-graph pools and static state included). With the embedding trick the greedy
+  token is the input token whatever the recurrent state holds, so ``exact`` catches wrong tokens
+  and lost or reordered sequences, not a wrong state (the conformance tests check states).
 
-Writes ``DIR/e2e.json`` (every row), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots).
+Writes ``DIR/e2e.json`` (every row; ``meta.versions``: torch, triton, transformers and FLA
+versions), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -319,35 +325,89 @@ class Harness:
                      record_mib_per_seq=ar["record_mib_per_seq"], exact=1.0)
             if B <= 8:
                 self.add("baselines", B=B, row="AR, transformers generate (eager)",
-                         **self.hf_generate(B, ar["tokens_per_s"]))
+                         **self.hf_generate(B, ar["tokens_per_s"], ref))
             for name, tree, commit in (("spec tree, snapshot commit", TREE, "snapshot"),
                                        ("spec tree, replay commit", TREE, "replay"),
                                        (FLA_SD, CHAIN, "replay"),
                                        ("SpecLA chain", CHAIN, "factor"), ("SpecLA tree", TREE, "factor")):
                 prof = profiles["SpecLA chain" if tree is CHAIN else "SpecLA tree"]
                 t = self.time(self.decoder(tree, commit=commit, profile=prof, fla_sd=name == FLA_SD), B)
-                exact = sum(o == r for o, r in zip(t["outputs"], ref)) / B
+                exact = exact_rate(t["outputs"], ref)
                 self.add("baselines", B=B, row=name, tokens_per_s=t["tokens_per_s"],
                          vs_ar_graph=t["tokens_per_s"] / ar["tokens_per_s"], ms_per_step=t["ms_per_step"],
                          accepted_per_step=t["accepted_per_step"], peak_mib_per_seq=t["peak_mib_per_seq"],
                          record_mib_per_seq=t["record_mib_per_seq"], exact=exact)
 
-    def hf_generate(self, B: int, ar_graph_tps: float) -> dict:
-        """transformers ``generate`` (greedy, eager FLA model), ``--hf-tokens`` new tokens."""
-        ids = torch.tensor(self.prompts[:B], device="cuda")
-        n = self.args.hf_tokens
+    def hf_generate(self, B: int, ar_graph_tps: float, ref: list[list[int]]) -> dict:
+        """transformers ``generate`` (greedy, eager FLA model, its cache), ``--hf-tokens`` new
+        tokens; ``exact``: :func:`exact_rate` of the warm-up run's tokens against ``ref`` (the AR
+        row's outputs). Raises ValueError: an output longer than its reference."""
+        prompts, n = self.prompts[:B], self.args.hf_tokens
+        dev = next(self.model.parameters()).device
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        exact = exact_rate(hf_generate_outputs(self.model, prompts, n), ref)
+        ids = torch.tensor(prompts, device=dev)
         kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)
         with torch.no_grad():
-            self.model.generate(ids, **kw)
             times = []
             for _ in range(self.args.repeats):
-                torch.cuda.synchronize()
+                sync()
                 t = time.perf_counter()
                 self.model.generate(ids, **kw)
-                torch.cuda.synchronize()
+                sync()
                 times.append(time.perf_counter() - t)
         tps = B * n / statistics.median(times)
-        return dict(tokens_per_s=tps, vs_ar_graph=tps / ar_graph_tps, ms_per_step=statistics.median(times) / n * 1e3)
+        return dict(tokens_per_s=tps, vs_ar_graph=tps / ar_graph_tps, ms_per_step=statistics.median(times) / n * 1e3,
+                    exact=exact)
+
+
+def hf_generate_outputs(model, prompts: list[list[int]], n: int, use_cache: bool = True) -> list[list[int]]:
+    """Greedy transformers ``generate`` of exactly ``n`` new tokens per prompt, one batch.
+
+    Args:
+        model: a transformers causal LM (FLA's models are).
+        prompts: ``B`` prompts of one length (no padding).
+        n: new tokens per prompt.
+        use_cache: passed to ``generate``; FLA 0.6's cached ``generate`` restarts from an empty
+            state at every step with transformers >= 5.24 (docs/status.md), ``False`` re-reads the
+            whole sequence each step.
+    Returns:
+        ``B`` lists of ``n`` token ids.
+    Raises:
+        ValueError: prompts of different lengths.
+    """
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("hf_generate_outputs takes prompts of one length (no padding)")
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=use_cache)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def exact_rate(outputs: list[list[int]], ref: list[list[int]]) -> float:
+    """The fraction of sequences whose output equals its reference cut to the output's length
+    (a row of ``--hf-tokens`` against the AR row's ``--tokens``).
+
+    Raises:
+        ValueError: different numbers of sequences, or an output longer than its reference.
+    """
+    if len(outputs) != len(ref):
+        raise ValueError(f"{len(outputs)} outputs against {len(ref)} references")
+    if any(len(o) > len(r) for o, r in zip(outputs, ref)):
+        raise ValueError("an output is longer than its reference: it cannot be checked")
+    return sum(o == r[: len(o)] for o, r in zip(outputs, ref)) / len(ref)
+
+
+def library_versions() -> dict[str, str]:
+    """The installed versions of the libraries a run's figures depend on (``not installed``
+    for a missing one): torch, triton, transformers and FLA's two packages."""
+    out = {}
+    for name in ("torch", "triton", "transformers", "flash-linear-attention", "fla-core"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
 
 
 def source_commit() -> str:
@@ -454,9 +514,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--budgets", default="0,1,2,4,8,16,32,63")
     ap.add_argument("--alphas", default="0.5,0.6,0.7,0.8,0.9,0.95")
-    ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run3/acceptance-gsm8k.json:gsm8k/eagle-tree",
-                    help="FILE.json:RUN of acceptance.py: the tree's measured profile")
-    ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run3/acceptance-gsm8k.json"
+    ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree",
+                    help="FILE.json:RUN of acceptance.py: the tree's measured profile (default: the small "
+                    "target's attention drafter on GSM8K, commit a172ee1)")
+    ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json"
                     ":gsm8k/eagle-chain", help="FILE.json:RUN: the chain's measured profile")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per sequence")
     ap.add_argument("--hf-tokens", type=int, default=32, help="new tokens per transformers generate run")
@@ -483,12 +544,15 @@ def main() -> None:
         ap.error(f"--studies: unknown {sorted(set(studies) - {'step', 'oracle', 'baselines'})}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
+    if args.hf_tokens > args.tokens:  # generate's tokens are checked against the AR row's first ones
+        ap.error(f"--hf-tokens {args.hf_tokens} exceeds --tokens {args.tokens}")
     profiles = {"SpecLA tree": measured_profile(args.profile), "SpecLA chain": measured_profile(args.chain_profile)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     h = Harness(args)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), params=h.params,
-                torch=torch.__version__, commit=source_commit(), args={k: v for k, v in vars(args).items()},
+                torch=torch.__version__, versions=library_versions(), commit=source_commit(),
+                args={k: v for k, v in vars(args).items()},
                 gsm8k_profiles=profiles)
     print(json.dumps(meta), flush=True)
     h.dump = lambda rows: (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -8,17 +8,46 @@ from __future__ import annotations
 import os
 from abc import abstractmethod
 from dataclasses import fields, replace
+from numbers import Integral
 
 import torch
 from torch import Tensor
 
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedModelError
 from .interfaces import TargetAdapter, VerifyOutput
 from .ops.norm import rms_norm
 from .records import Acceptance, PendingCommit, Record
 from .tree import DraftTree
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
+
+
+def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """The end-of-sequence ids a model's generation stops at, as transformers' ``generate`` reads
+    them: ``model.generation_config.eos_token_id`` (filled from the checkpoint's
+    ``generation_config.json`` when it has one) when set, else ``model.config.eos_token_id``.
+    Either may be one id or a list of ids.
+
+    Args:
+        model: a transformers-style model (``generation_config`` and ``config`` are optional).
+    Returns:
+        The ids in their given order without repeats; ``()`` when neither is set.
+    Raises:
+        UnsupportedModelError: an id that is not an integer (a bool, a float, a string...).
+    """
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    source = "generation_config"
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+        source = "config"
+    if eos is None:
+        return ()
+    ids = eos.tolist() if isinstance(eos, Tensor) else eos
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, Integral):
+            raise UnsupportedModelError(f"{source}.eos_token_id must be an int or a list of ints, got {eos!r}")
+    return tuple(dict.fromkeys(int(t) for t in ids))
 
 
 class LayerwiseAdapter(TargetAdapter):

@@ -1,12 +1,38 @@
 """Shared fixtures: tiny random GDN models (the gdn plugin's ``tiny_model``, FLA's own classes).
 
-TRITON_INTERPRET must be set before anything imports triton, so that FLA's Triton kernels (used
-as an independent oracle in test_fla_oracle.py) run on the CPU.
+``TRITON_INTERPRET`` is decided here, before anything imports triton (``@triton.jit`` picks
+compiled or interpreted kernels when a kernel is defined): an explicit value in the environment is
+kept; otherwise ``1`` (Triton's CPU interpreter) on a machine without CUDA, so that specla's and
+FLA's kernels run on the CPU, and ``0`` on a CUDA machine, so that the GPU tests compile them. The
+tests that need FLA's kernels interpreted on CPU tensors (the FLA oracle, ``tests/fla_oracle.py``)
+are skipped where they are compiled: :func:`enable_fla_interpreter` skips the calling test then.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def triton_interpret_default(environ, cuda_available) -> str:
+    """The ``TRITON_INTERPRET`` value the tests run under.
+
+    Args:
+        environ: the process environment (a mapping).
+        cuda_available: a callable answering whether a CUDA device is usable; called only when
+            ``environ`` does not set the variable.
+    Returns:
+        ``environ["TRITON_INTERPRET"]`` when set, else ``"0"`` with CUDA and ``"1"`` without.
+    """
+    if "TRITON_INTERPRET" in environ:
+        return environ["TRITON_INTERPRET"]
+    return "0" if cuda_available() else "1"
+
+
+def _cuda_available() -> bool:
+    import torch  # imports no triton: the choice below still decides how kernels are defined
+
+    return torch.cuda.is_available()
+
+
+os.environ["TRITON_INTERPRET"] = triton_interpret_default(os.environ, _cuda_available)
 
 import random  # noqa: E402
 import warnings  # noqa: E402
@@ -18,6 +44,7 @@ warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
 warnings.filterwarnings("ignore", message=".*ShortConvolution is crucial.*")
 
 from specla.registry import get_plugin  # noqa: E402
+
 
 MODEL_CONFIGS = get_plugin("gdn").tiny_variants
 

@@ -39,14 +39,22 @@ _RANGE_HELPER = "__fla_oracle_tensor_range__"
 
 
 def enable_fla_interpreter() -> None:
-    """Install the Triton-interpreter workarounds FLA needs (idempotent)."""
+    """Install the Triton-interpreter workarounds FLA needs (idempotent).
+
+    Raises:
+        pytest.skip.Exception: ``TRITON_INTERPRET`` is not ``1`` (conftest.py compiles the kernels
+            on a CUDA machine, where the oracle cannot run them on CPU tensors): the calling test
+            is skipped.
+        RuntimeError: ``fla`` was imported before ``TRITON_INTERPRET=1`` was set.
+    """
     global _ENABLED
     if _ENABLED:
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "fla_oracle needs TRITON_INTERPRET=1 in os.environ *before* triton is imported "
-            "(set it at the top of conftest.py, before importing torch/triton/fla).")
+        import pytest
+
+        pytest.skip("needs FLA's kernels under Triton's CPU interpreter; TRITON_INTERPRET is not 1 here "
+                    "(a CUDA machine compiles them)")
     import triton.language as tl
     from triton.runtime import autotuner, interpreter
 

@@ -1,5 +1,5 @@
 """GPU cases (skipped without CUDA): the reference path on CUDA, and FLA's real Triton kernels as
-the oracle. Run on a GPU machine with ``TRITON_INTERPRET=0 python -m pytest tests/test_gpu.py``."""
+the oracle. A plain ``python -m pytest`` on a CUDA machine runs them compiled (tests/conftest.py)."""
 
 import os
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.config import SpecConfig
-from specla.layerwise import PREFILL_CHUNK, LayerwiseAdapter
+from specla.layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
 from specla.records import PendingCommit, Record, path_end
 from specla.tree import inclusive_ancestor_mask
 
@@ -99,8 +99,7 @@ class GDNAdapter(LayerwiseAdapter):
         m = model.model
         self.embed_weight = act(m.embeddings.weight)
         self.vocab_size = self.embed_weight.shape[0]
-        eos = getattr(model.config, "eos_token_id", None)
-        self.eos_token_id = eos if isinstance(eos, int) else None
+        self.eos_token_ids = eos_token_ids(model)
         self.norm, self.norm_eps = act(m.norm.weight), m.norm.eps
         self.lm_head = act(model.lm_head.weight)
         # the fused path (Triton kernels) stacks the input projections into one GEMM each; the

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.config import SpecConfig
-from specla.layerwise import LayerwiseAdapter
+from specla.layerwise import LayerwiseAdapter, eos_token_ids
 from specla.records import PendingCommit, Record, path_end
 from specla.tree import inclusive_ancestor_mask
 
@@ -88,8 +88,7 @@ class Mamba2Adapter(LayerwiseAdapter):
         bb = model.backbone
         self.embed_weight = act(bb.embeddings.weight)
         self.vocab_size = self.embed_weight.shape[0]
-        eos = getattr(model.config, "eos_token_id", None)
-        self.eos_token_id = eos if isinstance(eos, int) else None
+        self.eos_token_ids = eos_token_ids(model)
         self.norm, self.norm_eps = act(bb.norm_f.weight), bb.norm_f.eps
         self.lm_head = act(model.lm_head.weight)
         self.layers = []

@@ -18,6 +18,7 @@ from torch import Tensor
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.interfaces import TargetAdapter, VerifyOutput
+from specla.layerwise import eos_token_ids
 from specla.ops.norm import rms_norm
 from specla.records import Acceptance, Record, path_end
 from specla.tree import DraftTree, inclusive_ancestor_mask
@@ -77,7 +78,7 @@ class RetentionAdapter(TargetAdapter):
         self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
         self.state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.vocab_size = model.config.vocab_size
-        self.eos_token_id = model.config.eos_token_id
+        self.eos_token_ids = eos_token_ids(model)
         self.H, self.K = model.config.num_heads, model.config.head_dim
         self.w = {n: p.detach().to(self.device, self.dtype) for n, p in model.named_parameters()}
         self.log_gamma = model.log_gamma.to(self.device, self.state_dtype)
