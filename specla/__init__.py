@@ -15,6 +15,7 @@ from .errors import (
     InvalidTokenError,
     InvalidTreeError,
     SpecError,
+    TokenTypeError,
     UnknownPluginError,
     UnsupportedModelError,
 )
@@ -27,6 +28,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "DrafterError", "DraftTree", "Drafter", "Engine",
     "InvalidTokenError", "InvalidTreeError", "PendingCommit", "Record", "RunResult", "RunStats",
-    "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter", "UnknownPluginError",
+    "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter", "TokenTypeError", "UnknownPluginError",
     "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",
 ]

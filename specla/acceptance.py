@@ -61,6 +61,12 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     ``top_k`` most likely tokens (``0``: all) and to the smallest set of most likely tokens whose
     mass reaches ``top_p``, renormalised (the usual transformers warpers, in that order).
 
+    Stable at any positive temperature: the logits are shifted so that their maximum is 0 before
+    the division, so a tiny temperature gives ``-inf`` (probability 0) for every token below the
+    maximum and never ``inf - inf``; temperatures below float32's smallest normal number
+    (about ``1.2e-38``) act as that number, which already puts every token whose logit differs
+    from the maximum by more than ``1e-36`` at probability 0 (ties share the mass).
+
     Args:
         logits: ``[..., vocab]`` (any float dtype). temperature: ``> 0``.
     Returns:
@@ -70,7 +76,8 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     """
     if temperature <= 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature > 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
-    x = logits.float() / temperature
+    x = logits.float()
+    x = (x - x.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k and top_k < x.shape[-1]:
         kth = x.topk(top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

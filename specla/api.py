@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from .config import SpecConfig
 from .drafters import make_drafter
 from .engine import Engine, RunStats
-from .errors import ConfigError, InvalidTokenError, UnsupportedModelError
+from .errors import ConfigError, InvalidTokenError, TokenTypeError, UnsupportedModelError
 from .interfaces import ArchitecturePlugin, Drafter
 from .registry import detect_plugin, get_plugin
 
@@ -62,8 +63,8 @@ class SpecDecoder:
     Args:
         model: a loaded model (e.g. ``fla.models.GatedDeltaNetForCausalLM``) or a checkpoint
             directory in transformers format.
-        plugin: architecture plugin name (``"gdn"``), or ``None`` to detect it from
-            ``config.model_type``.
+        plugin: architecture plugin name (``"gdn"``), or ``None`` (the default) to detect it
+            from the model's ``config.model_type``.
         drafter: ``"ngram"``, a drafter directory written by ``specla train-drafter``, or a
             :class:`~specla.interfaces.Drafter` instance.
         config: a :class:`SpecConfig` or a dict of its fields.
@@ -80,13 +81,17 @@ class SpecDecoder:
         FileNotFoundError: a tokenizer directory that does not exist.
         pydantic.ValidationError: invalid config fields (e.g. ``temperature < 0``).
         ConfigError: ``cuda_graphs="on"`` for a plugin without the ``cuda_graphs`` capability,
-            or a configuration graphs cannot run (sampling, a budget over the recorded verify's).
+            or without a CUDA device, or a configuration graphs cannot run (sampling, a budget
+            over the recorded verify's); a ``stop_token_ids`` entry outside the vocabulary.
+
+    One decoder may be shared between threads: its :meth:`generate` calls run one after another
+    (a decoder holds one batch's state), each returning exactly what it would alone.
     """
 
     def __init__(
         self,
         model: ModelLike,
-        plugin: str | None = "gdn",
+        plugin: str | None = None,
         *,
         drafter: str | Drafter = "ngram",
         config: SpecConfig | dict[str, Any] | None = None,
@@ -112,40 +117,77 @@ class SpecDecoder:
         self.tokenizer = tokenizer
         self.config = _cpu_float32(self.config, model)
         if "cuda_graphs" not in self.plugin.capabilities:  # the plugin does not promise graph-safe steps
-            if self.config.cuda_graphs == "on":
-                raise ConfigError(f"cuda_graphs='on': plugin {self.plugin.name!r} does not declare the "
+            if self.config.cuda_graphs in ("on", "unrecorded"):
+                raise ConfigError(f"cuda_graphs={self.config.cuda_graphs!r}: plugin {self.plugin.name!r} does not declare the "
                                   "'cuda_graphs' capability")
             self.config = self.config.model_copy(update={"cuda_graphs": "off"})
         self.adapter = self.plugin.make_adapter(model, self.config)
+        outside = [t for t in self.config.stop_token_ids if t >= self.adapter.vocab_size]
+        if outside:
+            raise ConfigError(f"stop_token_ids {outside} are outside the model's vocabulary "
+                              f"0..{self.adapter.vocab_size - 1}")
         self.drafter = make_drafter(drafter)
         self.drafter.bind(self.adapter)
         self.engine = Engine(self.adapter, self.drafter, self.config)  # kept: its CUDA graphs are reused
 
-    def encode(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+    def encode(self, prompts: Any) -> list[list[int]]:
         """Token ids of each prompt.
 
+        Args:
+            prompts: a list of strings (encoded with the decoder's tokenizer); a list of token-id
+                lists (or 1-D tensors / arrays); a ``[B, T]`` integer tensor or array (every row a
+                whole prompt); or a tokenizer's output (a mapping with ``input_ids`` ``[B, T]`` and
+                optionally ``attention_mask`` ``[B, T]``, whose 0 entries, the padding, are dropped).
+        Returns:
+            ``B`` lists of ids (their values are checked by the adapter, not coerced).
         Raises:
-            TypeError: ``prompts`` is not a list of strings or a list of token-id lists.
+            TypeError: ``prompts`` is none of the above, or a tensor that is not 2-D.
+            TokenTypeError: a tensor or array of non-integer dtype.
             ValueError: string prompts without a tokenizer.
+            InvalidTokenError: no prompts.
         """
+        if isinstance(prompts, Mapping) and "input_ids" in prompts:
+            ids, mask = prompts["input_ids"], prompts.get("attention_mask")
+            rows = self.encode(ids)
+            if mask is not None:
+                mask = mask.tolist() if hasattr(mask, "tolist") else mask
+                if len(mask) != len(rows) or any(len(m) != len(r) for m, r in zip(mask, rows)):
+                    raise TypeError("attention_mask must have the shape of input_ids")
+                rows = [[t for t, keep in zip(r, m) if keep] for r, m in zip(rows, mask)]
+            return rows
+        if hasattr(prompts, "dtype") and hasattr(prompts, "tolist"):  # a torch tensor or numpy array
+            if len(prompts.shape) != 2:
+                raise TypeError(f"a tensor of prompts must be [B, T] token ids, got shape {tuple(prompts.shape)}")
+            if _not_integer_dtype(prompts):
+                raise TokenTypeError(f"token ids must be integers, got a tensor of {prompts.dtype}")
+            prompts = prompts.tolist()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+            raise TypeError("prompts must be a list of strings, a list of token-id lists or a [B, T] tensor of "
+                            f"token ids, got {type(prompts).__name__}")
         if not prompts:
             raise InvalidTokenError("no prompts given")
         if all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer: pass tokenizer= or token-id lists")
             return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
+        for p in prompts:
+            if hasattr(p, "dtype") and _not_integer_dtype(p):
+                raise TokenTypeError(f"token ids must be integers, got a tensor of {p.dtype}")
         rows = [p.tolist() if hasattr(p, "tolist") else p for p in prompts]  # tensors, numpy arrays
         if all(isinstance(p, (list, tuple)) for p in rows):
             return [list(p) for p in rows]  # ids are checked (not coerced) by the adapter
         raise TypeError("prompts must be all strings or all token-id lists (or 1-D tensors/arrays)")
 
-    def generate(self, prompts: list[str] | list[list[int]]) -> RunResult:
+    def generate(self, prompts: Any) -> RunResult:
         """Decode ``prompts`` (strings with a tokenizer, or token-id lists) as one batch.
 
+        Args:
+            prompts: see :meth:`encode` (lists of ids, strings, a ``[B, T]`` tensor, a
+                tokenizer's output).
         Raises:
             InvalidTokenError: an empty prompt or an out-of-vocabulary id (state untouched).
+            TokenTypeError: a token id that is not an integer.
+        Thread-safe: concurrent calls run one after another.
         """
         ids = self.encode(prompts)
         outputs, stats = self.engine.generate(ids)
@@ -153,11 +195,19 @@ class SpecDecoder:
         return RunResult(outputs=outputs, texts=texts, stats=stats)
 
 
+def _not_integer_dtype(x: Any) -> bool:
+    """Whether a tensor's or array's dtype is not an integer type (bool counts as not)."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype == torch.bool or x.is_floating_point() or x.is_complex()
+    kind = getattr(x.dtype, "kind", "i")  # numpy: 'i'/'u' integers, 'b' bool, 'f' float...
+    return kind not in ("i", "u")
+
+
 def run(
     model: ModelLike,
-    plugin: str | None = "gdn",
+    plugin: str | None = None,
     *,
-    prompts: list[str] | list[list[int]],
+    prompts: Any,
     drafter: str | Drafter = "ngram",
     config: SpecConfig | dict[str, Any] | None = None,
     tokenizer: Any = None,

@@ -11,16 +11,26 @@ CommitStrategy = Literal["factor", "snapshot", "replay"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
 
 
+MAX_DRAFT_TOKENS = 64
+"""The largest draft budget ``N`` and depth ``D`` a run accepts: two 64-row tiles of the verify
+kernels. Trees up to 63 drafts (64 nodes with the root) verify in one tile of every plugin's
+parallel kernel and in a CUDA graph; larger trees run GDN's hybrid kernel or the other plugins'
+reference path, eagerly, at a cost that grows with ``N**2`` per layer, for acceptance that rarely
+passes 10 tokens per step (docs/DESIGN.md section 8)."""
+
+
 class SpecConfig(BaseModel):
     """Options of one speculative-decoding run.
 
     Fields:
         num_draft_tokens: draft budget ``N``, the most draft nodes verified per step per sequence
             (the root, i.e. the last committed token, is not counted). ``0`` is plain
-            autoregressive decoding through the same engine.
+            autoregressive decoding through the same engine. At most
+            :data:`MAX_DRAFT_TOKENS` (128); up to 63 fit the kernels' one-tile verify and CUDA
+            graphs.
         max_depth: ``D``, the most draft tokens on one root-to-leaf path (so at most ``D`` tokens
             are accepted per step, plus the bonus token); a depth beyond ``N`` cannot be filled
-            and acts as ``N``.
+            and acts as ``N``. At most :data:`MAX_DRAFT_TOKENS`.
         top_k: the most children per draft node; ``1`` gives chains.
         tau_tree: confidence-pruning margin in nats (SpecLA section 6.3): drafters that score
             nodes keep a node only if its path log-probability is within ``tau_tree`` of the best
@@ -35,7 +45,7 @@ class SpecConfig(BaseModel):
         sampling_top_k: with sampling, keep only the most likely ``k`` tokens (``0``: all).
         top_p: with sampling, keep the smallest set of most likely tokens whose mass reaches it.
         seed: with sampling, seeds the run's generator so that it repeats exactly (``None``: a
-            fresh random seed).
+            fresh random seed); ``0 <= seed < 2**64`` (what ``torch.Generator.manual_seed`` takes).
         max_new_tokens: generated tokens per prompt, bonus tokens included.
         stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
             output).
@@ -59,24 +69,24 @@ class SpecConfig(BaseModel):
             which creates the pending commit the graph copies) when the plugin declares the
             ``cuda_graphs`` capability and the budget fits its recorded verify (``N <= 63`` with
             the Triton kernels), else eagerly; ``off``: always eager; ``on``: graphs or a
-            ``ConfigError`` (on a CPU, the same fixed-shape step runs without recording: a test
-            of the graph path's logic).
-
+            ``ConfigError`` (also on a CPU, where no graph can be recorded); ``unrecorded``: the
+            same fixed-shape step the graphs record, run without recording on any device (how a
+            plugin's graph path is tested on a CPU; no faster than eager).
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_draft_tokens: int = Field(8, ge=0, le=1024)
-    max_depth: int = Field(8, ge=1, le=1024)
+    num_draft_tokens: int = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
+    max_depth: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
     top_k: int = Field(1, ge=1, le=64)
     tau_tree: float = Field(math.inf, ge=0.0)
     commit: CommitStrategy = "factor"
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     sampling_top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
     max_new_tokens: int = Field(64, ge=1)
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
@@ -84,7 +94,7 @@ class SpecConfig(BaseModel):
     device: str | None = None
     kernels: Literal["auto", "reference", "triton"] = "auto"
     verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
-    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    cuda_graphs: Literal["auto", "on", "off", "unrecorded"] = "auto"
 
     @field_serializer("tau_tree", when_used="json")
     def _finite_json(self, value: float) -> float | str:

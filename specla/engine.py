@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -75,17 +77,31 @@ class Engine:
         drafter: proposes the draft trees.
         config: budget, stop conditions (``adapter.config`` is used for the tree checks).
 
+    One engine holds one batch's state (the adapter's recurrent states, the drafter's caches, the
+    recorded graphs), so :meth:`generate` calls from several threads are serialised: each waits
+    for the one running and gets exactly the output it would get alone. For concurrent requests
+    in one batch, pass them to one :meth:`generate` call.
+
     Raises:
-        ConfigError: ``cuda_graphs="on"`` for a configuration graphs cannot run.
+        ConfigError: ``cuda_graphs="on"`` without a CUDA device, or ``"on"`` / ``"unrecorded"``
+            for a configuration graphs cannot run.
     """
 
     def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig):
         self.adapter, self.drafter, self.config = adapter, drafter, config
         self._runner: GraphRunner | None = None
+        self._lock = threading.Lock()  # one batch at a time: the state below is the engine's only copy
         # why graphs cannot run here (None: they can), decided once
         self._graph_problem = graph_problem(adapter, config) if config.cuda_graphs != "off" else None
-        if config.cuda_graphs == "on" and self._graph_problem:
-            raise ConfigError(f"cuda_graphs='on': {self._graph_problem}")
+        if config.cuda_graphs == "on" and adapter.device.type != "cuda":
+            raise ConfigError(f"cuda_graphs='on' needs a CUDA device; the model runs on {adapter.device} "
+                              "(cuda_graphs='unrecorded' runs the same fixed-shape step without recording)")
+        if config.cuda_graphs in ("on", "unrecorded") and self._graph_problem:
+            raise ConfigError(f"cuda_graphs={config.cuda_graphs!r}: {self._graph_problem}")
+        if config.cuda_graphs == "auto" and adapter.device.type == "cuda" and self._graph_problem \
+                and config.temperature == 0:
+            warnings.warn(f"CUDA graphs cannot run this configuration ({self._graph_problem}): every step runs "
+                          "eagerly, several times slower on a GPU", stacklevel=3)
 
     def _clock(self) -> float:
         if self.adapter.device.type == "cuda":
@@ -102,7 +118,12 @@ class Engine:
         Raises:
             InvalidTokenError: empty prompt or id outside the vocabulary (nothing is run).
             InvalidTreeError / BudgetError: the drafter produced an invalid tree.
+        Thread-safe: concurrent calls run one after another (see the class docstring).
         """
+        with self._lock:
+            return self._generate(prompts)
+
+    def _generate(self, prompts: list[list[int]]) -> tuple[list[list[int]], RunStats]:
         cfg, adapter = self.config, self.adapter
         stats = RunStats(accepted_histogram=[0] * (min(cfg.max_depth, cfg.num_draft_tokens) + 1))
         runner = self._graph_runner()
@@ -111,7 +132,7 @@ class Engine:
         self.drafter.reset(prompts)
         if runner is not None:
             runner.release()  # the state was replaced: the next step loads it into its graph
-        run = _Decoding(prompts, cfg, adapter.eos_token_id, stats)
+        run = _Decoding(prompts, cfg, adapter.eos_token_ids, stats)
         if runner is not None and batch_bucket(len(run.rows)) > len(run.rows):  # graphs run power-of-two batches
             self._gather(run, list(range(len(run.rows))), batch_bucket(len(run.rows)))
         t = self._clock()
@@ -167,11 +188,11 @@ class Engine:
         use (deeper nodes are cut). Returns ``(num_accepted, accepted tokens, bonus)`` per row
         (host lists) and the clock after drafting, verify+accept and commit."""
         cfg, adapter = self.config, self.adapter
-        tree = host_proposal(self.drafter, contexts, cfg)
+        tree = host_proposal(self.drafter, contexts, cfg, vocab_size=adapter.vocab_size)
         # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
         tree = tree.limit_depth(torch.tensor(room).clamp(min=0))
-        tree = DraftTree(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),
-                         draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(adapter.device))
+        tree = DraftTree.trusted(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),
+                                 draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(adapter.device))
         t1 = self._clock()
         out = adapter.verify(tree)
         if generator is None:
@@ -199,10 +220,12 @@ class Engine:
     def _graph_runner(self) -> GraphRunner | None:
         """The CUDA-graph runner ``config.cuda_graphs`` asks for, or ``None`` (eager steps)."""
         cfg, on_cuda = self.config, self.adapter.device.type == "cuda"
-        if not (cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and on_cuda and not self._graph_problem)):
+        forced = cfg.cuda_graphs in ("on", "unrecorded")
+        if not (forced or (cfg.cuda_graphs == "auto" and on_cuda and not self._graph_problem)):
             return None
         if self._runner is None:  # kept across generate calls: its graphs are reused
-            self._runner = GraphRunner(self.adapter, self.drafter, cfg, capture=on_cuda)
+            self._runner = GraphRunner(self.adapter, self.drafter, cfg,
+                                       capture=on_cuda and cfg.cuda_graphs != "unrecorded")
         return self._runner
 
 
@@ -211,15 +234,15 @@ class _Decoding:
     prompt each row of the adapter's batch decodes (``rows[r]``: ``None`` for a finished row a
     CUDA graph keeps until the batch is gathered; ``shown[r]``: whose context row ``r`` shows)."""
 
-    def __init__(self, prompts: list[list[int]], cfg: SpecConfig, eos: int | None, stats: RunStats):
+    def __init__(self, prompts: list[list[int]], cfg: SpecConfig, eos: tuple[int, ...], stats: RunStats):
         self.cfg, self.stats = cfg, stats
         self.contexts = [list(p) for p in prompts]
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.rows: list[int | None] = list(range(len(prompts)))
         self.shown = list(range(len(prompts)))
         self.stops = set(cfg.stop_token_ids)
-        if cfg.stop_at_eos and eos is not None:
-            self.stops.add(eos)
+        if cfg.stop_at_eos:
+            self.stops.update(eos)
 
     def row_contexts(self) -> list[list[int]]:
         return [self.contexts[s] for s in self.shown]

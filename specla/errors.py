@@ -26,6 +26,11 @@ class InvalidTokenError(SpecError, ValueError):
     or a prompt is empty."""
 
 
+class TokenTypeError(InvalidTokenError, TypeError):
+    """A token id is not an integer (a float, a bool, a string...): prompts are token ids, or
+    strings encoded by a tokenizer."""
+
+
 class UnsupportedModelError(SpecError, TypeError):
     """The model (or checkpoint) is not one the selected plugin can run, or no plugin matches it."""
 
@@ -40,5 +45,6 @@ class DrafterError(SpecError, ValueError):
 
 
 class ConfigError(SpecError, ValueError):
-    """A valid configuration that cannot run on this machine (e.g. ``kernels="triton"`` on a CPU
-    without ``TRITON_INTERPRET=1``)."""
+    """A valid configuration that cannot run on this machine or with this model (e.g.
+    ``kernels="triton"`` on a CPU without ``TRITON_INTERPRET=1``, ``cuda_graphs="on"`` without a
+    GPU, a stop token outside the model's vocabulary)."""

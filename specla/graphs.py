@@ -39,6 +39,7 @@ from torch import Tensor
 from .acceptance import accept_greedy
 from .config import SpecConfig
 from .interfaces import Drafter, TargetAdapter
+from .errors import InvalidTreeError
 from .tree import DraftTree
 
 
@@ -231,10 +232,7 @@ class GraphRunner:
         parents.fill_(-1)
         num.zero_()
         if N:
-            tree = host_proposal(self.drafter, contexts, cfg)
-            tree.validate(vocab_size=self.adapter.vocab_size, max_nodes=N, max_depth=cfg.max_depth)
-            if tree.batch_size != B:
-                raise ValueError(f"drafter {self.drafter.name!r} proposed {tree.batch_size} trees for {B} sequences")
+            tree = host_proposal(self.drafter, contexts, cfg, vocab_size=self.adapter.vocab_size)
             n = int(tree.num_nodes.max()) if B else 0  # columns past the widest real row are padding
             tokens[:, :n], parents[:, :n], num[:] = tree.tokens[:, :n], tree.parents[:, :n], tree.num_nodes
         return tokens, parents, num
@@ -265,16 +263,36 @@ def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
-def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
-    """``drafter.propose`` on the host, ``None`` read as "no drafts" (an empty tree).
+def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig, *, vocab_size: int) -> DraftTree:
+    """``drafter.propose`` on the host, checked: ``None`` reads as "no drafts" (an empty tree),
+    and the tree is rebuilt through :class:`DraftTree`'s construction checks (topological order,
+    canonical padding) and validated against the budget and the vocabulary. Both the eager and
+    the CUDA-graph step take their host trees from here, so they accept and reject the same trees
+    (a drafter may return :meth:`DraftTree.trusted` trees, which skip the construction checks).
 
+    Args:
+        drafter: a host drafter. contexts: per row, the tokens so far. config: the budget.
+        vocab_size: the target's vocabulary size.
+    Returns:
+        a CPU :class:`DraftTree` with ``len(contexts)`` rows, padding canonical (token 0, parent -1).
     Raises:
         TypeError: the drafter returned something other than a ``DraftTree`` or ``None``.
+        InvalidTreeError: a parent at or after its child, wrong shapes or dtypes, or a batch
+            size other than ``len(contexts)``.
+        BudgetError: more than ``num_draft_tokens`` nodes or a path deeper than ``max_depth``.
+        InvalidTokenError: a real node's token outside ``0..vocab_size-1``.
     """
     tree = drafter.propose(contexts, config) if config.num_draft_tokens else None
-    tree = tree if tree is not None else DraftTree.empty(len(contexts))
+    if tree is None:
+        return DraftTree.empty(len(contexts))
     if not isinstance(tree, DraftTree):
         raise TypeError(f"drafter {drafter.name!r} returned {type(tree).__name__}, not a DraftTree")
+    q = tree.draft_probs
+    tree = DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=q)
+    if tree.batch_size != len(contexts):
+        raise InvalidTreeError(f"drafter {drafter.name!r} proposed {tree.batch_size} trees for "
+                               f"{len(contexts)} sequences")
+    tree.validate(vocab_size=vocab_size, max_nodes=config.num_draft_tokens, max_depth=config.max_depth)
     return tree
 
 

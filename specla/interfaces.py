@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .config import SpecConfig
-from .errors import InvalidTokenError, InvalidTreeError
+from .errors import InvalidTokenError, InvalidTreeError, TokenTypeError
 from .records import Acceptance, Record
 from .tree import DraftTree
 
@@ -48,13 +48,15 @@ class TargetAdapter(ABC):
     Attributes:
         config: the run's :class:`~specla.config.SpecConfig`.
         vocab_size: number of token ids the embedding accepts.
-        eos_token_id: the model's end-of-sequence token, or ``None``.
+        eos_token_ids: the model's end-of-sequence tokens (``()``: none); the engine stops a
+            sequence at any of them when ``stop_at_eos``. :func:`specla.layerwise.eos_token_ids`
+            reads them from a transformers-style model.
         device, dtype: where and in which activation dtype the model runs.
     """
 
     config: SpecConfig
     vocab_size: int
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     device: torch.device
     dtype: torch.dtype
 
@@ -76,13 +78,18 @@ class TargetAdapter(ABC):
             prompts: ``B`` non-empty lists of token ids.
         Raises:
             InvalidTokenError: an empty prompt, or an id outside ``0..vocab_size-1``.
+            TokenTypeError: an id that is not an integer (a float, a bool, a string...).
         """
         if not prompts:
             raise InvalidTokenError("no prompts given")
         for b, p in enumerate(prompts):
             if len(p) == 0:
                 raise InvalidTokenError(f"prompt {b} is empty; a prompt needs at least one token")
-            bad = [t for t in p if isinstance(t, bool) or not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
+            for i, t in enumerate(p):
+                if isinstance(t, bool) or not isinstance(t, Integral):
+                    raise TokenTypeError(f"prompt {b}, position {i}: token ids must be integers, got "
+                                         f"{type(t).__name__} {t!r}")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidTokenError(
                     f"prompt {b}: token id {bad[0]!r} is outside the vocabulary 0..{self.vocab_size - 1}"
@@ -295,7 +302,10 @@ class Drafter(ABC):
                 and discarded (they must still be valid trees).
             config: budget (``num_draft_tokens``, ``max_depth``, ``top_k``, ``tau_tree``).
         Returns:
-            a CPU :class:`DraftTree` with ``len(contexts)`` rows within the budget.
+            a CPU :class:`DraftTree` with ``len(contexts)`` rows within the budget. The engine
+            checks it on the host before anything runs (structure, budget, vocabulary), also
+            when built with :meth:`DraftTree.trusted`, eagerly and with CUDA graphs alike
+            (:func:`specla.graphs.host_proposal`).
         """
 
     def on_commit(self, acceptance: Acceptance, out: VerifyOutput) -> None:

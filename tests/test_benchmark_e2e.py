@@ -30,7 +30,7 @@ def margin_model():
     return model
 
 
-@pytest.mark.parametrize("graphs", ["off", "on"])
+@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
 def test_oracle_drafter_follows_its_profile_and_output_is_exact(margin_model, graphs):
     alpha, D = 0.8, 6
     torch.manual_seed(0)

@@ -171,7 +171,7 @@ def test_unrolled_training_levels_see_what_draft_levels_see(heads):
             torch.testing.assert_close(feature[:, 0], levels[k - 1][:, P], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("graphs", ["off", "on"])
+@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
 def test_drafter_cache_follows_the_accepted_path(graphs):
     """After decoding, the EAGLE cache holds exactly the pairs of the accepted sequence: its keys
     and values equal those computed from the target's teacher-forced features of prompt +

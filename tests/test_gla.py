@@ -560,19 +560,19 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
 
 @needs_triton
 def test_trees_over_the_kernel_size_take_the_reference_path_after_a_flush():
-    """kernels="triton" with a 70-node tree (over tree_verify's 64): the pending commit is applied
+    """kernels="triton" with a 65-node tree (64 drafts and the root, over tree_verify's 64): the pending commit is applied
     by the flush kernel, then the tree is verified on the reference path; logits equal the
     reference adapter's."""
     model = make_gla_model("base", dtype=torch.float32, seed=2)
     rng = random.Random(9)
     t1 = DraftTree.from_lists([([4, 5, 6], [-1, 0, 1])], device=DEV)
-    par = tree_parents("random", 70, rng)
+    par = tree_parents("random", 64, rng)
     t2 = DraftTree.from_lists([([rng.randrange(61) for _ in par], par)], device=DEV)
     acc = acceptance_for(t1, [1], [9])
     acc = Acceptance(acc.path.to(DEV), acc.num_accepted.to(DEV), acc.bonus.to(DEV), acc.tokens.to(DEV))
     logits = {}
     for kernels in ("triton", "reference"):
-        adapter = adapter_for(model, kernels=kernels, device=DEV, num_draft_tokens=70, max_depth=70)
+        adapter = adapter_for(model, kernels=kernels, device=DEV, num_draft_tokens=64, max_depth=64)
         adapter.prefill([[1, 2, 3]])
         adapter.commit(t1, adapter.verify(t1), acc)
         assert adapter.pending is not None

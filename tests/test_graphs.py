@@ -85,14 +85,23 @@ def test_one_host_synchronisation_per_recorded_step(drafter):
 
 
 def test_cuda_graphs_on_refuses_what_graphs_cannot_run():
-    """``cuda_graphs="on"`` with sampling, or with a budget over the recorded verify's limit
+    """``cuda_graphs="on"`` / ``"unrecorded"`` with sampling, or with a budget over the recorded verify's limit
     (Triton kernels: 63 draft nodes), raises a ConfigError when the decoder is built."""
     with pytest.raises(ConfigError, match="sampling"):
-        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", temperature=0.7))
+        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="unrecorded", temperature=0.7))
+    cuda_ok = torch.cuda.is_available()
     with pytest.raises(ConfigError, match="63"):
-        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", kernels="triton", num_draft_tokens=64,
-                                                 max_depth=8, dtype="float32",
-                                                 device="cuda" if torch.cuda.is_available() else "cpu"))
+        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on" if cuda_ok else "unrecorded", kernels="triton",
+                                                 num_draft_tokens=64, max_depth=8, dtype="float32",
+                                                 device="cuda" if cuda_ok else "cpu"))
+
+
+def test_cuda_graphs_on_needs_a_cuda_device():
+    """``cuda_graphs="on"`` on a CPU model raises a ConfigError naming the device and the
+    ``unrecorded`` alternative, when the decoder is built (nothing runs)."""
+    with pytest.raises(ConfigError, match=r"cuda_graphs='on' needs a CUDA device; the model runs on cpu "
+                                          r"\(cuda_graphs='unrecorded'"):
+        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", device="cpu"))
 
 
 class _Padded(NgramDrafter):
@@ -121,11 +130,11 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8]]
     for drafter in (_Padded, _Nothing):
         out = {}
-        for graphs in ("off", "on"):
+        for graphs in ("off", "unrecorded"):
             cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12, cuda_graphs=graphs)
             out[graphs] = SpecDecoder(ASSETS / "tiny", drafter=drafter(), config=cfg).generate(prompts)
-        assert out["on"].outputs == out["off"].outputs
-        assert out["on"].stats.accepted_histogram == out["off"].stats.accepted_histogram
+        assert out["unrecorded"].outputs == out["off"].outputs
+        assert out["unrecorded"].stats.accepted_histogram == out["off"].stats.accepted_histogram
 
     class Listy(NgramDrafter):
         name = "listy"
@@ -133,7 +142,7 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
         def propose(self, contexts, config):
             return []
 
-    for graphs in ("off", "on"):
+    for graphs in ("off", "unrecorded"):
         dec = SpecDecoder(ASSETS / "tiny", drafter=Listy(), config=dict(cuda_graphs=graphs, num_draft_tokens=4))
         with pytest.raises(TypeError, match="listy"):
             dec.generate(prompts)
@@ -144,10 +153,10 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
 @pytest.mark.parametrize("commit,budget", [("factor", 6), ("snapshot", 6), ("factor", 0)])
 def test_fixed_shape_step_of_gla_and_mamba2(plugin, commit, budget, device):
     """The GLA and Mamba2 adapters' graph state (``LayerwiseAdapter``): the engine with
-    ``cuda_graphs="on"`` (unrecorded on the CPU, recorded on CUDA) equals eager decoding, with
+    ``cuda_graphs="unrecorded"`` on the CPU and ``"on"`` on CUDA equals eager decoding, with
     sequences stopping at different steps, with drafts and without (one-token steps: the serial
     kernels inside the graph on CUDA); their plugins declare ``cuda_graphs``, so
-    ``SpecDecoder`` accepts "on"."""
+    ``SpecDecoder`` accepts them."""
     from specla.drafters.ngram import NgramDrafter
     from specla.engine import Engine
     from specla.registry import get_plugin
@@ -162,7 +171,8 @@ def test_fixed_shape_step_of_gla_and_mamba2(plugin, commit, budget, device):
                                                  device=device, dtype="float32"))
     stops = tuple(sorted({o[min(4 * i, len(o) - 1)] for i, o in enumerate(ref.generate(prompts).outputs)}))
     outs = {}
-    for graphs in ("off", "on"):
+    on = "on" if device == "cuda" else "unrecorded"
+    for graphs in ("off", on):
         cfg = SpecConfig(num_draft_tokens=budget, max_depth=4, top_k=2, max_new_tokens=20, commit=commit,
                          stop_token_ids=stops, cuda_graphs=graphs, device=device, dtype="float32")
         adapter = arch.make_adapter(model, cfg)
@@ -172,9 +182,9 @@ def test_fixed_shape_step_of_gla_and_mamba2(plugin, commit, budget, device):
         outs[graphs] = engine.generate(prompts)[0]
         if device == "cuda" and graphs == "on":
             assert engine._runner is not None and engine._runner.graphs, "no step was recorded"
-    assert outs["on"] == outs["off"]
+    assert outs[on] == outs["off"]
     assert len({len(o) for o in outs["off"]}) >= 2
-    assert SpecDecoder(model, plugin, config=dict(cuda_graphs="on")).engine is not None
+    assert SpecDecoder(model, plugin, config=dict(cuda_graphs="unrecorded")).engine is not None
 
 
 @pytest.mark.parametrize("drafter,tree", [("eagle", "tree"), ("eagle", "chain"), ("ngram", "none")])
@@ -194,7 +204,7 @@ def test_bound_steps_and_release(drafter, tree):
         return SpecDecoder(ASSETS / "tiny", drafter=str(ASSETS / "tiny-eagle") if drafter == "eagle" else "ngram",
                            config=cfg)
 
-    eager, graphed = decoder("off"), decoder("on")
+    eager, graphed = decoder("off"), decoder("unrecorded")
     for batch in (prompts, prompts[3:11][::-1]):
         want, got = eager.generate(batch), graphed.generate(batch)
         assert got.outputs == want.outputs
@@ -229,7 +239,7 @@ def test_runner_notices_a_state_replaced_outside_it():
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 3]]
     outcomes = []
     for release in (True, False):
-        cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12, cuda_graphs="on")
+        cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12, cuda_graphs="unrecorded")
         dec = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=cfg)
         dec.generate(prompts)  # the runner's graph for this batch exists
         runner, ad, dr = dec.engine._runner, dec.adapter, dec.drafter

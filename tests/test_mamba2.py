@@ -142,7 +142,9 @@ def acceptance_for(tree, ends, bonus):
     path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
     num = torch.tensor([len(p) - 1 for p in paths])
     toks = torch.tensor([[int(tree.tokens[b, n - 1]) for n in p[1:]] + [-1] * (P - len(p)) for b, p in enumerate(paths)])
-    return Acceptance(path=path, num_accepted=num, bonus=torch.tensor(bonus), tokens=toks.view(B, P - 1))
+    dev = tree.tokens.device
+    return Acceptance(path=path.to(dev), num_accepted=num.to(dev), bonus=torch.tensor(bonus, device=dev),
+                      tokens=toks.view(B, P - 1).to(dev))
 
 
 @pytest.mark.parametrize("kind", SHAPES)
@@ -562,15 +564,16 @@ def test_triton_adapter_tree_over_kernel_size_commits_then_runs_the_reference():
     adapter's."""
     model = make_mamba2_model("base", dtype=torch.float32, seed=6)
     rng = random.Random(6)
-    t1 = DraftTree.from_lists([([4, 5, 6], [-1, 0, 1])])
-    big = DraftTree.from_lists([([rng.randrange(41) for _ in range(70)], [-1] + [rng.randrange(-1, i) for i in range(1, 70)])])
+    t1 = DraftTree.from_lists([([4, 5, 6], [-1, 0, 1])], device=DEV)
+    big = DraftTree.from_lists([([rng.randrange(41) for _ in range(64)], [-1] + [rng.randrange(-1, i) for i in range(1, 64)])],
+                               device=DEV)
     got = {}
     for kernels in ("reference", "triton"):
-        adapter = adapter_for(model, num_draft_tokens=70, max_depth=70, kernels=kernels, device=DEV)
+        adapter = adapter_for(model, num_draft_tokens=64, max_depth=64, kernels=kernels, device=DEV)
         adapter.prefill([[1, 2, 3]])
         adapter.commit(t1, adapter.verify(t1), acceptance_for(t1, [1], [7]))
         logits = adapter.verify(big).logits
-        adapter.commit(big, adapter.verify(big), acceptance_for(big, [69], [8]))
+        adapter.commit(big, adapter.verify(big), acceptance_for(big, [63], [8]))
         adapter.flush()
         got[kernels] = (logits.cpu(), [s.cpu() for s in snapshot(adapter)])
     assert rel_err(got["triton"][0], got["reference"][0]) < 1e-5

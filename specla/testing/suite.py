@@ -148,11 +148,11 @@ class PluginSuite:
 
     @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
     def test_cuda_graph_step_token_identical_or_refused(self, arch, rng, commit):
-        """The fixed-shape step :class:`specla.graphs.GraphRunner` records (``cuda_graphs="on"``;
-        on a CPU it runs without recording): a batch of 7 (run as 8 rows) whose sequences stop at
+        """The fixed-shape step :class:`specla.graphs.GraphRunner` records, run without recording
+        on the CPU (``cuda_graphs="unrecorded"``): a batch of 7 (run as 8 rows) whose sequences stop at
         different steps, so finished rows stay as dead rows and the live ones are gathered into
         smaller batches, must equal sequential greedy decoding for every acceptance pattern.
-        Without the ``cuda_graphs`` capability, ``on`` must raise a ConfigError."""
+        Without the ``cuda_graphs`` capability, ``unrecorded`` must raise a ConfigError."""
         import specla
         from specla.errors import ConfigError
 
@@ -160,7 +160,7 @@ class PluginSuite:
         V = self._vocab(model)
         if "cuda_graphs" not in arch.capabilities:
             with pytest.raises(ConfigError):
-                specla.run(model, arch.name, prompts=[[1, 2]], config=dict(cuda_graphs="on", commit=commit))
+                specla.run(model, arch.name, prompts=[[1, 2]], config=dict(cuda_graphs="unrecorded", commit=commit))
             return
         prompts = [[rng.randrange(V) for _ in range(n)] for n in (1, 2, N, N + 1, N + 2, 9, 30)]
         new = 16
@@ -170,7 +170,7 @@ class PluginSuite:
         assert len(set(ends)) >= 3, "the stops must end sequences at different steps"
         patterns = [p for p in OracleDrafter.PATTERNS if p != "tree" or "trees" in arch.capabilities]
         for pattern in patterns:
-            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit, cuda_graphs="on",
+            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit, cuda_graphs="unrecorded",
                              stop_token_ids=tuple(stops))
             out = specla.run(model, arch.name, prompts=prompts, drafter=OracleDrafter(prompts, refs, pattern, V),
                              config=cfg)
@@ -346,7 +346,7 @@ class PluginSuite:
         tree = dict(num_draft_tokens=N, max_depth=3, top_k=2) if "trees" in arch.capabilities else \
             dict(num_draft_tokens=3, max_depth=3, top_k=1)
         histograms = []
-        for graphs in ("off", "on") if "cuda_graphs" in arch.capabilities else ("off",):
+        for graphs in ("off", "unrecorded") if "cuda_graphs" in arch.capabilities else ("off",):
             cfg = SpecConfig(max_new_tokens=new, cuda_graphs=graphs, stop_token_ids=tuple(stops), **tree)
             out = specla.run(model, arch.name, prompts=prompts, drafter=EagleDrafter(head), config=cfg)
             assert out.outputs == [r[:e] for r, e in zip(refs, ends)], f"cuda_graphs={graphs}"

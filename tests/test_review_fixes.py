@@ -1,0 +1,169 @@
+"""Defects an outside review found in the engine, the public API and the options (issue 15):
+each test fails on the defect and asserts the exact output, error type or message."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+import specla
+from specla import DraftTree, SpecConfig
+from specla.api import SpecDecoder
+from specla.errors import BudgetError, ConfigError, InvalidTokenError, InvalidTreeError
+from specla.interfaces import Drafter
+from specla.registry import get_plugin
+
+PROMPT = [55, 60, 54, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def gdn():
+    arch = get_plugin("gdn")
+    model = arch.tiny_model("base", seed=8, dtype=torch.float32)
+    return arch, model
+
+
+class _Scripted(Drafter):
+    """Proposes, for a batch of one, the next ``n`` tokens of a known greedy continuation as a
+    trusted tree built by ``layout(tokens) -> (tokens, parents, num_nodes)``."""
+
+    name = "scripted"
+
+    def __init__(self, prompt, continuation, n, layout):
+        self.prompt, self.ref, self.n, self.layout = prompt, continuation, n, layout
+
+    def propose(self, contexts, config):
+        pos = len(contexts[0]) - len(self.prompt)
+        return self.layout(self.ref[pos : pos + self.n])
+
+
+def _child_before_parent(toks):
+    """The right chain x -> y -> z stored as [z, x, y]: parent of z (node 0) is y (node 2)."""
+    if len(toks) < 3:
+        return DraftTree.empty(1)
+    x, y, z = toks
+    return DraftTree.trusted(torch.tensor([[z, x, y]]), torch.tensor([[2, -1, 1]]), torch.tensor([3]))
+
+
+def _placeholder_padding(toks):
+    """The right first draft, then two padding columns holding the placeholder id -1."""
+    return DraftTree.trusted(torch.tensor([[toks[0], -1, -1]]), torch.tensor([[-1, -1, -1]]), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
+def test_a_trusted_tree_out_of_topological_order_is_refused_by_both_steps(gdn, graphs):
+    arch, model = gdn
+    ref = arch.reference_decode(model, PROMPT, 24)
+    drafter = _Scripted(PROMPT, ref, 3, _child_before_parent)
+    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs)
+    with pytest.raises(InvalidTreeError, match=r"sequence 0, node 0: parent 2 is not in -1\.\.-1; nodes must be "
+                                               r"in topological order"):
+        specla.run(model, "gdn", prompts=[PROMPT], drafter=drafter, config=cfg)
+
+
+@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
+def test_placeholder_ids_in_trusted_padding_never_reach_the_embedding(gdn, graphs):
+    arch, model = gdn
+    ref = arch.reference_decode(model, PROMPT, 24)
+    drafter = _Scripted(PROMPT, ref, 1, _placeholder_padding)
+    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs)
+    out = specla.run(model, "gdn", prompts=[PROMPT], drafter=drafter, config=cfg)
+    assert out.outputs == [ref[:16]]
+    assert out.stats.mean_accepted_tokens == 1.0  # every step accepted its one right draft
+
+
+def test_one_decoder_shared_by_threads_gives_each_call_its_own_output(gdn):
+    """Eight threads, batch sizes 1 to 4, started together on one decoder: each gets exactly the
+    output the same call gives alone."""
+    arch, model = gdn
+    dec = SpecDecoder(model, "gdn", config=dict(max_new_tokens=12, num_draft_tokens=4, max_depth=4))
+    g = torch.Generator().manual_seed(4)
+    requests = [[torch.randint(0, 61, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (b,), generator=g)]
+                for b in (1, 2, 3, 4, 2, 1, 4, 3)]
+    alone = [dec.generate(r).outputs for r in requests]
+    got: list = [None] * len(requests)
+    start = threading.Barrier(len(requests))
+
+    def call(i):
+        start.wait()
+        got[i] = dec.generate(requests[i]).outputs
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert [o[0] for o in alone[:1]] == [arch.reference_decode(model, requests[0][0], 12)]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_a_vanishing_temperature_samples_the_greedy_tokens(gdn, temperature):
+    """``softmax(logits / T)`` for ``T`` down to the smallest positive float is the one-hot
+    argmax (no ``inf - inf``): sampling gives the greedy output exactly."""
+    from specla.acceptance import sampling_probs
+
+    arch, model = gdn
+    logits = torch.tensor([[2.0, 5.0, -1.0, 5.0 - 1e-3]])
+    assert sampling_probs(logits, temperature).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert sampling_probs(torch.tensor([[1.0, 1.0, 0.0]]), temperature).tolist() == [[0.5, 0.5, 0.0]]
+    out = specla.run(model, "gdn", prompts=[PROMPT], config=dict(max_new_tokens=12, temperature=temperature, seed=1))
+    assert out.outputs == [arch.reference_decode(model, PROMPT, 12)]
+
+
+@pytest.mark.parametrize("name", ["gla", "mamba2"])
+def test_run_detects_the_plugin_by_default(name):
+    """``specla.run(model, prompts=...)`` detects the plugin from ``config.model_type``, as the
+    command line does."""
+    arch = get_plugin(name)
+    model = arch.tiny_model(arch.tiny_variants[0], seed=1, dtype=torch.float32)
+    out = specla.run(model, prompts=[[1, 2, 3, 1, 2]], config=dict(max_new_tokens=8))
+    assert out.outputs == [arch.reference_decode(model, [1, 2, 3, 1, 2], 8)]
+
+
+def test_prompts_as_tensors_and_tokenizer_output(gdn):
+    """A ``[B, T]`` integer tensor (every row a prompt) and a tokenizer's output (padding dropped
+    by its attention mask) decode like the same prompts given as lists."""
+    arch, model = gdn
+    dec = SpecDecoder(model, config=dict(max_new_tokens=6))
+    lists = [[5, 9, 31, 7], [12, 40, 3, 8]]
+    want = [arch.reference_decode(model, p, 6) for p in lists]
+    assert dec.generate(torch.tensor(lists)).outputs == want
+    assert dec.generate(torch.tensor(lists).numpy()).outputs == want
+    padded = {"input_ids": torch.tensor([[0, 0, 5, 9, 31, 7], [12, 40, 3, 8, 0, 0]]),
+              "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])}
+    assert dec.generate(padded).outputs == want
+    with pytest.raises(TypeError, match=r"a tensor of prompts must be \[B, T\] token ids, got shape \(4,\)"):
+        dec.generate(torch.tensor(lists[0]))
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ([[1, 2.0, 3]], "prompt 0, position 1: token ids must be integers, got float 2.0"),
+    ([[1, 2], [True, 3]], "prompt 1, position 0: token ids must be integers, got bool True"),
+    ([[1, "7"]], "prompt 0, position 1: token ids must be integers, got str '7'"),
+    (torch.tensor([[1.0, 2.0]]), "token ids must be integers, got a tensor of torch.float32"),
+    ([torch.tensor([True, False])], "token ids must be integers, got a tensor of torch.bool"),
+])
+def test_non_integer_token_ids_are_reported_as_the_wrong_type(gdn, prompts, message):
+    _, model = gdn
+    dec = SpecDecoder(model, config=dict(max_new_tokens=4))
+    with pytest.raises(specla.TokenTypeError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        dec.generate(prompts)
+    assert isinstance(err.value, TypeError) and isinstance(err.value, InvalidTokenError)
+
+
+def test_option_bounds_are_checked_when_the_decoder_is_built(gdn):
+    """A seed past what ``torch.Generator`` takes, draft budgets past the kernels' bound and stop
+    tokens outside the vocabulary are refused by name, before anything runs."""
+    import pydantic
+
+    _, model = gdn
+    with pytest.raises(pydantic.ValidationError, match="seed\n  Input should be less than 18446744073709551616"):
+        SpecConfig(seed=2**70)
+    assert SpecConfig(seed=2**64 - 1).seed == 2**64 - 1
+    for field in ("num_draft_tokens", "max_depth"):
+        with pytest.raises(pydantic.ValidationError, match=f"{field}\n  Input should be less than or equal to 64"):
+            SpecConfig(**{field: 1024})
+    with pytest.raises(ConfigError, match=r"stop_token_ids \[61, 99\] are outside the model's vocabulary 0\.\.60"):
+        SpecDecoder(model, config=dict(stop_token_ids=(3, 61, 99)))
