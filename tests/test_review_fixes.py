@@ -51,23 +51,28 @@ def _placeholder_padding(toks):
     return DraftTree.trusted(torch.tensor([[toks[0], -1, -1]]), torch.tensor([[-1, -1, -1]]), torch.tensor([1]))
 
 
-@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
-def test_a_trusted_tree_out_of_topological_order_is_refused_by_both_steps(gdn, graphs):
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+STEPS = [("cpu", "off"), ("cpu", "unrecorded"), pytest.param("cuda", "off", marks=cuda),
+         pytest.param("cuda", "on", marks=cuda)]
+
+
+@pytest.mark.parametrize("device,graphs", STEPS)
+def test_a_trusted_tree_out_of_topological_order_is_refused_by_both_steps(gdn, device, graphs):
     arch, model = gdn
     ref = arch.reference_decode(model, PROMPT, 24)
     drafter = _Scripted(PROMPT, ref, 3, _child_before_parent)
-    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs)
+    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs, device=device)
     with pytest.raises(InvalidTreeError, match=r"sequence 0, node 0: parent 2 is not in -1\.\.-1; nodes must be "
                                                r"in topological order"):
         specla.run(model, "gdn", prompts=[PROMPT], drafter=drafter, config=cfg)
 
 
-@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
-def test_placeholder_ids_in_trusted_padding_never_reach_the_embedding(gdn, graphs):
+@pytest.mark.parametrize("device,graphs", STEPS)
+def test_placeholder_ids_in_trusted_padding_never_reach_the_embedding(gdn, device, graphs):
     arch, model = gdn
     ref = arch.reference_decode(model, PROMPT, 24)
     drafter = _Scripted(PROMPT, ref, 1, _placeholder_padding)
-    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs)
+    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs, device=device)
     out = specla.run(model, "gdn", prompts=[PROMPT], drafter=drafter, config=cfg)
     assert out.outputs == [ref[:16]]
     assert out.stats.mean_accepted_tokens == 1.0  # every step accepted its one right draft
