@@ -32,28 +32,60 @@ def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None)
     B, N = tree.tokens.shape
     if logits.dim() != 3 or logits.shape[:2] != (B, N + 1):
         raise ValueError(f"logits must be [B={B}, N+1={N + 1}, vocab], got {tuple(logits.shape)}")
-    target = logits.argmax(-1)  # [B, N + 1]
-    parents = tree.parents_with_root[:, 1:]  # [B, N], parent in root-explicit indexing
+    return _walk(tree, logits.argmax(-1), max_depth)
+
+
+def _walk(tree: DraftTree, target: Tensor, max_depth: int | None) -> Acceptance:
+    """From the root, follow the first child whose token equals ``target`` at the current node
+    (``target`` ``[B, N + 1]`` int64, row 0 the root); the target token at the stopping node is
+    the bonus. ``max_depth``: a static bound on the deepest real node (``None``: measured on the
+    host)."""
+    B, N = tree.tokens.shape
+    dev = target.device
+    parents = tree.parents_with_root[:, 1:].to(dev)  # [B, N], parent in root-explicit indexing
+    valid, tokens_in = tree.valid.to(dev), tree.tokens.to(dev)
     if max_depth is not None:
         depth = min(max_depth, N)
     else:
         depth = int(torch.where(tree.valid, tree.depth, 0).max()) if N else 0
-    rows = torch.arange(B, device=logits.device)
-    cur = torch.zeros(B, dtype=torch.int64, device=logits.device)
-    alive = torch.ones(B, dtype=torch.bool, device=logits.device)
-    path = torch.full((B, depth + 1), -1, dtype=torch.int64, device=logits.device)
+    rows = torch.arange(B, device=dev)
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)
+    path = torch.full((B, depth + 1), -1, dtype=torch.int64, device=dev)
     path[:, 0] = 0
-    tokens = torch.full((B, depth), -1, dtype=torch.int64, device=logits.device)
+    tokens = torch.full((B, depth), -1, dtype=torch.int64, device=dev)
     for d in range(depth):
-        match = tree.valid & (parents == cur[:, None]) & (tree.tokens == target[rows, cur][:, None])
+        match = valid & (parents == cur[:, None]) & (tokens_in == target[rows, cur][:, None])
         hit = match.any(-1) & alive
         child = match.int().argmax(-1)  # first matching child
         cur = torch.where(hit, child + 1, cur)
         path[:, d + 1] = torch.where(hit, cur, path[:, d + 1])
-        tokens[:, d] = torch.where(hit, tree.tokens[rows, child], tokens[:, d])
+        tokens[:, d] = torch.where(hit, tokens_in[rows, child], tokens[:, d])
         alive = hit
     num_accepted = (path >= 0).sum(-1) - 1
     return Acceptance(path=path, num_accepted=num_accepted, bonus=target[rows, cur], tokens=tokens)
+
+
+def sample_tokens(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One token per row by inverse transform sampling: the first token whose cumulative
+    probability exceeds ``u * total``. A token of probability 0 is never drawn (rounding at the
+    top end falls back to the last token of positive probability).
+
+    Args:
+        probs: ``[..., vocab]`` probabilities (any float dtype; rows need not be normalised).
+        uniforms: ``[...]`` draws from ``U[0, 1)``, one per row.
+    Returns:
+        ``[...]`` int64 token ids.
+    Raises:
+        ValueError: ``uniforms`` does not have ``probs``' leading shape.
+    """
+    if uniforms.shape != probs.shape[:-1]:
+        raise ValueError(f"uniforms must be {tuple(probs.shape[:-1])}, got {tuple(uniforms.shape)}")
+    cdf = probs.float().cumsum(-1).contiguous()
+    value = uniforms.to(cdf.dtype)[..., None] * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, value.contiguous(), right=True).squeeze(-1)
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)  # the last token of positive probability
+    return torch.minimum(idx, last)
 
 
 def sampling_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -91,7 +123,8 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
 
 
 def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor | None,
-                    generator: torch.Generator | None = None) -> Acceptance:
+                    generator: torch.Generator | None = None, *, uniforms: Tensor | None = None,
+                    max_depth: int | None = None) -> Acceptance:
     """Lossless tree acceptance by recursive rejection sampling (SpecInfer, Miao et al. 2024;
     SpecTr, Sun et al. 2023): the emitted tokens follow the target's distribution exactly.
 
@@ -99,17 +132,27 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor |
     try the children in index order: accept child ``x`` with probability
     ``min(1, r(x) / q(x))`` (``q``: the distribution that child's token was drawn from) and move
     to it; on rejection ``r <- normalise(max(r - q, 0))``. When every child is rejected, or the
-    node has none, the bonus token is drawn from ``r``. A deterministic draft (e.g. ngram) has a
-    one-hot ``q``: it is accepted with probability ``r(x)`` and removed from ``r`` on rejection.
+    node has none, the bonus token is drawn from ``r``.
+
+    Deterministic drafts (``draft_probs`` ``None``, e.g. ngram or a greedy tree) have one-hot
+    ``q``: child ``x`` is accepted with probability ``r(x)``, and its rejection leaves ``r``
+    restricted to the other tokens. Trying the children in turn is then the same as drawing one
+    token ``y ~ r`` at the node and following the first child whose token is ``y`` (``y`` is the
+    bonus when none is): one draw per node, taken for all nodes at once from ``uniforms``, and a
+    walk with no host reads, which is how a CUDA graph samples.
 
     Args:
         tree: ``B`` draft trees of width ``N``; each node's token must have been drawn from its
-            ``draft_probs`` row independently of its siblings (or be deterministic, one-hot).
+            ``draft_probs`` row independently of its siblings (or be deterministic).
         target_probs: ``[B, N + 1, vocab]`` the target's sampling distribution at the root (row
             0) and after each draft node (row ``i + 1``), e.g. from :func:`sampling_probs`.
         draft_probs: ``[B, N, vocab]`` the distribution each draft node's token was drawn from,
-            or ``None`` when every draft is deterministic (one-hot ``q``, never materialised).
+            or ``None`` when every draft is deterministic.
         generator: the random source (a seeded generator repeats a run exactly).
+        uniforms: with deterministic drafts, ``[B, N + 1]`` draws from ``U[0, 1)`` to use instead
+            of drawing from ``generator`` (a CUDA graph's static buffer).
+        max_depth: with deterministic drafts, a static bound on the deepest real node (as in
+            :func:`accept_greedy`; ``None``: measured on the host).
     Returns:
         :class:`Acceptance` (as :func:`accept_greedy`, with the sampled bonus token).
     Raises:
@@ -120,6 +163,10 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor |
         raise ValueError(f"target_probs must be [B={B}, N+1={N + 1}, vocab], got {tuple(target_probs.shape)}")
     if draft_probs is not None and draft_probs.shape != (B, N, target_probs.shape[-1]):
         raise ValueError(f"draft_probs must be [B={B}, N={N}, vocab], got {tuple(draft_probs.shape)}")
+    if draft_probs is None:
+        if uniforms is None:
+            uniforms = torch.rand(B, N + 1, generator=generator, device=target_probs.device)
+        return _walk(tree, sample_tokens(target_probs, uniforms), max_depth)
     dev = target_probs.device
     parents = tree.parents_with_root[:, 1:].to(dev)
     valid = tree.valid.to(dev)
@@ -141,10 +188,7 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor |
             trying = sel.any(-1) & ~moved
             c = sel.int().argmax(-1)
             x = tokens_in[rows, c]
-            if draft_probs is None:
-                q = torch.zeros_like(r).scatter_(1, x[:, None], 1.0)
-            else:
-                q = draft_probs[rows, c].float()
+            q = draft_probs[rows, c].float()
             u = torch.rand(B, generator=generator, device=dev)
             accept = trying & (u * q[rows, x] < r[rows, x])  # probability min(1, r(x) / q(x))
             residual = (r - q).clamp(min=0)

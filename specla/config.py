@@ -41,7 +41,9 @@ class SpecConfig(BaseModel):
         temperature: ``0`` is greedy decoding (token-identical to greedy autoregressive
             decoding); above ``0`` tokens are sampled from ``softmax(logits / temperature)``,
             losslessly: speculative output follows the target's distribution exactly
-            (:func:`specla.acceptance.accept_sampling`; drafts count as deterministic proposals).
+            (:func:`specla.acceptance.accept_sampling`; eager steps use a sampling drafter's
+            ``q``, CUDA graphs verify every tree as deterministic proposals, which is lossless
+            too but accepts less from a drafter that samples its tree).
         sampling_top_k: with sampling, keep only the most likely ``k`` tokens (``0``: all).
         top_p: with sampling, keep the smallest set of most likely tokens whose mass reaches it.
         seed: with sampling, seeds the run's generator so that it repeats exactly (``None``: a
@@ -64,7 +66,7 @@ class SpecConfig(BaseModel):
             GDN: parallel up to 64 nodes, hybrid for more than 32 nodes at batch 1), or force
             ``serial``, ``parallel`` or ``hybrid``. CUDA graphs use ``serial`` for one-token passes
             (plain decoding) and ``parallel`` otherwise, whatever this says.
-        cuda_graphs: ``auto`` (default): on a CUDA device, greedy steps run as recorded CUDA
+        cuda_graphs: ``auto`` (default): on a CUDA device, steps (greedy or sampled) run as recorded CUDA
             graphs (:mod:`specla.graphs`; with the ``factor`` commit every step after the first,
             which creates the pending commit the graph copies) when the plugin declares the
             ``cuda_graphs`` capability and the budget fits its recorded verify (``N <= 63`` with

@@ -98,8 +98,7 @@ class Engine:
                               "(cuda_graphs='unrecorded' runs the same fixed-shape step without recording)")
         if config.cuda_graphs in ("on", "unrecorded") and self._graph_problem:
             raise ConfigError(f"cuda_graphs={config.cuda_graphs!r}: {self._graph_problem}")
-        if config.cuda_graphs == "auto" and adapter.device.type == "cuda" and self._graph_problem \
-                and config.temperature == 0:
+        if config.cuda_graphs == "auto" and adapter.device.type == "cuda" and self._graph_problem:
             warnings.warn(f"CUDA graphs cannot run this configuration ({self._graph_problem}): every step runs "
                           "eagerly, several times slower on a GPU", stacklevel=3)
 
@@ -132,6 +131,7 @@ class Engine:
         self.drafter.reset(prompts)
         if runner is not None:
             runner.release()  # the state was replaced: the next step loads it into its graph
+            runner.seed(cfg.seed)
         run = _Decoding(prompts, cfg, adapter.eos_token_ids, stats)
         if runner is not None and batch_bucket(len(run.rows)) > len(run.rows):  # graphs run power-of-two batches
             self._gather(run, list(range(len(run.rows))), batch_bucket(len(run.rows)))

@@ -26,7 +26,10 @@ The step's depth limit (no drafts past ``max_new_tokens``) is left to the host: 
 full trees and the engine keeps only the tokens a sequence still has room for, which gives the
 same output (every accepted token is the target's greedy token).
 
-Graphs serve greedy decoding (``temperature == 0``) on CUDA; sampling runs eagerly.
+Sampling (``temperature > 0``) runs in the graph too: trees are verified as deterministic
+proposals (greedy device trees, host trees without their ``q``), so acceptance is one draw per node
+and a walk (:func:`specla.acceptance.accept_sampling`), lossless whatever the drafter; the draws
+come from a static buffer that the runner's seeded generator fills before each replay.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .acceptance import accept_greedy
+from .acceptance import accept_greedy, accept_sampling, sampling_probs
 from .config import SpecConfig
 from .interfaces import Drafter, TargetAdapter
 from .errors import InvalidTreeError
@@ -56,6 +59,7 @@ class _Graph:
     drafter_state: list[Tensor]  # static copies of drafter.graph_state()
     tree: tuple[Tensor, Tensor, Tensor] | None  # static host-drafter tree (tokens, parents, num_nodes)
     outcome: Tensor  # [B, 2 + D] int64: num_accepted, bonus, accepted tokens
+    uniforms: Tensor | None = None  # [B, N + 1] float32 draws of a sampling step, filled before each replay
     graph: torch.cuda.CUDAGraph | None = None
     host: Tensor | None = None  # [2 B N + B] int64 pinned staging of the host tree, reused every step
 
@@ -72,8 +76,7 @@ class GraphRunner:
             how the CPU tests check the runner's logic).
 
     Raises:
-        ValueError: the adapter cannot run in graphs, the budget is over its limit, or the
-            configuration samples (``temperature > 0``).
+        ValueError: the adapter cannot run in graphs, or the budget is over its limit.
     """
 
     def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig, capture: bool = True):
@@ -88,12 +91,15 @@ class GraphRunner:
         self._host_drafts = not drafter.device_proposals and config.num_draft_tokens > 0
         self._bound: _Graph | None = None  # the graph whose static buffers hold the live state
         self._bound_roots: Tensor | None = None  # adapter.roots while bound (replaced by any prefill or select)
+        self.sampling = config.temperature > 0
+        self.generator = torch.Generator(device=adapter.device) if self.sampling else None
 
     # ------------------------------------------------------------------ the recorded step
-    def _body(self, tree: DraftTree | None) -> Tensor:
+    def _body(self, tree: DraftTree | None, uniforms: Tensor | None = None) -> Tensor:
         """verify -> accept -> commit -> drafter update on the bound state, with fixed shapes;
-        ``tree`` ``None``: the drafter builds it on the device. Returns the outcome rows
-        ``[B, 2 + D]`` int64 (num_accepted, bonus, accepted tokens padded with -1)."""
+        ``tree`` ``None``: the drafter builds it on the device; ``uniforms`` ``[B, N + 1]``: a
+        sampling step's draws. Returns the outcome rows ``[B, 2 + D]`` int64 (num_accepted,
+        bonus, accepted tokens padded with -1)."""
         ad, dr, cfg = self.adapter, self.drafter, self.config
         ad.static_shapes = True
         try:
@@ -102,7 +108,12 @@ class GraphRunner:
             elif tree is None:
                 tree = dr.propose_on_device(ad.roots, cfg)
             out = ad._verify(tree)
-            acceptance = accept_greedy(tree, out.logits, max_depth=self.depth)
+            if self.sampling:  # the drafts count as deterministic proposals: lossless, no host reads
+                probs = sampling_probs(out.logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p)
+                acceptance = accept_sampling(tree, probs, None, uniforms=uniforms[:, : tree.width + 1],
+                                             max_depth=self.depth)
+            else:
+                acceptance = accept_greedy(tree, out.logits, max_depth=self.depth)
             ad._commit(tree, out, acceptance)
             dr.on_commit(acceptance, out)
         finally:
@@ -117,7 +128,7 @@ class GraphRunner:
         ad, dr = self.adapter, self.drafter
         ad.set_graph_state(g.state)
         dr.set_graph_state(g.drafter_state)
-        outcome = self._body(None if g.tree is None else DraftTree.trusted(*g.tree))
+        outcome = self._body(None if g.tree is None else DraftTree.trusted(*g.tree), g.uniforms)
         copy_into(g.state + g.drafter_state, ad.graph_state() + dr.graph_state())
         ad.set_graph_state(g.state)
         dr.set_graph_state(g.drafter_state)
@@ -136,6 +147,8 @@ class GraphRunner:
                     torch.zeros(B, dtype=torch.int64, device=dev))
         g = _Graph([t.clone() for t in state], [t.clone() for t in drafter_state], tree,
                    torch.zeros(B, 2 + self.depth, dtype=torch.int64, device=dev))
+        if self.sampling:
+            g.uniforms = torch.rand(B, self.config.num_draft_tokens + 1, device=dev)  # overwritten before each step
         if tree is not None:  # the host tree's staging, once per graph: a pinned allocation synchronises
             g.host = self._staging(B, pinned=self.capture)
         if self.capture:
@@ -184,7 +197,8 @@ class GraphRunner:
                 tree = None
                 if self._host_drafts:
                     tree = DraftTree.trusted(*(x.to(ad.device) for x in self._host_tree(contexts)))
-                return self._rows(self._body(tree).tolist())
+                uniforms = self._draw(ad.batch_size) if self.sampling else None
+                return self._rows(self._body(tree, uniforms).tolist())
             B = ad.batch_size
             g = self.graphs.get(B)
             if g is not None and any(a.shape != b.shape for a, b in zip(g.state + g.drafter_state, state + dstate)):
@@ -199,11 +213,27 @@ class GraphRunner:
         if g.tree is not None:
             for static, host in zip(g.tree, self._host_tree(contexts, g.host)):
                 static.copy_(host, non_blocking=True)
+        if g.uniforms is not None:
+            self._draw(g.uniforms.shape[0], out=g.uniforms)
         if g.graph is not None:
             g.graph.replay()
         else:
             self._record(g)
         return self._rows(g.outcome.tolist())  # the step's one host synchronisation
+
+    def seed(self, seed: int | None) -> None:
+        """Seed the generator of a sampling run's draws (``None``: a fresh random seed); the
+        engine calls it at the start of every ``generate`` call, so a seed repeats a run."""
+        if self.generator is not None:
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(seed)
+
+    def _draw(self, B: int, out: Tensor | None = None) -> Tensor:
+        """``[B, N + 1]`` float32 draws from ``U[0, 1)`` by the run's generator (into ``out``)."""
+        shape = (B, self.config.num_draft_tokens + 1)
+        return torch.rand(shape, generator=self.generator, device=self.adapter.device, out=out)
 
     @staticmethod
     def _rows(outcome: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
@@ -298,8 +328,6 @@ def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfi
 
 def graph_problem(adapter: TargetAdapter, config: SpecConfig) -> str | None:
     """Why :class:`GraphRunner` cannot run ``config`` on ``adapter`` (``None``: it can)."""
-    if config.temperature > 0:
-        return "sampling (temperature > 0) runs eagerly"
     if type(adapter).graph_state is TargetAdapter.graph_state:
         return f"{type(adapter).__name__} has no graph state"
     if config.num_draft_tokens > adapter.graph_max_nodes():

@@ -21,9 +21,10 @@ def markov(seed):
     return P, Q
 
 
-def generate(P, Q, accept, start=0, deterministic=False, seed=0):
+def generate(P, Q, accept, start=0, deterministic=False, seed=0, q_none=False):
     """TRIALS independent speculative generations of L tokens with the tree
-    root -> (c1, c2), c1 -> c3; drafts drawn from Q (or Q's argmax, one-hot, when deterministic)."""
+    root -> (c1, c2), c1 -> c3; drafts drawn from Q (or Q's argmax, one-hot, when deterministic;
+    ``q_none``: deterministic drafts passed as ``draft_probs=None``, the draw-and-match path)."""
     g = torch.Generator().manual_seed(seed)
     out = torch.full((TRIALS, L + 4), -1)
     n = torch.zeros(TRIALS, dtype=torch.int64)
@@ -45,7 +46,7 @@ def generate(P, Q, accept, start=0, deterministic=False, seed=0):
         target = torch.stack([P[root], P[c1], P[c2], P[c3]], 1)
         q = torch.stack([Q[root], Q[root], Q[c1]], 1)
         if deterministic:
-            q = torch.nn.functional.one_hot(toks, V).float()
+            q = None if q_none else torch.nn.functional.one_hot(toks, V).float()
         a = accept(tree, target, q, g)
         emitted = torch.cat([a.tokens, a.bonus[:, None]], 1)  # accepted drafts (-1 padded), bonus
         for j in range(emitted.shape[1]):
@@ -74,11 +75,42 @@ def bound(df):
     return df + 6 * (2 * df) ** 0.5  # mean + 6 standard deviations of chi-square(df)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_tree_sampling_follows_the_target_distribution(deterministic):
+@pytest.mark.parametrize("deterministic,q_none", [(False, False), (True, False), (True, True)])
+def test_tree_sampling_follows_the_target_distribution(deterministic, q_none):
     P, Q = markov(1)
-    stat, df = chi_square(generate(P, Q, acc.accept_sampling, deterministic=deterministic), P)
+    stat, df = chi_square(generate(P, Q, acc.accept_sampling, deterministic=deterministic, q_none=q_none), P)
     assert stat < bound(df), (stat, df)
+
+
+def test_the_draw_and_match_path_fails_the_test_when_it_ignores_the_draws():
+    """Following a child whatever the draw (accepting every draft) skews the output: the chi-square
+    test sees it on the deterministic path too."""
+
+    def broken(tree, target, q, g):
+        a = acc.accept_sampling(tree, target, None, g)
+        greedy = acc._walk(tree, torch.cat([tree.tokens[:, :1], tree.tokens[:, 2:3], tree.tokens[:, :2]], 1), None)
+        return acc.Acceptance(greedy.path, greedy.num_accepted, a.bonus, greedy.tokens)
+
+    P, Q = markov(1)
+    stat, df = chi_square(generate(P, Q, broken, deterministic=True, q_none=True), P)
+    assert stat > 3 * bound(df), (stat, df)
+
+
+def test_sample_tokens_draws_by_inverse_cdf_and_never_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.9, 1.0 - 2**-24])
+    assert acc.sample_tokens(probs, u).tolist() == [1, 1, 3, 3, 3]
+    unnormalised = torch.tensor([[2.0, 0.0, 2.0]])
+    assert acc.sample_tokens(unnormalised, torch.tensor([0.49])).tolist() == [0]
+    assert acc.sample_tokens(unnormalised, torch.tensor([0.5])).tolist() == [2]
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 50, generator=g), -1).masked_fill(torch.rand(3, 50, generator=g) < 0.5, 0.0)
+    draws = acc.sample_tokens(p[:, None].expand(3, 20000, 50), torch.rand(3, 20000, generator=g))
+    assert bool((p.gather(1, draws) > 0).all())
+    freq = torch.stack([torch.bincount(d, minlength=50) for d in draws]).double() / 20000
+    torch.testing.assert_close(freq, (p / p.sum(-1, keepdim=True)).double(), atol=0.015, rtol=0)
+    with pytest.raises(ValueError, match=r"uniforms must be \(3, 20000\), got \(3,\)"):
+        acc.sample_tokens(p[:, None].expand(3, 20000, 50), torch.rand(3))
 
 
 def test_the_test_fails_when_the_acceptance_rule_is_broken():
@@ -122,10 +154,14 @@ def test_shapes_are_checked():
 
 
 # ---------------------------------------------------------------------------- through the engine
-def test_engine_sampling_follows_the_model_distribution_and_repeats_with_a_seed():
+@pytest.mark.parametrize("device,graphs", [("cpu", "off"), ("cpu", "unrecorded"), pytest.param(
+    "cuda", "on", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_engine_sampling_follows_the_model_distribution_and_repeats_with_a_seed(device, graphs):
     """A tiny GDN model, 3000 copies of one prompt, two sampled tokens with temperature 0.6 and
     an oracle drafter proposing two-token chains: the joint distribution of the two tokens
-    equals the model's own (exact, from sequential decoding); a seed repeats the run."""
+    equals the model's own (exact, from sequential decoding); a seed repeats the run. Eagerly
+    and with the fixed-shape graph step (unrecorded on the CPU, recorded on CUDA; its batch runs
+    as 4096 rows)."""
     from specla import SpecDecoder
     from specla.registry import get_plugin
     from specla.testing import OracleDrafter
@@ -135,7 +171,8 @@ def test_engine_sampling_follows_the_model_distribution_and_repeats_with_a_seed(
     model = arch.tiny_model("base", seed=4, dtype=torch.float32)
     prompt, n = [3, 14, 15, 9, 2], 3000
     ref = arch.reference_decode(model, prompt, 6)
-    cfg = dict(temperature=0.6, max_new_tokens=2, num_draft_tokens=2, max_depth=2, seed=11)
+    cfg = dict(temperature=0.6, max_new_tokens=2, num_draft_tokens=2, max_depth=2, seed=11, cuda_graphs=graphs,
+               device=device)
     dec = SpecDecoder(model, "gdn", drafter=OracleDrafter([prompt] * n, [ref] * n, "all", 61), config=cfg)
     out = dec.generate([prompt] * n)
     assert out.stats.mean_accepted_tokens > 0.05  # hundreds of drafts accepted, not just bonus tokens
