@@ -62,7 +62,7 @@ def run_config(name: str, base: dict) -> tuple[str, str, SpecConfig]:
             cfg.update(temperature=float(e[1:]), seed=0)
         else:
             raise ValueError(f"unknown run modifier {e!r} in {name!r}")
-    return SUITES[suite], kind, SpecConfig(**cfg)
+    return SUITES[suite], kind, SpecConfig(**{"budget_policy": "fixed", **cfg})  # acceptance of this budget
 
 
 def main() -> None:

@@ -236,7 +236,7 @@ class Harness:
         """A SpecDecoder (its graphs are kept with it) with an oracle drafter (``fla_sd``: the
         FLA-SD baseline, :func:`use_fla_sd`)."""
         cfg = SpecConfig(device="cuda", dtype="bfloat16", commit=commit, cuda_graphs=graphs, stop_at_eos=False,
-                         max_new_tokens=self.args.tokens, **tree)
+                         max_new_tokens=self.args.tokens, budget_policy="fixed", **tree)  # the row's own budget
         drafter = ProfileDrafter(profile or geometric(0.0, cfg.max_depth),
                                  EagleDrafter(self.head) if (eagle and self.head is not None and tree["num_draft_tokens"])
                                  else None)

@@ -74,6 +74,13 @@ class SpecConfig(BaseModel):
             ``ConfigError`` (also on a CPU, where no graph can be recorded); ``unrecorded``: the
             same fixed-shape step the graphs record, run without recording on any device (how a
             plugin's graph path is tested on a CPU; no faster than eager).
+        budget_policy: ``adaptive``: each step runs the configured budget or plain decoding (no
+            drafts), whichever the measured step times and the drafter's recent acceptance make
+            faster at the current batch size (:class:`specla.policy.BudgetPolicy`), so a run is
+            never much slower than plain decoding; ``fixed``: every step drafts with the
+            configured budget; ``auto`` (default): ``adaptive`` on a CUDA device, ``fixed``
+            elsewhere (CPU runs are mostly tests, whose acceptance figures should not depend on
+            timing). Greedy output is the same either way.
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.
     """
@@ -97,6 +104,7 @@ class SpecConfig(BaseModel):
     kernels: Literal["auto", "reference", "triton"] = "auto"
     verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
     cuda_graphs: Literal["auto", "on", "off", "unrecorded"] = "auto"
+    budget_policy: Literal["auto", "adaptive", "fixed"] = "auto"
 
     @field_serializer("tau_tree", when_used="json")
     def _finite_json(self, value: float) -> float | str:

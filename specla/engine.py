@@ -14,6 +14,7 @@ from .config import SpecConfig
 from .errors import ConfigError
 from .graphs import GraphRunner, batch_bucket, graph_problem, host_proposal
 from .interfaces import Drafter, TargetAdapter
+from .policy import BudgetPolicy
 from .tree import DraftTree
 
 
@@ -23,6 +24,8 @@ class RunStats:
 
     Attributes:
         steps: verify passes (one pass serves the whole batch).
+        plain_steps: of those, the steps the budget policy ran without drafts
+            (:mod:`specla.policy`).
         sequence_steps: sum over steps of the sequences active in that step.
         generated_tokens: new tokens returned, all sequences.
         accepted_histogram: ``accepted_histogram[a]`` = sequence-steps that accepted ``a`` drafts.
@@ -33,6 +36,7 @@ class RunStats:
     """
 
     steps: int = 0
+    plain_steps: int = 0
     sequence_steps: int = 0
     generated_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
@@ -89,7 +93,14 @@ class Engine:
 
     def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig):
         self.adapter, self.drafter, self.config = adapter, drafter, config
-        self._runner: GraphRunner | None = None
+        self._runner: GraphRunner | None = None  # the configured budget's graphs
+        self._plain_runner: GraphRunner | None = None  # plain decoding's, when the policy runs it
+        # the budgets the steps choose from: the configured one, then plain decoding
+        self.configs = [config, config.model_copy(update={"num_draft_tokens": 0})]
+        adaptive = config.budget_policy == "adaptive" or (config.budget_policy == "auto"
+                                                           and adapter.device.type == "cuda")
+        self.policy = BudgetPolicy([config.num_draft_tokens, 0]) if adaptive and config.num_draft_tokens else None
+        self._current = 0  # the candidate the last step ran
         self._lock = threading.Lock()  # one batch at a time: the state below is the engine's only copy
         # why graphs cannot run here (None: they can), decided once
         self._graph_problem = graph_problem(adapter, config) if config.cuda_graphs != "off" else None
@@ -130,15 +141,16 @@ class Engine:
         adapter.prefill(prompts)
         self.drafter.reset(prompts)
         if runner is not None:
-            runner.release()  # the state was replaced: the next step loads it into its graph
-            runner.seed(cfg.seed)
+            for r in self._runners():
+                r.release()  # the state was replaced: the next step loads it into its graph
+                r.seed(cfg.seed)
         run = _Decoding(prompts, cfg, adapter.eos_token_ids, stats)
         if runner is not None and batch_bucket(len(run.rows)) > len(run.rows):  # graphs run power-of-two batches
             self._gather(run, list(range(len(run.rows))), batch_bucket(len(run.rows)))
         t = self._clock()
         stats.prefill_s = t - start
         if runner is not None:
-            self._decode_graphs(runner, run)
+            self._decode_graphs(run)
             stats.verify_s = self._clock() - t  # one span: a step is one replay
         else:
             self._decode_eager(run, t)
@@ -157,38 +169,71 @@ class Engine:
                 generator.manual_seed(cfg.seed)
             else:
                 generator.seed()
+        first = True  # the first step after a prefill or a gather is not timed for the policy
         while True:
             room = [cfg.max_new_tokens - len(run.outputs[s]) - 1 for s in run.shown]
-            num, drafted, bonus, (t1, t2, t3) = self._eager_step(run.row_contexts(), room, generator)
+            c = self._choose(len(run.rows))
+            num, drafted, bonus, (t1, t2, t3) = self._eager_step(run.row_contexts(), room, generator,
+                                                                 self.configs[c])
             stats.draft_s += t1 - t
             stats.verify_s += t2 - t1
             stats.commit_s += t3 - t2
-            t = t3
+            self._observe(run, num, None if first else t3 - t, c)
+            t, first = t3, False
             run.absorb(num, drafted, bonus)
             live = run.live()
             if not live:
                 return
             if len(live) < len(run.rows):
                 self._gather(run, live, len(live))
+                first = True
 
-    def _decode_graphs(self, runner: GraphRunner, run: _Decoding) -> None:
+    def _decode_graphs(self, run: _Decoding) -> None:
         """Recorded steps until every sequence is done. Finished rows stay as dead rows until at
         most half the batch is alive, then the live ones are gathered into a smaller graph."""
+        first = True
         while True:
-            run.absorb(*runner.step(run.row_contexts()))
+            c = self._choose(len(run.rows))
+            if c != self._current:  # the other budget's graphs hold other record shapes: start afresh
+                self.adapter.flush()
+                for r in self._runners():
+                    r.release()
+                self._current = c
+            t = time.perf_counter()
+            num, drafted, bonus = self._graph_runner(c).step(run.row_contexts())  # synchronises
+            self._observe(run, num, None if first else time.perf_counter() - t, c)
+            first = False
+            run.absorb(num, drafted, bonus)
             live = run.live()
             if not live:
                 return
             if len(live) <= len(run.rows) // 2:
                 self._gather(run, live, batch_bucket(len(live)))
-                runner.release()
+                for r in self._runners():
+                    r.release()
+                first = True
 
-    def _eager_step(self, contexts: list[list[int]], room: list[int], generator: torch.Generator | None):
-        """draft -> verify -> accept -> commit, op by op. ``room[r]``: drafts row ``r`` may still
-        use (deeper nodes are cut). Returns ``(num_accepted, accepted tokens, bonus)`` per row
-        (host lists) and the clock after drafting, verify+accept and commit."""
+    def _choose(self, batch: int) -> int:
+        """The candidate budget of the next step (0: the configured one, 1: plain decoding)."""
+        return 0 if self.policy is None else self.policy.choose(batch_bucket(batch))
+
+    def _observe(self, run: _Decoding, num: list[int], seconds: float | None, candidate: int) -> None:
+        """Tell the policy how the step went: wall time and tokens per live sequence."""
+        if candidate:
+            run.stats.plain_steps += 1
+        if self.policy is None:
+            return
+        live = [n for n, seq in zip(num, run.rows) if seq is not None]
+        self.policy.observe(batch_bucket(len(run.rows)), seconds, 1 + sum(live) / max(len(live), 1))
+
+    def _eager_step(self, contexts: list[list[int]], room: list[int], generator: torch.Generator | None,
+                    budget: SpecConfig):
+        """draft -> verify -> accept -> commit, op by op, with ``budget``'s draft budget.
+        ``room[r]``: drafts row ``r`` may still use (deeper nodes are cut). Returns
+        ``(num_accepted, accepted tokens, bonus)`` per row (host lists) and the clock after
+        drafting, verify+accept and commit."""
         cfg, adapter = self.config, self.adapter
-        tree = host_proposal(self.drafter, contexts, cfg, vocab_size=adapter.vocab_size)
+        tree = host_proposal(self.drafter, contexts, budget, vocab_size=adapter.vocab_size)
         # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
         tree = tree.limit_depth(torch.tensor(room).clamp(min=0))
         tree = DraftTree.trusted(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),
@@ -217,16 +262,22 @@ class Engine:
         run.rows[:] = [run.rows[i] for i in keep] + [None] * (size - len(keep))
         run.shown[:] = [run.shown[i] for i in index]
 
-    def _graph_runner(self) -> GraphRunner | None:
-        """The CUDA-graph runner ``config.cuda_graphs`` asks for, or ``None`` (eager steps)."""
+    def _graph_runner(self, candidate: int = 0) -> GraphRunner | None:
+        """The CUDA-graph runner of a candidate budget (0: the configured one, 1: plain
+        decoding) when ``config.cuda_graphs`` asks for graphs, else ``None`` (eager steps)."""
         cfg, on_cuda = self.config, self.adapter.device.type == "cuda"
         forced = cfg.cuda_graphs in ("on", "unrecorded")
         if not (forced or (cfg.cuda_graphs == "auto" and on_cuda and not self._graph_problem)):
             return None
-        if self._runner is None:  # kept across generate calls: its graphs are reused
-            self._runner = GraphRunner(self.adapter, self.drafter, cfg,
-                                       capture=on_cuda and cfg.cuda_graphs != "unrecorded")
-        return self._runner
+        name = "_plain_runner" if candidate else "_runner"
+        if getattr(self, name) is None:  # kept across generate calls: its graphs are reused
+            setattr(self, name, GraphRunner(self.adapter, self.drafter, self.configs[candidate],
+                                            capture=on_cuda and cfg.cuda_graphs != "unrecorded"))
+        return getattr(self, name)
+
+    def _runners(self) -> list[GraphRunner]:
+        """The runners made so far (they share the adapter's state)."""
+        return [r for r in (self._runner, self._plain_runner) if r is not None]
 
 
 class _Decoding:

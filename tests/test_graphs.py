@@ -32,7 +32,7 @@ def prompts_and_stops(n: int):
 
 def run(device: str, drafter: str, tree: str, graphs: str, prompts, stops):
     cfg = dict(device=device, dtype="float32", max_new_tokens=40, stop_token_ids=stops, cuda_graphs=graphs,
-               **TREES[tree])
+               budget_policy="fixed", **TREES[tree])
     dec = SpecDecoder(ASSETS / "tiny", drafter=str(ASSETS / "tiny-eagle") if drafter == "eagle" else "ngram", config=cfg)
     return dec, dec.generate(prompts)
 

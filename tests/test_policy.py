@@ -1,0 +1,106 @@
+"""The budget policy (specla.policy): the choice between the configured draft budget and plain
+decoding from measured step times and acceptance, and the engine's switches between them."""
+
+import pytest
+import torch
+
+import specla
+from specla.api import SpecDecoder
+from specla.policy import BudgetPolicy
+from specla.registry import get_plugin
+
+
+def drive(policy, batch, seconds, tokens, steps):
+    """Run ``steps`` steps where candidate ``c`` takes ``seconds[c]`` and commits ``tokens[c]``
+    tokens per sequence; returns the candidates chosen."""
+    chosen = []
+    for _ in range(steps):
+        c = policy.choose(batch)
+        chosen.append(c)
+        policy.observe(batch, seconds[c], tokens[c])
+    return chosen
+
+
+def test_each_candidate_is_measured_then_the_faster_rate_runs():
+    p = BudgetPolicy([8, 0], warmup=2, window=4, reprobe=1000)
+    # speculation: 3 tokens in 2.5 ms (1.2 tokens/ms); plain: 1 token in 1 ms
+    chosen = drive(p, 1, {0: 2.5e-3, 1: 1e-3}, {0: 3.0, 1: 1.0}, 40)
+    assert chosen[:6] == [0] * 6 and chosen[6:12] == [1] * 6  # warm-up + window for each
+    assert set(chosen[12:]) == {0}
+    assert p.rate(1, 0) == pytest.approx(3 / 2.5e-3) and p.rate(1, 1) == pytest.approx(1 / 1e-3)
+    # at batch 64 the verify is compute-bound: 3 tokens in 4 ms lose to 1 token in 1.2 ms
+    chosen = drive(p, 64, {0: 4e-3, 1: 1.2e-3}, {0: 3.0, 1: 1.0}, 40)
+    assert set(chosen[12:]) == {1}
+    assert set(drive(p, 1, {0: 2.5e-3, 1: 1e-3}, {0: 3.0, 1: 1.0}, 10)) == {0}  # batch sizes kept apart
+
+
+def test_the_other_candidate_is_remeasured_every_reprobe_steps():
+    p = BudgetPolicy([8, 0], warmup=1, window=2, reprobe=10)
+    seconds, tokens = {0: 3e-3, 1: 1e-3}, {0: 1.5, 1: 1.0}  # a poor drafter: plain decoding wins
+    chosen = drive(p, 4, seconds, tokens, 6)
+    assert chosen == [0, 0, 0, 1, 1, 1]
+    chosen = drive(p, 4, seconds, tokens, 30)
+    probes = [i for i in range(1, len(chosen)) if chosen[i] == 0 and chosen[i - 1] == 1]
+    assert len(probes) >= 2 and all(chosen[i : i + 3] == [0, 0, 0] for i in probes)
+    tokens[0] = 6.0  # the text turned repetitive: the drafter now pays, and the next probe sees it
+    chosen = drive(p, 4, seconds, tokens, 40)
+    assert chosen[-20:] == [0] * 20
+
+
+def test_untimed_and_warmup_steps_do_not_count():
+    p = BudgetPolicy([4, 0], warmup=2, window=1, reprobe=100)
+    for seconds in (9.0, 9.0, None, 2e-3):  # two warm-up steps, an untimed one, then one timed
+        assert p.choose(1) == 0
+        p.observe(1, seconds, 2.0)
+    assert p.rate(1, 0) == pytest.approx(2.0 / 2e-3)
+    with pytest.raises(ValueError, match="window >= 1"):
+        BudgetPolicy([4, 0], window=0)
+
+
+class _Scripted(BudgetPolicy):
+    """Chooses the candidates of a fixed script, over and over (observations are ignored)."""
+
+    def __init__(self, script):
+        super().__init__([4, 0])
+        self.script, self.i = script, 0
+
+    def choose(self, batch):
+        self.i += 1
+        return self.script[(self.i - 1) % len(self.script)]
+
+    def observe(self, batch, seconds, tokens):
+        pass
+
+
+@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
+@pytest.mark.parametrize("commit", ["factor", "snapshot"])
+def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
+    """Steps alternating between the configured tree budget and plain decoding in an irregular
+    pattern (pending commits of one budget applied by the other's verify; with graphs, each
+    switch flushes and the other budget's graphs take the state), with sequences ending at
+    different steps: outputs equal sequential greedy decoding, and the plain steps are counted."""
+    arch = get_plugin("gdn")
+    model = arch.tiny_model("base", seed=3, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    motif = torch.randint(0, 61, (4,), generator=g).tolist()
+    prompts = [motif * 3, torch.randint(0, 61, (7,), generator=g).tolist(), [motif[0]], motif * 2 + [5], [9, 9]]
+    refs = [arch.reference_decode(model, p, 20) for p in prompts]
+    stops = tuple(sorted({r[j] for r, j in zip(refs, (2, 9))}))
+    ends = [min([r.index(t) + 1 for t in stops if t in r] + [20]) for r in refs]
+    cfg = dict(num_draft_tokens=4, max_depth=3, top_k=2, max_new_tokens=20, commit=commit, cuda_graphs=graphs,
+               stop_token_ids=stops, budget_policy="adaptive")
+    dec = SpecDecoder(model, config=cfg)
+    dec.engine.policy = _Scripted([0, 0, 1, 0, 1, 1, 1, 0])
+    out = dec.generate(prompts)
+    assert out.outputs == [r[:e] for r, e in zip(refs, ends)]
+    assert 0 < out.stats.plain_steps < out.stats.steps
+    assert dec.generate(prompts).outputs == out.outputs  # the graphs of both budgets are reused
+
+
+def test_the_policy_defaults_to_fixed_budgets_on_a_cpu():
+    model = get_plugin("gdn").tiny_model("base", seed=3, dtype=torch.float32)
+    assert SpecDecoder(model).engine.policy is None
+    assert SpecDecoder(model, config=dict(budget_policy="adaptive")).engine.policy is not None
+    assert SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=0)).engine.policy is None
+    out = specla.run(model, prompts=[[1, 2, 3]], config=dict(budget_policy="adaptive", max_new_tokens=30))
+    assert out.outputs == [get_plugin("gdn").reference_decode(model, [1, 2, 3], 30)]
