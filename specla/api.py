@@ -76,8 +76,9 @@ class SpecDecoder:
 
     Raises:
         UnknownPluginError: unknown plugin or drafter name (lists the available ones).
-        UnsupportedModelError: the plugin cannot run the model (or none matches it), or a path
-            is not a checkpoint directory.
+        UnsupportedModelError: the plugin cannot run the model (or none matches it), a path is
+            not a checkpoint directory, or its files cannot be loaded (a corrupt config.json or
+            weights file: the message names the directory and the loader's error).
         FileNotFoundError: a tokenizer directory that does not exist.
         pydantic.ValidationError: invalid config fields (e.g. ``temperature < 0``).
         ConfigError: ``cuda_graphs="on"`` for a plugin without the ``cuda_graphs`` capability,
@@ -106,7 +107,12 @@ class SpecDecoder:
             if tokenizer is None and (path / "tokenizer.json").is_file():
                 tokenizer = path
             dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
-            model = self.plugin.load_model(path, dtype=dtype, device=self.config.device)
+            try:
+                model = self.plugin.load_model(path, dtype=dtype, device=self.config.device)
+            except (UnsupportedModelError, ConfigError):
+                raise
+            except Exception as err:  # transformers, huggingface_hub and safetensors each raise their own
+                raise UnsupportedModelError(f"cannot load the checkpoint in {path}: {type(err).__name__}: {err}") from err
         if isinstance(tokenizer, (str, Path)):
             if not Path(tokenizer).is_dir():
                 raise FileNotFoundError(f"tokenizer directory {tokenizer} does not exist")

@@ -5,17 +5,17 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator
 
 CommitStrategy = Literal["factor", "snapshot", "replay"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
 
 
 MAX_DRAFT_TOKENS = 64
-"""The largest draft budget ``N`` and depth ``D`` a run accepts: two 64-row tiles of the verify
-kernels. Trees up to 63 drafts (64 nodes with the root) verify in one tile of every plugin's
-parallel kernel and in a CUDA graph; larger trees run GDN's hybrid kernel or the other plugins'
-reference path, eagerly, at a cost that grows with ``N**2`` per layer, for acceptance that rarely
+"""The largest draft budget ``N`` and depth ``D`` a run accepts. Trees up to 63 drafts (64 nodes
+with the root) verify in one 64-row tile of every plugin's parallel kernel and in a CUDA graph; a
+64-draft tree runs GDN's hybrid kernel or the other plugins' reference path, eagerly. Verify
+costs grow with ``N**2`` per layer and drafting with ``D`` levels, for acceptance that rarely
 passes 10 tokens per step (docs/DESIGN.md section 8)."""
 
 
@@ -26,7 +26,7 @@ class SpecConfig(BaseModel):
         num_draft_tokens: draft budget ``N``, the most draft nodes verified per step per sequence
             (the root, i.e. the last committed token, is not counted). ``0`` is plain
             autoregressive decoding through the same engine. At most
-            :data:`MAX_DRAFT_TOKENS` (128); up to 63 fit the kernels' one-tile verify and CUDA
+            :data:`MAX_DRAFT_TOKENS` (64); up to 63 fit the kernels' one-tile verify and CUDA
             graphs.
         max_depth: ``D``, the most draft tokens on one root-to-leaf path (so at most ``D`` tokens
             are accepted per step, plus the bonus token); a depth beyond ``N`` cannot be filled
@@ -95,9 +95,9 @@ class SpecConfig(BaseModel):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     sampling_top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**64)
     max_new_tokens: int = Field(64, ge=1)
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[StrictInt, ...] = ()
     stop_at_eos: bool = True
     dtype: DType | None = None
     device: str | None = None

@@ -317,13 +317,40 @@ def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfi
         return DraftTree.empty(len(contexts))
     if not isinstance(tree, DraftTree):
         raise TypeError(f"drafter {drafter.name!r} returned {type(tree).__name__}, not a DraftTree")
-    q = tree.draft_probs
-    tree = DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=q)
+    tree = DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=tree.draft_probs)
     if tree.batch_size != len(contexts):
         raise InvalidTreeError(f"drafter {drafter.name!r} proposed {tree.batch_size} trees for "
                                f"{len(contexts)} sequences")
+    n = int(tree.num_nodes.max()) if tree.batch_size else 0
+    if tree.width > n:  # columns past the widest real row are padding: neither checks nor verify see them
+        q = tree.draft_probs
+        tree = DraftTree.trusted(tree.tokens[:, :n], tree.parents[:, :n], tree.num_nodes,
+                                 None if q is None else q[:, :n])
     tree.validate(vocab_size=vocab_size, max_nodes=config.num_draft_tokens, max_depth=config.max_depth)
+    if tree.draft_probs is not None:
+        _check_draft_probs(tree, vocab_size)
     return tree
+
+
+def _check_draft_probs(tree: DraftTree, vocab_size: int) -> None:
+    """A sampling drafter's ``q`` must be what lossless acceptance assumes: per real node a
+    distribution over the target's vocabulary (finite, non-negative, summing to 1 within 1e-3)
+    that gives the node's own token positive probability.
+
+    Raises:
+        InvalidTreeError: naming the first offending sequence and node.
+    """
+    q = tree.draft_probs
+    if q.shape[-1] != vocab_size:
+        raise InvalidTreeError(f"draft_probs has {q.shape[-1]} columns; the target's vocabulary has {vocab_size}")
+    valid = tree.valid.to(q.device)
+    rows = q.float()
+    own = rows.gather(-1, tree.tokens.to(q.device)[..., None]).squeeze(-1)
+    bad = valid & (~torch.isfinite(rows).all(-1) | (rows < 0).any(-1) | ((rows.sum(-1) - 1).abs() > 1e-3) | (own <= 0))
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise InvalidTreeError(f"sequence {b}, draft node {i}: draft_probs is not a distribution that gives the node's "
+                               "token positive probability (it must be finite, non-negative and sum to 1)")
 
 
 def graph_problem(adapter: TargetAdapter, config: SpecConfig) -> str | None:

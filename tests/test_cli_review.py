@@ -283,3 +283,18 @@ def test_shown_prompt_cuts_at_a_boundary_with_a_marker():
     assert shown_prompt("abcdefgh", limit=3) == "[... 5 characters cut]\nfgh"  # one word: the hard limit
     with pytest.raises(ValueError, match="limit must be >= 1, got 0"):
         shown_prompt("x", limit=0)
+
+
+def test_train_drafter_never_writes_into_a_model_checkpoint(tmp_path, capsys):
+    """``--out`` naming a folder whose config.json is not a drafter's (here the target's own
+    folder) is refused even with ``--overwrite``, and the checkpoint is left as it was."""
+    target = tmp_path / "tgt"
+    shutil.copytree(get_plugin("gdn").demo_checkpoint, target)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "a b c d e f g " * 40}) + "\n")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    for flags in ([], ["--overwrite"]):
+        code, _, err = cli(capsys, "train-drafter", "--model", str(target), "--data", str(data), "--out", str(target),
+                           "--steps", "2", "--device", "cpu", *flags)
+        assert code == 2 and f"output folder {target} holds a config.json that is not a drafter's" in err
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before

@@ -172,3 +172,88 @@ def test_option_bounds_are_checked_when_the_decoder_is_built(gdn):
             SpecConfig(**{field: 1024})
     with pytest.raises(ConfigError, match=r"stop_token_ids \[61, 99\] are outside the model's vocabulary 0\.\.60"):
         SpecDecoder(model, config=dict(stop_token_ids=(3, 61, 99)))
+
+
+class _Sampling(Drafter):
+    """Drafts token 1 under every node budget with a given ``q`` (a sampling drafter's claim)."""
+
+    name = "q"
+
+    def __init__(self, q_row, width=2):
+        self.q_row, self.width = q_row, width
+
+    def propose(self, contexts, config):
+        B, W = len(contexts), self.width
+        tokens = torch.zeros(B, W, dtype=torch.int64)
+        tokens[:, 0] = 1
+        q = self.q_row.expand(B, W, -1).clone()
+        return DraftTree.trusted(tokens, torch.full((B, W), -1), torch.ones(B, dtype=torch.int64), q)
+
+
+@pytest.mark.parametrize("fill,message", [
+    (0.0, "sequence 0, draft node 0: draft_probs is not a distribution that gives the node's token positive"),
+    (-1.0, "sequence 0, draft node 0: draft_probs is not a distribution"),
+    (float("nan"), "sequence 0, draft node 0: draft_probs is not a distribution"),
+])
+def test_a_sampling_drafters_q_must_be_a_distribution(gdn, fill, message):
+    """Lossless acceptance divides by ``q``: an all-zero, negative or NaN ``q`` would accept every
+    draft or none, silently. It is refused by name; so is a ``q`` over another vocabulary."""
+    _, model = gdn
+    cfg = dict(temperature=0.7, max_new_tokens=3, num_draft_tokens=2, max_depth=2, seed=0)
+    with pytest.raises(InvalidTreeError, match=message):
+        specla.run(model, prompts=[PROMPT], drafter=_Sampling(torch.full((61,), fill)), config=cfg)
+    with pytest.raises(InvalidTreeError, match="draft_probs has 68 columns; the target's vocabulary has 61"):
+        specla.run(model, prompts=[PROMPT], drafter=_Sampling(torch.full((68,), 1 / 68)), config=cfg)
+    uniform = specla.run(model, prompts=[PROMPT], drafter=_Sampling(torch.full((61,), 1 / 61)), config=cfg)
+    assert len(uniform.outputs[0]) == 3
+
+
+@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
+def test_padding_columns_past_the_budget_are_dropped_before_any_work(gdn, graphs):
+    """A tree with one real node padded to 2,048 columns (budget 8) decodes exactly, and verify
+    sees at most the budget's width (the padding cost seconds per step when it reached verify)."""
+    arch, model = gdn
+    ref = arch.reference_decode(model, PROMPT, 8)
+
+    class Wide(Drafter):
+        name = "wide"
+
+        def propose(self, contexts, config):
+            B = len(contexts)
+            return DraftTree.trusted(torch.ones(B, 2048, dtype=torch.int64), torch.full((B, 2048), -1),
+                                     torch.ones(B, dtype=torch.int64))
+
+    dec = SpecDecoder(model, drafter=Wide(), config=dict(max_new_tokens=8, num_draft_tokens=8, max_depth=8,
+                                                         cuda_graphs=graphs))
+    widths, verify = [], dec.adapter._verify
+    dec.adapter._verify = lambda tree: widths.append(tree.width) or verify(tree)
+    assert dec.generate([PROMPT]).outputs == [ref]
+    assert widths and max(widths) <= 8
+
+
+def test_a_corrupt_checkpoint_is_an_unsupported_model_naming_the_directory(tmp_path):
+    """A config field of the wrong type and a truncated weights file are reported as
+    UnsupportedModelError naming the directory and the loader's own error."""
+    import json
+    import shutil
+
+    tiny = get_plugin("gdn").demo_checkpoint
+    bad_field, truncated = tmp_path / "field", tmp_path / "weights"
+    shutil.copytree(tiny, bad_field)
+    cfg = json.loads((bad_field / "config.json").read_text())
+    (bad_field / "config.json").write_text(json.dumps({**cfg, "vocab_size": "abc"}))
+    shutil.copytree(tiny, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 3])
+    for path in (bad_field, truncated):
+        with pytest.raises(specla.UnsupportedModelError, match=f"cannot load the checkpoint in {path}: "):
+            SpecDecoder(path)
+
+
+def test_stop_ids_and_seeds_are_integers_not_coerced():
+    import pydantic
+
+    for field, value in (("stop_token_ids", ("5",)), ("stop_token_ids", (True,)), ("seed", True), ("seed", "3")):
+        with pytest.raises(pydantic.ValidationError, match=f"{field}"):
+            SpecConfig(**{field: value})
+    assert SpecConfig(stop_token_ids=[5, 7], seed=3).stop_token_ids == (5, 7)

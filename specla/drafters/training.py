@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..bench import read_jsonl
 from ..errors import DrafterError
 from ..interfaces import TargetAdapter
-from .eagle import EagleHead
+from .eagle import EagleHead, is_eagle_dir
 
 
 @dataclass
@@ -219,6 +219,8 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
         resume, overwrite: as in :func:`train_drafter` (``--resume``, ``--overwrite``).
     Raises:
         DrafterError: both ``resume`` and ``overwrite``; ``out`` exists and is not a directory;
+            ``out`` holds a ``config.json`` that is not a drafter's (a model checkpoint, e.g. the
+            target's own folder), whatever the flags;
             ``out`` holds drafter files and neither ``overwrite`` nor ``resume`` with a
             checkpoint there (the message names the folder); a checkpoint that cannot be read,
             was written with other options (each named), or has already passed ``cfg.steps``.
@@ -230,6 +232,9 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
     if out.exists() and not out.is_dir():
         raise DrafterError(f"output folder {out} exists and is not a directory")
     ckpt = out / "checkpoint.pt"
+    if (out / "config.json").is_file() and not is_eagle_dir(out):  # e.g. --out is the target's own folder
+        raise DrafterError(f"output folder {out} holds a config.json that is not a drafter's (a model checkpoint?); "
+                           "train-drafter never replaces it, even with --overwrite: choose another folder")
     existing = [name for name in DRAFTER_FILES if (out / name).exists()]
     if overwrite or not existing:
         return None
