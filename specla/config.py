@@ -80,7 +80,9 @@ class SpecConfig(BaseModel):
             never much slower than plain decoding; ``fixed``: every step drafts with the
             configured budget; ``auto`` (default): ``adaptive`` on a CUDA device, ``fixed``
             elsewhere (CPU runs are mostly tests, whose acceptance figures should not depend on
-            timing). Greedy output is the same either way.
+            timing) and for seeded sampling (a seed repeats a run only under a fixed schedule of
+            budgets). Greedy output is the same either way; sampled output follows the target's
+            distribution either way.
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field.
     """

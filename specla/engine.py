@@ -97,8 +97,10 @@ class Engine:
         self._plain_runner: GraphRunner | None = None  # plain decoding's, when the policy runs it
         # the budgets the steps choose from: the configured one, then plain decoding
         self.configs = [config, config.model_copy(update={"num_draft_tokens": 0})]
+        # a seeded sampling run repeats only under a fixed schedule of budgets: auto keeps it fixed
+        seeded = config.temperature > 0 and config.seed is not None
         adaptive = config.budget_policy == "adaptive" or (config.budget_policy == "auto"
-                                                           and adapter.device.type == "cuda")
+                                                           and adapter.device.type == "cuda" and not seeded)
         self.policy = BudgetPolicy([config.num_draft_tokens, 0]) if adaptive and config.num_draft_tokens else None
         self._current = 0  # the candidate the last step ran
         self._lock = threading.Lock()  # one batch at a time: the state below is the engine's only copy
@@ -271,8 +273,10 @@ class Engine:
             return None
         name = "_plain_runner" if candidate else "_runner"
         if getattr(self, name) is None:  # kept across generate calls: its graphs are reused
-            setattr(self, name, GraphRunner(self.adapter, self.drafter, self.configs[candidate],
-                                            capture=on_cuda and cfg.cuda_graphs != "unrecorded"))
+            runner = GraphRunner(self.adapter, self.drafter, self.configs[candidate],
+                                 capture=on_cuda and cfg.cuda_graphs != "unrecorded")
+            runner.seed(cfg.seed)
+            setattr(self, name, runner)
         return getattr(self, name)
 
     def _runners(self) -> list[GraphRunner]:
