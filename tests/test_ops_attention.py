@@ -1,0 +1,92 @@
+"""Softmax attention under a draft tree (specla.ops.attention) against its sequential twin and
+against torch's own causal attention, and the KV commit: written exactly where the accepted path
+goes, nothing else touched."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specla.ops.attention import commit_kv, tree_attention
+from specla.ops.naive import naive_tree_attention
+from specla.tree import inclusive_ancestor_mask
+from trees import SHAPES, TOL, rel_err, tree_parents
+
+H, HKV, DH, S = 4, 2, 8, 24
+
+
+def case(kind, T, dtype, seed, lens=(5, 11)):
+    """A batch of two root-explicit trees of shape ``kind`` with ``T - 1`` draft nodes, random
+    queries/keys/values, and caches whose slots past ``cache_len`` hold large finite garbage."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    rows = [[-1] + [p + 1 for p in tree_parents(kind, T - 1, rng)] for _ in lens]
+    parents = torch.tensor(rows)
+    B, T = parents.shape  # a "single" tree has one draft node whatever T asks
+    q = torch.randn(B, T, H, DH, generator=g, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(B, T, HKV, DH, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    kc, vc = (torch.randn(B, S, HKV, DH, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    cache_len = torch.tensor(lens)
+    for c in (kc, vc):
+        for b, n in enumerate(lens):
+            c[b, n:] = 1e4  # never read
+    anc = inclusive_ancestor_mask(parents)
+    return q, k, v, kc, vc, cache_len, parents, anc, anc.sum(-1) - 1
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("window", [None, 3])
+def test_tree_attention_equals_its_sequential_twin(kind, dtype, window):
+    q, k, v, kc, vc, n, parents, anc, depth = case(kind, 7, dtype, SHAPES.index(kind))
+    got = torch.full_like(q, float("nan"))
+    got[:] = tree_attention(q, k, v, kc, vc, n, anc, depth, window=window)
+    want = naive_tree_attention(q, k, v, kc, vc, n, parents, window=window)
+    assert torch.isfinite(got).all()
+    assert rel_err(got.double(), want) < TOL[dtype]
+
+
+def test_a_chain_equals_torchs_causal_attention_over_the_whole_sequence():
+    """An independent oracle: for a chain, each node's output is causal attention over cache +
+    chain, as ``scaled_dot_product_attention(is_causal=True)`` computes it on the concatenation."""
+    q, k, v, kc, vc, n, parents, anc, depth = case("chain", 6, torch.float64, 3, lens=(7, 7))
+    got = tree_attention(q, k, v, kc, vc, n, anc, depth)
+    g = torch.Generator().manual_seed(9)
+    q_prefix = torch.randn(2, 7, H, DH, generator=g, dtype=torch.float64)
+    seq_q = torch.cat([q_prefix, q], 1).transpose(1, 2)
+    seq_k = torch.cat([kc[:, :7], k], 1).repeat_interleave(H // HKV, 2).transpose(1, 2)
+    seq_v = torch.cat([vc[:, :7], v], 1).repeat_interleave(H // HKV, 2).transpose(1, 2)
+    want = F.scaled_dot_product_attention(seq_q, seq_k, seq_v, is_causal=True).transpose(1, 2)[:, 7:]
+    assert rel_err(got, want) < 1e-12
+
+
+def test_commit_writes_the_accepted_path_and_nothing_else():
+    """Paths of 3, 1 and 0 entries (root first): the slots from ``cache_len`` on hold exactly the
+    accepted nodes' keys and values; every other slot, and the whole row with nothing to commit,
+    is bit-identical; attention after the commit equals the twin over the longer prefix."""
+    q, k, v, kc, vc, _, parents, anc, depth = case("binary", 7, torch.float32, 4, lens=(5, 11, 8))
+    n = torch.tensor([5, 11, 8])
+    before = (kc.clone(), vc.clone())
+    path = torch.tensor([[0, 1, 3], [0, -1, -1], [-1, -1, -1]])
+    new_len = commit_kv(kc, vc, n, k, v, path, torch.tensor([3, 1, 0]))
+    assert new_len.tolist() == [8, 12, 8]
+    for cache, old, src in ((kc, before[0], k), (vc, before[1], v)):
+        assert torch.equal(cache[0, 5:8], src[0, [0, 1, 3]]) and torch.equal(cache[1, 11], src[1, 0])
+        changed = torch.zeros(3, S, dtype=torch.bool)
+        changed[0, 5:8] = changed[1, 11] = True
+        assert torch.equal(cache[~changed], old[~changed])
+    # the committed prefix now serves the next tree
+    q2, k2, v2, _, _, _, parents2, anc2, depth2 = case("star", 4, torch.float32, 5, lens=(8, 12, 8))
+    got = tree_attention(q2, k2, v2, kc, vc, new_len, anc2, depth2)
+    assert rel_err(got.double(), naive_tree_attention(q2, k2, v2, kc, vc, new_len, parents2)) < TOL[torch.float32]
+
+
+def test_bad_shapes_and_overflow_are_refused():
+    q, k, v, kc, vc, n, parents, anc, depth = case("chain", 4, torch.float32, 1)
+    with pytest.raises(ValueError, match="H a multiple of HKV"):
+        tree_attention(q[:, :, :3], k, v, kc, vc, n, anc, depth)
+    with pytest.raises(ValueError, match=r"caches must be \[B=2, S, HKV=2, Dh=8\]"):
+        tree_attention(q, k, v, kc[:, :, :1], vc, n, anc, depth)
+    with pytest.raises(ValueError, match="the cache holds 24 tokens; committing a path of up to 4 after 21"):
+        commit_kv(kc, vc, torch.tensor([21, 3]), k, v, torch.zeros(2, 4, dtype=torch.int64), torch.tensor([4, 1]))
