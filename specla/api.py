@@ -181,7 +181,10 @@ class SpecDecoder:
                 raise TokenTypeError(f"token ids must be integers, got a tensor of {p.dtype}")
         rows = [p.tolist() if hasattr(p, "tolist") else p for p in prompts]  # tensors, numpy arrays
         if all(isinstance(p, (list, tuple)) for p in rows):
-            return [list(p) for p in rows]  # ids are checked (not coerced) by the adapter
+            # 0-d integer tensors (what indexing a tensor gives) are ids; everything else is checked,
+            # not coerced, by the adapter
+            return [[t.item() if isinstance(t, torch.Tensor) and t.dim() == 0 and not _not_integer_dtype(t) else t
+                     for t in p] for p in rows]
         raise TypeError("prompts must be all strings or all token-id lists (or 1-D tensors/arrays)")
 
     def generate(self, prompts: Any) -> RunResult:

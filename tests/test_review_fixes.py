@@ -141,6 +141,7 @@ def test_prompts_as_tensors_and_tokenizer_output(gdn):
     assert dec.generate(padded).outputs == want
     with pytest.raises(TypeError, match=r"a tensor of prompts must be \[B, T\] token ids, got shape \(4,\)"):
         dec.generate(torch.tensor(lists[0]))
+    assert dec.generate([[torch.tensor(t) for t in p] for p in lists]).outputs == want  # 0-d tensors
 
 
 @pytest.mark.parametrize("prompts,message", [
