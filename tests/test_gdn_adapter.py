@@ -215,7 +215,7 @@ def test_bad_trees_raise_and_leave_state_untouched(tree, error, match):
 @pytest.mark.parametrize(
     "prompts, match",
     [([[1, 2], []], "prompt 1 is empty"), ([[1, 61]], "token id 61"), ([[-1, 3]], "token id -1"),
-     ([], "no prompts"), ([[1, 2.5]], "token id 2.5")],
+     ([], "no prompts"), ([[1, 2.5]], "position 1: token ids must be integers, got float 2.5")],
 )
 def test_bad_prompts_raise_and_leave_state_untouched(prompts, match):
     adapter = adapter_for(make_model("base"))

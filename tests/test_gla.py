@@ -378,9 +378,9 @@ def test_model_forward_equals_fla(name):
 
     enable_fla_interpreter()
     model = make_gla_model(name, dtype=torch.float32, seed=1)
-    T = 70 if name == "base" else 11  # FLA's layer switches from fused_recurrent to chunk above 64
+    T = 65 if name == "base" else 11  # FLA's layer switches from fused_recurrent to chunk above 64
     ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
-    adapter = adapter_for(model, num_draft_tokens=T, max_depth=T)
+    adapter = adapter_for(model, num_draft_tokens=T - 1, max_depth=T - 1)
     adapter.prefill([[int(t)] for t in ids[:, 0]])
     chain = DraftTree(ids[:, 1:].contiguous(), torch.arange(-1, T - 2).expand(2, T - 1).contiguous(),
                       torch.full((2,), T - 1))
