@@ -93,10 +93,10 @@ class Engine:
 
     def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig):
         self.adapter, self.drafter, self.config = adapter, drafter, config
-        self._runner: GraphRunner | None = None  # the configured budget's graphs
-        self._plain_runner: GraphRunner | None = None  # plain decoding's, when the policy runs it
         # the budgets the steps choose from: the configured one, then plain decoding
         self.configs = [config, config.model_copy(update={"num_draft_tokens": 0})]
+        # each budget's graph runner, made on first use and kept across calls (its graphs are reused)
+        self._graph_runners: list[GraphRunner | None] = [None] * len(self.configs)
         # a seeded sampling run repeats only under a fixed schedule of budgets: auto keeps it fixed
         seeded = config.temperature > 0 and config.seed is not None
         adaptive = config.budget_policy == "adaptive" or (config.budget_policy == "auto"
@@ -271,17 +271,21 @@ class Engine:
         forced = cfg.cuda_graphs in ("on", "unrecorded")
         if not (forced or (cfg.cuda_graphs == "auto" and on_cuda and not self._graph_problem)):
             return None
-        name = "_plain_runner" if candidate else "_runner"
-        if getattr(self, name) is None:  # kept across generate calls: its graphs are reused
+        if self._graph_runners[candidate] is None:
             runner = GraphRunner(self.adapter, self.drafter, self.configs[candidate],
                                  capture=on_cuda and cfg.cuda_graphs != "unrecorded")
             runner.seed(cfg.seed)
-            setattr(self, name, runner)
-        return getattr(self, name)
+            self._graph_runners[candidate] = runner
+        return self._graph_runners[candidate]
+
+    @property
+    def _runner(self) -> GraphRunner | None:
+        """The configured budget's runner, once made."""
+        return self._graph_runners[0]
 
     def _runners(self) -> list[GraphRunner]:
         """The runners made so far (they share the adapter's state)."""
-        return [r for r in (self._runner, self._plain_runner) if r is not None]
+        return [r for r in self._graph_runners if r is not None]
 
 
 class _Decoding:

@@ -10,7 +10,7 @@ budget with the most tokens per second per sequence, re-measuring the other one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -23,7 +23,6 @@ class _Bucket:
     run_left: int = 0  # steps the current measuring run still has to go
     since_switch: int = 0  # steps since the current candidate took over
     since_probe: int = 0  # steps since the other candidates were last measured
-    history: list[int] = field(default_factory=list)  # candidates chosen, in order (for reports)
 
 
 class BudgetPolicy:
@@ -94,7 +93,6 @@ class BudgetPolicy:
             s.current, s.since_switch = candidate, 0
         if measuring:
             s.run_left = self.warmup + self.window if s.since_switch == 0 else self.window
-        s.history.append(candidate)
         return candidate
 
     def observe(self, batch: int, seconds: float | None, tokens: float) -> None:

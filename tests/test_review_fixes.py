@@ -56,24 +56,25 @@ STEPS = [("cpu", "off"), ("cpu", "unrecorded"), pytest.param("cuda", "off", mark
          pytest.param("cuda", "on", marks=cuda)]
 
 
-@pytest.mark.parametrize("device,graphs", STEPS)
-def test_a_trusted_tree_out_of_topological_order_is_refused_by_both_steps(gdn, device, graphs):
+def _run_scripted(gdn, n, layout, device, graphs):
+    """16 tokens of PROMPT with a :class:`_Scripted` drafter of ``n`` drafts per step; returns
+    ``(reference continuation, run result)``."""
     arch, model = gdn
     ref = arch.reference_decode(model, PROMPT, 24)
-    drafter = _Scripted(PROMPT, ref, 3, _child_before_parent)
     cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs, device=device)
+    return ref, specla.run(model, "gdn", prompts=[PROMPT], drafter=_Scripted(PROMPT, ref, n, layout), config=cfg)
+
+
+@pytest.mark.parametrize("device,graphs", STEPS)
+def test_a_trusted_tree_out_of_topological_order_is_refused_by_both_steps(gdn, device, graphs):
     with pytest.raises(InvalidTreeError, match=r"sequence 0, node 0: parent 2 is not in -1\.\.-1; nodes must be "
                                                r"in topological order"):
-        specla.run(model, "gdn", prompts=[PROMPT], drafter=drafter, config=cfg)
+        _run_scripted(gdn, 3, _child_before_parent, device, graphs)
 
 
 @pytest.mark.parametrize("device,graphs", STEPS)
 def test_placeholder_ids_in_trusted_padding_never_reach_the_embedding(gdn, device, graphs):
-    arch, model = gdn
-    ref = arch.reference_decode(model, PROMPT, 24)
-    drafter = _Scripted(PROMPT, ref, 1, _placeholder_padding)
-    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs, device=device)
-    out = specla.run(model, "gdn", prompts=[PROMPT], drafter=drafter, config=cfg)
+    ref, out = _run_scripted(gdn, 1, _placeholder_padding, device, graphs)
     assert out.outputs == [ref[:16]]
     assert out.stats.mean_accepted_tokens == 1.0  # every step accepted its one right draft
 
