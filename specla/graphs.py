@@ -173,8 +173,10 @@ class GraphRunner:
     def step(self, contexts: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
         """One speculative step of the whole (physical) batch.
 
-        The first step after a prefill runs eagerly (it creates the pending commit the graphs
-        copy); after that a step is one replay of the batch's graph (recorded on first use).
+        The first step after a prefill runs eagerly until a graph of this batch size exists (it
+        creates the pending commit a graph copies); after that, the first step replays the graph
+        from an empty pending commit (``TargetAdapter.empty_commit_state``), and every step is one
+        replay of the batch's graph (recorded on first use).
         While the live state is the graph's own buffers (see :meth:`release`) nothing is copied
         or checked before the replay.
 
@@ -192,6 +194,9 @@ class GraphRunner:
         # a prefill or select outside the runner replaces the roots: that also unbinds
         if g is None or ad.roots is not self._bound_roots or self.graphs.get(ad.batch_size) is not g:
             state, dstate = ad.graph_state(), dr.graph_state()
+            if state is None and ad.batch_size in self.graphs:  # first step after a prefill: a
+                # pending commit of nothing, in the recorded graph's own buffers, replays it
+                state = ad.empty_commit_state(self.graphs[ad.batch_size].state)
             if state is None:  # no pending commit yet (first step after prefill): the same
                 # fixed-shape step, run eagerly on the live state; it leaves the pending commit
                 tree = None

@@ -195,6 +195,14 @@ class TargetAdapter(ABC):
         """The largest draft budget ``N`` a captured verify supports (default: none)."""
         return -1
 
+    def empty_commit_state(self, template: list[Tensor]) -> list[Tensor] | None:
+        """The graph state of a step that has nothing to commit yet (just after a prefill), laid
+        out like ``template``, the static state of a graph recorded for this batch size, or
+        ``None`` when the adapter cannot build it (the default): the runner then runs the first
+        step eagerly. An adapter with a delayed commit may take its pending-commit tensors from
+        ``template`` (overwriting them) and commit nothing with them."""
+        return None
+
     @abstractmethod
     def _prefill(self, prompts: list[list[int]]) -> None: ...
 

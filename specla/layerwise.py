@@ -143,6 +143,30 @@ class LayerwiseAdapter(TargetAdapter):
             out += [self.pending.path, self.pending.path_len]
         return out
 
+    def empty_commit_state(self, template: list[Tensor]) -> list[Tensor] | None:
+        """See :meth:`TargetAdapter.empty_commit_state`: with the ``factor`` commit and no pending
+        commit, a pending commit of no tokens (``path_len`` 0, the records zeroed) in
+        ``template``'s record tensors, so that a recorded graph replays the first step after a
+        prefill; ``None`` before any graph was recorded (no record layout is known) or when
+        ``template`` does not fit."""
+        if self.config.commit != "factor" or self.pending is not None:
+            return self.graph_state()
+        layout = getattr(self, "_pending_template", None)
+        head = [*self.recurrent, *(c for c in self.conv if c is not None), self._roots]
+        if layout is None:
+            return None
+        counts = [sum(isinstance(getattr(r, f.name), Tensor) for f in fields(r)) for r in layout.records]
+        tail = template[len(head):]
+        if len(tail) != sum(counts) + 2:
+            return None
+        for t in tail:
+            t.zero_()  # path_len 0: nothing is committed; zeroed records keep every product finite
+        it = iter(tail)
+        records = tuple(replace(r, **{f.name: next(it) for f in fields(r) if isinstance(getattr(r, f.name), Tensor)})
+                        for r in layout.records)
+        self.pending = PendingCommit(records, next(it), next(it))
+        return self.graph_state()
+
     def set_graph_state(self, tensors: list[Tensor]) -> None:
         """Rebind the state to ``tensors`` (the layout of :meth:`graph_state`)."""
         it = iter(tensors)

@@ -346,9 +346,13 @@ def test_kernels_auto_means_triton_on_cuda_only(plugin, monkeypatch):
     from specla import SpecConfig
     from specla.registry import get_plugin
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels="triton" on the CPU needs it (GPU runs unset it)
     p = get_plugin(plugin)
     model = p.tiny_model(next(iter(p.tiny_variants)))
+    # the plugin's kernel modules are imported first: @triton.jit picks compiled or interpreted
+    # kernels when they are defined, so importing them under the variable would interpret them
+    # for the rest of a GPU test process
+    p.make_adapter(model, SpecConfig(kernels="reference", device="cpu", dtype="float32"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels="triton" on the CPU needs it
     assert SpecConfig().kernels == "auto"
     for kernels, on_cpu in (("auto", False), ("triton", True), ("reference", False)):
         adapter = p.make_adapter(model, SpecConfig(kernels=kernels, device="cpu", dtype="float32"))

@@ -257,3 +257,50 @@ def test_runner_notices_a_state_replaced_outside_it():
         outcomes.append(runner.step(contexts[::-1]))
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][2][0] != outcomes[0][2][1]  # the rows differ, so a stale replay would show
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2"])
+def test_first_step_after_a_prefill_replays_the_recorded_graph(plugin, device, monkeypatch):
+    """Once a graph of the batch size exists, the first step after a prefill replays it from a
+    pending commit of nothing (``empty_commit_state``) instead of running eagerly: a second
+    ``generate`` on the same decoder runs no eager step and gives eager decoding's tokens and
+    acceptance, with the plugins' kernels (interpreted on the CPU) and drafts that get accepted."""
+    from specla.graphs import GraphRunner
+    from specla.registry import get_plugin
+
+    arch = get_plugin(plugin)
+    model = arch.tiny_model(arch.tiny_variants[0], seed=1)
+    V = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(4)
+    motif = torch.randint(0, V, (4,), generator=g).tolist()
+    batches = [[motif * 4, torch.randint(0, V, (7,), generator=g).tolist()],
+               [torch.randint(0, V, (11,), generator=g).tolist(), motif * 3 + [motif[0]]]]
+    cfg = dict(num_draft_tokens=6, max_depth=4, top_k=2, max_new_tokens=24, device=device, dtype="float32",
+               budget_policy="fixed")
+    eager = SpecDecoder(model, plugin, drafter="ngram", config=dict(cfg, cuda_graphs="off"))
+    graphed = SpecDecoder(model, plugin, drafter="ngram",
+                          config=dict(cfg, cuda_graphs="on" if device == "cuda" else "unrecorded"))
+    calls = {"body": 0, "record": 0}
+    body, record = GraphRunner._body, GraphRunner._record
+
+    def counted_body(self, *a):
+        calls["body"] += 1
+        return body(self, *a)
+
+    def counted_record(self, *a):
+        calls["record"] += 1
+        return record(self, *a)
+
+    monkeypatch.setattr(GraphRunner, "_body", counted_body)
+    monkeypatch.setattr(GraphRunner, "_record", counted_record)
+    eager_steps, accepted = [], 0
+    for prompts in batches:
+        calls.update(body=0, record=0)
+        want, got = eager.generate(prompts), graphed.generate(prompts)
+        eager_steps.append(calls["body"] - calls["record"])
+        assert got.outputs == want.outputs
+        assert got.stats.accepted_histogram == want.stats.accepted_histogram
+        accepted += sum(k * n for k, n in enumerate(want.stats.accepted_histogram))
+    assert eager_steps == [1, 0]
+    assert accepted > 0  # drafts were accepted

@@ -61,7 +61,8 @@ def _run_scripted(gdn, n, layout, device, graphs):
     ``(reference continuation, run result)``."""
     arch, model = gdn
     ref = arch.reference_decode(model, PROMPT, 24)
-    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs, device=device)
+    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs, device=device,
+               budget_policy="fixed")  # the adaptive policy may run plain steps on a GPU
     return ref, specla.run(model, "gdn", prompts=[PROMPT], drafter=_Scripted(PROMPT, ref, n, layout), config=cfg)
 
 

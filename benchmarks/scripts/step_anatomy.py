@@ -1,0 +1,221 @@
+"""Where a ``generate`` call of the ``small`` target's shape spends its time, part by part
+(BENCHMARKS.md section 4, issue 16's diagnosis).
+
+    python benchmarks/scripts/step_anatomy.py [--batches 1,32] [--dtype bfloat16] > anatomy.jsonl
+
+A randomly initialised GDN model of the ``small`` preset's shape (costs in a CUDA graph do not
+depend on acceptance) with a random attention EAGLE head, prompts of 69 tokens (the GSM8K suite's
+median), 128 new tokens, CUDA graphs. Rows: AR (N 0), EAGLE chain (N 6) and tree (N 15, depth 6,
+top-k 4). For each row and batch, one JSON line with
+
+- the whole call (medians of 5 after a warm-up call that records the graphs): wall ms, prefill
+  (prompt passes and the drafter's reset), the first step, the median graph step, the final flush;
+- each part of a step recorded alone in its own CUDA graph and replayed 50 times: the drafter's
+  tree (``propose``), ``verify`` with the pending commit fused, ``accept + commit`` (greedy
+  acceptance, the pending commit's bookkeeping, the drafter's cache update), and the whole
+  recorded step; device time per replay (ms) and kernels per replay (torch profiler);
+- ``fla_graph_ms``: FLA's own ``GatedDeltaNetForCausalLM`` forward of one token with its cache,
+  recorded in a CUDA graph (the plain-decoding baseline of the measuring protocol).
+
+One CUDA GPU; FLA installed.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
+from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
+from train_target import PRESETS  # noqa: E402
+
+from specla import SpecDecoder  # noqa: E402
+from specla.acceptance import accept_greedy  # noqa: E402
+from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
+import specla.graphs as G  # noqa: E402
+from specla.tree import DraftTree  # noqa: E402
+
+CUDA = True  # set by --device
+
+_KEEP = []  # recorded graphs stay alive: a later part reads an earlier part's outputs from its pool
+ROWS = {"ar": dict(num_draft_tokens=0), "eagle-chain": dict(num_draft_tokens=6, max_depth=6, top_k=1),
+        "eagle-tree": dict(num_draft_tokens=15, max_depth=6, top_k=4)}
+
+
+def timed_graph(fn, replays=50, recorded=None):
+    """Record ``fn`` in a CUDA graph (or take the ``recorded`` one); median device ms per replay
+    and kernels per replay. On the CPU (``--device cpu``, a logic check) ``fn`` runs eagerly and
+    the count is of operators."""
+    if not CUDA:
+        fn()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return 0.0, sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    g = recorded
+    if g is None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        _KEEP.append(g)
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return round(statistics.median(times), 4), kernels
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def parts(dec, prompts):
+    """Each part of a recorded step timed alone (see the module docstring)."""
+    ad, dr, cfg = dec.adapter, dec.drafter, dec.config
+    ad.prefill(prompts)
+    dr.reset(prompts)
+    runner = G.GraphRunner(ad, dr, cfg, capture=CUDA)
+    runner.step([list(p) for p in prompts])  # eager: leaves the pending commit the graphs read
+    state, dstate = ad.graph_state(), dr.graph_state()  # with the pending commit
+    pending = ad.pending
+    depth = min(cfg.max_depth, cfg.num_draft_tokens)
+    out, box = {}, {}
+
+    def propose():
+        box["tree"] = dr.propose_on_device(ad.roots, cfg)
+
+    def verify():
+        ad.pending = pending  # verify takes the pending commit over
+        box["out"] = ad._verify(box["tree"])
+
+    def accept_commit():
+        acc = accept_greedy(box["tree"], box["out"].logits, max_depth=depth)
+        ad._commit(box["tree"], box["out"], acc)
+        dr.on_commit(acc, box["out"])
+
+    ad.static_shapes = True
+    try:
+        if cfg.num_draft_tokens:
+            out["propose"] = timed_graph(propose)
+        else:
+            box["tree"] = DraftTree.empty(ad.batch_size, ad.device)
+        out["verify"] = timed_graph(verify)
+        out["accept_commit"] = timed_graph(accept_commit)
+    finally:
+        ad.static_shapes = False
+    ad.set_graph_state(state)  # back to the state with the pending commit
+    dr.set_graph_state(dstate)
+    g = runner._new_graph(ad.batch_size, state, dstate)
+    ad.set_graph_state(g.state)
+    dr.set_graph_state(g.drafter_state)
+    out["step"] = timed_graph(lambda: runner._record(g), recorded=g.graph)
+    ad.flush()
+    return {k: {"ms": v[0], "kernels": v[1]} for k, v in out.items()}
+
+
+def whole_calls(dec, prompts, repeats=5):
+    """Medians over ``repeats`` timed calls after a warm-up call: the call's parts in ms."""
+    eng = dec.engine
+    rec = {}
+    orig_step = G.GraphRunner.step
+    orig_flush = type(dec.adapter).flush
+
+    def step(self, contexts):
+        sync()
+        t = time.perf_counter()
+        r = orig_step(self, contexts)
+        rec.setdefault("steps", []).append(time.perf_counter() - t)
+        return r
+
+    def flush(self):
+        sync()
+        t = time.perf_counter()
+        orig_flush(self)
+        sync()
+        rec.setdefault("flush", []).append(time.perf_counter() - t)
+
+    G.GraphRunner.step, type(dec.adapter).flush = step, flush
+    try:
+        dec.generate(prompts)
+        rows = []
+        for _ in range(repeats):
+            rec.clear()
+            sync()
+            t = time.perf_counter()
+            r = dec.generate(prompts)
+            sync()
+            wall = time.perf_counter() - t
+            st = rec["steps"]
+            rows.append(dict(wall_ms=wall * 1e3, prefill_ms=r.stats.prefill_s * 1e3, first_step_ms=st[0] * 1e3,
+                             step_ms_median=statistics.median(st[1:] or st) * 1e3, steps=r.stats.steps,
+                             flush_ms=sum(rec.get("flush", [0])) * 1e3, accepted=r.stats.mean_accepted_tokens,
+                             tokens=r.stats.generated_tokens))
+    finally:
+        G.GraphRunner.step, type(dec.adapter).flush = orig_step, orig_flush
+    assert eng is dec.engine
+    return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+
+
+def fla_graph_ms(model, B, prompt_len=69, replays=50):
+    """FLA's model forward of one token per sequence with its cache, in a CUDA graph (ms)."""
+    dev = model.device
+    ids = torch.randint(0, model.config.vocab_size, (B, prompt_len), device=dev)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        cache = out.past_key_values
+        tok = torch.randint(0, model.config.vocab_size, (B, 1), device=dev)
+        return timed_graph(lambda: model(input_ids=tok, past_key_values=cache, use_cache=True), replays)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--prompt-len", type=int, default=69)
+    p.add_argument("--device", default="cuda", help="cpu: check the script's logic (no timings)")
+    p.add_argument("--preset", default="small", help="the model shape: a preset of train_target.py")
+    a = p.parse_args()
+    global CUDA
+    CUDA = a.device == "cuda"
+    torch.manual_seed(0)
+    dtype = getattr(torch, a.dtype)
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS[a.preset]["model"]))
+    model = model.to(a.device, dtype).eval()
+    head = EagleHead(model.config.hidden_size)
+    for B in (int(x) for x in a.batches.split(",")):
+        g = torch.Generator().manual_seed(B)
+        prompts = [torch.randint(0, 32000, (a.prompt_len,), generator=g).tolist() for _ in range(B)]
+        if CUDA:
+            print(json.dumps(dict(batch=B, row="fla-graph", step=fla_graph_ms(model, B, a.prompt_len))), flush=True)
+        for name in a.rows.split(","):
+            tree = ROWS[name]
+            drafter = EagleDrafter(head) if tree["num_draft_tokens"] else "ngram"
+            dec = SpecDecoder(model, "gdn", drafter=drafter, config=dict(
+                dtype=a.dtype, device=a.device, cuda_graphs="on" if CUDA else "unrecorded", max_new_tokens=128, stop_at_eos=False, budget_policy="fixed", **tree))
+            print(json.dumps(dict(batch=B, row=name, call=whole_calls(dec, prompts))), flush=True)
+            print(json.dumps(dict(batch=B, row=name, parts=parts(dec, prompts))), flush=True)
+            del dec
+            if CUDA:
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
