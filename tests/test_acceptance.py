@@ -55,15 +55,21 @@ def trees_and_targets(draw):
     return rows, targets
 
 
-@settings(max_examples=200, deadline=None)
-@given(trees_and_targets())
-def test_matches_sequential_walk(case):
+@settings(max_examples=300, deadline=None)
+@given(trees_and_targets(), st.one_of(st.none(), st.integers(0, 9)))
+def test_matches_sequential_walk(case, max_depth):
+    """The all-nodes-at-once acceptance against a walk from the root, level by level; with a
+    static ``max_depth`` (what the recorded step passes) the walk stops after that many levels."""
     rows, targets = case
     tree = DraftTree.from_lists(rows)
-    acc = accept_greedy(tree, logits_for(targets, vocab=4))
+    acc = accept_greedy(tree, logits_for(targets, vocab=4), max_depth=max_depth)
+    N = tree.tokens.shape[1]
+    D = tree.depth.masked_fill(~tree.valid, 0).max().item() if N else 0
+    D = D if max_depth is None else min(max_depth, N)
+    assert acc.path.shape == (len(rows), D + 1) and acc.tokens.shape == (len(rows), D)
     for b, (tokens, parents) in enumerate(rows):
         cur, path = -1, []
-        while True:  # reference: first child (lowest index) whose token is the target's argmax
+        while len(path) < D:  # reference: first child (lowest index) whose token is the target's argmax
             want = targets[b][cur + 1]
             kids = [i for i in range(len(tokens)) if parents[i] == cur and tokens[i] == want]
             if not kids:
