@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from abc import abstractmethod
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from numbers import Integral
 
 import torch
@@ -20,6 +20,21 @@ from .records import Acceptance, PendingCommit, Record
 from .tree import DraftTree
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
+# prefill passes run as one recorded CUDA graph up to this many prompts (where a pass is bound by
+# its launches); each recorded batch size keeps a pass's records (64 tokens per prompt) in its pool
+PREFILL_GRAPH_MAX_BATCH = 8
+
+
+@dataclass
+class _PrefillGraph:
+    """One recorded prefill pass for ``B`` prompts: static inputs, state and output."""
+
+    tokens: Tensor  # [B, PREFILL_CHUNK] int64, the chunk (padding 0)
+    parents: Tensor  # [B, PREFILL_CHUNK] int64, a chain
+    counts: Tensor  # [B] int64, the chunk's real tokens per prompt
+    state: list[Tensor]  # recurrent states, then conv windows
+    hidden: Tensor  # [B, PREFILL_CHUNK, hidden] last-layer features
+    graph: "torch.cuda.CUDAGraph | None" = None
 
 
 def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
@@ -78,6 +93,7 @@ class LayerwiseAdapter(TargetAdapter):
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_hidden = torch.zeros(0, self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
         self.pending: PendingCommit | None = None
+        self._prefill_graphs: dict[int, _PrefillGraph] = {}  # recorded prefill passes per batch size
 
     @abstractmethod
     def _empty_state(self, B: int) -> None:
@@ -212,7 +228,14 @@ class LayerwiseAdapter(TargetAdapter):
         return self.embed_weight[tokens]
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
-        """Logits ``[..., vocab]`` of last-layer features ``[..., hidden]`` (final norm + LM head)."""
+        """Logits ``[..., vocab]`` of last-layer features ``[..., hidden]`` (final norm + LM head).
+        Where the plugin's kernels run and no gradient is taken, the norm is one Triton launch
+        (:func:`specla.ops.norm_triton.rms_norm`, same formula and roundings): a drafter scores
+        every draft level with it inside the recorded step."""
+        if self.triton_kernels and not (torch.is_grad_enabled() and hidden.requires_grad):
+            from .ops import norm_triton  # on first use: TRITON_INTERPRET is read when kernels are defined
+
+            return norm_triton.rms_norm(hidden, self.norm, self.norm_eps) @ self.lm_head.T
         return rms_norm(hidden, self.norm, self.norm_eps) @ self.lm_head.T
 
     def score(self, tokens: Tensor, return_hidden: bool = False):
@@ -262,11 +285,94 @@ class LayerwiseAdapter(TargetAdapter):
         if T:
             tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
             lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
-            _, hidden = self._run_chunks(tokens, lengths)
+            mode = self._prefill_mode(len(prompts))
+            if mode is None:
+                _, hidden = self._run_chunks(tokens, lengths)
+            else:
+                hidden = self._run_chunks_static(tokens, lengths, record=mode == "record")
             last = hidden[torch.arange(len(prompts), device=self.device), (lengths - 1).clamp(min=0)]
             self.last_hidden = torch.where((lengths > 0)[:, None], last, self.last_hidden)
             self.prompt_hidden = hidden
         self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
+
+    def _prefill_mode(self, B: int) -> str | None:
+        """How this prefill runs its passes: ``"record"`` (one CUDA graph per batch size,
+        replayed per 64-token chunk: the plugin's kernels on a GPU with ``cuda_graphs`` on or
+        auto), ``"unrecorded"`` (the same fixed-shape pass run eagerly: ``cuda_graphs=
+        "unrecorded"``, how the CPU tests check it) or ``None`` (eager passes of the chunk's own
+        width)."""
+        cfg = self.config
+        if B > PREFILL_GRAPH_MAX_BATCH or self.differentiable:
+            return None
+        if cfg.cuda_graphs == "unrecorded":
+            return "unrecorded"
+        if cfg.cuda_graphs in ("auto", "on") and self.device.type == "cuda" and self._use_kernel("factor"):
+            return "record"
+        return None
+
+    def _state_list(self) -> list[Tensor]:
+        return [*self.recurrent, *(c for c in self.conv if c is not None)]
+
+    def _set_state_list(self, tensors: list[Tensor]) -> None:
+        it = iter(tensors)
+        self.recurrent = [next(it) for _ in self.recurrent]
+        self.conv = [None if c is None else next(it) for c in self.conv]
+
+    def _prefill_pass(self, g: _PrefillGraph) -> None:
+        """One 64-token chain pass on ``g``'s static buffers, its commit, and the new state copied
+        back into them: what a recorded prefill graph holds."""
+        from .graphs import copy_into
+
+        self._set_state_list(g.state)
+        self.static_shapes = True
+        try:
+            _, hidden, recs = self.forward(g.tokens, g.parents, g.counts, "factor", logits=False)
+            W = g.tokens.shape[1]
+            idx = torch.arange(W, device=self.device)
+            self._apply(recs, torch.where(idx < g.counts[:, None], idx, -1), g.counts)
+        finally:
+            self.static_shapes = False
+        copy_into(g.state + [g.hidden], self._state_list() + [hidden])
+        self._set_state_list(g.state)
+
+    def _run_chunks_static(self, tokens: Tensor, lengths: Tensor, record: bool) -> Tensor:
+        """:meth:`_run_chunks` (no logits) with fixed-shape passes of ``PREFILL_CHUNK`` tokens on
+        static buffers, recorded once per batch size and replayed per chunk when ``record``
+        (see :meth:`_prefill_mode`); the state starts empty. Returns ``[B, T, hidden]``."""
+        B, T = tokens.shape
+        W = PREFILL_CHUNK
+        graphs = self._prefill_graphs
+        g = graphs.get(B) if record else None
+        if g is None:
+            g = _PrefillGraph(torch.zeros(B, W, dtype=torch.int64, device=self.device),
+                              torch.arange(-1, W - 1, device=self.device).expand(B, W).contiguous(),
+                              torch.zeros(B, dtype=torch.int64, device=self.device),
+                              [t.clone() for t in self._state_list()],
+                              torch.zeros(B, W, self.embed_weight.shape[1], dtype=self.dtype, device=self.device))
+            if record:  # a warm-up pass (Triton compiles), then the recording
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    self._prefill_pass(g)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                g.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.graph):
+                    self._prefill_pass(g)
+                graphs[B] = g
+        torch._foreach_zero_(g.state)  # a new batch starts from the empty state
+        feats = []
+        for start in range(0, T, W):
+            n = min(W, T - start)
+            g.tokens[:, :n].copy_(tokens[:, start : start + n])
+            g.tokens[:, n:].zero_()
+            g.counts.copy_((lengths - start).clamp(0, W))
+            if g.graph is not None:
+                g.graph.replay()
+            else:
+                self._prefill_pass(g)
+            feats.append(g.hidden[:, :n].clone())
+        self._set_state_list([t.clone() for t in g.state])  # the graph's buffers serve the next prefill
+        return torch.cat(feats, 1)
 
     @torch.no_grad()
     def _verify(self, tree: DraftTree) -> VerifyOutput:

@@ -229,3 +229,53 @@ def test_train_drafter_checks_its_options_before_reading_data(tmp_path):
                              distill_new_tokens=16, save_every=3, seed=1, num_heads=8)
     with pytest.raises(DrafterError, match=r"other options \(num_heads None there, 8 now\)"):
         train_drafter(dec.adapter, dec.tokenizer, missing, tmp_path / "part", cfg, resume=True)
+
+
+needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                  reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_level_on_the_kernels_equals_the_pytorch_level(dtype):
+    """``EagleHead.step`` with ``kernels=True`` (one launch each for the attention, the norms and
+    SwiGLU, residuals inside the GEMMs) against the PyTorch level on fresh random inputs: same
+    features, keys and values (float32: to rounding; bfloat16: to a few bf16 ulps of the
+    features' scale), with a ragged cache (one row empty) and two ancestors per node."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    head = EagleHead(64, num_heads=4)
+    with torch.no_grad():
+        for prm in head.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * prm.shape[-1] ** -0.5)
+    head = head.to(dev, dtype)
+    B, M, A, L = 2, 3, 2, 70
+    h = torch.randn(B, M, 64, generator=g).to(dev, dtype)
+    anc_k, anc_v = (torch.randn(B, M, A, 4, 16, generator=g).to(dev, dtype) for _ in range(2))
+    ck, cv = (torch.randn(B, L, 4, 16, generator=g).to(dev, dtype) for _ in range(2))
+    n = torch.tensor([0, 57], device=dev)
+    with torch.no_grad():
+        want = head.step(h, anc_k, anc_v, ck, cv, n)
+        got = head.step(h, anc_k, anc_v, ck, cv, n, kernels=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@needs_triton
+def test_the_trained_drafter_on_the_kernels_is_exact_and_proposes_the_same_trees():
+    """The shipped tiny drafter with the Triton draft levels (``kernels="triton"``, float32):
+    greedy output equal to plain decoding, and the acceptance histogram of the PyTorch levels
+    (the same trees, up to float32 rounding)."""
+    cfg = dict(dtype="float32", max_new_tokens=12, num_draft_tokens=8, max_depth=4, top_k=3, budget_policy="fixed")
+    prompts = ["Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:", "def add(a, b):"]
+    runs = {}
+    for kernels in ("reference", "triton"):
+        dec = SpecDecoder(TINY, None, drafter=str(TINY_EAGLE), config=dict(cfg, kernels=kernels))
+        assert dec.drafter.kernels is (kernels == "triton")
+        runs[kernels] = dec.generate(prompts)
+    ar = SpecDecoder(TINY, None, config=dict(cfg, num_draft_tokens=0)).generate(prompts)
+    assert runs["triton"].outputs == ar.outputs == runs["reference"].outputs
+    assert runs["triton"].stats.accepted_histogram == runs["reference"].stats.accepted_histogram
+    assert runs["triton"].stats.mean_accepted_tokens > 0

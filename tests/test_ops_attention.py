@@ -90,3 +90,52 @@ def test_bad_shapes_and_overflow_are_refused():
         tree_attention(q, k, v, kc[:, :, :1], vc, n, anc, depth)
     with pytest.raises(ValueError, match="the cache holds 24 tokens; committing a path of up to 4 after 21"):
         commit_kv(kc, vc, torch.tensor([21, 3]), k, v, torch.zeros(2, 4, dtype=torch.int64), torch.tensor([4, 1]))
+
+
+needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                  reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,A,lens", [(1, 1, (0, 70)), (4, 3, (131, 1)), (3, 6, (64, 128))])
+def test_draft_attention_kernel_equals_its_pytorch_twin(dtype, M, A, lens):
+    """The EAGLE level's attention over cache and ancestors: the one-launch kernel against the
+    PyTorch form on fresh random inputs, caches whose slots past ``cache_len`` hold large
+    garbage, an empty cache, a full one (``cache_len == L``), block edges (64, 128), a head dim
+    that is not a power of two, and the output pre-filled with NaN."""
+    from specla.ops import attention_triton
+    from specla.ops.attention import draft_attention
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(M * 10 + A)
+    B, L, Hh, Dh = len(lens), 131, 3, 12
+    q = torch.randn(B, M, Hh, Dh, generator=g).to(dev, dtype)
+    ck, cv = (torch.randn(B, L, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
+    n = torch.tensor(lens, device=dev)
+    for b, length in enumerate(lens):
+        ck[b, length:] = 1e4  # garbage past the valid entries must not be read
+        cv[b, length:] = float("nan")
+    keys, values = (torch.randn(B, M, A, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
+    out = torch.full((B, M, Hh, Dh), float("nan"), device=dev)
+    got = attention_triton.draft_attention(q, ck, cv, n, keys, values, out=out)
+    assert got is out and not got.isnan().any()
+    want = draft_attention(q.double(), ck.double(), torch.nan_to_num(cv.double()), n, keys.double(), values.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: q rounded for the cache products
+    assert (got.double() - want).abs().max() < tol
+
+
+@needs_triton
+def test_draft_attention_kernel_refuses_what_it_cannot_run():
+    from specla.ops import attention_triton
+
+    q = torch.randn(1, 2, 2, 8)
+    ck = torch.randn(1, 5, 2, 8)
+    keys = torch.randn(1, 2, 1, 2, 8)
+    n = torch.tensor([3])
+    with pytest.raises(ValueError, match=r"expected \[B, M, H, Dh\]"):
+        attention_triton.draft_attention(q, ck, ck, n, keys[:, :, :0], keys[:, :, :0])
+    with pytest.raises(ValueError, match="float64"):
+        attention_triton.draft_attention(q.double(), ck.double(), ck.double(), n, keys.double(), keys.double())
+    with pytest.raises(ValueError, match="dense"):
+        attention_triton.draft_attention(q.transpose(2, 3).contiguous().transpose(2, 3), ck, ck, n, keys, keys)

@@ -287,7 +287,7 @@ class GDNAdapter(LayerwiseAdapter):
             else:
                 out_records.append(GDNReplayRecord(k=k, v=v.to(self.state_dtype), g=g, beta=beta, conv_x=conv_x))
             x = self._mixer_output_and_mlp(L, x, h, o, gate, fused=kernel)
-        out = norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
+        out = self.lm_logits(x) if logits else None
         return out, x, tuple(out_records)
 
     def _reference_verify(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, mask: Tensor,

@@ -221,7 +221,7 @@ class GLAAdapter(LayerwiseAdapter):
             x = x + o.reshape(B, T, -1).to(self.dtype) @ L.w_o.T
             h = rms_norm(x, L.mlp_norm, L.mlp_eps)
             x = x + (F.silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
-        out = rms_norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
+        out = self.lm_logits(x) if logits else None
         return out, x, tuple(out_records)
 
     @staticmethod

@@ -191,7 +191,7 @@ class Mamba2Adapter(LayerwiseAdapter):
             else:
                 o = y * F.silu(z.to(st))
             x = (residual + F.linear(o.to(self.dtype), L.w_out, L.b_out)).to(self.dtype)
-        out = rms_norm(x, self.norm, self.norm_eps) @ self.lm_head.T if logits else None
+        out = self.lm_logits(x) if logits else None
         return out, x, tuple(out_records)
 
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:

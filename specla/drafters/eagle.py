@@ -30,6 +30,7 @@ from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance, path_end
 from ..tree import DraftTree
 from ..acceptance import sampling_probs
+from ..ops.attention import draft_attention
 from .pruning import build_tree, sample_tree
 
 FORMAT = "specla-eagle-v2"
@@ -78,19 +79,36 @@ class EagleHead(nn.Module):
         """``h = W_fc [f ; e]``: ``[..., hidden]`` from a feature and the next token's embedding."""
         return self.fc(torch.cat([feature, embedding], dim=-1))
 
-    def qkv_heads(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys, values ``[..., heads, hidden / heads]`` of pairs ``h [..., hidden]``."""
-        q, k, v = self.qkv(self.attn_norm(h)).chunk(3, dim=-1)
+    def qkv_heads(self, h: Tensor, kernels: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys, values ``[..., heads, hidden / heads]`` of pairs ``h [..., hidden]``
+        (``kernels``: the norm in one Triton launch, no autograd)."""
+        n = _kernels().rms_norm(h, self.attn_norm.weight, self.config["eps"]) if kernels else self.attn_norm(h)
+        q, k, v = self.qkv(n).chunk(3, dim=-1)
         shape = (*h.shape[:-1], self.num_heads, h.shape[-1] // self.num_heads)
         return q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
-    def finish(self, h: Tensor, attended: Tensor | None) -> Tensor:
+    def finish(self, h: Tensor, attended: Tensor | None, kernels: bool = False) -> Tensor:
         """``f_next`` from the pair ``h [..., hidden]`` and its attention output
-        ``[..., heads, hidden / heads]`` (``None`` without attention)."""
+        ``[..., heads, hidden / heads]`` (``None`` without attention). ``kernels``: the norm and
+        SwiGLU in one Triton launch each, the residual adds inside the output GEMMs (no autograd)."""
+        if not kernels:
+            if attended is not None:
+                h = h + self.o(attended.flatten(-2).to(h.dtype))
+            n = self.norm(h)
+            return h + self.down(F.silu(self.gate(n)) * self.up(n))
+        shape, H = h.shape, h.shape[-1]
+        h = h.reshape(-1, H)
         if attended is not None:
-            h = h + self.o(attended.flatten(-2).to(h.dtype))
-        n = self.norm(h)
-        return h + self.down(F.silu(self.gate(n)) * self.up(n))
+            h = torch.addmm(h, attended.reshape(-1, H).to(h.dtype), self.o.weight.T)
+        gu = _kernels().rms_norm(h, self.norm.weight, self.config["eps"]) @ self._gate_up().T
+        return torch.addmm(h, _kernels().swiglu(gu, self.gate.weight.shape[0]), self.down.weight.T).view(shape)
+
+    def _gate_up(self) -> Tensor:
+        """``[W_gate ; W_up]`` stacked (one GEMM), rebuilt when the weights are replaced."""
+        key = (self.gate.weight.data_ptr(), self.up.weight.data_ptr(), self.gate.weight.dtype)
+        if getattr(self, "_gu_key", None) != key:
+            self._gu, self._gu_key = torch.cat([self.gate.weight, self.up.weight]).detach(), key
+        return self._gu
 
     def forward(self, feature: Tensor, embedding: Tensor) -> Tensor:
         """Teacher-forced prediction over whole sequences (each pair attends to itself and every
@@ -109,35 +127,29 @@ class EagleHead(nn.Module):
         return self.finish(h, F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2))
 
     def step(self, h: Tensor, anc_k: Tensor, anc_v: Tensor, cache_k: Tensor, cache_v: Tensor,
-             cache_len: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+             cache_len: Tensor, kernels: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """One draft level: pairs ``h [B, M, hidden]`` attend to their sequence's cache and to
-        their own tree ancestors and themselves.
+        their own tree ancestors and themselves (:func:`specla.ops.attention.draft_attention`).
 
         Args:
             anc_k, anc_v: ``[B, M, A, heads, d]`` the ancestors' keys and values (``A`` may be 0).
             cache_k, cache_v: ``[B, L, heads, d]`` the accepted prefix; ``cache_len [B]`` int64
                 entries valid per sequence.
+            kernels: the Triton forms (one launch for the attention, the norms and SwiGLU;
+                float32 or bfloat16 inputs, no autograd): what a recorded step runs on a GPU.
         Returns:
             ``(f_next [B, M, hidden], keys, values [B, M, A + 1, heads, d])`` (the ancestors
             with the pairs themselves appended: what their children attend to).
         """
         if not self.num_heads:
-            return self.finish(h, None), anc_k, anc_v
-        q, k, v = self.qkv_heads(h)
+            return self.finish(h, None, kernels), anc_k, anc_v
+        q, k, v = self.qkv_heads(h, kernels)
         keys, values = torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)
-        acc = torch.promote_types(q.dtype, torch.float32)  # scores and softmax in at least float32
-        qf = q.to(acc) * q.shape[-1] ** -0.5
-        # the cache is read in its own dtype (upcasting it would copy all of it every level);
-        # the products accumulate in float32 and only the [B, M, h, L] scores are upcast
-        s_cache = torch.einsum("bmhd,blhd->bmhl", qf.to(cache_k.dtype), cache_k).to(acc)
-        visible = torch.arange(cache_k.shape[1], device=h.device) < cache_len[:, None]  # [B, L]
-        s_cache = s_cache.masked_fill(~visible[:, None, None, :], float("-inf"))
-        s_anc = torch.einsum("bmhd,bmahd->bmha", qf, keys.to(acc))
-        p = torch.softmax(torch.cat([s_cache, s_anc], -1), -1)  # never empty: the pair itself is in
-        L = cache_k.shape[1]
-        out = torch.einsum("bmhl,blhd->bmhd", p[..., :L].to(cache_v.dtype), cache_v).to(acc)
-        out = out + torch.einsum("bmha,bmahd->bmhd", p[..., L:], values.to(acc))
-        return self.finish(h, out), keys, values
+        if kernels:
+            out = _kernels().draft_attention(q, cache_k, cache_v, cache_len, keys, values, out_dtype=h.dtype)
+        else:
+            out = draft_attention(q, cache_k, cache_v, cache_len, keys, values)
+        return self.finish(h, out, kernels), keys, values
 
     def save(self, directory: str | Path, **meta) -> None:
         """Write ``config.json`` (with ``meta``) and ``model.safetensors`` into ``directory``."""
@@ -170,6 +182,18 @@ class EagleHead(nn.Module):
                 raise
             raise DrafterError(f"{d}: incomplete or malformed EAGLE drafter ({type(err).__name__}: {err})") from err
         return head.eval()
+
+
+def _kernels():
+    """The Triton forms of a draft level's pieces, imported on first use: ``@triton.jit`` picks
+    compiled or interpreted kernels when they are defined, so importing them with this module
+    would fix that choice before a test run or a user sets ``TRITON_INTERPRET``."""
+    from types import SimpleNamespace
+
+    from ..ops import act_triton, attention_triton, norm_triton
+
+    return SimpleNamespace(rms_norm=norm_triton.rms_norm, swiglu=act_triton.swiglu,
+                           draft_attention=attention_triton.draft_attention)
 
 
 def is_eagle_dir(path: str | Path) -> bool:
@@ -208,6 +232,7 @@ class EagleDrafter(Drafter):
         self.cache_k = self.cache_v = self.cache_len = None
         self.capacity = 0  # cache entries per sequence (see reset)
         self.generator: torch.Generator | None = None  # the draws of sampled proposals
+        self.kernels = False  # Triton forms of a draft level (decided on bind)
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> "EagleDrafter":
@@ -221,6 +246,10 @@ class EagleDrafter(Drafter):
                                "it was trained for another target")
         self.adapter = adapter
         self.head = self.head.to(adapter.device, adapter.dtype).eval()
+        # the Triton forms of a draft level where the target runs its kernels (a GPU, or the
+        # interpreter in tests), in float32 or bfloat16
+        self.kernels = bool(getattr(adapter, "triton_kernels", False)) and adapter.dtype in (torch.float32,
+                                                                                            torch.bfloat16)
 
     @torch.no_grad()
     def reset(self, prompts: list[list[int]]) -> None:
@@ -265,7 +294,8 @@ class EagleDrafter(Drafter):
         h = self.head.pair(state[:, :, 0], self.adapter.embed(tokens))
         shape = (B, M, A, max(heads, 1), H // max(heads, 1))
         anc_k, anc_v = state[:, :, 1 : 1 + A].reshape(shape), state[:, :, 1 + A :].reshape(shape)
-        new, keys, values = self.head.step(h, anc_k, anc_v, self.cache_k, self.cache_v, self.cache_len)
+        new, keys, values = self.head.step(h, anc_k, anc_v, self.cache_k, self.cache_v, self.cache_len,
+                                           kernels=self.kernels)
         if not heads:
             return new[:, :, None], new
         return torch.cat([new[:, :, None], keys.flatten(-2), values.flatten(-2)], 2), new
@@ -332,7 +362,7 @@ class EagleDrafter(Drafter):
             parents = acceptance.path[:, : W - 1].to(dev)
             feats = torch.cat([self.feature[:, None], hidden[rows[:, None], parents]], 1)
             toks = torch.cat([self.root[:, None], acceptance.tokens.to(dev).clamp(min=0)], 1)
-            _, k, v = self.head.qkv_heads(self.head.pair(feats, self.adapter.embed(toks)))
+            _, k, v = self.head.qkv_heads(self.head.pair(feats, self.adapter.embed(toks)), self.kernels)
             L = self.cache_k.shape[1]
             pos = (self.cache_len[:, None] + torch.arange(W, device=dev)).clamp(max=L - 1)
             self.cache_k[rows[:, None], pos] = k

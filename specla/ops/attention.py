@@ -127,3 +127,31 @@ def commit_kv(k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, k: Tensor, v:
         old = cache.gather(1, index)
         cache.scatter_(1, index, torch.where(keep[:, :, None, None], fresh, old))
     return cache_len + path_len
+
+
+def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, keys: Tensor,
+                    values: Tensor) -> Tensor:
+    """Attention of draft nodes over their sequence's cache and their own ancestors (the EAGLE
+    drafter's level, :meth:`specla.drafters.eagle.EagleHead.step`): node ``(b, m)`` attends to
+    ``cache[b, :cache_len[b]]`` and to ``keys[b, m]`` (its ancestors and itself), one softmax
+    over both. Scores and softmax in at least float32; the cache is read in its own dtype, its
+    products rounded to it (upcasting the cache would copy all of it every level). Twin of
+    :func:`specla.ops.attention_triton.draft_attention` (one launch).
+
+    Args:
+        q: ``[B, M, H, Dh]``; cache_k, cache_v: ``[B, L, H, Dh]``; cache_len: ``[B]`` int64,
+            ``0 <= cache_len <= L``; keys, values: ``[B, M, A, H, Dh]`` with ``A >= 1``.
+    Returns:
+        ``[B, M, H, Dh]`` in the promotion of ``q``'s dtype and float32.
+    Source: EAGLE (Li et al. 2024) draft attention with EAGLE-2's tree ancestors.
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(acc) * q.shape[-1] ** -0.5
+    s_cache = torch.einsum("bmhd,blhd->bmhl", qf.to(cache_k.dtype), cache_k).to(acc)
+    visible = torch.arange(cache_k.shape[1], device=q.device) < cache_len[:, None]  # [B, L]
+    s_cache = s_cache.masked_fill(~visible[:, None, None, :], float("-inf"))
+    s_anc = torch.einsum("bmhd,bmahd->bmha", qf, keys.to(acc))
+    p = torch.softmax(torch.cat([s_cache, s_anc], -1), -1)  # never empty: the node itself is in
+    L = cache_k.shape[1]
+    out = torch.einsum("bmhl,blhd->bmhd", p[..., :L].to(cache_v.dtype), cache_v).to(acc)
+    return out + torch.einsum("bmha,bmahd->bmhd", p[..., L:], values.to(acc))
