@@ -304,3 +304,38 @@ def test_first_step_after_a_prefill_replays_the_recorded_graph(plugin, device, m
         accepted += sum(k * n for k, n in enumerate(want.stats.accepted_histogram))
     assert eager_steps == [1, 0]
     assert accepted > 0  # drafts were accepted
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2"])
+def test_fixed_shape_prefill_equals_eager_prefill(plugin, device):
+    """The prefill of ``cuda_graphs="unrecorded"`` (CPU) or ``"on"`` (CUDA: recorded once, then
+    replayed) runs 64-token chain passes on static buffers: recurrent states, conv windows and
+    last-layer features equal the eager prefill's (float32, to rounding), with ragged prompts
+    over two chunks and a one-token prompt, twice (the second from the recorded graph); over
+    ``PREFILL_GRAPH_MAX_BATCH`` prompts the prefill stays eager."""
+    from specla.layerwise import PREFILL_GRAPH_MAX_BATCH
+    from specla.registry import get_plugin
+
+    arch = get_plugin(plugin)
+    model = arch.tiny_model(arch.tiny_variants[0], seed=1)
+    V = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (70, 1, 131, 9)]
+    static = "on" if device == "cuda" else "unrecorded"
+    adapters = {m: arch.make_adapter(model, SpecConfig(cuda_graphs=m, device=device, dtype="float32",
+                                                       kernels="auto")) for m in ("off", static)}
+    for batch in (prompts, prompts[::-1]):
+        for ad in adapters.values():
+            ad.prefill(batch)
+        want, got = adapters["off"], adapters[static]
+        for a, b in zip(got.recurrent + [c for c in got.conv if c is not None] + [got.last_hidden],
+                        want.recurrent + [c for c in want.conv if c is not None] + [want.last_hidden]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        for b, p in enumerate(batch):  # the features of each prompt's own tokens (padding differs)
+            torch.testing.assert_close(got.prompt_hidden[b, : len(p) - 1], want.prompt_hidden[b, : len(p) - 1],
+                                       rtol=1e-4, atol=1e-5)
+    assert got._prefill_mode(len(prompts)) == ("record" if device == "cuda" else "unrecorded")
+    assert got._prefill_mode(PREFILL_GRAPH_MAX_BATCH + 1) is None
+    if device == "cuda":
+        assert got._prefill_graphs[len(prompts)].graph is not None

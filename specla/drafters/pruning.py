@@ -48,7 +48,7 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
     state, toks = root_state[:, None], roots[:, None]  # frontier: [B, M, ...], [B, M]
     ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # node ids of the frontier (-1: root)
     fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
-    scores, tokens, parents, depths = [], [], [], []
+    scores, tokens, parents, sizes = [], [], [], []
     count = 0
     for d in range(1, D + 1):
         state, logp, child = expand(state, toks)
@@ -56,20 +56,33 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         M, k = logp.shape[1], logp.shape[2]  # k < top_k when the vocabulary is smaller
         scores.append(cand)
         tokens.append(child.flatten(1))
-        parents.append(ids[..., None].expand(B, M, k).flatten(1))
-        depths.append(torch.full_like(cand, d, dtype=torch.int64))
-        level_ids = count + torch.arange(M * k, device=dev).expand(B, -1)
-        count += M * k
+        parents.append(ids.repeat_interleave(k, dim=1))
+        sizes.append(M * k)
         if d == D:
             break
         best = cand.topk(min(k, M * k), dim=1).indices  # the next frontier: best nodes of this level
         slot = best // k  # which frontier node produced them
         state = take_rows(state, slot)
         toks = child.flatten(1).gather(1, best)
-        ids = level_ids.gather(1, best)
+        ids = best + count  # the chosen nodes' ids: this level's first id plus their rank in it
         fscore = cand.gather(1, best)
-    score, token, parent, depth = (torch.cat(x, 1) for x in (scores, tokens, parents, depths))
+        count += M * k
+    score, token, parent = (torch.cat(x, 1) for x in (scores, tokens, parents))
+    depth = _level_depths(tuple(sizes), dev).expand(B, -1)
     return select_nodes(score, token, parent, depth, N, config.tau_tree, fixed_width)
+
+
+_DEPTHS: dict[tuple, Tensor] = {}
+
+
+def _level_depths(sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    """``[C]`` int64 depth of every candidate of levels of ``sizes`` candidates (1 for the first),
+    made once per shape and device: a constant, so a recorded step launches nothing for it (the
+    first call is never the recorded one: a graph is recorded after a warm-up step)."""
+    key = (sizes, str(device))
+    if key not in _DEPTHS:
+        _DEPTHS[key] = torch.cat([torch.full((n,), d, dtype=torch.int64) for d, n in enumerate(sizes, 1)]).to(device)
+    return _DEPTHS[key]
 
 
 def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, budget: int, tau: float,
