@@ -39,9 +39,11 @@ RUNS = ([f"{s}/{d}" for s in SUITES for d in ("eagle-tree", "eagle-chain", "ngra
 
 
 def run_config(name: str, base: dict) -> tuple[str, str, SpecConfig]:
-    """``suite/drafter[/tTEMP|/reference|/bf16]`` -> (suite file, drafter kind, its SpecConfig):
-    sampling at temperature TEMP (seeded), the PyTorch reference path instead of the default
-    kernels (Triton on CUDA), bfloat16 activations instead of ``--dtype``.
+    """``suite/drafter[/tTEMP|/reference|/bf16|/nN|/auto]`` -> (suite file, drafter kind, its
+    SpecConfig): sampling at temperature TEMP (seeded), the PyTorch reference path instead of the
+    default kernels (Triton on CUDA), bfloat16 activations instead of ``--dtype``, a budget of
+    ``N`` draft tokens instead of the drafter's, the default budget policy (``auto``: adaptive on
+    CUDA, so a run may take plain steps) instead of the fixed budget.
 
     Raises:
         ValueError: an unknown suite, drafter or modifier; pydantic's ValidationError (a
@@ -52,9 +54,13 @@ def run_config(name: str, base: dict) -> tuple[str, str, SpecConfig]:
         raise ValueError(f"run {name!r}: expected SUITE/DRAFTER[/MODIFIER...] with SUITE in {sorted(SUITES)} "
                          f"and DRAFTER in {sorted(DRAFTERS)}")
     kind, tree = DRAFTERS[drafter]
-    cfg = dict(base, **tree)
+    cfg = dict(base, budget_policy="fixed", **tree)  # the acceptance of this budget, unless /auto
     for e in extra:
-        if e in ("reference", "triton"):
+        if e == "auto":
+            cfg.update(budget_policy="auto")
+        elif e.startswith("n") and e[1:].isdigit():
+            cfg.update(num_draft_tokens=int(e[1:]))
+        elif e in ("reference", "triton"):
             cfg.update(kernels=e)
         elif e == "bf16":
             cfg.update(dtype="bfloat16")
@@ -62,7 +68,7 @@ def run_config(name: str, base: dict) -> tuple[str, str, SpecConfig]:
             cfg.update(temperature=float(e[1:]), seed=0)
         else:
             raise ValueError(f"unknown run modifier {e!r} in {name!r}")
-    return SUITES[suite], kind, SpecConfig(**{"budget_policy": "fixed", **cfg})  # acceptance of this budget
+    return SUITES[suite], kind, SpecConfig(**cfg)
 
 
 def main() -> None:

@@ -118,3 +118,26 @@ def test_runs_record_the_commit_they_measure(monkeypatch):
     assert got == "unknown" or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", got), got
     monkeypatch.setattr(e2e.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
     assert e2e.source_commit() == "unknown"
+
+
+def test_baseline_tables_show_the_ratio_to_the_best_ar_row():
+    """The baselines table has a ``vs best AR`` column (the faster of specla's graph AR and FLA's
+    graph-captured model); rows measured before it existed read ``nan``."""
+    rows = [dict(study="baselines", B=1, row="AR, specla graph", tokens_per_s=500.0, vs_ar_graph=1.0,
+                 vs_best_ar=0.8, ms_per_step=2.0),
+            dict(study="baselines", B=1, row=e2e.FLA_GRAPH, tokens_per_s=625.0, vs_ar_graph=1.25, vs_best_ar=1.0,
+                 ms_per_step=1.6),
+            dict(study="baselines", B=1, row="SpecLA tree", tokens_per_s=900.0, vs_ar_graph=1.8, ms_per_step=5.0)]
+    text = e2e.tables(rows)
+    assert "| vs best AR | vs AR graph |" in text
+    assert "| 1 | AR, specla graph | 500 | 0.80x | 1.00x |" in text
+    assert f"| 1 | {e2e.FLA_GRAPH} | 625 | 1.00x | 1.25x |" in text
+    assert "| 1 | SpecLA tree | 900 | nanx | 1.80x |" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_graph_step_times_the_models_cached_one_token_forward():
+    """The FLA baseline runs on a tiny FLA GDN model: a positive step time and kernels launched."""
+    model = get_plugin("gdn").tiny_model("base", seed=0, dtype=torch.float32).cuda()
+    ms, kernels = e2e.fla_graph_step(model, [[3, 4, 5, 6]] * 2, replays=5)
+    assert ms > 0 and kernels > 0

@@ -14,7 +14,7 @@ top-k 4). For each row and batch, one JSON line with
   tree (``propose``), ``verify`` with the pending commit fused, ``accept + commit`` (greedy
   acceptance, the pending commit's bookkeeping, the drafter's cache update), and the whole
   recorded step; device time per replay (ms) and kernels per replay (torch profiler);
-- ``fla_graph_ms``: FLA's own ``GatedDeltaNetForCausalLM`` forward of one token with its cache,
+- ``fla-graph``: FLA's own ``GatedDeltaNetForCausalLM`` forward of one token with its cache,
   recorded in a CUDA graph (the plain-decoding baseline of the measuring protocol).
 
 One CUDA GPU; FLA installed.
@@ -30,6 +30,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from e2e import fla_graph_step, graph_time  # noqa: E402
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
@@ -41,44 +43,20 @@ from specla.tree import DraftTree  # noqa: E402
 
 CUDA = True  # set by --device
 
-_KEEP = []  # recorded graphs stay alive: a later part reads an earlier part's outputs from its pool
 ROWS = {"ar": dict(num_draft_tokens=0), "eagle-chain": dict(num_draft_tokens=6, max_depth=6, top_k=1),
         "eagle-tree": dict(num_draft_tokens=15, max_depth=6, top_k=4)}
 
 
 def timed_graph(fn, replays=50, recorded=None):
-    """Record ``fn`` in a CUDA graph (or take the ``recorded`` one); median device ms per replay
-    and kernels per replay. On the CPU (``--device cpu``, a logic check) ``fn`` runs eagerly and
-    the count is of operators."""
+    """:func:`e2e.graph_time` (median device ms and kernels per replay, 4 decimals); on the CPU
+    (``--device cpu``, a logic check) ``fn`` runs eagerly and the count is of operators."""
     if not CUDA:
         fn()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
         return 0.0, sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-    g = recorded
-    if g is None:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        _KEEP.append(g)
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.replay()
-        torch.cuda.synchronize()
-    kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
-    return round(statistics.median(times), 4), kernels
+    ms, kernels = graph_time(fn, replays, recorded)
+    return round(ms, 4), kernels
 
 
 def sync():
@@ -173,17 +151,6 @@ def whole_calls(dec, prompts, repeats=5):
     return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
 
 
-def fla_graph_ms(model, B, prompt_len=69, replays=50):
-    """FLA's model forward of one token per sequence with its cache, in a CUDA graph (ms)."""
-    dev = model.device
-    ids = torch.randint(0, model.config.vocab_size, (B, prompt_len), device=dev)
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        cache = out.past_key_values
-        tok = torch.randint(0, model.config.vocab_size, (B, 1), device=dev)
-        return timed_graph(lambda: model(input_ids=tok, past_key_values=cache, use_cache=True), replays)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,32")
@@ -204,7 +171,8 @@ def main():
         g = torch.Generator().manual_seed(B)
         prompts = [torch.randint(0, 32000, (a.prompt_len,), generator=g).tolist() for _ in range(B)]
         if CUDA:
-            print(json.dumps(dict(batch=B, row="fla-graph", step=fla_graph_ms(model, B, a.prompt_len))), flush=True)
+            ms, kernels = fla_graph_step(model, prompts)
+            print(json.dumps(dict(batch=B, row="fla-graph", step=[round(ms, 4), kernels])), flush=True)
         for name in a.rows.split(","):
             tree = ROWS[name]
             drafter = EagleDrafter(head) if tree["num_draft_tokens"] else "ngram"
