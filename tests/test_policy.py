@@ -72,7 +72,8 @@ class _Scripted(BudgetPolicy):
         pass
 
 
-@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
+@pytest.mark.parametrize("graphs", ["off", "unrecorded", pytest.param(
+    "on", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("commit", ["factor", "snapshot"])
 def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
     """Steps alternating between the configured tree budget and plain decoding in an irregular
@@ -88,7 +89,7 @@ def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
     stops = tuple(sorted({r[j] for r, j in zip(refs, (2, 9))}))
     ends = [min([r.index(t) + 1 for t in stops if t in r] + [20]) for r in refs]
     cfg = dict(num_draft_tokens=4, max_depth=3, top_k=2, max_new_tokens=20, commit=commit, cuda_graphs=graphs,
-               stop_token_ids=stops, budget_policy="adaptive")
+               stop_token_ids=stops, budget_policy="adaptive", device="cuda" if graphs == "on" else "cpu")
     dec = SpecDecoder(model, config=cfg)
     dec.engine.policy = _Scripted([0, 0, 1, 0, 1, 1, 1, 0])
     out = dec.generate(prompts)
