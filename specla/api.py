@@ -165,7 +165,7 @@ class SpecDecoder:
             if len(prompts.shape) != 2:
                 raise TypeError(f"a tensor of prompts must be [B, T] token ids, got shape {tuple(prompts.shape)}")
             if _not_integer_dtype(prompts):
-                raise TokenTypeError(f"token ids must be integers, got a tensor of {prompts.dtype}")
+                raise TokenTypeError(f"token ids must be integers, got {_kind(prompts)} of {prompts.dtype}")
             prompts = prompts.tolist()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of strings, a list of token-id lists or a [B, T] tensor of "
@@ -178,7 +178,7 @@ class SpecDecoder:
             return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
         for p in prompts:
             if hasattr(p, "dtype") and _not_integer_dtype(p):
-                raise TokenTypeError(f"token ids must be integers, got a tensor of {p.dtype}")
+                raise TokenTypeError(f"token ids must be integers, got {_kind(p)} of {p.dtype}")
         rows = [p.tolist() if hasattr(p, "tolist") else p for p in prompts]  # tensors, numpy arrays
         if all(isinstance(p, (list, tuple)) for p in rows):
             # 0-d integer tensors (what indexing a tensor gives) are ids; everything else is checked,
@@ -202,6 +202,11 @@ class SpecDecoder:
         outputs, stats = self.engine.generate(ids)
         texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if self.tokenizer else None
         return RunResult(outputs=outputs, texts=texts, stats=stats)
+
+
+def _kind(x: Any) -> str:
+    """How an error names an array of token ids: a torch tensor or a NumPy array."""
+    return "a tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__module__.split('.')[0]} array"
 
 
 def _not_integer_dtype(x: Any) -> bool:

@@ -61,7 +61,8 @@ class SpecConfig(BaseModel):
             ``reference`` (batched PyTorch, every device and dtype) or ``triton`` (the plugin's
             Triton verify kernels with the fused delayed commit, where they apply: factor commit,
             float32 state, trees up to the kernel's size; elsewhere the reference path). On CPU
-            the Triton kernels need ``TRITON_INTERPRET=1``.
+            the Triton kernels need ``TRITON_INTERPRET=1`` set before Python starts (Triton
+            decides compiled or interpreted when a kernel is defined).
         verify_kernel: when the Triton kernels run: ``auto`` (the plugin's measured rule; for
             GDN: parallel up to 64 nodes, hybrid for more than 32 nodes at batch 1), or force
             ``serial``, ``parallel`` or ``hybrid``. CUDA graphs use ``serial`` for one-token passes

@@ -120,7 +120,7 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
         totals["steps"] += s.stats.sequence_steps
         echo(f"=== {row['id']} ({row['category']}) " + "=" * 30)
         echo(shown_prompt(row["prompt"]))
-        echo(f"--- generated ({s.stats.generated_tokens} tokens, {s.stats.tokens_per_step:.2f} per step):")
+        echo(f"--- generated ({s.stats.generated_tokens} tokens, {s.stats.tokens_per_step:.2f} tokens per step, bonus tokens included):")
         echo(s.texts[0])
         bar.update(1)
     bar.close()

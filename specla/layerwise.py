@@ -65,6 +65,26 @@ def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(t) for t in ids))
 
 
+def compiled_kernels_loaded() -> bool:
+    """Whether a module of specla's Triton kernels (``specla.ops.*_triton``) was loaded with
+    compiled, not interpreted, kernels: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel
+    is defined, so setting it later does not make them run on the CPU."""
+    import sys
+
+    mods = [m for name, m in list(sys.modules.items()) if name.startswith("specla.ops.") and name.endswith("_triton")]
+    if not mods:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    def compiled(v) -> bool:
+        while isinstance(v, KernelInterface) and not isinstance(v, (JITFunction, InterpretedFunction)):
+            v = getattr(v, "fn", None)  # autotuners and heuristics wrap the kernel
+        return isinstance(v, JITFunction)
+
+    return any(compiled(v) for m in mods for v in vars(m).values())
+
+
 class LayerwiseAdapter(TargetAdapter):
     """A :class:`TargetAdapter` whose state is, per layer, ``recurrent[l]`` (``[B, ...]``, float32
     or float64) and ``conv[l]`` (``[B, C - 1, D]`` or ``None``), plus ``roots [B]``, ``last_hidden
@@ -82,12 +102,18 @@ class LayerwiseAdapter(TargetAdapter):
         """Empty state; also rejects ``kernels="triton"`` where Triton cannot run.
 
         Raises:
-            ConfigError: ``kernels="triton"`` on a non-CUDA device without ``TRITON_INTERPRET=1``.
+            ConfigError: ``kernels="triton"`` on a non-CUDA device without ``TRITON_INTERPRET=1``,
+                or with it set only after specla's kernels were defined (compiled).
         """
-        if (self.config.kernels == "triton" and self.device.type != "cuda"
-                and os.environ.get("TRITON_INTERPRET") != "1"):
-            raise ConfigError(f"kernels='triton' on {self.device.type} needs TRITON_INTERPRET=1 (Triton's CPU "
-                              "interpreter, for tests); use kernels='auto' or 'reference'")
+        if self.config.kernels == "triton" and self.device.type != "cuda":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ConfigError(f"kernels='triton' on {self.device.type} needs TRITON_INTERPRET=1 (Triton's CPU "
+                                  "interpreter, for tests), set before Python starts; use kernels='auto' or "
+                                  "'reference'")
+            if compiled_kernels_loaded():
+                raise ConfigError(f"kernels='triton' on {self.device.type}: TRITON_INTERPRET=1 was set after "
+                                  "specla's Triton kernels were loaded as compiled kernels (Triton decides when a "
+                                  "kernel is defined); set it before Python starts")
         self.recurrent: list[Tensor] = []
         self.conv: list[Tensor | None] = []
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)

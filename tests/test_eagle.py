@@ -265,17 +265,20 @@ def test_a_draft_level_on_the_kernels_equals_the_pytorch_level(dtype):
 
 @needs_triton
 def test_the_trained_drafter_on_the_kernels_is_exact_and_proposes_the_same_trees():
-    """The shipped tiny drafter with the Triton draft levels (``kernels="triton"``, float32):
-    greedy output equal to plain decoding, and the acceptance histogram of the PyTorch levels
-    (the same trees, up to float32 rounding)."""
+    """The shipped tiny drafter with the Triton draft levels (float32; the target on its
+    PyTorch path, which other tests cover on the kernels): greedy output equal to plain decoding,
+    and the acceptance histogram of the PyTorch levels (the same trees, up to float32 rounding).
+    A drafter takes the kernels exactly when its target does (``kernels="triton"``)."""
     cfg = dict(dtype="float32", max_new_tokens=12, num_draft_tokens=8, max_depth=4, top_k=3, budget_policy="fixed")
     prompts = ["Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:", "def add(a, b):"]
+    assert SpecDecoder(TINY, None, drafter=str(TINY_EAGLE), config=dict(cfg, kernels="triton")).drafter.kernels
     runs = {}
-    for kernels in ("reference", "triton"):
-        dec = SpecDecoder(TINY, None, drafter=str(TINY_EAGLE), config=dict(cfg, kernels=kernels))
-        assert dec.drafter.kernels is (kernels == "triton")
+    for kernels in (False, True):
+        dec = SpecDecoder(TINY, None, drafter=str(TINY_EAGLE), config=dict(cfg, kernels="reference"))
+        assert dec.drafter.kernels is False
+        dec.drafter.kernels = kernels
         runs[kernels] = dec.generate(prompts)
     ar = SpecDecoder(TINY, None, config=dict(cfg, num_draft_tokens=0)).generate(prompts)
-    assert runs["triton"].outputs == ar.outputs == runs["reference"].outputs
-    assert runs["triton"].stats.accepted_histogram == runs["reference"].stats.accepted_histogram
-    assert runs["triton"].stats.mean_accepted_tokens > 0
+    assert runs[True].outputs == ar.outputs == runs[False].outputs
+    assert runs[True].stats.accepted_histogram == runs[False].stats.accepted_histogram
+    assert runs[True].stats.mean_accepted_tokens > 0

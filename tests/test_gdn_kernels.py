@@ -354,8 +354,16 @@ def test_kernels_auto_means_triton_on_cuda_only(plugin, monkeypatch):
     p.make_adapter(model, SpecConfig(kernels="reference", device="cpu", dtype="float32"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels="triton" on the CPU needs it
     assert SpecConfig().kernels == "auto"
+    from specla import ConfigError
+    from specla.layerwise import compiled_kernels_loaded
+
     for kernels, on_cpu in (("auto", False), ("triton", True), ("reference", False)):
-        adapter = p.make_adapter(model, SpecConfig(kernels=kernels, device="cpu", dtype="float32"))
+        cfg = SpecConfig(kernels=kernels, device="cpu", dtype="float32")
+        if kernels == "triton" and compiled_kernels_loaded():  # a GPU run: the kernels are compiled
+            with pytest.raises(ConfigError, match="was set after specla's Triton kernels were loaded"):
+                p.make_adapter(model, cfg)
+            continue
+        adapter = p.make_adapter(model, cfg)
         assert adapter.triton_kernels is on_cpu
     if torch.cuda.is_available():
         assert p.make_adapter(model, SpecConfig(device="cuda", dtype="float32")).triton_kernels is True
@@ -394,3 +402,31 @@ def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
     # while it is recorded, so on CUDA these are the eager first step, the warm-up and the capture
     one = [kind for kind, T in calls if T == 1]
     assert len(one) >= 2 * 2 and set(one) == {"serial"}
+
+
+def test_interpreter_set_after_the_kernels_loaded_is_refused_clearly():
+    """``TRITON_INTERPRET=1`` set in a process whose kernels were already defined compiled (a
+    decoder was built first) cannot take effect: ``kernels="triton"`` on the CPU raises a
+    ``ConfigError`` saying so, not Triton's "0 active drivers" at the first launch. Run in a
+    fresh process without the variable (this one has it fixed by conftest.py)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from specla import SpecDecoder, ConfigError\n"
+        "from specla.registry import get_plugin\n"
+        "tiny = get_plugin('gdn').demo_checkpoint\n"
+        "SpecDecoder(tiny, config=dict(max_new_tokens=2, device='cpu'))\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "try:\n"
+        "    SpecDecoder(tiny, config=dict(max_new_tokens=2, device='cpu', kernels='triton'))\n"
+        "except ConfigError as err:\n"
+        "    print('ConfigError:', err)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "ConfigError: kernels='triton' on cpu: TRITON_INTERPRET=1 was set after specla's Triton kernels were " \
+           "loaded as compiled kernels" in out.stdout, out.stdout + out.stderr

@@ -4,6 +4,7 @@ each test fails on the defect and asserts the exact output, error type or messag
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,6 +153,8 @@ def test_prompts_as_tensors_and_tokenizer_output(gdn):
     ([[1, "7"]], "prompt 0, position 1: token ids must be integers, got str '7'"),
     (torch.tensor([[1.0, 2.0]]), "token ids must be integers, got a tensor of torch.float32"),
     ([torch.tensor([True, False])], "token ids must be integers, got a tensor of torch.bool"),
+    (np.array([[1.0, 2.0]]), "token ids must be integers, got a numpy array of float64"),
+    ([np.array([1.0, 2.0])], "token ids must be integers, got a numpy array of float64"),
 ])
 def test_non_integer_token_ids_are_reported_as_the_wrong_type(gdn, prompts, message):
     _, model = gdn
