@@ -282,3 +282,18 @@ def test_the_trained_drafter_on_the_kernels_is_exact_and_proposes_the_same_trees
     assert runs[True].outputs == ar.outputs == runs[False].outputs
     assert runs[True].stats.accepted_histogram == runs[False].stats.accepted_histogram
     assert runs[True].stats.mean_accepted_tokens > 0
+
+
+@needs_triton
+def test_the_kernel_level_follows_weights_changed_in_place():
+    """The stacked gate/up weight of the kernel path is refreshed when the head's weights change
+    in place (``load_state_dict``), into the same buffer: both paths agree before and after."""
+    torch.manual_seed(1)
+    head = EagleHead(64, num_heads=1).eval()
+    h, attended = torch.randn(2, 3, 64), torch.randn(2, 3, 1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(head.finish(h, attended, kernels=True), head.finish(h, attended))
+        buffer = head._gate_up()
+        head.load_state_dict(EagleHead(64, num_heads=1).state_dict())
+        torch.testing.assert_close(head.finish(h, attended, kernels=True), head.finish(h, attended))
+        assert head._gate_up() is buffer

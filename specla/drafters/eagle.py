@@ -104,10 +104,21 @@ class EagleHead(nn.Module):
         return torch.addmm(h, _kernels().swiglu(gu, self.gate.weight.shape[0]), self.down.weight.T).view(shape)
 
     def _gate_up(self) -> Tensor:
-        """``[W_gate ; W_up]`` stacked (one GEMM), rebuilt when the weights are replaced."""
-        key = (self.gate.weight.data_ptr(), self.up.weight.data_ptr(), self.gate.weight.dtype)
+        """``[W_gate ; W_up]`` stacked (one GEMM), refreshed when the weights are replaced or
+        changed in place (their version counters: ``load_state_dict``, ``copy_``, an optimiser
+        step). A refresh of the same shape writes into the same buffer, which is what a recorded
+        step reads; a step recorded earlier sees the new weights only from the next call made
+        outside its replays, like every weight a plugin prepares when a decoder is built."""
+        g, u = self.gate.weight, self.up.weight
+        key = (g.data_ptr(), u.data_ptr(), g._version, u._version, g.dtype, g.device)
         if getattr(self, "_gu_key", None) != key:
-            self._gu, self._gu_key = torch.cat([self.gate.weight, self.up.weight]).detach(), key
+            new = torch.cat([g, u]).detach()
+            old = getattr(self, "_gu", None)
+            if old is not None and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device):
+                old.copy_(new)
+            else:
+                self._gu = new
+            self._gu_key = key
         return self._gu
 
     def forward(self, feature: Tensor, embedding: Tensor) -> Tensor:
