@@ -58,6 +58,7 @@ import torch
 from specla import SpecConfig
 from specla.api import SpecDecoder
 from specla.drafters.eagle import EagleDrafter, EagleHead
+from specla.graphs import record_graph
 from specla.interfaces import Drafter
 from specla.tree import DraftTree
 from specla_gdn.adapter import GDNAdapter
@@ -378,37 +379,37 @@ class Harness:
                     exact=exact)
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, skip: int = 0) -> float:
+    """Median device ms of one replay of ``graph`` over ``replays`` replays (CUDA events), after
+    ``skip`` untimed ones."""
+    times = []
+    for _ in range(skip + replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[skip:])
+
+
 def graph_time(fn, replays: int = 50, recorded: torch.cuda.CUDAGraph | None = None) -> tuple[float, int]:
-    """``fn`` recorded in a CUDA graph after a warm-up call on a side stream (or the ``recorded``
-    graph as it is), replayed ``replays`` times: the median device ms per replay (CUDA events)
-    and the kernels one replay launches (torch profiler). The graph is returned to no one: keep
-    ``fn``'s outputs alive elsewhere if a later graph reads them."""
+    """``fn`` recorded in a CUDA graph (:func:`specla.graphs.record_graph`; or the ``recorded``
+    graph as it is), replayed ``replays`` times: the median device ms per replay
+    (:func:`replay_ms`) and the kernels one replay launches (torch profiler). The graph is kept
+    alive here: a later graph may read ``fn``'s outputs."""
     from torch.profiler import ProfilerActivity, profile
 
     g = recorded
     if g is None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g = record_graph(fn, "cuda")
         _GRAPHS.append(g)
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = replay_ms(g, replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()
     kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
-    return statistics.median(times), kernels
+    return ms, kernels
 
 
 _GRAPHS: list = []  # recorded graphs stay alive: a later graph may read an earlier one's outputs

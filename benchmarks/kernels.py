@@ -55,12 +55,13 @@ import heapq
 import json
 import math
 import random
-import statistics
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from e2e import replay_ms  # this folder is on sys.path when the script runs
+from specla.graphs import record_graph
 from specla.tree import inclusive_ancestor_mask
 from specla_gdn.commit import flush_commit
 from specla_gdn.verify import MAX_TREE_NODES, hybrid_plan, hybrid_verify, serial_verify, tree_verify
@@ -150,26 +151,10 @@ def layer_inputs(B: int, T: int, gen: torch.Generator):
 def graph_ms(fns: list, reps: int = 25) -> float:
     """Median device time (ms) of one call: the calls ``fns`` (one per rotating input set, so the
     working set exceeds the 60 MB L2 as in a real step) are captured in one CUDA graph, which
-    removes launch gaps and host overhead, and replayed ``reps`` times after a warm-up."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, autotune and allocate outside the capture
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[3:]) / len(fns)
+    removes launch gaps and host overhead, and replayed ``reps`` times after a warm-up (the
+    recording's own call, then 3 untimed replays)."""
+    graph = record_graph(lambda: [fn() for fn in fns], "cuda")  # compiles, autotunes, allocates first
+    return replay_ms(graph, reps, skip=3) / len(fns)
 
 
 def copies_for(bytes_per_set: int) -> int:

@@ -51,7 +51,7 @@ def _walk(tree: DraftTree, target: Tensor, max_depth: int | None) -> Acceptance:
     parents = tree.parents.to(dev)  # [B, N], draft indexing, -1 = child of the root
     valid, tokens_in = tree.valid.to(dev), tree.tokens.to(dev)
     anc = tree.ancestor_mask.to(dev)  # [B, N, N] inclusive
-    depth_of = anc.sum(-1)  # [B, N]
+    depth_of = tree.depth.to(dev)  # [B, N], from the same mask
     if max_depth is not None:
         D = min(max_depth, N)
     else:

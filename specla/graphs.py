@@ -152,14 +152,7 @@ class GraphRunner:
         if tree is not None:  # the host tree's staging, once per graph: a pinned allocation synchronises
             g.host = self._staging(B, pinned=self.capture)
         if self.capture:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                self._record(g)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph, pool=self.pool):
-                self._record(g)
+            g.graph = record_graph(lambda: self._record(g), dev, self.pool)
             self._load(g, state, drafter_state)
         return g
 
@@ -277,6 +270,28 @@ class GraphRunner:
         num_nodes)."""
         N = self.config.num_draft_tokens
         return torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=pinned)
+
+
+def record_graph(fn, device: torch.device | str, pool=None) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on a side stream (Triton compiles, cuBLAS picks its workspaces, caches
+    fill), then recorded into a new CUDA graph (in ``pool`` when given). The warm-up's effects on
+    ``fn``'s buffers are the caller's to undo.
+
+    Args:
+        fn: the work to record, with no host reads of device values. device: a CUDA device.
+        pool: a graph memory pool (``torch.cuda.graph_pool_handle()``) or ``None`` (private).
+    Returns:
+        the recorded graph (``replay()`` runs ``fn``'s kernels again).
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
 
 
 def copy_into(static: list[Tensor], new: list[Tensor]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from abc import abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from numbers import Integral
 
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError, UnsupportedModelError
+from .graphs import copy_into, record_graph
 from .interfaces import TargetAdapter, VerifyOutput
 from .ops.norm import rms_norm
 from .records import Acceptance, PendingCommit, Record
@@ -170,12 +172,23 @@ class LayerwiseAdapter(TargetAdapter):
         (with float32 state and factor records), unbounded on the PyTorch reference path."""
         return self.graph_kernel_nodes if self._use_kernel(self.config.commit) else 1024
 
+    def _state_list(self) -> list[Tensor]:
+        """The recurrent states (every layer), then the conv windows (the layers that have one)."""
+        return [*self.recurrent, *(c for c in self.conv if c is not None)]
+
+    def _set_state_list(self, tensors: Iterable[Tensor]) -> None:
+        """Rebind the states to the first tensors of ``tensors`` (the layout of
+        :meth:`_state_list`); an iterator is left at the first tensor not taken."""
+        it = iter(tensors)
+        self.recurrent = [next(it) for _ in self.recurrent]
+        self.conv = [None if c is None else next(it) for c in self.conv]
+
     def graph_state(self) -> list[Tensor] | None:
         """``recurrent`` (every layer), ``conv`` (the layers that have one), ``roots``, then, with
         the ``factor`` commit, the pending commit's record fields layer by layer, ``path`` and
         ``path_len``. ``None`` while a ``factor`` run has no pending commit yet (before its first
         step): its record shapes are not known."""
-        out = [*self.recurrent, *(c for c in self.conv if c is not None), self._roots]
+        out = [*self._state_list(), self._roots]
         if self.config.commit == "factor":
             if self.pending is None:
                 return None
@@ -194,26 +207,21 @@ class LayerwiseAdapter(TargetAdapter):
         if self.config.commit != "factor" or self.pending is not None:
             return self.graph_state()
         layout = getattr(self, "_pending_template", None)
-        head = [*self.recurrent, *(c for c in self.conv if c is not None), self._roots]
         if layout is None:
             return None
-        counts = [sum(isinstance(getattr(r, f.name), Tensor) for f in fields(r)) for r in layout.records]
+        head = [*self._state_list(), self._roots]
         tail = template[len(head):]
-        if len(tail) != sum(counts) + 2:
+        if len(tail) != sum(isinstance(getattr(r, f.name), Tensor) for r in layout.records for f in fields(r)) + 2:
             return None
         for t in tail:
             t.zero_()  # path_len 0: nothing is committed; zeroed records keep every product finite
-        it = iter(tail)
-        records = tuple(replace(r, **{f.name: next(it) for f in fields(r) if isinstance(getattr(r, f.name), Tensor)})
-                        for r in layout.records)
-        self.pending = PendingCommit(records, next(it), next(it))
+        self.set_graph_state(head + tail)  # the pending commit rebuilt on the template's tensors
         return self.graph_state()
 
     def set_graph_state(self, tensors: list[Tensor]) -> None:
         """Rebind the state to ``tensors`` (the layout of :meth:`graph_state`)."""
         it = iter(tensors)
-        self.recurrent = [next(it) for _ in self.recurrent]
-        self.conv = [None if c is None else next(it) for c in self.conv]
+        self._set_state_list(it)
         self._roots = next(it)
         if self.config.commit == "factor":
             records = tuple(
@@ -336,19 +344,9 @@ class LayerwiseAdapter(TargetAdapter):
             return "record"
         return None
 
-    def _state_list(self) -> list[Tensor]:
-        return [*self.recurrent, *(c for c in self.conv if c is not None)]
-
-    def _set_state_list(self, tensors: list[Tensor]) -> None:
-        it = iter(tensors)
-        self.recurrent = [next(it) for _ in self.recurrent]
-        self.conv = [None if c is None else next(it) for c in self.conv]
-
     def _prefill_pass(self, g: _PrefillGraph) -> None:
         """One 64-token chain pass on ``g``'s static buffers, its commit, and the new state copied
         back into them: what a recorded prefill graph holds."""
-        from .graphs import copy_into
-
         self._set_state_list(g.state)
         self.static_shapes = True
         try:
@@ -375,15 +373,8 @@ class LayerwiseAdapter(TargetAdapter):
                               torch.zeros(B, dtype=torch.int64, device=self.device),
                               [t.clone() for t in self._state_list()],
                               torch.zeros(B, W, self.embed_weight.shape[1], dtype=self.dtype, device=self.device))
-            if record:  # a warm-up pass (Triton compiles), then the recording
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    self._prefill_pass(g)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                g.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g.graph):
-                    self._prefill_pass(g)
+            if record:
+                g.graph = record_graph(lambda: self._prefill_pass(g), self.device)
                 graphs[B] = g
         torch._foreach_zero_(g.state)  # a new batch starts from the empty state
         feats = []

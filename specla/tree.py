@@ -218,8 +218,9 @@ class DraftTree:
 
     @cached_property
     def depth(self) -> Tensor:
-        """``[B, N]`` int64, depth of each node (root children are depth 1; padding is 1)."""
-        return node_depths(self.parents)
+        """``[B, N]`` int64, depth of each node (root children are depth 1; padding is 1): the
+        row sums of :attr:`ancestor_mask` (:func:`node_depths`), which is computed once."""
+        return self.ancestor_mask.sum(-1)
 
     @cached_property
     def parents_with_root(self) -> Tensor:

@@ -17,6 +17,7 @@ Architecture-independent: it needs only ``TargetAdapter.embed``, ``lm_logits``, 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -195,6 +196,7 @@ class EagleHead(nn.Module):
         return head.eval()
 
 
+@functools.cache
 def _kernels():
     """The Triton forms of a draft level's pieces, imported on first use: ``@triton.jit`` picks
     compiled or interpreted kernels when they are defined, so importing them with this module
