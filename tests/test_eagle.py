@@ -231,7 +231,8 @@ def test_train_drafter_checks_its_options_before_reading_data(tmp_path):
         train_drafter(dec.adapter, dec.tokenizer, missing, tmp_path / "part", cfg, resume=True)
 
 
-needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(DEV == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1",
                                   reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 
 
@@ -242,7 +243,7 @@ def test_a_draft_level_on_the_kernels_equals_the_pytorch_level(dtype):
     SwiGLU, residuals inside the GEMMs) against the PyTorch level on fresh random inputs: same
     features, keys and values (float32: to rounding; bfloat16: to a few bf16 ulps of the
     features' scale), with a ragged cache (one row empty) and two ancestors per node."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = DEV
     g = torch.Generator().manual_seed(3)
     head = EagleHead(64, num_heads=4)
     with torch.no_grad():
@@ -269,7 +270,8 @@ def test_the_trained_drafter_on_the_kernels_is_exact_and_proposes_the_same_trees
     PyTorch path, which other tests cover on the kernels): greedy output equal to plain decoding,
     and the acceptance histogram of the PyTorch levels (the same trees, up to float32 rounding).
     A drafter takes the kernels exactly when its target does (``kernels="triton"``)."""
-    cfg = dict(dtype="float32", max_new_tokens=12, num_draft_tokens=8, max_depth=4, top_k=3, budget_policy="fixed")
+    cfg = dict(dtype="float32", max_new_tokens=12, num_draft_tokens=8, max_depth=4, top_k=3, budget_policy="fixed",
+               device=DEV)
     prompts = ["Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:", "def add(a, b):"]
     assert SpecDecoder(TINY, None, drafter=str(TINY_EAGLE), config=dict(cfg, kernels="triton")).drafter.kernels
     runs = {}
@@ -289,8 +291,8 @@ def test_the_kernel_level_follows_weights_changed_in_place():
     """The stacked gate/up weight of the kernel path is refreshed when the head's weights change
     in place (``load_state_dict``), into the same buffer: both paths agree before and after."""
     torch.manual_seed(1)
-    head = EagleHead(64, num_heads=1).eval()
-    h, attended = torch.randn(2, 3, 64), torch.randn(2, 3, 1, 64)
+    head = EagleHead(64, num_heads=1).eval().to(DEV)
+    h, attended = torch.randn(2, 3, 64, device=DEV), torch.randn(2, 3, 1, 64, device=DEV)
     with torch.no_grad():
         torch.testing.assert_close(head.finish(h, attended, kernels=True), head.finish(h, attended))
         buffer = head._gate_up()
