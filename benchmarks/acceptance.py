@@ -42,8 +42,8 @@ def run_config(name: str, base: dict) -> tuple[str, str, SpecConfig]:
     """``suite/drafter[/tTEMP|/reference|/bf16|/nN|/auto]`` -> (suite file, drafter kind, its
     SpecConfig): sampling at temperature TEMP (seeded), the PyTorch reference path instead of the
     default kernels (Triton on CUDA), bfloat16 activations instead of ``--dtype``, a budget of
-    ``N`` draft tokens instead of the drafter's, the default budget policy (``auto``: adaptive on
-    CUDA, so a run may take plain steps) instead of the fixed budget.
+    ``N`` draft tokens instead of the drafter's, the default budget policy (``auto``) instead of
+    the fixed budget.
 
     Raises:
         ValueError: an unknown suite, drafter or modifier; pydantic's ValidationError (a

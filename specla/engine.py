@@ -97,10 +97,7 @@ class Engine:
         self.configs = [config, config.model_copy(update={"num_draft_tokens": 0})]
         # each budget's graph runner, made on first use and kept across calls (its graphs are reused)
         self._graph_runners: list[GraphRunner | None] = [None] * len(self.configs)
-        # a seeded sampling run repeats only under a fixed schedule of budgets: auto keeps it fixed
-        seeded = config.temperature > 0 and config.seed is not None
-        adaptive = config.budget_policy == "adaptive" or (config.budget_policy == "auto"
-                                                           and adapter.device.type == "cuda" and not seeded)
+        adaptive = config.budget_policy == "adaptive"  # auto: fixed (see SpecConfig.budget_policy)
         self.policy = BudgetPolicy([config.num_draft_tokens, 0]) if adaptive and config.num_draft_tokens else None
         self._current = 0  # the candidate the last step ran
         self._lock = threading.Lock()  # one batch at a time: the state below is the engine's only copy
