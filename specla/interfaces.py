@@ -6,6 +6,7 @@ The core talks to a target model only through :class:`TargetAdapter`, made by an
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from numbers import Integral
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .config import SpecConfig
-from .errors import InvalidTokenError, InvalidTreeError, TokenTypeError
+from .errors import InvalidTokenError, InvalidTreeError, TokenTypeError, UnsupportedModelError
 from .records import Acceptance, Record
 from .tree import DraftTree
 
@@ -232,6 +233,10 @@ class ArchitecturePlugin(ABC):
             expected to fail, with the reason (the suite runs them as strict xfail: an unexpected
             pass fails too).
         tiny_variants: names accepted by :meth:`tiny_model` (model shapes the suite covers).
+        logits_tolerance: the relative and absolute tolerance of the suite's float64 logit
+            comparisons between two computation orders (a commit against a fresh prefill):
+            ``1e-8`` for models computed in float64 throughout; a model whose own modules round
+            to float32 inside a float64 run (transformers' Qwen3.5 norms) declares about ``1e-6``.
     """
 
     name: str
@@ -241,6 +246,24 @@ class ArchitecturePlugin(ABC):
     capabilities: frozenset[str] = frozenset()
     known_failures: dict[str, str] = {}
     tiny_variants: tuple[str, ...] = ()
+    logits_tolerance: float = 1e-8
+
+    def checkpoint_config(self, path: Path) -> dict:
+        """``path/config.json`` as a dict, checked to name one of :attr:`model_types`.
+
+        Raises:
+            UnsupportedModelError: no ``config.json``, invalid JSON, or another ``model_type``.
+        """
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise UnsupportedModelError(f"{path} is not a checkpoint directory: no config.json")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as err:
+            raise UnsupportedModelError(f"{cfg_file} is not valid JSON: {err}") from err
+        if cfg.get("model_type") not in self.model_types:
+            raise UnsupportedModelError(f"{path}: model_type {cfg.get('model_type')!r} is not one of {self.model_types}")
+        return cfg
 
     @abstractmethod
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:

@@ -14,10 +14,10 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
-from .errors import ConfigError, UnsupportedModelError
+from .errors import ConfigError, SpecError, UnsupportedModelError
 from .graphs import copy_into, record_graph
 from .interfaces import TargetAdapter, VerifyOutput
-from .ops.norm import rms_norm
+from .ops.norm import compute_dtype, rms_norm
 from .records import Acceptance, PendingCommit, Record
 from .tree import DraftTree
 
@@ -99,6 +99,18 @@ class LayerwiseAdapter(TargetAdapter):
     """
 
     differentiable = False  # True: forward keeps autograd graphs (target training)
+
+    def _place(self, config, ref: Tensor) -> None:
+        """Set ``config``, ``device``, ``dtype`` and ``state_dtype``: ``config.device`` and
+        ``config.dtype`` when given, else those of the model's parameter ``ref``; ``"cuda"``
+        means the current GPU; the state dtype is float32 (float64 for float64 runs)."""
+        self.config = config
+        device = torch.device(config.device) if config.device else ref.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.empty(0, device=device).device  # canonical: "cpu:0" is "cpu"
+        self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
+        self.state_dtype = compute_dtype(torch.empty(0, dtype=self.dtype))
 
     def _init_state(self) -> None:
         """Empty state; also rejects ``kernels="triton"`` where Triton cannot run.
@@ -396,8 +408,12 @@ class LayerwiseAdapter(TargetAdapter):
         pending, self.pending = self.pending, None  # delayed commit: applied inside this pass
         self.prompt_hidden = None  # read by the drafter's reset; not kept through decoding
         tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
-        logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1, self.config.commit,
-                                            pending=pending)
+        try:
+            logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1, self.config.commit,
+                                                pending=pending)
+        except SpecError:  # refused before any state moved (Mixer.check): the commit stays pending
+            self.pending = pending
+            raise
         return VerifyOutput(logits=logits, hidden=hidden, records=recs)
 
     @torch.no_grad()

@@ -69,7 +69,7 @@ def test_commit_writes_the_accepted_path_and_nothing_else():
     n = torch.tensor([5, 11, 8])
     before = (kc.clone(), vc.clone())
     path = torch.tensor([[0, 1, 3], [0, -1, -1], [-1, -1, -1]])
-    new_len = commit_kv(kc, vc, n, k, v, path, torch.tensor([3, 1, 0]))
+    new_len = commit_kv(kc, vc, n, k, v, path, torch.tensor([3, 1, 0]), capacity=S - 3)
     assert new_len.tolist() == [8, 12, 8]
     for cache, old, src in ((kc, before[0], k), (vc, before[1], v)):
         assert torch.equal(cache[0, 5:8], src[0, [0, 1, 3]]) and torch.equal(cache[1, 11], src[1, 0])
@@ -88,8 +88,21 @@ def test_bad_shapes_and_overflow_are_refused():
         tree_attention(q[:, :, :3], k, v, kc, vc, n, anc, depth)
     with pytest.raises(ValueError, match=r"caches must be \[B=2, S, HKV=2, Dh=8\]"):
         tree_attention(q, k, v, kc[:, :, :1], vc, n, anc, depth)
-    with pytest.raises(ValueError, match="the cache holds 24 tokens; committing a path of up to 4 after 21"):
-        commit_kv(kc, vc, torch.tensor([21, 3]), k, v, torch.zeros(2, 4, dtype=torch.int64), torch.tensor([4, 1]))
+    with pytest.raises(ValueError, match="the cache has 24 slots; a capacity of 21 and paths of 4 need 25"):
+        commit_kv(kc, vc, torch.tensor([21, 3]), k, v, torch.zeros(2, 4, dtype=torch.int64), torch.tensor([4, 1]),
+                  capacity=21)
+
+
+def test_a_full_cache_stops_growing_and_writes_only_spare_slots():
+    """A row at ``capacity`` (a finished sequence kept in a graph's batch) keeps its length and
+    its first ``capacity`` slots bit-identical; the other row commits normally."""
+    q, k, v, kc, vc, n, parents, anc, depth = case("chain", 4, torch.float32, 1)
+    cap = S - 4
+    before = kc.clone()
+    path = torch.tensor([[0, 1, 2], [0, 1, -1]])
+    new_len = commit_kv(kc, vc, torch.tensor([cap, 3]), k, v, path, torch.tensor([3, 2]), capacity=cap)
+    assert new_len.tolist() == [cap, 5]
+    assert torch.equal(kc[0, :cap], before[0, :cap]) and torch.equal(kc[1, 3:5], k[1, :2])
 
 
 needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",

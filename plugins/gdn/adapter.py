@@ -17,7 +17,7 @@ from torch import Tensor
 
 from specla.config import SpecConfig
 from specla.layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
-from specla.records import PendingCommit, Record, path_end
+from specla.records import PendingCommit, Record
 from specla.tree import inclusive_ancestor_mask
 
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
@@ -26,11 +26,10 @@ from specla.ops import conv_triton as conv_kernels
 from specla.ops import norm_triton as norm_kernels
 from specla.ops.act import decay_and_sigmoid_gates
 from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.ops.norm import compute_dtype, gated_rms_norm, l2norm, rms_norm
+from specla.ops.norm import gated_rms_norm, l2norm, rms_norm
 
-from .commit import flush_commit
 from .reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
-from .verify import hybrid_plan, hybrid_verify, pick_verify_kernel, serial_verify, tree_verify
+from .mixer import commit_layer, kernel_plan, run_verify_kernel
 
 
 
@@ -83,15 +82,9 @@ class GDNAdapter(LayerwiseAdapter):
     """
 
     def __init__(self, model: torch.nn.Module, config: SpecConfig, *, differentiable: bool = False):
-        self.config = config
         self.differentiable = differentiable
         ref = model.lm_head.weight
-        device = torch.device(config.device) if config.device else ref.device
-        if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = torch.empty(0, device=device).device  # canonical: "cpu:0" is "cpu"
-        self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
-        self.state_dtype = compute_dtype(torch.empty(0, dtype=self.dtype))
+        self._place(config, ref)
         # differentiable: keep the autograd link to the model's parameters (training recipes)
         keep = (lambda p: p) if differentiable else (lambda p: p.detach())  # noqa: E731
         act = lambda p: keep(p).to(self.device, self.dtype)  # noqa: E731
@@ -172,24 +165,6 @@ class GDNAdapter(LayerwiseAdapter):
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
             return self._forward(tokens, parents, counts, records, logits, pending)
 
-    def _kernel_plan(self, parents: Tensor, counts: Tensor):
-        """The verify kernel for this batch of trees (``SpecConfig.verify_kernel``) and, for the
-        hybrid kernel, its launch plan: decided once per pass, shared by every layer."""
-        choice = self._kernel_choice(pick_verify_kernel, parents, counts)
-        return choice, (hybrid_plan(parents) if choice == "hybrid" else None)
-
-    def _kernel_verify(self, q, k, v, g, beta, S0, parents, counts, mask, scale, pending, plan):
-        """Run the chosen verify kernel (``plan`` from :meth:`_kernel_plan`)."""
-        choice, hplan = plan
-        if choice == "serial":
-            return serial_verify(q, k, v, g, beta, S0, counts, scale, pending=pending)
-        if choice == "parallel":
-            return tree_verify(q, k, v, g, beta, S0, mask, scale, pending=pending)
-        if pending is not None and hplan.waves and hplan.waves[0][0].shape[0] != parents.shape[0]:
-            flush_commit(S0, *pending)  # not root-explicit: commit first, then verify unfused
-            pending = None
-        return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
-
     def _mixer_inputs(self, L: _Layer, h: Tensor, conv, fused: bool = False):
         """Projections, short conv (``conv(proj)``; SiLU alone when ``None``), L2-normalised q/k,
         gates. Returns ``proj [B, T, Dc]``, ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``,
@@ -256,7 +231,7 @@ class GDNAdapter(LayerwiseAdapter):
         B, T = tokens.shape
         out_records: list[Record] = []
         kernel = self._use_kernel(records)
-        plan = self._kernel_plan(parents, counts) if kernel else None
+        plan = kernel_plan(lambda pick: self._kernel_choice(pick, parents, counts), parents, counts) if kernel else None
         norm = norm_kernels.rms_norm if kernel else rms_norm
         for li, L in enumerate(self.layers):
             prev = pending.records[li] if pending is not None else None
@@ -274,8 +249,7 @@ class GDNAdapter(LayerwiseAdapter):
             S0 = self.recurrent[li]
             if kernel:  # fused: the kernel applies the pending commit to S0 in place, then verifies
                 fused = None if prev is None else (prev.k, prev.delta, prev.G, pending.path, pending.path_len)
-                o, delta, G = self._kernel_verify(q, k, v, g, beta, S0, parents, counts, mask, L.K**-0.5, fused,
-                                                  plan)
+                o, delta, G = run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, L.K**-0.5, fused)
             else:
                 o, delta, G = self._reference_verify(q, k, v, g, beta, S0, mask, L.K**-0.5, records)
             conv_x = proj if anc is not None else None
@@ -306,25 +280,10 @@ class GDNAdapter(LayerwiseAdapter):
 
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         """Commit ``path`` (``[B, P]``, ``path_len [B]``) to every layer from its records."""
-        end = path_end(path, path_len)
+        kernel = self._use_kernel("factor")
         for li, rec in enumerate(records):
-            S0, win = self.recurrent[li], self.conv[li]
-            if isinstance(rec, GDNFactorRecord) and self._use_kernel("factor"):
-                flush_commit(S0, rec.k, rec.delta, rec.G, path, path_len)  # in place
-            elif isinstance(rec, GDNFactorRecord):
-                self.recurrent[li] = gdn_commit_factor(S0, rec.k, rec.delta, rec.G, path, path_len)
-            elif isinstance(rec, GDNReplayRecord):
-                self.recurrent[li] = self._replay_commit(S0, rec, path, path_len)
-            else:
-                picked = rec.states[torch.arange(S0.shape[0], device=S0.device), end.clamp(min=0)]
-                self.recurrent[li] = torch.where((path_len > 0)[:, None, None, None], picked, S0)
-            if win is None:
-                continue
-            if isinstance(rec, GDNSnapshotRecord):
-                picked = rec.conv_windows[torch.arange(win.shape[0], device=win.device), end.clamp(min=0)]
-                self.conv[li] = torch.where((path_len > 0)[:, None, None], picked, win)
-            else:
-                self.conv[li] = conv_window_after(rec.conv_x, win, path, path_len)
+            self.recurrent[li], self.conv[li] = commit_layer(self.recurrent[li], self.conv[li], rec, path, path_len,
+                                                             kernel, self._replay_commit)
 
     # ------------------------------------------------------------------ contract
     def score(self, tokens: Tensor, return_hidden: bool = False):

@@ -23,7 +23,7 @@ from specla.records import PendingCommit, Record, path_end
 from specla.tree import inclusive_ancestor_mask
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.ops.norm import compute_dtype, rms_norm
+from specla.ops.norm import rms_norm
 
 from .commit import flush_commit
 from .naive import FEATURE_MAPS
@@ -82,15 +82,9 @@ class GLAAdapter(LayerwiseAdapter):
     """
 
     def __init__(self, model: torch.nn.Module, config: SpecConfig, *, differentiable: bool = False):
-        self.config = config
         self.differentiable = differentiable
         ref = model.lm_head.weight
-        device = torch.device(config.device) if config.device else ref.device
-        if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = torch.empty(0, device=device).device  # canonical: "cpu:0" is "cpu"
-        self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
-        self.state_dtype = compute_dtype(torch.empty(0, dtype=self.dtype))
+        self._place(config, ref)
         keep = (lambda p: p) if differentiable else (lambda p: p.detach())  # noqa: E731
         act = lambda p: keep(p).to(self.device, self.dtype) if p is not None else None  # noqa: E731
         st = lambda p: keep(p).to(self.device, self.state_dtype)  # noqa: E731

@@ -27,7 +27,7 @@ from specla.tree import inclusive_ancestor_mask
 from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.ops.norm import compute_dtype, rms_norm
+from specla.ops.norm import rms_norm
 
 from .reference import discretize, gated_rms_norm, node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 from .commit import flush_commit
@@ -75,14 +75,8 @@ class Mamba2Adapter(LayerwiseAdapter):
     """
 
     def __init__(self, model: torch.nn.Module, config: SpecConfig):
-        self.config = config
         ref = model.lm_head.weight
-        device = torch.device(config.device) if config.device else ref.device
-        if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = torch.empty(0, device=device).device  # canonical: "cpu:0" is "cpu"
-        self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
-        self.state_dtype = compute_dtype(torch.empty(0, dtype=self.dtype))
+        self._place(config, ref)
         act = lambda p: p.detach().to(self.device, self.dtype) if p is not None else None  # noqa: E731
         st = lambda p: p.detach().to(self.device, self.state_dtype)  # noqa: E731
         bb = model.backbone

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -40,15 +39,8 @@ class Mamba2Plugin(ArchitecturePlugin):
     tiny_variants = tuple(TINY_VARIANTS)
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
+        self.checkpoint_config(path)
         cfg_file = Path(path) / "config.json"
-        if not cfg_file.is_file():
-            raise UnsupportedModelError(f"{path} is not a checkpoint directory: no config.json")
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as err:
-            raise UnsupportedModelError(f"{cfg_file} is not valid JSON: {err}") from err
-        if cfg.get("model_type") not in self.model_types:
-            raise UnsupportedModelError(f"{path}: model_type {cfg.get('model_type')!r} is not one of {self.model_types}")
         with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
             warnings.simplefilter("ignore")
             from fla.models import Mamba2Config, Mamba2ForCausalLM  # FLA's, not transformers' same-named ones

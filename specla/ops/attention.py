@@ -93,32 +93,35 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
 
 
 def commit_kv(k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, k: Tensor, v: Tensor, path: Tensor,
-              path_len: Tensor) -> Tensor:
+              path_len: Tensor, *, capacity: int) -> Tensor:
     """Write the accepted path's keys and values (root first) into the cache at
     ``cache_len .. cache_len + path_len - 1``, in place, with fixed shapes and no host reads (a
     CUDA graph records it). Slots past ``cache_len + path_len`` and rows with ``path_len == 0``
     are left bit-identical: rejected nodes never reach the cache.
 
+    A row whose cache is full stops growing: its length stays at ``capacity`` and what it would
+    write past it lands in the spare slots ``capacity ..`` (a finished sequence kept in a CUDA
+    graph's batch until the batch is gathered; its tokens are discarded anyway). The caller sizes
+    ``capacity`` so that live sequences never get there.
+
     Args:
-        k_cache, v_cache: ``[B, S, HKV, Dh]``, written in place.
-        cache_len: ``[B]`` int64 committed tokens before the commit.
+        k_cache, v_cache: ``[B, S, HKV, Dh]`` with ``S >= capacity + P``, written in place.
+        cache_len: ``[B]`` int64 committed tokens before the commit (``<= capacity``).
         k, v: ``[B, T, HKV, Dh]`` the tree's keys and values (root-explicit).
         path: ``[B, P]`` int64 accepted node indices from the root (``-1`` padding).
         path_len: ``[B]`` int64 valid entries of ``path``.
+        capacity: the tokens a row's cache holds.
     Returns:
-        ``[B]`` int64, the new ``cache_len + path_len``.
+        ``[B]`` int64, ``min(cache_len + path_len, capacity)``.
     Raises:
-        ValueError: ``S < max(cache_len) + P`` would be needed to stay in bounds (checked on
-            the host only when the tensors are on the CPU; on a GPU the caller keeps the
-            capacity, as a graph cannot read lengths).
+        ValueError: the cache has fewer than ``capacity + P`` slots.
     """
     B, S = k_cache.shape[:2]
     P = path.shape[1]
-    if cache_len.device.type == "cpu" and B and int(cache_len.max()) + P > S:
-        raise ValueError(f"the cache holds {S} tokens; committing a path of up to {P} after {int(cache_len.max())} "
-                         "would overflow it")
+    if S < capacity + P:
+        raise ValueError(f"the cache has {S} slots; a capacity of {capacity} and paths of {P} need {capacity + P}")
     offs = torch.arange(P, device=path.device)
-    slot = (cache_len[:, None] + offs)  # [B, P]: distinct, in bounds (capacity kept by the caller)
+    slot = cache_len.clamp(max=capacity)[:, None] + offs  # [B, P]: distinct, in bounds
     keep = offs[None, :] < path_len[:, None]
     node = path.clamp(min=0)
     for cache, new in ((k_cache, k), (v_cache, v)):
@@ -126,7 +129,7 @@ def commit_kv(k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, k: Tensor, v:
         fresh = new.gather(1, node[:, :, None, None].expand(B, P, *new.shape[2:])).to(cache.dtype)
         old = cache.gather(1, index)
         cache.scatter_(1, index, torch.where(keep[:, :, None, None], fresh, old))
-    return cache_len + path_len
+    return (cache_len + path_len).clamp(max=capacity)
 
 
 def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, keys: Tensor,

@@ -239,7 +239,8 @@ class PluginSuite:
             fresh = self._adapter(arch, model, commit)
             fresh.prefill([prompt + ref[: a + 1]])
             want = self._root_logits(fresh)
-            assert torch.allclose(got, want, rtol=1e-8, atol=1e-8), f"a = {a}"
+            tol = arch.logits_tolerance
+            assert torch.allclose(got, want, rtol=tol, atol=tol), f"a = {a}"
 
     def test_verify_never_writes_the_state(self, arch, rng):
         """Verifying the same tree twice gives bit-identical logits."""
@@ -266,7 +267,8 @@ class PluginSuite:
             for _ in range(flushes):
                 adapter.flush()
             runs.append(self._root_logits(adapter))
-        assert torch.allclose(runs[0], runs[1], rtol=1e-9, atol=1e-9)  # delayed == eager
+        tol = arch.logits_tolerance / 10
+        assert torch.allclose(runs[0], runs[1], rtol=tol, atol=tol)  # delayed == eager
         assert torch.equal(runs[1], runs[2])  # a second flush changes nothing
 
     def test_bad_input_raises_and_leaves_the_state_untouched(self, arch, rng):

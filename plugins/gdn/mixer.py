@@ -1,0 +1,176 @@
+"""Gated DeltaNet as a sequence mixer (:class:`specla.mixers.Mixer`): what a hybrid model's GDN
+layers run (Qwen3.5, Qwen3-Next), with the same records, reference path and Triton kernels as the
+gdn plugin's own adapter, which shares :func:`run_verify_kernel` and :func:`commit_layer` with it.
+
+Shapes: ``B`` sequences, ``T`` verified nodes (root explicit), ``H`` key heads, ``HV`` value heads
+(a multiple of ``H``; value head ``j`` reads key head ``j // (HV / H)``, FLA's and transformers'
+grouping), ``K``/``V`` head dims, ``Dc = 2 H K + HV V`` conv channels, ``C`` conv width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specla.mixers import Mixer, TreePass
+from specla.ops import act_triton as act_kernels
+from specla.ops import conv_triton as conv_kernels
+from specla.ops import norm_triton as norm_kernels
+from specla.ops.act import decay_and_sigmoid_gates
+from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.norm import l2norm
+from specla.records import Record, path_end
+
+from .commit import flush_commit
+from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
+from .reference import gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
+from .verify import hybrid_plan, hybrid_verify, pick_verify_kernel, serial_verify, tree_verify
+
+
+def kernel_plan(tp_choose: Callable, parents: Tensor, counts: Tensor):
+    """The verify kernel of a pass (``tp_choose(pick_verify_kernel)``: the adapter's rule, which
+    takes ``parallel`` or ``serial`` while a CUDA graph records) and the hybrid kernel's launch
+    plan when that is the choice: decided once per pass, shared by every layer."""
+    choice = tp_choose(pick_verify_kernel)
+    return choice, (hybrid_plan(parents) if choice == "hybrid" else None)
+
+
+def run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, scale, pending):
+    """Run the chosen verify kernel (``plan`` from :func:`kernel_plan`) with the pending factor
+    commit ``(k, delta, G, path, path_len)`` fused (or ``None``). Returns ``o, delta, G``."""
+    choice, hplan = plan
+    if choice == "serial":
+        return serial_verify(q, k, v, g, beta, S0, counts, scale, pending=pending)
+    if choice == "parallel":
+        return tree_verify(q, k, v, g, beta, S0, mask, scale, pending=pending)
+    if pending is not None and hplan.waves and hplan.waves[0][0].shape[0] != parents.shape[0]:
+        flush_commit(S0, *pending)  # not root-explicit: commit first, then verify unfused
+        pending = None
+    return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
+
+
+def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path_len: Tensor, kernel: bool,
+                 replay: Callable = gdn_commit_replay) -> tuple[Tensor, Tensor | None]:
+    """One GDN layer's state and conv window after committing ``path`` (``[B, P]``, ``path_len
+    [B]``) from its record (factor: closed form, in place on the kernel path; snapshot: the
+    accepted node's state; replay: ``replay(S0, rec, path, path_len)`` re-runs the recurrence).
+    Returns ``(state [B, HV, K, V], window [B, C - 1, Dc] or None)``."""
+    end = path_end(path, path_len)
+    if isinstance(rec, GDNFactorRecord) and kernel:
+        S = flush_commit(S0, rec.k, rec.delta, rec.G, path, path_len)  # in place
+    elif isinstance(rec, GDNFactorRecord):
+        S = gdn_commit_factor(S0, rec.k, rec.delta, rec.G, path, path_len)
+    elif isinstance(rec, GDNReplayRecord):
+        S = replay(S0, rec, path, path_len)
+    else:
+        picked = rec.states[torch.arange(S0.shape[0], device=S0.device), end.clamp(min=0)]
+        S = torch.where((path_len > 0)[:, None, None, None], picked, S0)
+    if win is None:
+        return S, None
+    if isinstance(rec, GDNSnapshotRecord):
+        picked = rec.conv_windows[torch.arange(win.shape[0], device=win.device), end.clamp(min=0)]
+        return S, torch.where((path_len > 0)[:, None, None], picked, win)
+    return S, conv_window_after(rec.conv_x, win, path, path_len)
+
+
+def replay_commit(S0: Tensor, rec: GDNReplayRecord, path: Tensor, path_len: Tensor) -> Tensor:
+    """:func:`reference.gdn_commit_replay` from a replay record."""
+    return gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
+
+
+class GDNMixer(Mixer):
+    """One Gated DeltaNet layer's sequence mixer (Yang et al. 2024, arXiv 2412.06464): input
+    projections, tree-aware short convolution + SiLU, L2-normalised q/k, gates ``g = -exp(A_log)
+    softplus(a + dt_bias)`` and ``beta = beta_scale * sigmoid(b)``, the tree-masked delta rule
+    with records of the pass's kind (docs/DESIGN.md section 4), then ``output(o, z)``.
+
+    State: ``S [B, HV, K, V]`` in ``state_dtype`` (float32, or float64 for float64 runs) and the
+    conv window ``[B, C - 1, Dc]`` in the activation dtype.
+
+    Args:
+        w_qkv: ``[Dc, hidden]`` the q, k, v projections stacked. w_a, w_b: ``[HV, hidden]``.
+        w_z: ``[HV V, hidden]`` the output gate's projection, or ``None`` (no gate).
+        conv_w: ``[Dc, C]`` depthwise taps, or ``None`` (no short conv: SiLU alone).
+        conv_b: ``[Dc]`` or ``None``. A_log, dt_bias: ``[HV]`` in ``state_dtype``.
+        H, HV, K, V: head counts and dims. beta_scale: 2 with negative eigenvalues, else 1.
+        output: ``(o [B, T, HV, V] activation dtype, z [B, T, HV V] or None) -> [B, T,
+            hidden]``: the gated norm and output projection (the model's own modules).
+        dtype, state_dtype, device: activations, recurrent state, device.
+    """
+
+    def __init__(self, *, w_qkv: Tensor, w_a: Tensor, w_b: Tensor, w_z: Tensor | None, conv_w: Tensor | None,
+                 conv_b: Tensor | None, A_log: Tensor, dt_bias: Tensor, H: int, HV: int, K: int, V: int,
+                 beta_scale: float, output: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype,
+                 state_dtype: torch.dtype, device: torch.device):
+        self.w_qkv, self.w_a, self.w_b, self.w_z = w_qkv, w_a, w_b, w_z
+        self.conv_w, self.conv_b = conv_w, conv_b
+        self.dt_bias, self.neg_A = dt_bias, -torch.exp(A_log)
+        self.H, self.HV, self.K, self.V, self.beta_scale = H, HV, K, V, beta_scale
+        self.output = output
+        self.dtype, self.state_dtype, self.device = dtype, state_dtype, device
+        self.C = conv_w.shape[1] if conv_w is not None else 0
+        self.empty_state(0, 0)
+
+    def empty_state(self, B: int, capacity: int) -> None:
+        self.S = torch.zeros(B, self.HV, self.K, self.V, dtype=self.state_dtype, device=self.device)
+        self.conv = (torch.zeros(B, self.C - 1, self.w_qkv.shape[0], dtype=self.dtype, device=self.device)
+                     if self.C else None)
+
+    def state(self) -> list[Tensor]:
+        return [self.S] + ([self.conv] if self.conv is not None else [])
+
+    def set_state(self, tensors: Iterator[Tensor]) -> None:
+        self.S = next(tensors)
+        if self.conv is not None:
+            self.conv = next(tensors)
+
+    def recurrent_states(self) -> list[Tensor]:
+        return [self.S]
+
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+        kernel = tp.kernels
+        if pending is not None and self.conv is not None:  # the conv window commits first
+            commit_conv = conv_kernels.conv_commit if kernel else conv_window_after
+            self.conv = commit_conv(pending.conv_x, self.conv, tp.path, tp.path_len)
+        if pending is not None and not kernel:
+            self.S = gdn_commit_factor(self.S, pending.k, pending.delta, pending.G, tp.path, tp.path_len)
+        B, T = h.shape[:2]
+        H, HV, K, V = self.H, self.HV, self.K, self.V
+        proj, a, b = h @ self.w_qkv.T, h @ self.w_a.T, h @ self.w_b.T
+        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C)) if self.C else None
+        if anc is not None:
+            conv = conv_kernels.tree_conv if kernel else tree_conv
+            qkv = conv(proj, self.conv, self.conv_w, self.conv_b, anc)
+        else:
+            qkv = F.silu(proj)
+        if kernel:
+            q, k = norm_kernels.l2norm_pair(qkv, H, K)
+            g, beta = act_kernels.decay_and_sigmoid_gates(a, b, self.dt_bias, self.neg_A, self.beta_scale)
+        else:
+            q = l2norm(qkv[..., : H * K].reshape(B, T, H, K))
+            k = l2norm(qkv[..., H * K : 2 * H * K].reshape(B, T, H, K))
+            g, beta = decay_and_sigmoid_gates(a, b, self.dt_bias, self.neg_A, self.beta_scale, self.state_dtype)
+        v = qkv[..., 2 * H * K :].reshape(B, T, HV, V)
+        if kernel:
+            plan = tp.shared("gdn-kernel", lambda: kernel_plan(tp.choose, tp.parents, tp.counts))
+            fused = None if pending is None else (pending.k, pending.delta, pending.G, tp.path, tp.path_len)
+            o, delta, G = run_verify_kernel(plan, q, k, v, g, beta, self.S, tp.parents, tp.counts, tp.mask,
+                                            K**-0.5, fused)
+        else:
+            o, delta, G = tree_gdn(q, k, v, g, beta, self.S, tp.mask, K**-0.5)
+        conv_x = proj if anc is not None else None
+        if tp.records == "factor":
+            rec = GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x)
+        elif tp.records == "snapshot":
+            wins = conv_windows_per_node(proj, self.conv, anc) if anc is not None else None
+            rec = GDNSnapshotRecord(node_states(self.S, k, delta, G, tp.mask), wins)
+        else:
+            rec = GDNReplayRecord(k=k, v=v.to(self.state_dtype), g=g, beta=beta, conv_x=conv_x)
+        z = h @ self.w_z.T if self.w_z is not None else None
+        return self.output(o.to(self.dtype), z), rec
+
+    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        self.S, self.conv = commit_layer(self.S, self.conv, record, path, path_len, kernels, replay_commit)

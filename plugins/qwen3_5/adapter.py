@@ -1,0 +1,122 @@
+"""Turns transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (or the text model inside
+a multimodal Qwen3.5 checkpoint) into a :class:`specla.TargetAdapter` on the mixer core.
+
+Qwen3.5 interleaves Gated DeltaNet layers (``linear_attention``) with gated softmax attention
+(``full_attention``, every fourth layer by default). Only the sequence mixers are specla's: each
+GDN layer runs :class:`specla_gdn.mixer.GDNMixer` (the gdn plugin's tree verify, records and
+kernels) from the layer's own weights, each attention layer :class:`QwenAttention` (the core's
+tree attention over a KV cache). Everything position-wise (embeddings, the zero-centred RMSNorms,
+the MLP or the MoE block, the gated output norm, q/k norms, the rotary embedding, the LM head) is
+the checkpoint's own transformers module, called on the verify rows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+
+from specla.config import SpecConfig
+from specla.layerwise import eos_token_ids
+from specla.mixers import AttentionMixer, MixerAdapter
+from specla_gdn.mixer import GDNMixer
+
+
+def text_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(text model, LM head)`` of a Qwen3.5 causal LM or of a multimodal Qwen3.5 model (its
+    ``model.language_model``)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner), model.lm_head
+
+
+class QwenAttention(AttentionMixer):
+    """A Qwen3.5 / Qwen3-Next ``full_attention`` layer under draft trees: ``q_proj`` gives each
+    head's query and output gate, per-head zero-centred RMSNorms on q and k, partial rotary
+    embedding at the nodes' positions (the model's own rotary module), grouped-query heads, and
+    ``o_proj(attention * sigmoid(gate))`` (transformers' ``Qwen3_5Attention``).
+
+    Args:
+        attn: the layer's ``self_attn`` module. rotary: the text model's ``rotary_emb``.
+        dtype, device: the KV cache's.
+    """
+
+    def __init__(self, attn: torch.nn.Module, rotary: torch.nn.Module, dtype: torch.dtype, device: torch.device):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+        self.attn, self.rotary, self._rope = attn, rotary, apply_rotary_pos_emb
+        super().__init__(attn.config.num_key_value_heads, attn.head_dim, dtype, device, scale=attn.scaling)
+
+    def project(self, h: Tensor, positions: Tensor):
+        a, (B, T), D = self.attn, h.shape[:2], self.Dh
+        q, gate = torch.chunk(a.q_proj(h).view(B, T, -1, 2 * D), 2, dim=-1)
+        q = a.q_norm(q)
+        k = a.k_norm(a.k_proj(h).view(B, T, -1, D))
+        v = a.v_proj(h).view(B, T, -1, D)
+        cos, sin = self.rotary(h, positions)  # [B, T, rotary dims]
+        q, k = self._rope(q, k, cos, sin, unsqueeze_dim=2)
+        return q, k, v, gate.reshape(B, T, -1)
+
+    def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
+        B, T = o.shape[:2]
+        return self.attn.o_proj(o.reshape(B, T, -1) * torch.sigmoid(gate))
+
+
+class QwenAdapter(MixerAdapter):
+    """Qwen3.5 (dense and MoE) on the mixer core (see the module docstring).
+
+    State per sequence: for each GDN layer a float32 (float64 in float64 runs) recurrent state
+    ``[B, HV, K, V]`` and a conv window ``[B, C - 1, Dc]``; for each attention layer a KV cache
+    ``[B, capacity + 65, HKV, Dh]`` in the activation dtype with its length. The model's modules
+    are used as they are when the run's device and dtype are the model's; otherwise a converted
+    copy is made once (the caller's model is never modified).
+
+    Args:
+        model: a ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` or a multimodal Qwen3.5
+            model (its text part runs).
+        config: the run's :class:`SpecConfig`.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: SpecConfig):
+        text, head = text_parts(model)
+        self._place(config, head.weight)
+        if head.weight.device != self.device or head.weight.dtype != self.dtype:
+            model = copy.deepcopy(model).to(self.device, self.dtype)
+            text, head = text_parts(model)
+        self.model = model.eval()
+        self.text, self.head = text, head
+        self.embed_weight = text.embed_tokens.weight.detach()
+        self.vocab_size = self.embed_weight.shape[0]
+        self.eos_token_ids = eos_token_ids(model)
+        self.layers = list(text.layers)
+        self.num_layers = len(self.layers)
+        self.mixers = [self._mixer(layer) for layer in self.layers]
+        self._init_state()
+
+    def _mixer(self, layer: torch.nn.Module):
+        if hasattr(layer, "self_attn"):  # a full_attention layer
+            return QwenAttention(layer.self_attn, self.text.rotary_emb, self.dtype, self.device)
+        lin = layer.linear_attn
+        st = lambda p: p.detach().to(self.state_dtype)  # noqa: E731
+        w = lambda m: m.weight.detach()  # noqa: E731
+        Vd = lin.head_v_dim
+
+        def output(o: Tensor, z: Tensor) -> Tensor:
+            B, T = o.shape[:2]
+            return lin.out_proj(lin.norm(o.reshape(-1, Vd), z.reshape(-1, Vd)).reshape(B, T, -1))
+
+        conv = lin.conv1d
+        return GDNMixer(w_qkv=w(lin.in_proj_qkv), w_a=w(lin.in_proj_a), w_b=w(lin.in_proj_b), w_z=w(lin.in_proj_z),
+                        conv_w=conv.weight.detach()[:, 0], conv_b=conv.bias.detach() if conv.bias is not None else None,
+                        A_log=st(lin.A_log), dt_bias=st(lin.dt_bias), H=lin.num_k_heads, HV=lin.num_v_heads,
+                        K=lin.head_k_dim, V=Vd, beta_scale=1.0, output=output, dtype=self.dtype,
+                        state_dtype=self.state_dtype, device=self.device)
+
+    def _block(self, li: int, x: Tensor, mix) -> Tensor:
+        layer = self.layers[li]
+        x = x + mix(layer.input_layernorm(x))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        """Logits ``[..., vocab]`` of last-layer features: the model's final norm and LM head."""
+        return self.head(self.text.norm(hidden))

@@ -1,0 +1,49 @@
+"""The oracle of the Qwen3.5 plugin: transformers' own model, greedy, without a cache.
+
+Every step runs ``Qwen3_5ForCausalLM.forward`` (or the MoE class's) over the whole sequence so
+far, with no cache, on transformers' PyTorch path, and takes the argmax of the last logits. With
+FLA installed, transformers routes its chunked gated delta rule to FLA's Triton kernel, which
+cannot run on a CPU; :func:`torch_path` swaps in transformers' own PyTorch function for the
+duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import torch
+
+_PATCH_LOCK = threading.Lock()
+_PATCHED = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+
+
+@contextlib.contextmanager
+def torch_path(model: torch.nn.Module):
+    """Run ``model``'s gated delta rule and causal conv on transformers' PyTorch functions (the
+    undecorated ``__wrapped__`` of the hub-kernel fallback) while the block runs; one caller at
+    a time (the swap is process-wide)."""
+    module = sys.modules[type(model).__module__]
+    with _PATCH_LOCK:
+        saved = {n: getattr(module, n) for n in _PATCHED if hasattr(module, n)}
+        try:
+            for n, fn in saved.items():
+                setattr(module, n, getattr(fn, "__wrapped__", fn))
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(module, n, fn)
+
+
+@torch.no_grad()
+def transformers_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """``max_new_tokens`` greedy tokens after ``prompt`` from full no-cache forwards of
+    ``model`` (a transformers causal LM) on its device."""
+    dev = model.get_input_embeddings().weight.device
+    ids = list(prompt)
+    with torch_path(model):
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids], device=dev), use_cache=False).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]

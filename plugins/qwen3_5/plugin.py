@@ -1,0 +1,115 @@
+"""Registers the Qwen3.5 hybrid plugin through the ``specla.plugins`` entry-point group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specla.config import SpecConfig
+from specla.errors import UnsupportedModelError
+from specla.hookspecs import hookimpl
+from specla.interfaces import ArchitecturePlugin, TargetAdapter
+
+TINY_BASE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                 linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, eos_token_id=None,
+                 initializer_range=0.1)
+# shapes the conformance suite covers: the default 3 GDN : 1 attention pattern, more value heads
+# than key heads with full rotary, attention first with a sliding interval of 2, and MoE
+TINY_VARIANTS = {
+    "base": {},
+    "gva": dict(linear_num_value_heads=4, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                                   partial_rotary_factor=1.0)),
+    "attn_first": dict(num_hidden_layers=3, layer_types=["full_attention", "linear_attention", "full_attention"],
+                       num_key_value_heads=1),
+    "moe": dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2),
+}
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+
+
+class QwenPlugin(ArchitecturePlugin):
+    """Qwen3.5 (Qwen team, 2026): Gated DeltaNet layers interleaved with gated softmax attention,
+    dense or MoE, as transformers implements it (``Qwen3_5ForCausalLM``,
+    ``Qwen3_5MoeForCausalLM``, and the text part of ``Qwen3_5ForConditionalGeneration`` /
+    ``Qwen3_5MoeForConditionalGeneration``)."""
+
+    name = "qwen3_5"
+    model_types = MODEL_TYPES
+    capabilities = frozenset({"trees", "cuda_graphs"})
+    tiny_variants = tuple(TINY_VARIANTS)
+    # transformers' RMSNorms compute in float32 even in a float64 model: two computation orders
+    # of the same logits differ by float32 roundings (about 6e-8 measured on the tiny variants)
+    logits_tolerance = 1e-6
+
+    def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
+        cfg = self.checkpoint_config(path)
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        auto = AutoModelForImageTextToText if cfg["model_type"] in ("qwen3_5", "qwen3_5_moe") else AutoModelForCausalLM
+        model = auto.from_pretrained(str(path), dtype=dtype or "auto")
+        self.check_model(model)
+        return model.to(device) if device else model
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        from transformers import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
+                                  Qwen3_5MoeForConditionalGeneration)
+
+        classes = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
+                   Qwen3_5MoeForConditionalGeneration)
+        if not isinstance(model, classes):
+            raise UnsupportedModelError(f"the qwen3_5 plugin runs {', '.join(c.__name__ for c in classes)}, got "
+                                        f"{type(model).__name__}")
+        from .adapter import text_parts
+
+        cfg = text_parts(model)[0].config
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"short-conv activation {cfg.hidden_act!r} is not supported (silu only)")
+        unknown = set(cfg.layer_types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
+
+    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
+        self.check_model(model)
+        from .adapter import QwenAdapter
+
+        return QwenAdapter(model, config)
+
+    def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+        """A random ``Qwen3_5ForCausalLM`` (``Qwen3_5MoeForCausalLM`` for ``moe``) of shape
+        ``variant`` (:data:`TINY_VARIANTS`), with decays spread so that paths differ and the
+        zero-initialised norm offsets made random.
+
+        Raises:
+            KeyError: unknown variant.
+        """
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+        moe = variant == "moe"
+        kw = {**TINY_BASE, **TINY_VARIANTS[variant]}
+        torch.manual_seed(seed)
+        cfg = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(**kw)
+        model = (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM)(cfg).to(dtype).eval()
+        if moe:  # the default grouped-GEMM experts take no float64
+            model.config._experts_implementation = "eager"
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.uniform_(-2.0, 1.0)
+                elif name.endswith("dt_bias"):
+                    p.normal_(0.0, 1.0)
+                elif "norm" in name:  # (1 + w) norms start at w = 0, the gated norm at 1
+                    p.add_(torch.randn_like(p) * 0.2)
+        return model
+
+    def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """transformers' own greedy decoding (no-cache forwards on its PyTorch path)."""
+        from .naive import transformers_greedy
+
+        return transformers_greedy(model, prompt, max_new_tokens)
+
+
+@hookimpl
+def specla_architectures() -> list[ArchitecturePlugin]:
+    """The hook implementation pluggy finds through the entry point."""
+    return [QwenPlugin()]

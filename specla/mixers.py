@@ -1,0 +1,315 @@
+"""Sequence mixers and the one layer loop that runs a stack of them (docs/architecture.md,
+"Mixers").
+
+A model is a stack of layers; each layer holds one or more *sequence mixers* (the parts that
+carry state from token to token: a recurrent layer with its short-conv window, a softmax-attention
+layer with its KV cache) and position-wise modules (norms, MLP or MoE), which act on each verify
+row on its own and so need nothing from specla. A :class:`Mixer` declares its state, verifies a
+draft tree from it without writing it, returns a record of the pass, and commits an accepted path
+from that record. :class:`MixerAdapter` is the architecture-free :class:`TargetAdapter` around
+them: embeddings, the layer loop (a plugin wires each layer's mixers and position-wise modules in
+:meth:`MixerAdapter._block`), the LM head, the delayed commit and the state lists that prefill,
+CUDA graphs and batch selection use. :class:`AttentionMixer` is the softmax-attention mixer every
+hybrid shares (:mod:`specla.ops.attention`); a plugin supplies its projections.
+
+Shapes: ``B`` sequences, ``T`` verified nodes with the root explicit (node 0, the last committed
+token), ``hidden`` model width.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .errors import SpecError
+from .layerwise import PREFILL_CHUNK, LayerwiseAdapter
+from .ops.attention import commit_kv, tree_attention
+from .records import PendingCommit, Record
+from .tree import inclusive_ancestor_mask
+
+
+@dataclass
+class TreePass:
+    """What every mixer of one forward pass shares.
+
+    Attributes:
+        parents: ``[B, T]`` int64 root-explicit parents (``-1``: child of the committed state).
+        counts: ``[B]`` int64 real nodes per row (the rest is padding).
+        mask: ``[B, T, T]`` bool inclusive-ancestor mask.
+        depth: ``[B, T]`` int64 node depth (the root 0).
+        records: the record kind this pass builds (``factor``, ``snapshot``, ``replay``).
+        kernels: whether the plugin's Triton kernels run (:meth:`LayerwiseAdapter._use_kernel`).
+        static_shapes: a CUDA graph is being recorded: nothing may be read on the host.
+        path, path_len: the pending commit's accepted path (``[B, P]``, ``[B]`` int64), applied
+            by each mixer before it verifies; ``None`` when nothing is pending.
+        choose: ``choose(pick)``: the verify kernel of this pass by a plugin's rule ``pick(parents,
+            counts, verify_kernel)``, or the graph-safe one while a graph records
+            (:meth:`LayerwiseAdapter._kernel_choice`).
+        memo: values a kind of mixer computes once per pass and shares across layers (conv
+            ancestors, a verify kernel's plan), keyed by the mixer.
+    """
+
+    parents: Tensor
+    counts: Tensor
+    mask: Tensor
+    depth: Tensor
+    records: str
+    kernels: bool
+    static_shapes: bool
+    path: Tensor | None = None
+    path_len: Tensor | None = None
+    choose: Callable[[Callable], str] | None = None
+    memo: dict = field(default_factory=dict)
+
+    def shared(self, key, make: Callable[[], object]):
+        """``memo[key]``, made by ``make()`` on first use in this pass."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+
+class Mixer(ABC):
+    """One sequence mixer of one layer: its per-sequence state, tree verify and commit.
+
+    Contract: :meth:`verify` never writes the committed state except to apply the ``pending``
+    record it is given (the delayed commit of the previous step, with ``tp.path``); the record it
+    returns is all :meth:`commit` needs to move the state along any accepted path of the tree;
+    ``path_len == 0`` leaves a row's state bit-identical.
+    """
+
+    recurrent = True
+    """Whether the state is recurrent (fixed-size, float32 or wider: the conformance suite's
+    float32 rule) rather than a cache that grows with the sequence."""
+
+    @abstractmethod
+    def empty_state(self, B: int, capacity: int) -> None:
+        """Zero state for ``B`` sequences; ``capacity``: the tokens a growing cache must hold."""
+
+    @abstractmethod
+    def state(self) -> list[Tensor]:
+        """The state tensors (``[B, ...]`` each), in a fixed order."""
+
+    @abstractmethod
+    def set_state(self, tensors: Iterator[Tensor]) -> None:
+        """Rebind the state to the next ``len(state())`` tensors of ``tensors``."""
+
+    def recurrent_states(self) -> list[Tensor]:
+        """The recurrent states among :meth:`state` (what ``TargetAdapter.recurrent_states``
+        lists); none by default."""
+        return []
+
+    def check(self, tp: TreePass) -> None:
+        """Raise :class:`SpecError` if this pass cannot run from the current state; called for
+        every mixer before any of them runs, so that a refused pass leaves every state as it
+        was. Nothing to check by default."""
+
+    def select(self, index: Tensor) -> None:
+        """Keep the sequences ``index`` (``[B']`` int64, on the state's device)."""
+        self.set_state(iter([t.index_select(0, index) for t in self.state()]))
+
+    @abstractmethod
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+        """Apply ``pending`` along ``tp.path`` (if given), then run the tree ``h`` (``[B, T,
+        hidden]``, the layer's normalised input) from the committed state.
+
+        Returns:
+            ``(y [B, T, hidden], record)``: the mixer's output (before the layer's residual add)
+            and the record :meth:`commit` takes.
+        """
+
+    @abstractmethod
+    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        """Move the state along ``path`` (``[B, P]`` int64 node indices from the root, ``-1``
+        padded; ``path_len [B]``) from ``record``; ``kernels``: the plugin's Triton kernels may
+        run (float32 state, factor records)."""
+
+
+@dataclass(frozen=True)
+class KVRecord(Record):
+    """An attention mixer's record: every node's key and value. The commit writes the accepted
+    path's into the cache; the strategies (factor, snapshot, replay) coincide for a KV cache."""
+
+    k: Tensor  # [B, T, HKV, Dh] cache dtype, rotary embedding applied
+    v: Tensor  # [B, T, HKV, Dh] cache dtype
+
+
+class AttentionMixer(Mixer):
+    """Softmax attention over a KV cache of fixed capacity, verified over a draft tree
+    (:func:`specla.ops.attention.tree_attention`: each node sees the committed cache and its own
+    ancestors) and committed by writing the accepted path's keys and values
+    (:func:`specla.ops.attention.commit_kv`; rejected nodes never reach the cache). Lengths live on
+    the device, so a step records in a CUDA graph.
+
+    A plugin subclasses it with the model's projections: :meth:`project` (queries, keys, values
+    at given positions, rotary embedding applied, and an optional output gate) and
+    :meth:`output`. State: ``k_cache, v_cache [B, capacity + PREFILL_CHUNK + 1, HKV, Dh]`` (the
+    spare slots absorb what a finished row kept in a graph's batch would write past a full cache)
+    and ``cache_len [B]`` int64.
+
+    Args:
+        num_kv_heads, head_dim: ``HKV`` and ``Dh``.
+        dtype, device: the cache's.
+        scale: softmax scale (``None``: ``Dh ** -0.5``). window: sliding window in tokens, or
+            ``None``.
+    """
+
+    recurrent = False
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
+                 scale: float | None = None, window: int | None = None):
+        self.HKV, self.Dh, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.scale, self.window = scale, window
+        self.capacity = 0
+        self.empty_state(0, 0)
+
+    @abstractmethod
+    def project(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``q [B, T, H, Dh]``, ``k, v [B, T, HKV, Dh]`` (rotary embedding at ``positions [B,
+        T]`` int64 applied) and the output gate's input (or ``None``) from ``h [B, T, hidden]``."""
+
+    @abstractmethod
+    def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
+        """The mixer's output ``[B, T, hidden]`` from the attention output ``o [B, T, H, Dh]``."""
+
+    def empty_state(self, B: int, capacity: int) -> None:
+        self.capacity = capacity
+        slots = capacity + PREFILL_CHUNK + 1  # the widest path a commit writes: a prefill chunk
+        self.k_cache = torch.zeros(B, slots, self.HKV, self.Dh, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.cache_len = torch.zeros(B, dtype=torch.int64, device=self.device)
+
+    def state(self) -> list[Tensor]:
+        return [self.k_cache, self.v_cache, self.cache_len]
+
+    def set_state(self, tensors: Iterator[Tensor]) -> None:
+        self.k_cache, self.v_cache, self.cache_len = next(tensors), next(tensors), next(tensors)
+
+    def check(self, tp: TreePass) -> None:
+        """Raises :class:`SpecError` when the pending commit and the longest path of this tree
+        would not fit in the cache (read on the host, so not while a CUDA graph records; prefill
+        sizes the cache for ``max_new_tokens``, so only a longer run than configured gets
+        here)."""
+        if tp.static_shapes or not self.cache_len.numel():
+            return
+        grow = tp.path_len if tp.path_len is not None else 0
+        need = int((self.cache_len + grow).max() + tp.depth.max()) + 1
+        if need > self.capacity:
+            raise SpecError(f"the KV cache holds {self.capacity} tokens and this pass needs {need}: the run is longer "
+                            "than the prefill sized it for (prompt + max_new_tokens + draft depth)")
+
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+        if pending is not None:
+            self.commit(pending, tp.path, tp.path_len, tp.kernels)
+        q, k, v, gate = self.project(h, self.cache_len[:, None] + tp.depth)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        o = tree_attention(q, k, v, self.k_cache, self.v_cache, self.cache_len, tp.mask, tp.depth,
+                           scale=self.scale, window=self.window)
+        return self.output(o, gate), KVRecord(k=k, v=v)
+
+    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool = False) -> None:
+        self.cache_len = commit_kv(self.k_cache, self.v_cache, self.cache_len, record.k, record.v, path, path_len,
+                                   capacity=self.capacity)
+
+
+class MixerAdapter(LayerwiseAdapter):
+    """A :class:`LayerwiseAdapter` whose state is that of its mixers (:class:`Mixer`), in one
+    layer loop shared by every mixer-based plugin.
+
+    Subclasses set the :class:`LayerwiseAdapter` attributes (``embed_weight``, ``device``,
+    ``dtype``, ``state_dtype``, ``config``, and ``norm``, ``norm_eps``, ``lm_head`` unless they
+    override :meth:`lm_logits`), ``self.mixers`` (every layer's mixers, in the order the layers
+    call them) and ``self.num_layers``, call :meth:`_init_state`, and implement :meth:`_block`.
+    The pending commit holds one record per mixer, in ``self.mixers`` order.
+    """
+
+    mixers: list[Mixer]
+    num_layers: int
+
+    @abstractmethod
+    def _block(self, li: int, x: Tensor, mix: Callable[[Tensor], Tensor]) -> Tensor:
+        """Layer ``li`` on the residual stream ``x [B, T, hidden]``: its norms and position-wise
+        modules, calling ``mix(h)`` once per mixer of the layer (in ``self.mixers`` order; it
+        returns the mixer's output for input ``h``). Returns the new residual stream."""
+
+    def _init_state(self) -> None:
+        self.capacity = 0  # the tokens each attention cache holds (set by prefill)
+        super()._init_state()
+
+    def _empty_state(self, B: int) -> None:
+        for m in self.mixers:
+            m.empty_state(B, self.capacity)
+
+    def _state_list(self) -> list[Tensor]:
+        return [t for m in self.mixers for t in m.state()]
+
+    def _set_state_list(self, tensors: Iterable[Tensor]) -> None:
+        it = iter(tensors)
+        for m in self.mixers:
+            m.set_state(it)
+
+    def recurrent_states(self) -> list[Tensor]:
+        self.flush()
+        return [t for m in self.mixers for t in m.recurrent_states()]
+
+    def select(self, index: Tensor) -> None:
+        index = index.to(self.device)
+        for m in self.mixers:
+            m.select(index)
+        self._roots = self._roots.index_select(0, index)
+        self.last_hidden = self.last_hidden.index_select(0, index)
+        if self.pending is not None:
+            self.pending = self.pending.select(index)
+
+    def _size_caches(self, longest: int) -> None:
+        """Grow the attention caches' capacity to hold ``longest`` prompt tokens plus the run:
+        a power of two (at least 256) that only grows, so batches of other prompt lengths reuse
+        the recorded CUDA graphs."""
+        cfg = self.config
+        need = longest + cfg.max_new_tokens + min(cfg.max_depth, cfg.num_draft_tokens) + 2
+        self.capacity = max(self.capacity, 1 << max(need - 1, 255).bit_length())
+
+    def _prefill(self, prompts: list[list[int]]) -> None:
+        self._size_caches(max(len(p) for p in prompts))
+        super()._prefill(prompts)
+
+    def score(self, tokens: Tensor, return_hidden: bool = False):
+        self._size_caches(tokens.shape[1])
+        return super().score(tokens, return_hidden)
+
+    def forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool = True,
+                pending: PendingCommit | None = None):
+        """Run the model over ``[B, T]`` trees from the committed state (see
+        :meth:`LayerwiseAdapter.forward`); each mixer applies its part of ``pending`` first.
+        Returns ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records)``, one record
+        per mixer."""
+        mask = inclusive_ancestor_mask(parents)
+        tp = TreePass(parents, counts, mask, mask.sum(-1) - 1, records, self._use_kernel(records), self.static_shapes,
+                      pending.path if pending is not None else None, pending.path_len if pending is not None else None,
+                      lambda pick: self._kernel_choice(pick, parents, counts))
+        for m in self.mixers:
+            m.check(tp)
+        out_records: list[Record] = []
+        order = iter(self.mixers)
+
+        def mix(h: Tensor) -> Tensor:
+            m = next(order)
+            i = len(out_records)
+            y, rec = m.verify(h, tp, pending.records[i] if pending is not None else None)
+            out_records.append(rec)
+            return y
+
+        with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
+            x = self.embed(tokens)
+            for li in range(self.num_layers):
+                x = self._block(li, x, mix)
+            out = self.lm_logits(x) if logits else None
+        return out, x, tuple(out_records)
+
+    def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
+        kernels = self._use_kernel("factor")
+        for m, rec in zip(self.mixers, records):
+            m.commit(rec, path, path_len, kernels)
