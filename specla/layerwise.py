@@ -379,6 +379,8 @@ class LayerwiseAdapter(TargetAdapter):
         W = PREFILL_CHUNK
         graphs = self._prefill_graphs
         g = graphs.get(B) if record else None
+        if g is not None and any(a.shape != b.shape for a, b in zip(g.state, self._state_list())):
+            g = None  # a state sized per run changed (an attention cache grew with the prompts)
         if g is None:
             g = _PrefillGraph(torch.zeros(B, W, dtype=torch.int64, device=self.device),
                               torch.arange(-1, W - 1, device=self.device).expand(B, W).contiguous(),

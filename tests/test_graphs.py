@@ -147,10 +147,10 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-@pytest.mark.parametrize("plugin", ["gla", "mamba2"])
+@pytest.mark.parametrize("plugin", ["gla", "mamba2", "qwen3_5"])
 @pytest.mark.parametrize("commit,budget", [("factor", 6), ("snapshot", 6), ("factor", 0)])
-def test_fixed_shape_step_of_gla_and_mamba2(plugin, commit, budget, device):
-    """The GLA and Mamba2 adapters' graph state (``LayerwiseAdapter``): the engine with
+def test_fixed_shape_step_of_gla_mamba2_and_qwen3_5(plugin, commit, budget, device):
+    """The GLA, Mamba2 and Qwen3.5 adapters' graph state (``LayerwiseAdapter``): the engine with
     ``cuda_graphs="unrecorded"`` on the CPU and ``"on"`` on CUDA equals eager decoding, with
     sequences stopping at different steps, with drafts and without (one-token steps: the serial
     kernels inside the graph on CUDA); their plugins declare ``cuda_graphs``, so
@@ -260,7 +260,7 @@ def test_runner_notices_a_state_replaced_outside_it():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2"])
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen3_5"])
 def test_first_step_after_a_prefill_replays_the_recorded_graph(plugin, device, monkeypatch):
     """Once a graph of the batch size exists, the first step after a prefill replays it from a
     pending commit of nothing (``empty_commit_state``) instead of running eagerly: a second
@@ -307,12 +307,13 @@ def test_first_step_after_a_prefill_replays_the_recorded_graph(plugin, device, m
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2"])
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen3_5"])
 def test_fixed_shape_prefill_equals_eager_prefill(plugin, device):
     """The prefill of ``cuda_graphs="unrecorded"`` (CPU) or ``"on"`` (CUDA: recorded once, then
     replayed) runs 64-token chain passes on static buffers: recurrent states, conv windows and
     last-layer features equal the eager prefill's (float32, to rounding), with ragged prompts
-    over two chunks and a one-token prompt, twice (the second from the recorded graph); over
+    over two chunks and a one-token prompt, twice (the second from the recorded graph), then
+    longer prompts (an attention cache grows: the graph is recorded again); over
     ``PREFILL_GRAPH_MAX_BATCH`` prompts the prefill stays eager."""
     from specla.layerwise import PREFILL_GRAPH_MAX_BATCH
     from specla.registry import get_plugin
@@ -325,12 +326,12 @@ def test_fixed_shape_prefill_equals_eager_prefill(plugin, device):
     static = "on" if device == "cuda" else "unrecorded"
     adapters = {m: arch.make_adapter(model, SpecConfig(cuda_graphs=m, device=device, dtype="float32",
                                                        kernels="auto")) for m in ("off", static)}
-    for batch in (prompts, prompts[::-1]):
+    for batch in (prompts, prompts[::-1], [p * 4 for p in prompts]):
         for ad in adapters.values():
             ad.prefill(batch)
         want, got = adapters["off"], adapters[static]
-        for a, b in zip(got.recurrent + [c for c in got.conv if c is not None] + [got.last_hidden],
-                        want.recurrent + [c for c in want.conv if c is not None] + [want.last_hidden]):
+        assert [t.shape for t in got._state_list()] == [t.shape for t in want._state_list()]
+        for a, b in zip(got._state_list() + [got.last_hidden], want._state_list() + [want.last_hidden]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         for b, p in enumerate(batch):  # the features of each prompt's own tokens (padding differs)
             torch.testing.assert_close(got.prompt_hidden[b, : len(p) - 1], want.prompt_hidden[b, : len(p) - 1],

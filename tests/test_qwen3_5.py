@@ -119,3 +119,21 @@ def test_threads_sharing_a_decoder_each_get_their_own_answer():
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda p: dec.generate([p]).outputs[0], prompts))
     assert outs == refs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):
+    """On a GPU with the defaults (the gdn plugin's Triton kernels in the GDN layers, recorded
+    CUDA graphs for prefill and steps), float32, accepted tree drafts, a ragged batch: every
+    output equals transformers' greedy decoding of the same model on the GPU, and steps were
+    recorded."""
+    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32).cuda()
+    prompts = prompts_around_the_prefill_chunk(8)
+    refs = [ARCH.reference_decode(model, p, 18) for p in prompts]
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
+                      config=dict(max_new_tokens=18, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on"))
+    out = dec.generate(prompts)
+    assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
+    assert dec.engine._runner is not None and dec.engine._runner.graphs
+    assert dec.adapter._use_kernel("factor")
