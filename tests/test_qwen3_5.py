@@ -121,6 +121,31 @@ def test_threads_sharing_a_decoder_each_get_their_own_answer():
     assert outs == refs
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("variant, graphs", [("base", "off"), ("gva", "unrecorded")])
+def test_the_gdn_kernels_in_qwen_layers_equal_transformers_greedy(variant, graphs):
+    """``kernels="triton"`` (interpreted on a CPU): the GDN layers verify with the gdn plugin's
+    kernels, the pending commit fused into them, eagerly and in the fixed-shape step; float32,
+    accepted tree drafts: outputs equal transformers' greedy decoding and the recurrent states
+    equal the PyTorch path's."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = ARCH.tiny_model(variant, seed=9, dtype=torch.float32).to(dev)
+    prompts = [[3], [7, 1, 9, 4, 4], [i % 60 + 1 for i in range(12)]]
+    refs = [ARCH.reference_decode(model, p, 10) for p in prompts]
+    states = {}
+    for kernels in ("triton", "reference"):
+        dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
+                          config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2, kernels=kernels,
+                                      cuda_graphs=graphs))
+        out = dec.generate(prompts)
+        assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
+        assert dec.adapter._use_kernel("factor") == (kernels == "triton")
+        states[kernels] = dec.adapter.recurrent_states()
+    for a, b in zip(states["triton"], states["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", ARCH.tiny_variants)
 def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):

@@ -53,7 +53,9 @@ class QwenAttention(AttentionMixer):
         q = a.q_norm(q)
         k = a.k_norm(a.k_proj(h).view(B, T, -1, D))
         v = a.v_proj(h).view(B, T, -1, D)
-        cos, sin = self.rotary(h, positions)  # [B, T, rotary dims]
+        # [3, B, T]: one position per multimodal grid axis, all equal for text (transformers
+        # before 5.24 requires this form, later versions accept it)
+        cos, sin = self.rotary(h, positions[None].expand(3, -1, -1))  # [B, T, rotary dims]
         q, k = self._rope(q, k, cos, sin, unsqueeze_dim=2)
         return q, k, v, gate.reshape(B, T, -1)
 
