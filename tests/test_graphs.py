@@ -147,9 +147,9 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-@pytest.mark.parametrize("plugin", ["gla", "mamba2", "qwen3_5"])
+@pytest.mark.parametrize("plugin", ["gla", "mamba2", "qwen"])
 @pytest.mark.parametrize("commit,budget", [("factor", 6), ("snapshot", 6), ("factor", 0)])
-def test_fixed_shape_step_of_gla_mamba2_and_qwen3_5(plugin, commit, budget, device):
+def test_fixed_shape_step_of_gla_mamba2_and_qwen(plugin, commit, budget, device):
     """The GLA, Mamba2 and Qwen3.5 adapters' graph state (``LayerwiseAdapter``): the engine with
     ``cuda_graphs="unrecorded"`` on the CPU and ``"on"`` on CUDA equals eager decoding, with
     sequences stopping at different steps, with drafts and without (one-token steps: the serial
@@ -260,7 +260,7 @@ def test_runner_notices_a_state_replaced_outside_it():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen3_5"])
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen"])
 def test_first_step_after_a_prefill_replays_the_recorded_graph(plugin, device, monkeypatch):
     """Once a graph of the batch size exists, the first step after a prefill replays it from a
     pending commit of nothing (``empty_commit_state``) instead of running eagerly: a second
@@ -307,7 +307,7 @@ def test_first_step_after_a_prefill_replays_the_recorded_graph(plugin, device, m
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen3_5"])
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen"])
 def test_fixed_shape_prefill_equals_eager_prefill(plugin, device):
     """The prefill of ``cuda_graphs="unrecorded"`` (CPU) or ``"on"`` (CUDA: recorded once, then
     replayed) runs 64-token chain passes on static buffers: recurrent states, conv windows and

@@ -91,8 +91,9 @@ class GDNMixer(Mixer):
     conv window ``[B, C - 1, Dc]`` in the activation dtype.
 
     Args:
-        w_qkv: ``[Dc, hidden]`` the q, k, v projections stacked. w_a, w_b: ``[HV, hidden]``.
-        w_z: ``[HV V, hidden]`` the output gate's projection, or ``None`` (no gate).
+        project: ``h [B, T, hidden] -> (qkv [B, T, Dc], a [B, T, HV], b [B, T, HV], z [B, T,
+            HV V] or None)``: the layer's input projections (the model's own modules), ``qkv``
+            with q's ``H`` heads, then k's, then v's ``HV`` heads, before the short conv.
         conv_w: ``[Dc, C]`` depthwise taps, or ``None`` (no short conv: SiLU alone).
         conv_b: ``[Dc]`` or ``None``. A_log, dt_bias: ``[HV]`` in ``state_dtype``.
         H, HV, K, V: head counts and dims. beta_scale: 2 with negative eigenvalues, else 1.
@@ -101,11 +102,11 @@ class GDNMixer(Mixer):
         dtype, state_dtype, device: activations, recurrent state, device.
     """
 
-    def __init__(self, *, w_qkv: Tensor, w_a: Tensor, w_b: Tensor, w_z: Tensor | None, conv_w: Tensor | None,
-                 conv_b: Tensor | None, A_log: Tensor, dt_bias: Tensor, H: int, HV: int, K: int, V: int,
-                 beta_scale: float, output: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype,
-                 state_dtype: torch.dtype, device: torch.device):
-        self.w_qkv, self.w_a, self.w_b, self.w_z = w_qkv, w_a, w_b, w_z
+    def __init__(self, *, project: Callable[[Tensor], tuple], conv_w: Tensor | None, conv_b: Tensor | None,
+                 A_log: Tensor, dt_bias: Tensor, H: int, HV: int, K: int, V: int, beta_scale: float,
+                 output: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype, state_dtype: torch.dtype,
+                 device: torch.device):
+        self.project = project
         self.conv_w, self.conv_b = conv_w, conv_b
         self.dt_bias, self.neg_A = dt_bias, -torch.exp(A_log)
         self.H, self.HV, self.K, self.V, self.beta_scale = H, HV, K, V, beta_scale
@@ -116,8 +117,8 @@ class GDNMixer(Mixer):
 
     def empty_state(self, B: int, capacity: int) -> None:
         self.S = torch.zeros(B, self.HV, self.K, self.V, dtype=self.state_dtype, device=self.device)
-        self.conv = (torch.zeros(B, self.C - 1, self.w_qkv.shape[0], dtype=self.dtype, device=self.device)
-                     if self.C else None)
+        Dc = 2 * self.H * self.K + self.HV * self.V
+        self.conv = torch.zeros(B, self.C - 1, Dc, dtype=self.dtype, device=self.device) if self.C else None
 
     def state(self) -> list[Tensor]:
         return [self.S] + ([self.conv] if self.conv is not None else [])
@@ -139,7 +140,7 @@ class GDNMixer(Mixer):
             self.S = gdn_commit_factor(self.S, pending.k, pending.delta, pending.G, tp.path, tp.path_len)
         B, T = h.shape[:2]
         H, HV, K, V = self.H, self.HV, self.K, self.V
-        proj, a, b = h @ self.w_qkv.T, h @ self.w_a.T, h @ self.w_b.T
+        proj, a, b, z = self.project(h)
         anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C)) if self.C else None
         if anc is not None:
             conv = conv_kernels.tree_conv if kernel else tree_conv
@@ -169,7 +170,6 @@ class GDNMixer(Mixer):
             rec = GDNSnapshotRecord(node_states(self.S, k, delta, G, tp.mask), wins)
         else:
             rec = GDNReplayRecord(k=k, v=v.to(self.state_dtype), g=g, beta=beta, conv_x=conv_x)
-        z = h @ self.w_z.T if self.w_z is not None else None
         return self.output(o.to(self.dtype), z), rec
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:

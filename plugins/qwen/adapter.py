@@ -1,8 +1,11 @@
 """Turns transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (or the text model inside
-a multimodal Qwen3.5 checkpoint) into a :class:`specla.TargetAdapter` on the mixer core.
+a multimodal Qwen3.5 checkpoint) and ``Qwen3NextForCausalLM`` into a :class:`specla.TargetAdapter`
+on the mixer core.
 
-Qwen3.5 interleaves Gated DeltaNet layers (``linear_attention``) with gated softmax attention
-(``full_attention``, every fourth layer by default). Only the sequence mixers are specla's: each
+Qwen3.5 and Qwen3-Next interleave Gated DeltaNet layers (``linear_attention``) with gated softmax
+attention (``full_attention``, every fourth layer by default); they differ in the GDN layer's
+projection layout (Qwen3-Next groups q, k, v, z and b, a per key head) and in the rotary
+module's position form. Only the sequence mixers are specla's: each
 GDN layer runs :class:`specla_gdn.mixer.GDNMixer` (the gdn plugin's tree verify, records and
 kernels) from the layer's own weights, each attention layer :class:`QwenAttention` (the core's
 tree attention over a KV cache). Everything position-wise (embeddings, the zero-centred RMSNorms,
@@ -45,6 +48,9 @@ class QwenAttention(AttentionMixer):
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
         self.attn, self.rotary, self._rope = attn, rotary, apply_rotary_pos_emb
+        # Qwen3.5's rotary module takes one position per multimodal grid axis, [3, B, T] (all
+        # equal for text; transformers before 5.24 requires this form); Qwen3-Next's takes [B, T]
+        self._grid_positions = hasattr(rotary, "mrope_section")
         super().__init__(attn.config.num_key_value_heads, attn.head_dim, dtype, device, scale=attn.scaling)
 
     def project(self, h: Tensor, positions: Tensor):
@@ -53,9 +59,9 @@ class QwenAttention(AttentionMixer):
         q = a.q_norm(q)
         k = a.k_norm(a.k_proj(h).view(B, T, -1, D))
         v = a.v_proj(h).view(B, T, -1, D)
-        # [3, B, T]: one position per multimodal grid axis, all equal for text (transformers
-        # before 5.24 requires this form, later versions accept it)
-        cos, sin = self.rotary(h, positions[None].expand(3, -1, -1))  # [B, T, rotary dims]
+        if self._grid_positions:
+            positions = positions[None].expand(3, -1, -1)
+        cos, sin = self.rotary(h, positions)  # [B, T, rotary dims]
         q, k = self._rope(q, k, cos, sin, unsqueeze_dim=2)
         return q, k, v, gate.reshape(B, T, -1)
 
@@ -65,7 +71,7 @@ class QwenAttention(AttentionMixer):
 
 
 class QwenAdapter(MixerAdapter):
-    """Qwen3.5 (dense and MoE) on the mixer core (see the module docstring).
+    """Qwen3.5 (dense and MoE) and Qwen3-Next on the mixer core (see the module docstring).
 
     State per sequence: for each GDN layer a float32 (float64 in float64 runs) recurrent state
     ``[B, HV, K, V]`` and a conv window ``[B, C - 1, Dc]``; for each attention layer a KV cache
@@ -74,8 +80,8 @@ class QwenAdapter(MixerAdapter):
     copy is made once (the caller's model is never modified).
 
     Args:
-        model: a ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` or a multimodal Qwen3.5
-            model (its text part runs).
+        model: a ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, a multimodal Qwen3.5 model
+            (its text part runs) or a ``Qwen3NextForCausalLM``.
         config: the run's :class:`SpecConfig`.
     """
 
@@ -100,16 +106,21 @@ class QwenAdapter(MixerAdapter):
             return QwenAttention(layer.self_attn, self.text.rotary_emb, self.dtype, self.device)
         lin = layer.linear_attn
         st = lambda p: p.detach().to(self.state_dtype)  # noqa: E731
-        w = lambda m: m.weight.detach()  # noqa: E731
         Vd = lin.head_v_dim
+
+        def project(h: Tensor):
+            if hasattr(lin, "in_proj_qkvz"):  # Qwen3-Next: regrouped by the layer's own method
+                q, k, v, z, b, a = lin.fix_query_key_value_ordering(lin.in_proj_qkvz(h), lin.in_proj_ba(h))
+                flat = lambda x: x.reshape(*h.shape[:2], -1)  # noqa: E731
+                return torch.cat([flat(q), flat(k), flat(v)], -1), a, b, flat(z)
+            return lin.in_proj_qkv(h), lin.in_proj_a(h), lin.in_proj_b(h), lin.in_proj_z(h)
 
         def output(o: Tensor, z: Tensor) -> Tensor:
             B, T = o.shape[:2]
             return lin.out_proj(lin.norm(o.reshape(-1, Vd), z.reshape(-1, Vd)).reshape(B, T, -1))
 
         conv = lin.conv1d
-        return GDNMixer(w_qkv=w(lin.in_proj_qkv), w_a=w(lin.in_proj_a), w_b=w(lin.in_proj_b), w_z=w(lin.in_proj_z),
-                        conv_w=conv.weight.detach()[:, 0], conv_b=conv.bias.detach() if conv.bias is not None else None,
+        return GDNMixer(project=project, conv_w=conv.weight.detach()[:, 0], conv_b=conv.bias.detach() if conv.bias is not None else None,
                         A_log=st(lin.A_log), dt_bias=st(lin.dt_bias), H=lin.num_k_heads, HV=lin.num_v_heads,
                         K=lin.head_k_dim, V=Vd, beta_scale=1.0, output=output, dtype=self.dtype,
                         state_dtype=self.state_dtype, device=self.device)
@@ -117,7 +128,8 @@ class QwenAdapter(MixerAdapter):
     def _block(self, li: int, x: Tensor, mix) -> Tensor:
         layer = self.layers[li]
         x = x + mix(layer.input_layernorm(x))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        y = layer.mlp(layer.post_attention_layernorm(x))
+        return x + (y[0] if isinstance(y, tuple) else y)  # some MoE blocks also return router logits
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """Logits ``[..., vocab]`` of last-layer features: the model's final norm and LM head."""

@@ -1,4 +1,5 @@
-"""Registers the Qwen3.5 hybrid plugin through the ``specla.plugins`` entry-point group."""
+"""Registers the Qwen hybrid plugin (Qwen3.5, Qwen3-Next) through the ``specla.plugins`` entry-point
+group."""
 
 from __future__ import annotations
 
@@ -24,17 +25,21 @@ TINY_VARIANTS = {
     "attn_first": dict(num_hidden_layers=3, layer_types=["full_attention", "linear_attention", "full_attention"],
                        num_key_value_heads=1),
     "moe": dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2),
+    # Qwen3-Next: GDN projections grouped per key head, MoE in every layer but the first
+    "next": dict(linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                 num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0]),
 }
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+MOE_VARIANTS = {"moe": "qwen3_5_moe", "next": "qwen3_next"}
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 class QwenPlugin(ArchitecturePlugin):
-    """Qwen3.5 (Qwen team, 2026): Gated DeltaNet layers interleaved with gated softmax attention,
-    dense or MoE, as transformers implements it (``Qwen3_5ForCausalLM``,
-    ``Qwen3_5MoeForCausalLM``, and the text part of ``Qwen3_5ForConditionalGeneration`` /
-    ``Qwen3_5MoeForConditionalGeneration``)."""
+    """Qwen3-Next (Qwen team, 2025) and Qwen3.5 (2026): Gated DeltaNet layers interleaved with
+    gated softmax attention, dense or MoE, as transformers implements them
+    (``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, and the text
+    part of ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``)."""
 
-    name = "qwen3_5"
+    name = "qwen"
     model_types = MODEL_TYPES
     capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
@@ -53,12 +58,12 @@ class QwenPlugin(ArchitecturePlugin):
 
     def check_model(self, model: torch.nn.Module) -> None:
         from transformers import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
-                                  Qwen3_5MoeForConditionalGeneration)
+                                  Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
 
         classes = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
-                   Qwen3_5MoeForConditionalGeneration)
+                   Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
         if not isinstance(model, classes):
-            raise UnsupportedModelError(f"the qwen3_5 plugin runs {', '.join(c.__name__ for c in classes)}, got "
+            raise UnsupportedModelError(f"the qwen plugin runs {', '.join(c.__name__ for c in classes)}, got "
                                         f"{type(model).__name__}")
         from .adapter import text_parts
 
@@ -76,21 +81,24 @@ class QwenPlugin(ArchitecturePlugin):
         return QwenAdapter(model, config)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-        """A random ``Qwen3_5ForCausalLM`` (``Qwen3_5MoeForCausalLM`` for ``moe``) of shape
-        ``variant`` (:data:`TINY_VARIANTS`), with decays spread so that paths differ and the
-        zero-initialised norm offsets made random.
+        """A random ``Qwen3_5ForCausalLM`` (``Qwen3_5MoeForCausalLM`` for ``moe``,
+        ``Qwen3NextForCausalLM`` for ``next``) of shape ``variant`` (:data:`TINY_VARIANTS`), with
+        decays spread so that paths differ and the zero-initialised norm offsets made random.
 
         Raises:
             KeyError: unknown variant.
         """
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+        import transformers as tf
 
-        moe = variant == "moe"
         kw = {**TINY_BASE, **TINY_VARIANTS[variant]}
+        cfg_cls, model_cls = {
+            None: (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+            "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+            "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        }[MOE_VARIANTS.get(variant)]
         torch.manual_seed(seed)
-        cfg = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(**kw)
-        model = (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM)(cfg).to(dtype).eval()
-        if moe:  # the default grouped-GEMM experts take no float64
+        model = model_cls(cfg_cls(**kw)).to(dtype).eval()
+        if variant in MOE_VARIANTS:  # the default grouped-GEMM experts take no float64
             model.config._experts_implementation = "eager"
         with torch.no_grad():
             for name, p in model.named_parameters():

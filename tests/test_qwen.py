@@ -1,4 +1,4 @@
-"""The qwen3_5 plugin against transformers' own Qwen3.5 classes: token identity with their greedy
+"""The qwen plugin against transformers' own Qwen3.5 classes: token identity with their greedy
 decoding (no-cache forwards on the PyTorch path), checkpoints and multimodal models loaded
 unchanged, the KV cache's limits."""
 
@@ -13,7 +13,7 @@ from specla.registry import get_plugin
 from specla.testing.drafters import OracleDrafter
 from specla.tree import DraftTree
 
-ARCH = get_plugin("qwen3_5")
+ARCH = get_plugin("qwen")
 V = 61
 
 
@@ -55,7 +55,7 @@ def test_a_checkpoint_directory_and_a_multimodal_model_run_unchanged(tmp_path):
     ``Qwen3_5ForConditionalGeneration`` runs as its own model: both equal transformers' greedy."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from specla_qwen3_5.plugin import TINY_BASE
+    from specla_qwen.plugin import TINY_BASE
 
     model = ARCH.tiny_model("base", seed=5, dtype=torch.float32)
     model.save_pretrained(tmp_path / "ckpt")
@@ -104,7 +104,7 @@ def test_bad_checkpoints_and_models_are_refused_by_name(tmp_path):
 
     with pytest.raises(UnsupportedModelError, match="no config.json"):
         ARCH.load_model(tmp_path, dtype=None, device=None)
-    with pytest.raises(UnsupportedModelError, match="the qwen3_5 plugin runs Qwen3_5ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="the qwen plugin runs Qwen3_5ForCausalLM"):
         ARCH.check_model(get_plugin("gdn").tiny_model("base"))
 
 
