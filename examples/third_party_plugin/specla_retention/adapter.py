@@ -1,15 +1,21 @@
-"""Speculative decoding of :class:`RetentionModel` through specla's contract.
+"""Speculative decoding of :class:`RetentionModel` on specla's mixer core.
+
+Each layer's sequence mixer is a :class:`RetentionMixer` (below) or, in a hybrid, specla's
+:class:`~specla.mixers.AttentionMixer` with this model's projections; :class:`RetentionAdapter`
+wires them with the model's norms (:meth:`MixerAdapter._block`) and inherits prefill, verify,
+the delayed commit, batch selection and CUDA-graph state from the core.
 
 Tree-masked retention (scalar decay per head, no delta correction): with ``G_i = depth_i *
 log gamma`` the log decay summed along node ``i``'s root path and ``M`` the inclusive-ancestor
 mask, ``o_i = exp(G_i) q_i S0 + sum_j M_ij exp(G_i - G_j) (q_i . k_j) v_j``: every node sees
 exactly its own path. The factor record is ``(k, v, G)``; committing the accepted path ending at
 node ``a`` is ``S = exp(G_a) S0 + sum_{j on path} exp(G_a - G_j) k_j v_j^T`` (docs/DESIGN.md
-sections 3 and 5, scalar-decay case). Only the ``factor`` commit is implemented, applied at once.
+sections 3 and 5, scalar-decay case). Only the ``factor`` commit is implemented.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +23,10 @@ from torch import Tensor
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
-from specla.interfaces import TargetAdapter, VerifyOutput
 from specla.layerwise import eos_token_ids
+from specla.mixers import AttentionMixer, Mixer, MixerAdapter, TreePass
 from specla.ops.norm import rms_norm
-from specla.records import Acceptance, Record, path_end
-from specla.tree import DraftTree, inclusive_ancestor_mask
-
-CHUNK = 64  # prompt tokens per prefill pass
+from specla.records import Record, path_end
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,60 @@ def commit_factor(S0: Tensor, rec: RetentionFactorRecord, path: Tensor, path_len
     return torch.where((path_len > 0)[:, None, None, None], S, S0)
 
 
-class RetentionAdapter(TargetAdapter):
-    """Batched tree verify and factor commit for :class:`RetentionModel` (float32 or float64
-    states: the model's dtype, at least float32).
+class RetentionMixer(Mixer):
+    """One retention layer's mixer: state ``S [B, H, K, K]`` in ``state_dtype``."""
+
+    def __init__(self, layer, log_gamma: Tensor, H: int, K: int, dtype, state_dtype, device):
+        self.layer, self.log_gamma, self.H, self.K = layer, log_gamma, H, K
+        self.dtype, self.state_dtype, self.device = dtype, state_dtype, device
+        self.empty_state(0, 0)
+
+    def empty_state(self, B: int, capacity: int) -> None:
+        self.S = torch.zeros(B, self.H, self.K, self.K, dtype=self.state_dtype, device=self.device)
+
+    def state(self) -> list[Tensor]:
+        return [self.S]
+
+    def set_state(self, tensors: Iterator[Tensor]) -> None:
+        self.S = next(tensors)
+
+    def recurrent_states(self) -> list[Tensor]:
+        return [self.S]
+
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None):
+        if pending is not None:  # the delayed commit of the previous step
+            self.commit(pending, tp.path, tp.path_len, tp.kernels)
+        B, T = h.shape[:2]
+        q, k, v = (lin(h).view(B, T, self.H, self.K).to(self.state_dtype)
+                   for lin in (self.layer.q, self.layer.k, self.layer.v))
+        o, G = tree_retention(q * self.K**-0.5, k, v, self.log_gamma, self.S, tp.mask)
+        return self.layer.o(o.reshape(B, T, -1).to(self.dtype)), RetentionFactorRecord(k=k, v=v, G=G)
+
+    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        self.S = commit_factor(self.S, record, path, path_len)
+
+
+class PlainAttention(AttentionMixer):
+    """A hybrid's attention layer: ``q, k, v`` projections, no positional encoding (the
+    retention layers carry order), ``o`` projection; every node attends to the KV cache and its
+    own ancestors (specla's tree attention)."""
+
+    def __init__(self, layer, H: int, K: int, dtype, device):
+        self.layer, self.H = layer, H
+        super().__init__(H, K, dtype, device)
+
+    def project(self, h: Tensor, positions: Tensor):
+        B, T = h.shape[:2]
+        q, k, v = (lin(h).view(B, T, self.H, self.Dh) for lin in (self.layer.q, self.layer.k, self.layer.v))
+        return q, k, v, None
+
+    def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
+        return self.layer.o(o.reshape(*o.shape[:2], -1))
+
+
+class RetentionAdapter(MixerAdapter):
+    """:class:`RetentionModel` on the mixer core (float32 or float64 states: the model's dtype,
+    at least float32). The model is used as it is when the run's device and dtype are its own.
 
     Raises:
         UnsupportedModelError: a commit strategy other than ``factor``.
@@ -71,93 +125,22 @@ class RetentionAdapter(TargetAdapter):
     def __init__(self, model, config: SpecConfig):
         if config.commit != "factor":
             raise UnsupportedModelError(f"the retention example implements only the factor commit, not {config.commit!r}")
-        self.config = config
+        self._place(config, model.lm_head.weight)
+        if model.lm_head.weight.dtype != self.dtype or model.lm_head.weight.device != self.device:
+            import copy
+
+            model = copy.deepcopy(model).to(self.device, self.dtype)
         self.model = model
-        ref = model.lm_head.weight
-        self.device = torch.device(config.device) if config.device else ref.device
-        self.dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
-        self.state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self.vocab_size = model.config.vocab_size
-        self.eos_token_ids = eos_token_ids(model)
-        self.H, self.K = model.config.num_heads, model.config.head_dim
-        self.w = {n: p.detach().to(self.device, self.dtype) for n, p in model.named_parameters()}
-        self.log_gamma = model.log_gamma.to(self.device, self.state_dtype)
-        self.S: list[Tensor] = []
-        self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self.last_hidden = torch.zeros(0, model.config.hidden_size, dtype=self.dtype, device=self.device)
+        c = model.config
+        self.vocab_size, self.eos_token_ids = c.vocab_size, eos_token_ids(model)
+        self.embed_weight = model.embed.weight.detach()
+        self.norm, self.norm_eps, self.lm_head = model.norm.detach(), 1e-6, model.lm_head.weight.detach()
+        log_gamma = model.log_gamma.to(self.device, self.state_dtype)
+        self.mixers = [RetentionMixer(layer, log_gamma, c.num_heads, c.head_dim, self.dtype, self.state_dtype, self.device)
+                       if kind == "retention" else PlainAttention(layer, c.num_heads, c.head_dim, self.dtype, self.device)
+                       for layer, kind in zip(model.layers, c.layer_types)]
+        self.num_layers = len(self.mixers)
+        self._init_state()
 
-    @property
-    def batch_size(self) -> int:
-        return self._roots.shape[0]
-
-    @property
-    def roots(self) -> Tensor:
-        return self._roots
-
-    def _forward(self, tokens: Tensor, parents: Tensor):
-        """Logits ``[B, T, vocab]``, features and one factor record per layer for a batch of trees."""
-        mask = inclusive_ancestor_mask(parents)
-        B, T = tokens.shape
-        x = self.w["embed.weight"][tokens]
-        records = []
-        for li, S0 in enumerate(self.S):
-            p = f"layers.{li}."
-            h = rms_norm(x, self.w[p + "norm"], 1e-6)
-            q, k, v = ((h @ self.w[p + n + ".weight"].T).view(B, T, self.H, self.K).to(self.state_dtype)
-                       for n in ("q", "k", "v"))
-            o, G = tree_retention(q * self.K**-0.5, k, v, self.log_gamma, S0, mask)
-            records.append(RetentionFactorRecord(k=k, v=v, G=G))
-            x = x + o.reshape(B, T, -1).to(self.dtype) @ self.w[p + "o.weight"].T
-        return rms_norm(x, self.w["norm"], 1e-6) @ self.w["lm_head.weight"].T, x, tuple(records)
-
-    def _apply(self, records, path: Tensor, path_len: Tensor) -> None:
-        self.S = [commit_factor(S, rec, path, path_len) for S, rec in zip(self.S, records)]
-
-    @torch.no_grad()
-    def _prefill(self, prompts: list[list[int]]) -> None:
-        B, L = len(prompts), self.model.config.num_layers
-        self.S = [torch.zeros(B, self.H, self.K, self.K, dtype=self.state_dtype, device=self.device) for _ in range(L)]
-        self.last_hidden = torch.zeros(B, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
-        bodies = [p[:-1] for p in prompts]
-        lengths = torch.tensor([len(b) for b in bodies], device=self.device)
-        T = max(len(b) for b in bodies)
-        tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
-        for start in range(0, T, CHUNK):  # each chunk is a chain; only each row's real tokens commit
-            chunk = tokens[:, start : start + CHUNK]
-            W = chunk.shape[1]
-            n = (lengths - start).clamp(0, W)
-            _, hidden, recs = self._forward(chunk, torch.arange(-1, W - 1, device=self.device).expand(B, W))
-            path = torch.where(torch.arange(W, device=self.device) < n[:, None], torch.arange(W, device=self.device), -1)
-            self._apply(recs, path, n)
-            last = hidden[torch.arange(B, device=self.device), (n - 1).clamp(min=0)]
-            self.last_hidden = torch.where((n > 0)[:, None], last, self.last_hidden)
-        self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
-
-    @torch.no_grad()
-    def _verify(self, tree: DraftTree) -> VerifyOutput:
-        tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
-        logits, hidden, records = self._forward(tokens, tree.parents_with_root)
-        return VerifyOutput(logits=logits, hidden=hidden, records=records)
-
-    @torch.no_grad()
-    def _commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None:
-        self._apply(out.records, acceptance.path.to(self.device), acceptance.path_len.to(self.device))
-        self._roots = acceptance.bonus.to(self.device)
-
-    def flush(self) -> None:
-        """Nothing is ever pending: commits are applied at once."""
-
-    def select(self, index: Tensor) -> None:
-        index = index.to(self.device)
-        self.S = [s.index_select(0, index) for s in self.S]
-        self._roots = self._roots.index_select(0, index)
-        self.last_hidden = self.last_hidden.index_select(0, index)
-
-    def recurrent_states(self) -> list[Tensor]:
-        return list(self.S)
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        return self.w["embed.weight"][tokens]
-
-    def lm_logits(self, hidden: Tensor) -> Tensor:
-        return rms_norm(hidden, self.w["norm"], 1e-6) @ self.w["lm_head.weight"].T
+    def _block(self, li: int, x: Tensor, mix) -> Tensor:
+        return x + mix(rms_norm(x, self.model.layers[li].norm, 1e-6))

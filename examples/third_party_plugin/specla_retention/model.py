@@ -1,6 +1,8 @@
 """A tiny multi-scale retention language model (RetNet, Sun et al. 2023, arXiv 2307.08621,
-without the group norm and gating): per layer ``x += Wo retention(RMSNorm(x))`` with, per head,
-``S_t = gamma S_{t-1} + k_t v_t^T`` and ``o_t = S_t^T q_t``; a final RMSNorm and LM head.
+without the group norm and gating): per layer ``x += Wo mix(RMSNorm(x))`` where the sequence mixer
+is retention, per head ``S_t = gamma S_{t-1} + k_t v_t^T`` and ``o_t = S_t^T q_t``, or, in a
+hybrid (``layer_types``), causal softmax attention without positional encoding; a final RMSNorm
+and LM head.
 
 Deliberately not a transformers model: a plugin can serve any ``torch.nn.Module``.
 """
@@ -25,8 +27,15 @@ class RetentionConfig:
     num_heads: int = 2
     head_dim: int = 8
     num_layers: int = 2
+    layer_types: list[str] | None = None  # "retention" (default) or "attention", per layer
     eos_token_id: int | None = None
     model_type: str = "tiny_retention"
+
+    def __post_init__(self):
+        self.layer_types = list(self.layer_types or ["retention"] * self.num_layers)
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {"retention", "attention"}:
+            raise ValueError(f"layer_types must name 'retention' or 'attention' for each of the {self.num_layers} "
+                             f"layers, got {self.layer_types}")
 
 
 class RetentionModel(nn.Module):
