@@ -132,7 +132,10 @@ class SpecDecoder:
         if outside:
             raise ConfigError(f"stop_token_ids {outside} are outside the model's vocabulary "
                               f"0..{self.adapter.vocab_size - 1}")
-        self.drafter = make_drafter(drafter)
+        if isinstance(drafter, str) and drafter in self.plugin.model_drafters:  # the model's own (MTP)
+            self.drafter = self.plugin.make_model_drafter(drafter, model)
+        else:
+            self.drafter = make_drafter(drafter)
         self.drafter.bind(self.adapter)
         self.engine = Engine(self.adapter, self.drafter, self.config)  # kept: its CUDA graphs are reused
 

@@ -233,6 +233,8 @@ class ArchitecturePlugin(ABC):
             expected to fail, with the reason (the suite runs them as strict xfail: an unexpected
             pass fails too).
         tiny_variants: names accepted by :meth:`tiny_model` (model shapes the suite covers).
+        model_drafters: drafters the model brings itself, by name (``drafter="mtp"``: the
+            multi-token-prediction layer a checkpoint ships), built by :meth:`make_model_drafter`.
         logits_tolerance: the relative and absolute tolerance of the suite's float64 logit
             comparisons between two computation orders (a commit against a fresh prefill):
             ``1e-8`` for models computed in float64 throughout; a model whose own modules round
@@ -247,6 +249,7 @@ class ArchitecturePlugin(ABC):
     known_failures: dict[str, str] = {}
     tiny_variants: tuple[str, ...] = ()
     logits_tolerance: float = 1e-8
+    model_drafters: tuple[str, ...] = ()
 
     def checkpoint_config(self, path: Path) -> dict:
         """``path/config.json`` as a dict, checked to name one of :attr:`model_types`.
@@ -285,6 +288,15 @@ class ArchitecturePlugin(ABC):
         Raises:
             UnsupportedModelError: see :meth:`check_model`.
         """
+
+    def make_model_drafter(self, name: str, model: torch.nn.Module) -> "Drafter":
+        """The drafter ``name`` (one of :attr:`model_drafters`) of ``model``.
+
+        Raises:
+            DrafterError: the model does not carry it (e.g. a checkpoint without an MTP layer).
+            NotImplementedError: the plugin declares no model drafters.
+        """
+        raise NotImplementedError(f"plugin {self.name!r} provides no model drafters")
 
     # -- what the conformance suite (specla.testing) needs from a plugin
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:

@@ -162,3 +162,95 @@ def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
     assert dec.engine._runner is not None and dec.engine._runner.graphs
     assert dec.adapter._use_kernel("factor")
+
+
+def write_mtp_layer(directory, model, seed=0):
+    """A random MTP layer for ``model`` as ``directory/mtp.safetensors`` (``mtp.*`` names, as the
+    checkpoints ship it in their shards), built from the model's own classes."""
+    from safetensors.torch import save_file
+
+    from specla_qwen.adapter import text_parts
+
+    torch.manual_seed(seed)
+    text, _ = text_parts(model)
+    cfg = text.config
+    li = list(cfg.layer_types).index("full_attention")
+    H = cfg.hidden_size
+    head = torch.nn.Module()
+    head.fc = torch.nn.Linear(2 * H, H, bias=False)
+    head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.norm = (type(text.norm)(H) for _ in range(3))
+    head.layers = torch.nn.ModuleList([type(text.layers[li])(cfg, li)])
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    save_file({f"mtp.{k}": v.detach().to(text.norm.weight.dtype).contiguous() for k, v in head.state_dict().items()},
+              str(directory / "mtp.safetensors"))
+
+
+@pytest.mark.parametrize("variant", ["base", "next"])
+def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, tmp_path):
+    """``drafter="mtp"`` on a checkpoint with an MTP layer: the first draft level's top-k equals
+    an independent teacher-forced pass (transformers' own decoder layer over every prompt pair
+    (final-normed target feature ``f_p``, embedding of ``x_{p+1}``), causal, the model's rotary at
+    position ``p``, then the MTP norm and the LM head); and decoding with it is exact."""
+    from transformers import AutoModelForCausalLM
+
+    from specla_qwen.mtp import MTPDrafter
+    from specla_qwen.naive import torch_path
+
+    ARCH.tiny_model(variant, seed=3, dtype=torch.float32).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    if variant == "next":
+        model.config._experts_implementation = "eager"
+    write_mtp_layer(tmp_path, model)
+    dec = SpecDecoder(model, drafter="mtp", config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=3, top_k=3))
+    assert isinstance(dec.drafter, MTPDrafter)
+    prompt = [5, 17, 33, 8, 5, 17, 33, 8, 2, 9, 40]
+    out = dec.generate([prompt, prompt[:4]])
+    assert out.outputs == [ARCH.reference_decode(model, p, 12) for p in (prompt, prompt[:4])]
+
+    dr, ad = dec.drafter, dec.adapter
+    ad.prefill([prompt])
+    dr.reset([prompt])
+    with torch.no_grad():
+        _, top_logp, top_tok = dr._expand(dr._root_state()[:, None], dr.root[:, None], 3)
+        text, head = dr.text, dr.head
+        ids = torch.tensor([prompt])
+        with torch_path(model):  # transformers' PyTorch path on a CPU
+            f = model.model(ids[:, :-1]).last_hidden_state  # final-normed features f_0 .. f_{L-2}
+        h = head.pair(f, text.embed_tokens(ids[:, 1:]))
+        pos = torch.arange(h.shape[1])[None]
+        rope_pos = pos[None].expand(3, -1, -1) if variant == "base" else pos
+        y = head.layers[0](h, position_embeddings=text.rotary_emb(h, rope_pos), attention_mask=None)
+        y = y[0] if isinstance(y, tuple) else y
+        want = torch.log_softmax(dr.lm_head(head.norm(y))[0, -1].float(), -1).topk(3)
+    assert top_tok[0, 0].tolist() == want.indices.tolist()
+    torch.testing.assert_close(top_logp[0, 0], want.values, rtol=1e-4, atol=1e-5)
+
+
+def test_mtp_without_an_mtp_layer_is_refused_by_name(tmp_path):
+    from specla.errors import DrafterError
+
+    model = ARCH.tiny_model("base", seed=1, dtype=torch.float32)
+    with pytest.raises(DrafterError, match="names none"):
+        SpecDecoder(model, drafter="mtp")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(DrafterError, match="holds none"):
+        SpecDecoder(str(tmp_path), drafter="mtp")
+
+
+def test_grouped_query_draft_attention_equals_repeated_heads():
+    """The drafter's attention with fewer key/value heads than query heads (the MTP layer's) equals
+    the same attention with each key/value head repeated for its query group."""
+    from specla.ops.attention import draft_attention
+
+    g = torch.Generator().manual_seed(4)
+    B, M, A, H, HKV, L, Dh = 2, 3, 2, 6, 2, 9, 8
+    q = torch.randn(B, M, H, Dh, generator=g, dtype=torch.float64)
+    ck, cv = (torch.randn(B, L, HKV, Dh, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, M, A, HKV, Dh, generator=g, dtype=torch.float64) for _ in range(2))
+    n = torch.tensor([0, 7])
+    rep = lambda x, d: x.repeat_interleave(H // HKV, d)  # noqa: E731
+    want = draft_attention(q, rep(ck, 2), rep(cv, 2), n, rep(k, 3), rep(v, 3))
+    torch.testing.assert_close(draft_attention(q, ck, cv, n, k, v), want, rtol=1e-12, atol=1e-12)

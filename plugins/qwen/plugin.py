@@ -46,6 +46,7 @@ class QwenPlugin(ArchitecturePlugin):
     # transformers' RMSNorms compute in float32 even in a float64 model: two computation orders
     # of the same logits differ by float32 roundings (about 6e-8 measured on the tiny variants)
     logits_tolerance = 1e-6
+    model_drafters = ("mtp",)
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg = self.checkpoint_config(path)
@@ -79,6 +80,15 @@ class QwenPlugin(ArchitecturePlugin):
         from .adapter import QwenAdapter
 
         return QwenAdapter(model, config)
+
+    def make_model_drafter(self, name: str, model: torch.nn.Module):
+        """``"mtp"``: :class:`specla_qwen.mtp.MTPDrafter`, the MTP layer of the checkpoint the
+        model was loaded from. Raises DrafterError without one (see ``MTPDrafter.from_model``)."""
+        if name != "mtp":
+            raise NotImplementedError(f"the qwen plugin's model drafters are {self.model_drafters}, not {name!r}")
+        from .mtp import MTPDrafter
+
+        return MTPDrafter.from_model(model)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         """A random ``Qwen3_5ForCausalLM`` (``Qwen3_5MoeForCausalLM`` for ``moe``,

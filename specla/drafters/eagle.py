@@ -271,10 +271,10 @@ class EagleDrafter(Drafter):
         starts the cache empty)."""
         ad, cfg = self.adapter, self.adapter.config
         B, dev = len(prompts), ad.device
-        self.feature = ad.last_hidden
+        self.feature = self._features(ad.last_hidden)
         self.root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
         self.generator = None  # created at the first sampled proposal, from config.seed
-        heads = self.head.num_heads
+        heads, d = self._cache_heads()
         # sized from the adapter's config, the run's (an Engine given a larger max_new_tokens
         # would fill the cache: later pairs then overwrite its last slot, which costs acceptance,
         # never exactness)
@@ -284,7 +284,6 @@ class EagleDrafter(Drafter):
         # prompt lengths reuse the recorded ones
         self.capacity = max(self.capacity, 1 << max(need - 1, 255).bit_length()) if heads else 0
         cap = self.capacity
-        d = self.head.config["hidden_size"] // max(heads, 1)
         self.cache_k = torch.zeros(B, cap, max(heads, 1), d, dtype=ad.dtype, device=dev)
         self.cache_v = torch.zeros_like(self.cache_k)
         lengths = [max(len(p) - 2, 0) for p in prompts]
@@ -293,9 +292,36 @@ class EagleDrafter(Drafter):
         T = max(lengths)
         if heads and T and hidden is not None:
             toks = torch.tensor([p[1 : 1 + T] + [0] * (T - len(p[1 : 1 + T])) for p in prompts], device=dev)
-            _, k, v = self.head.qkv_heads(self.head.pair(hidden[:, :T].to(ad.dtype), ad.embed(toks)))
+            k, v = self._pair_kv(self._features(hidden[:, :T].to(ad.dtype)), toks,
+                                 torch.arange(T, device=dev).expand(B, T))
             self.cache_k[:, :T], self.cache_v[:, :T] = k, v
             self.cache_len = torch.tensor(lengths, dtype=torch.int64, device=dev)
+
+    # -- what a drafter of this shape with another head overrides (the model's own MTP layer)
+    def _cache_heads(self) -> tuple[int, int]:
+        """``(heads, head dim)`` of the attention cache (``heads`` 0: no attention)."""
+        heads = self.head.num_heads
+        return heads, self.head.config["hidden_size"] // max(heads, 1)
+
+    def _features(self, hidden: Tensor) -> Tensor:
+        """The drafter's feature of target features ``[..., hidden]`` (EAGLE: the features
+        themselves)."""
+        return hidden
+
+    def _pair_kv(self, feats: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Cache keys and values ``[B, W, heads, d]`` of the pairs (feature ``[B, W, hidden]``,
+        next token ``[B, W]``) at ``positions [B, W]`` (EAGLE has no positional encoding)."""
+        _, k, v = self.head.qkv_heads(self.head.pair(feats, self.adapter.embed(tokens)), self.kernels)
+        return k, v
+
+    def _root_state(self) -> Tensor:
+        """The state the roots are expanded from (:meth:`_level`'s layout): ``[B, 1, hidden]``,
+        the feature alone."""
+        return self.feature[:, None]
+
+    def _logits(self, feature: Tensor) -> Tensor:
+        """Logits ``[..., vocab]`` of predicted features: the target's final norm and LM head."""
+        return self.adapter.lm_logits(feature)
 
     def _level(self, state: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One draft level. ``state [B, M, 1 + 2A, hidden]``: the parents' (predicted) features,
@@ -316,14 +342,14 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def _expand(self, state: Tensor, tokens: Tensor, k: int):
         state, new = self._level(state, tokens)
-        logp = torch.log_softmax(self.adapter.lm_logits(new).float(), dim=-1)
+        logp = torch.log_softmax(self._logits(new).float(), dim=-1)
         top = logp.topk(min(k, logp.shape[-1]), dim=-1)
         return state, top.values, top.indices
 
     @torch.no_grad()
     def _sample_step(self, state: Tensor, tokens: Tensor, config: SpecConfig):
         state, new = self._level(state, tokens)
-        return state, sampling_probs(self.adapter.lm_logits(new), config.temperature, config.sampling_top_k, config.top_p)
+        return state, sampling_probs(self._logits(new), config.temperature, config.sampling_top_k, config.top_p)
 
     def propose(self, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
         """Greedy decoding (``temperature == 0``): the best-first, confidence-pruned tree of the
@@ -333,7 +359,7 @@ class EagleDrafter(Drafter):
         ``min(1, p / q)``; seeded by ``config.seed``. Tokens and structure come back on the CPU,
         ``draft_probs`` stays on the target's device."""
         self.root = torch.tensor([c[-1] for c in contexts], dtype=torch.int64, device=self.adapter.device)
-        root_state = self.feature[:, None]
+        root_state = self._root_state()
         if config.temperature > 0:
             if self.generator is None:
                 self.generator = torch.Generator(device=self.adapter.device)
@@ -350,7 +376,7 @@ class EagleDrafter(Drafter):
         """The greedy tree of :meth:`propose`, padded to the budget, left on the device, with no
         host synchronisation (what :class:`specla.graphs.GraphRunner` records)."""
         self.root = roots
-        return build_tree(lambda f, t: self._expand(f, t, config.top_k), self.feature[:, None], roots, config,
+        return build_tree(lambda f, t: self._expand(f, t, config.top_k), self._root_state(), roots, config,
                           fixed_width=True)
 
     def graph_state(self) -> list[Tensor]:
@@ -370,19 +396,20 @@ class EagleDrafter(Drafter):
         growing; their drafts are discarded anyway."""
         hidden, dev = out.hidden, out.hidden.device
         rows = torch.arange(hidden.shape[0], device=dev)
-        if self.head.num_heads:
+        if self._cache_heads()[0]:
             W = acceptance.tokens.shape[1] + 1
             parents = acceptance.path[:, : W - 1].to(dev)
-            feats = torch.cat([self.feature[:, None], hidden[rows[:, None], parents]], 1)
+            feats = torch.cat([self.feature[:, None], self._features(hidden[rows[:, None], parents])], 1)
             toks = torch.cat([self.root[:, None], acceptance.tokens.to(dev).clamp(min=0)], 1)
-            _, k, v = self.head.qkv_heads(self.head.pair(feats, self.adapter.embed(toks)), self.kernels)
             L = self.cache_k.shape[1]
-            pos = (self.cache_len[:, None] + torch.arange(W, device=dev)).clamp(max=L - 1)
+            at = self.cache_len[:, None] + torch.arange(W, device=dev)
+            k, v = self._pair_kv(feats, toks, at)
+            pos = at.clamp(max=L - 1)
             self.cache_k[rows[:, None], pos] = k
             self.cache_v[rows[:, None], pos] = v
             self.cache_len.copy_((self.cache_len + acceptance.num_accepted.to(dev) + 1).clamp(max=L))
         end = path_end(acceptance.path, acceptance.num_accepted + 1).to(dev)
-        self.feature = hidden[rows, end]
+        self.feature = self._features(hidden[rows, end])
         self.root = acceptance.bonus.to(dev)
 
     def select(self, index: Tensor) -> None:

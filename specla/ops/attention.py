@@ -142,19 +142,24 @@ def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tens
     :func:`specla.ops.attention_triton.draft_attention` (one launch).
 
     Args:
-        q: ``[B, M, H, Dh]``; cache_k, cache_v: ``[B, L, H, Dh]``; cache_len: ``[B]`` int64,
-            ``0 <= cache_len <= L``; keys, values: ``[B, M, A, H, Dh]`` with ``A >= 1``.
+        q: ``[B, M, H, Dh]``; cache_k, cache_v: ``[B, L, HKV, Dh]``; cache_len: ``[B]`` int64,
+            ``0 <= cache_len <= L``; keys, values: ``[B, M, A, HKV, Dh]`` with ``A >= 1``;
+            ``H`` a multiple of ``HKV`` (grouped-query heads: query head ``h`` reads key/value
+            head ``h // (H / HKV)``; the Triton twin takes ``HKV == H`` only).
     Returns:
         ``[B, M, H, Dh]`` in the promotion of ``q``'s dtype and float32.
     Source: EAGLE (Li et al. 2024) draft attention with EAGLE-2's tree ancestors.
     """
+    B, M, H, Dh = q.shape
+    HKV = cache_k.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    qf = q.to(acc) * q.shape[-1] ** -0.5
-    s_cache = torch.einsum("bmhd,blhd->bmhl", qf.to(cache_k.dtype), cache_k).to(acc)
+    qf = (q.to(acc) * Dh**-0.5).view(B, M, HKV, H // HKV, Dh)  # [B, M, HKV, G, Dh]
+    s_cache = torch.einsum("bmkgd,blkd->bmkgl", qf.to(cache_k.dtype), cache_k).to(acc)
     visible = torch.arange(cache_k.shape[1], device=q.device) < cache_len[:, None]  # [B, L]
-    s_cache = s_cache.masked_fill(~visible[:, None, None, :], float("-inf"))
-    s_anc = torch.einsum("bmhd,bmahd->bmha", qf, keys.to(acc))
+    s_cache = s_cache.masked_fill(~visible[:, None, None, None, :], float("-inf"))
+    s_anc = torch.einsum("bmkgd,bmakd->bmkga", qf, keys.to(acc))
     p = torch.softmax(torch.cat([s_cache, s_anc], -1), -1)  # never empty: the node itself is in
     L = cache_k.shape[1]
-    out = torch.einsum("bmhl,blhd->bmhd", p[..., :L].to(cache_v.dtype), cache_v).to(acc)
-    return out + torch.einsum("bmha,bmahd->bmhd", p[..., L:], values.to(acc))
+    out = torch.einsum("bmkgl,blkd->bmkgd", p[..., :L].to(cache_v.dtype), cache_v).to(acc)
+    out = out + torch.einsum("bmkga,bmakd->bmkgd", p[..., L:], values.to(acc))
+    return out.reshape(B, M, H, Dh)
