@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                      help="prompt text (repeat for a batch)")
     gen.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
-    gen.add_argument("--drafter", default="ngram", help="ngram, or a drafter directory (specla train-drafter)")
+    gen.add_argument("--drafter", default="ngram", help="ngram, a drafter directory (specla train-drafter), or a "
+                     "model's own drafter its plugin names (mtp: the MTP layer Qwen3.5 / Qwen3-Next checkpoints ship)")
     gen.add_argument("--tokenizer", default=None, metavar="DIR",
                      help="tokenizer directory (default: the checkpoint's own tokenizer.json)")
     gen.add_argument("--config", default=None, metavar="JSON|FILE", help=config_help)
