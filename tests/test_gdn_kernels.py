@@ -176,7 +176,7 @@ from specla_gdn.naive import naive_greedy_decode  # noqa: E402
 def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monkeypatch):
     """The whole engine with kernels="triton" (fused delayed commit inside the verify kernel) is
     token-identical to sequential decoding, and its states match the reference path's."""
-    import specla_gdn.adapter as adapter_mod
+    import specla_gdn.mixer as adapter_mod  # the verify kernels are dispatched there
 
     calls = {"fused": 0, "plain": 0, "serial": 0, "parallel": 0, "hybrid": 0}
 
@@ -385,7 +385,7 @@ def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
     """Plain decoding (no budget) with ``cuda_graphs="on"`` (unrecorded on the CPU) and the Triton
     kernels: the fixed-shape one-token verify runs the serial kernel (the parallel one is for
     trees) and the output equals sequential decoding."""
-    import specla_gdn.adapter as adapter_mod
+    import specla_gdn.mixer as adapter_mod  # the verify kernels are dispatched there
 
     calls = []  # (kernel, nodes per row) of every verify call
     for fn, kind in ((serial_verify, "serial"), (tree_verify, "parallel")):
