@@ -102,7 +102,8 @@ class SpecDecoder:
         if isinstance(model, (str, Path)) and not (Path(model) / "config.json").is_file():
             raise UnsupportedModelError(f"{model} is not a checkpoint directory (no config.json in it)")
         self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin is not None else detect_plugin(model)
-        if isinstance(model, (str, Path)):
+        owned = isinstance(model, (str, Path))  # loaded here: nobody else holds it
+        if owned:
             path = Path(model)
             if tokenizer is None and (path / "tokenizer.json").is_file():
                 tokenizer = path
@@ -121,7 +122,10 @@ class SpecDecoder:
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         self.model = model
         self.tokenizer = tokenizer
+        asked = self.config.dtype
         self.config = _cpu_float32(self.config, model)
+        if owned and asked is None and self.config.dtype is not None:  # convert once, in place, rather
+            model.to(getattr(torch, self.config.dtype))  # than keep a half-precision original beside a copy
         if "cuda_graphs" not in self.plugin.capabilities:  # the plugin does not promise graph-safe steps
             if self.config.cuda_graphs in ("on", "unrecorded"):
                 raise ConfigError(f"cuda_graphs={self.config.cuda_graphs!r}: plugin {self.plugin.name!r} does not declare the "

@@ -196,7 +196,9 @@ class AttentionMixer(Mixer):
         if tp.static_shapes or not self.cache_len.numel():
             return
         grow = tp.path_len if tp.path_len is not None else 0
-        need = int((self.cache_len + grow).max() + tp.depth.max()) + 1
+        # every attention layer commits the same paths: one host read per pass
+        filled = tp.shared("attention-filled", lambda: int((self.cache_len + grow).max()))
+        need = filled + int(tp.shared("depth-max", lambda: int(tp.depth.max()))) + 1
         if need > self.capacity:
             raise SpecError(f"the KV cache holds {self.capacity} tokens and this pass needs {need}: the run is longer "
                             "than the prefill sized it for (prompt + max_new_tokens + draft depth)")
@@ -206,8 +208,11 @@ class AttentionMixer(Mixer):
             self.commit(pending, tp.path, tp.path_len, tp.kernels)
         q, k, v, gate = self.project(h, self.cache_len[:, None] + tp.depth)
         k, v = k.to(self.dtype), v.to(self.dtype)
-        o = tree_attention(q, k, v, self.k_cache, self.v_cache, self.cache_len, tp.mask, tp.depth,
-                           scale=self.scale, window=self.window)
+        # outside a recorded graph, attend over the filled slots only (read once per pass by
+        # check), so a step costs the cache length, not the capacity; a graph reads them all
+        span = self.k_cache.shape[1] if tp.static_shapes else -(-max(tp.memo.get("attention-filled", 0), 1) // 64) * 64
+        o = tree_attention(q, k, v, self.k_cache[:, :span], self.v_cache[:, :span], self.cache_len, tp.mask,
+                           tp.depth, scale=self.scale, window=self.window)
         return self.output(o, gate), KVRecord(k=k, v=v)
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool = False) -> None:

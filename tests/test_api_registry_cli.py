@@ -209,8 +209,11 @@ def test_hybrid_checkpoint_rejected_before_loading(tmp_path):
 
 
 def test_half_precision_checkpoints_run_in_float32_on_cpu_and_config_json_roundtrips():
-    dec = SpecDecoder(TINY, None)  # stored in bfloat16
-    assert dec.model.lm_head.weight.dtype == torch.bfloat16 and dec.adapter.dtype == torch.float32
+    dec = SpecDecoder(TINY, None)  # stored in bfloat16; loaded by specla, so converted once, in place
+    assert dec.model.lm_head.weight.dtype == torch.float32 and dec.adapter.dtype == torch.float32
+    model = specla.registry.get_plugin("gdn").load_model(TINY, dtype=None, device=None)
+    assert SpecDecoder(model).adapter.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16  # a caller's model is never converted
     assert SpecDecoder(TINY, None, config=dict(dtype="bfloat16")).adapter.dtype == torch.bfloat16
     dumped = json.loads(json.dumps(SpecConfig().model_dump(mode="json")))  # strict JSON: no Infinity
     assert dumped["tau_tree"] == "inf" and SpecConfig.model_validate(dumped) == SpecConfig()

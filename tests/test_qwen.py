@@ -254,3 +254,19 @@ def test_grouped_query_draft_attention_equals_repeated_heads():
     rep = lambda x, d: x.repeat_interleave(H // HKV, d)  # noqa: E731
     want = draft_attention(q, rep(ck, 2), rep(cv, 2), n, rep(k, 3), rep(v, 3))
     torch.testing.assert_close(draft_attention(q, ck, cv, n, k, v), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["moe", "next"])
+def test_a_moe_checkpoint_runs_in_float64_and_the_callers_model_is_left_as_it_was(variant, tmp_path):
+    """A saved MoE checkpoint loaded by path (transformers' grouped-GEMM experts by default, which
+    take no float64) runs with ``dtype="float64"``; a model in training mode is used through an
+    eval-mode copy and stays in training mode; both equal transformers' greedy decoding."""
+    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    prompt = [4, 8, 15, 16, 23, 42]
+    want = ARCH.reference_decode(model.double(), prompt, 8)
+    dec = SpecDecoder(str(tmp_path), config=dict(max_new_tokens=8, dtype="float64"))
+    assert dec.generate([prompt]).outputs == [want]
+    model.train()
+    assert SpecDecoder(model, config=dict(max_new_tokens=8)).generate([prompt]).outputs == [want]
+    assert model.training

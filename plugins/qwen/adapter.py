@@ -33,6 +33,15 @@ def text_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
     return getattr(inner, "language_model", inner), model.lm_head
 
 
+def eager_experts_for_float64(model: torch.nn.Module) -> None:
+    """Switch a float64 model's MoE experts to transformers' eager implementation (its default
+    grouped GEMM takes no float64); only for a model specla owns (loaded or copied by it)."""
+    if model.get_input_embeddings().weight.dtype == torch.float64:
+        for c in (model.config, text_parts(model)[0].config):
+            if getattr(c, "_experts_implementation", None) not in (None, "eager"):
+                c._experts_implementation = "eager"
+
+
 class QwenAttention(AttentionMixer):
     """A Qwen3.5 / Qwen3-Next ``full_attention`` layer under draft trees: ``q_proj`` gives each
     head's query and output gate, per-head zero-centred RMSNorms on q and k, partial rotary
@@ -76,8 +85,9 @@ class QwenAdapter(MixerAdapter):
     State per sequence: for each GDN layer a float32 (float64 in float64 runs) recurrent state
     ``[B, HV, K, V]`` and a conv window ``[B, C - 1, Dc]``; for each attention layer a KV cache
     ``[B, capacity + 65, HKV, Dh]`` in the activation dtype with its length. The model's modules
-    are used as they are when the run's device and dtype are the model's; otherwise a converted
-    copy is made once (the caller's model is never modified).
+    are used as they are when the run's device and dtype are the model's and it is in eval mode;
+    otherwise a converted copy in eval mode is made once (the caller's model is never modified; in
+    float64 the copy's MoE experts run transformers' eager implementation).
 
     Args:
         model: a ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, a multimodal Qwen3.5 model
@@ -88,10 +98,11 @@ class QwenAdapter(MixerAdapter):
     def __init__(self, model: torch.nn.Module, config: SpecConfig):
         text, head = text_parts(model)
         self._place(config, head.weight)
-        if head.weight.device != self.device or head.weight.dtype != self.dtype:
-            model = copy.deepcopy(model).to(self.device, self.dtype)
+        if head.weight.device != self.device or head.weight.dtype != self.dtype or model.training:
+            model = copy.deepcopy(model).to(self.device, self.dtype).eval()
+            eager_experts_for_float64(model)
             text, head = text_parts(model)
-        self.model = model.eval()
+        self.model = model
         self.text, self.head = text, head
         self.embed_weight = text.embed_tokens.weight.detach()
         self.vocab_size = self.embed_weight.shape[0]

@@ -55,6 +55,9 @@ class QwenPlugin(ArchitecturePlugin):
         auto = AutoModelForImageTextToText if cfg["model_type"] in ("qwen3_5", "qwen3_5_moe") else AutoModelForCausalLM
         model = auto.from_pretrained(str(path), dtype=dtype or "auto")
         self.check_model(model)
+        from .adapter import eager_experts_for_float64
+
+        eager_experts_for_float64(model)
         return model.to(device) if device else model
 
     def check_model(self, model: torch.nn.Module) -> None:
