@@ -20,16 +20,16 @@ from specla.layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
 from specla.records import PendingCommit, Record
 from specla.tree import inclusive_ancestor_mask
 
-from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
+from .records import GDNReplayRecord
 from specla.ops import act_triton as act_kernels
 from specla.ops import conv_triton as conv_kernels
 from specla.ops import norm_triton as norm_kernels
 from specla.ops.act import decay_and_sigmoid_gates
-from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.conv import causal_conv, conv_ancestors, tree_conv
 from specla.ops.norm import gated_rms_norm, l2norm, rms_norm
 
-from .reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
-from .mixer import commit_layer, kernel_plan, run_verify_kernel
+from .reference import chunk_gdn, tree_gdn
+from .mixer import apply_pending, commit_layer, kernel_plan, layer_record, replay_commit, run_verify_kernel
 
 
 
@@ -235,12 +235,9 @@ class GDNAdapter(LayerwiseAdapter):
         norm = norm_kernels.rms_norm if kernel else rms_norm
         for li, L in enumerate(self.layers):
             prev = pending.records[li] if pending is not None else None
-            if prev is not None and self.conv[li] is not None:  # the conv window commits first
-                commit_conv = conv_kernels.conv_commit if kernel else conv_window_after
-                self.conv[li] = commit_conv(prev.conv_x, self.conv[li], pending.path, pending.path_len)
-            if prev is not None and not kernel:
-                self.recurrent[li] = gdn_commit_factor(self.recurrent[li], prev.k, prev.delta, prev.G,
-                                                       pending.path, pending.path_len)
+            if prev is not None:
+                self.recurrent[li], self.conv[li] = apply_pending(self.recurrent[li], self.conv[li], prev, pending.path,
+                                                                  pending.path_len, kernel)
             h = norm(x, L.attn_norm, L.attn_eps)
             conv = conv_kernels.tree_conv if kernel else tree_conv
             proj, q, k, v, g, beta, gate = self._mixer_inputs(
@@ -252,14 +249,8 @@ class GDNAdapter(LayerwiseAdapter):
                 o, delta, G = run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, L.K**-0.5, fused)
             else:
                 o, delta, G = self._reference_verify(q, k, v, g, beta, S0, mask, L.K**-0.5, records)
-            conv_x = proj if anc is not None else None
-            if records == "factor":
-                out_records.append(GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x))
-            elif records == "snapshot":
-                wins = conv_windows_per_node(proj, self.conv[li], anc) if anc is not None else None
-                out_records.append(GDNSnapshotRecord(node_states(S0, k, delta, G, mask), wins))
-            else:
-                out_records.append(GDNReplayRecord(k=k, v=v.to(self.state_dtype), g=g, beta=beta, conv_x=conv_x))
+            out_records.append(layer_record(records, S0, k, v, g, beta, delta, G, mask, proj, self.conv[li], anc,
+                                            self.state_dtype))
             x = self._mixer_output_and_mlp(L, x, h, o, gate, fused=kernel)
         out = self.lm_logits(x) if logits else None
         return out, x, tuple(out_records)
@@ -276,7 +267,7 @@ class GDNAdapter(LayerwiseAdapter):
     def _replay_commit(self, S0: Tensor, rec: GDNReplayRecord, path: Tensor, path_len: Tensor) -> Tensor:
         """Token-replay commit of one layer (:func:`reference.gdn_commit_replay`): ``[B, HV, K,
         V]`` after the accepted path. One method so that a baseline can swap it (see above)."""
-        return gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
+        return replay_commit(S0, rec, path, path_len)
 
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         """Commit ``path`` (``[B, P]``, ``path_len [B]``) to every layer from its records."""

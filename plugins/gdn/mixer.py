@@ -52,8 +52,41 @@ def run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, scale, 
     return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
 
 
+def replay_commit(S0: Tensor, rec: GDNReplayRecord, path: Tensor, path_len: Tensor) -> Tensor:
+    """:func:`reference.gdn_commit_replay` from a replay record."""
+    return gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
+
+
+def apply_pending(S: Tensor, win: Tensor | None, prev: GDNFactorRecord, path: Tensor, path_len: Tensor,
+                  kernel: bool) -> tuple[Tensor, Tensor | None]:
+    """One layer's part of a pending factor commit, applied at the start of the next verify:
+    the conv window always, the state only on the reference path (the verify kernels apply it
+    fused). Returns ``(state, window)``."""
+    if win is not None:
+        win = (conv_kernels.conv_commit if kernel else conv_window_after)(prev.conv_x, win, path, path_len)
+    if not kernel:
+        S = gdn_commit_factor(S, prev.k, prev.delta, prev.G, path, path_len)
+    return S, win
+
+
+def layer_record(kind: str, S0: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, delta: Tensor | None,
+                 G: Tensor | None, mask: Tensor, proj: Tensor, win: Tensor | None, anc: Tensor | None,
+                 state_dtype: torch.dtype) -> Record:
+    """The record of one layer's verify pass for the commit strategy ``kind`` (``factor``,
+    ``snapshot``, ``replay``; shapes in :mod:`specla_gdn.records`): ``proj [B, T, Dc]`` the
+    pre-conv projections, ``win`` the committed conv window, ``anc`` the conv ancestors (``None``
+    without short conv)."""
+    conv_x = proj if anc is not None else None
+    if kind == "factor":
+        return GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x)
+    if kind == "snapshot":
+        wins = conv_windows_per_node(proj, win, anc) if anc is not None else None
+        return GDNSnapshotRecord(node_states(S0, k, delta, G, mask), wins)
+    return GDNReplayRecord(k=k, v=v.to(state_dtype), g=g, beta=beta, conv_x=conv_x)
+
+
 def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path_len: Tensor, kernel: bool,
-                 replay: Callable = gdn_commit_replay) -> tuple[Tensor, Tensor | None]:
+                 replay: Callable = replay_commit) -> tuple[Tensor, Tensor | None]:
     """One GDN layer's state and conv window after committing ``path`` (``[B, P]``, ``path_len
     [B]``) from its record (factor: closed form, in place on the kernel path; snapshot: the
     accepted node's state; replay: ``replay(S0, rec, path, path_len)`` re-runs the recurrence).
@@ -74,11 +107,6 @@ def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path
         picked = rec.conv_windows[torch.arange(win.shape[0], device=win.device), end.clamp(min=0)]
         return S, torch.where((path_len > 0)[:, None, None], picked, win)
     return S, conv_window_after(rec.conv_x, win, path, path_len)
-
-
-def replay_commit(S0: Tensor, rec: GDNReplayRecord, path: Tensor, path_len: Tensor) -> Tensor:
-    """:func:`reference.gdn_commit_replay` from a replay record."""
-    return gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
 
 
 class GDNMixer(Mixer):
@@ -133,11 +161,8 @@ class GDNMixer(Mixer):
 
     def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels
-        if pending is not None and self.conv is not None:  # the conv window commits first
-            commit_conv = conv_kernels.conv_commit if kernel else conv_window_after
-            self.conv = commit_conv(pending.conv_x, self.conv, tp.path, tp.path_len)
-        if pending is not None and not kernel:
-            self.S = gdn_commit_factor(self.S, pending.k, pending.delta, pending.G, tp.path, tp.path_len)
+        if pending is not None:
+            self.S, self.conv = apply_pending(self.S, self.conv, pending, tp.path, tp.path_len, kernel)
         B, T = h.shape[:2]
         H, HV, K, V = self.H, self.HV, self.K, self.V
         proj, a, b, z = self.project(h)
@@ -162,15 +187,9 @@ class GDNMixer(Mixer):
                                             K**-0.5, fused)
         else:
             o, delta, G = tree_gdn(q, k, v, g, beta, self.S, tp.mask, K**-0.5)
-        conv_x = proj if anc is not None else None
-        if tp.records == "factor":
-            rec = GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x)
-        elif tp.records == "snapshot":
-            wins = conv_windows_per_node(proj, self.conv, anc) if anc is not None else None
-            rec = GDNSnapshotRecord(node_states(self.S, k, delta, G, tp.mask), wins)
-        else:
-            rec = GDNReplayRecord(k=k, v=v.to(self.state_dtype), g=g, beta=beta, conv_x=conv_x)
+        rec = layer_record(tp.records, self.S, k, v, g, beta, delta, G, tp.mask, proj, self.conv, anc,
+                           self.state_dtype)
         return self.output(o.to(self.dtype), z), rec
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        self.S, self.conv = commit_layer(self.S, self.conv, record, path, path_len, kernels, replay_commit)
+        self.S, self.conv = commit_layer(self.S, self.conv, record, path, path_len, kernels)
