@@ -46,6 +46,20 @@ from .errors import InvalidTreeError
 from .tree import DraftTree
 
 
+def cache_capacity(current: int, longest_prompt: int, config) -> int:
+    """Tokens per sequence a growing cache (an attention layer's KV cache, the EAGLE drafter's
+    pair cache) is sized for: the longest prompt + ``max_new_tokens`` + the draft depth + 2,
+    rounded up to a power of two of at least 256, and never below ``current`` (a new size means
+    new CUDA graphs, so batches of other prompt lengths reuse the recorded ones).
+
+    Args:
+        current: the capacity so far (``0`` at first). longest_prompt: tokens. config: the run's
+            :class:`~specla.config.SpecConfig`.
+    """
+    need = longest_prompt + config.max_new_tokens + min(config.max_depth, config.num_draft_tokens) + 2
+    return max(current, 1 << max(need - 1, 255).bit_length())
+
+
 def batch_bucket(n: int) -> int:
     """The graph batch that holds ``n >= 1`` sequences: the next power of two."""
     return 1 << (n - 1).bit_length()

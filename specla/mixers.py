@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .errors import SpecError
+from .graphs import cache_capacity
 from .layerwise import PREFILL_CHUNK, LayerwiseAdapter
 from .ops.attention import commit_kv, tree_attention
 from .records import PendingCommit, Record
@@ -163,7 +164,6 @@ class AttentionMixer(Mixer):
                  scale: float | None = None, window: int | None = None):
         self.HKV, self.Dh, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
         self.scale, self.window = scale, window
-        self.capacity = 0
         self.empty_state(0, 0)
 
     @abstractmethod
@@ -196,9 +196,10 @@ class AttentionMixer(Mixer):
         if tp.static_shapes or not self.cache_len.numel():
             return
         grow = tp.path_len if tp.path_len is not None else 0
-        # every attention layer commits the same paths: one host read per pass
-        filled = tp.shared("attention-filled", lambda: int((self.cache_len + grow).max()))
-        need = filled + int(tp.shared("depth-max", lambda: int(tp.depth.max()))) + 1
+        # every attention layer commits the same paths: one host read per pass, for all of them
+        filled, deepest = tp.shared("attention-filled",
+                                    lambda: torch.stack([(self.cache_len + grow).max(), tp.depth.max()]).tolist())
+        need = filled + deepest + 1
         if need > self.capacity:
             raise SpecError(f"the KV cache holds {self.capacity} tokens and this pass needs {need}: the run is longer "
                             "than the prefill sized it for (prompt + max_new_tokens + draft depth)")
@@ -210,7 +211,8 @@ class AttentionMixer(Mixer):
         k, v = k.to(self.dtype), v.to(self.dtype)
         # outside a recorded graph, attend over the filled slots only (read once per pass by
         # check), so a step costs the cache length, not the capacity; a graph reads them all
-        span = self.k_cache.shape[1] if tp.static_shapes else -(-max(tp.memo.get("attention-filled", 0), 1) // 64) * 64
+        filled = tp.memo.get("attention-filled", (0,))[0]
+        span = self.k_cache.shape[1] if tp.static_shapes else -(-max(filled, 1) // 64) * 64
         o = tree_attention(q, k, v, self.k_cache[:, :span], self.v_cache[:, :span], self.cache_len, tp.mask,
                            tp.depth, scale=self.scale, window=self.window)
         return self.output(o, gate), KVRecord(k=k, v=v)
@@ -269,20 +271,12 @@ class MixerAdapter(LayerwiseAdapter):
         if self.pending is not None:
             self.pending = self.pending.select(index)
 
-    def _size_caches(self, longest: int) -> None:
-        """Grow the attention caches' capacity to hold ``longest`` prompt tokens plus the run:
-        a power of two (at least 256) that only grows, so batches of other prompt lengths reuse
-        the recorded CUDA graphs."""
-        cfg = self.config
-        need = longest + cfg.max_new_tokens + min(cfg.max_depth, cfg.num_draft_tokens) + 2
-        self.capacity = max(self.capacity, 1 << max(need - 1, 255).bit_length())
-
     def _prefill(self, prompts: list[list[int]]) -> None:
-        self._size_caches(max(len(p) for p in prompts))
+        self.capacity = cache_capacity(self.capacity, max(len(p) for p in prompts), self.config)
         super()._prefill(prompts)
 
     def score(self, tokens: Tensor, return_hidden: bool = False):
-        self._size_caches(tokens.shape[1])
+        self.capacity = cache_capacity(self.capacity, tokens.shape[1], self.config)
         return super().score(tokens, return_hidden)
 
     def forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool = True,
@@ -298,12 +292,10 @@ class MixerAdapter(LayerwiseAdapter):
         for m in self.mixers:
             m.check(tp)
         out_records: list[Record] = []
-        order = iter(self.mixers)
 
         def mix(h: Tensor) -> Tensor:
-            m = next(order)
-            i = len(out_records)
-            y, rec = m.verify(h, tp, pending.records[i] if pending is not None else None)
+            i = len(out_records)  # the mixers run in self.mixers order
+            y, rec = self.mixers[i].verify(h, tp, pending.records[i] if pending is not None else None)
             out_records.append(rec)
             return y
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ..config import SpecConfig
 from ..errors import DrafterError
+from ..graphs import cache_capacity
 from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance, path_end
 from ..tree import DraftTree
@@ -278,11 +279,7 @@ class EagleDrafter(Drafter):
         # sized from the adapter's config, the run's (an Engine given a larger max_new_tokens
         # would fill the cache: later pairs then overwrite its last slot, which costs acceptance,
         # never exactness)
-        depth = min(cfg.max_depth, cfg.num_draft_tokens)
-        need = max(len(p) for p in prompts) + cfg.max_new_tokens + depth + 2
-        # a power of two that only grows: a new size means new CUDA graphs, so batches of other
-        # prompt lengths reuse the recorded ones
-        self.capacity = max(self.capacity, 1 << max(need - 1, 255).bit_length()) if heads else 0
+        self.capacity = cache_capacity(self.capacity, max(len(p) for p in prompts), cfg) if heads else 0
         cap = self.capacity
         self.cache_k = torch.zeros(B, cap, max(heads, 1), d, dtype=ad.dtype, device=dev)
         self.cache_v = torch.zeros_like(self.cache_k)
