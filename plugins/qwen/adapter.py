@@ -42,6 +42,15 @@ def eager_experts_for_float64(model: torch.nn.Module) -> None:
                 c._experts_implementation = "eager"
 
 
+def decoder_layer(layer: torch.nn.Module, x: Tensor, mix) -> Tensor:
+    """A Qwen decoder layer on the residual stream ``x [B, T, hidden]``: ``x + mix(norm(x))``
+    with the layer's sequence mixer behind ``mix``, then its MLP or MoE (some MoE blocks also
+    return router logits, dropped), each with the layer's own pre-norm."""
+    x = x + mix(layer.input_layernorm(x))
+    y = layer.mlp(layer.post_attention_layernorm(x))
+    return x + (y[0] if isinstance(y, tuple) else y)
+
+
 class QwenAttention(AttentionMixer):
     """A Qwen3.5 / Qwen3-Next ``full_attention`` layer under draft trees: ``q_proj`` gives each
     head's query and output gate, per-head zero-centred RMSNorms on q and k, partial rotary
@@ -131,16 +140,13 @@ class QwenAdapter(MixerAdapter):
             return lin.out_proj(lin.norm(o.reshape(-1, Vd), z.reshape(-1, Vd)).reshape(B, T, -1))
 
         conv = lin.conv1d
-        return GDNMixer(project=project, conv_w=conv.weight.detach()[:, 0], conv_b=conv.bias.detach() if conv.bias is not None else None,
-                        A_log=st(lin.A_log), dt_bias=st(lin.dt_bias), H=lin.num_k_heads, HV=lin.num_v_heads,
+        conv_b = conv.bias.detach() if conv.bias is not None else None
+        return GDNMixer(project=project, conv_w=conv.weight.detach()[:, 0], conv_b=conv_b, A_log=st(lin.A_log), dt_bias=st(lin.dt_bias), H=lin.num_k_heads, HV=lin.num_v_heads,
                         K=lin.head_k_dim, V=Vd, beta_scale=1.0, output=output, dtype=self.dtype,
                         state_dtype=self.state_dtype, device=self.device)
 
     def _block(self, li: int, x: Tensor, mix) -> Tensor:
-        layer = self.layers[li]
-        x = x + mix(layer.input_layernorm(x))
-        y = layer.mlp(layer.post_attention_layernorm(x))
-        return x + (y[0] if isinstance(y, tuple) else y)  # some MoE blocks also return router logits
+        return decoder_layer(self.layers[li], x, mix)
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """Logits ``[..., vocab]`` of last-layer features: the model's final norm and LM head."""

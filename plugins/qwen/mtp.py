@@ -24,7 +24,7 @@ from specla.errors import DrafterError
 from specla.interfaces import TargetAdapter
 from specla.ops.attention import draft_attention
 
-from .adapter import QwenAttention, text_parts
+from .adapter import QwenAttention, decoder_layer, text_parts
 
 
 def mtp_tensors(directory: str | Path) -> dict[str, Tensor]:
@@ -152,16 +152,18 @@ class MTPDrafter(EagleDrafter):
         H = self.head.fc.out_features
         HKV, Dh = self._cache_heads()
         A = (S - H) // (2 * HKV * Dh)
-        layer = self.head.layers[0]
-        x = self.head.pair(state[..., :H], self.adapter.embed(tokens))
         positions = (self.cache_len + A)[:, None].expand(B, M)
-        q, k, v, gate = self.attn.project(layer.input_layernorm(x), positions)
         shape = (B, M, A, HKV, Dh)
-        keys = torch.cat([state[..., H : H + A * HKV * Dh].reshape(shape), k[:, :, None]], 2)
-        values = torch.cat([state[..., H + A * HKV * Dh :].reshape(shape), v[:, :, None]], 2)
-        o = draft_attention(q, self.cache_k, self.cache_v, self.cache_len, keys, values).to(x.dtype)
-        x = x + self.attn.output(o, gate)
-        y = layer.mlp(layer.post_attention_layernorm(x))
-        x = x + (y[0] if isinstance(y, tuple) else y)
+        anc_k, anc_v = state[..., H : H + A * HKV * Dh].reshape(shape), state[..., H + A * HKV * Dh :].reshape(shape)
+        kv = []
+
+        def attend(n: Tensor) -> Tensor:  # over the cache, the ancestors and the node itself
+            q, k, v, gate = self.attn.project(n, positions)
+            kv.extend([torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)])
+            o = draft_attention(q, self.cache_k, self.cache_v, self.cache_len, *kv).to(n.dtype)
+            return self.attn.output(o, gate)
+
+        x = decoder_layer(self.head.layers[0], self.head.pair(state[..., :H], self.adapter.embed(tokens)), attend)
         new = self.head.norm(x)
+        keys, values = kv
         return torch.cat([new, keys.flatten(2), values.flatten(2)], -1), new
