@@ -391,6 +391,8 @@ def graph_problem(adapter: TargetAdapter, config: SpecConfig) -> str | None:
     """Why :class:`GraphRunner` cannot run ``config`` on ``adapter`` (``None``: it can)."""
     if type(adapter).graph_state is TargetAdapter.graph_state:
         return f"{type(adapter).__name__} has no graph state"
+    if problem := adapter.graph_problem():
+        return problem
     if config.num_draft_tokens > adapter.graph_max_nodes():
         return (f"num_draft_tokens={config.num_draft_tokens} is over the {adapter.graph_max_nodes()} draft nodes "
                 "a recorded verify holds")

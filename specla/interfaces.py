@@ -196,6 +196,14 @@ class TargetAdapter(ABC):
         """The largest draft budget ``N`` a captured verify supports (default: none)."""
         return -1
 
+    def graph_problem(self) -> str | None:
+        """Why this adapter's passes cannot be recorded in a CUDA graph although its plugin
+        declares the ``cuda_graphs`` capability (a module of the checkpoint that reads values on
+        the host, say), or ``None`` (the default). Steps and prefill then run eagerly under
+        ``cuda_graphs="auto"``, and ``"on"`` / ``"unrecorded"`` raise :class:`ConfigError`
+        with this text."""
+        return None
+
     def empty_commit_state(self, template: list[Tensor]) -> list[Tensor] | None:
         """The graph state of a step that has nothing to commit yet (just after a prefill), laid
         out like ``template``, the static state of a graph recorded for this batch size, or

@@ -348,7 +348,7 @@ class LayerwiseAdapter(TargetAdapter):
         "unrecorded"``, how the CPU tests check it) or ``None`` (eager passes of the chunk's own
         width)."""
         cfg = self.config
-        if B > PREFILL_GRAPH_MAX_BATCH or self.differentiable:
+        if B > PREFILL_GRAPH_MAX_BATCH or self.differentiable or self.graph_problem():
             return None
         if cfg.cuda_graphs == "unrecorded":
             return "unrecorded"

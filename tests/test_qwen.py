@@ -152,8 +152,9 @@ def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):
     """On a GPU with the defaults (the gdn plugin's Triton kernels in the GDN layers, recorded
     CUDA graphs for prefill and steps), float32, accepted tree drafts, a ragged batch: every
     output equals transformers' greedy decoding of the same model on the GPU, and steps were
-    recorded."""
+    recorded (MoE experts on transformers' graph-safe ``batched_mm``)."""
     model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32).cuda()
+    model.config._experts_implementation = "batched_mm"
     prompts = prompts_around_the_prefill_chunk(8)
     refs = [ARCH.reference_decode(model, p, 18) for p in prompts]
     dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
@@ -162,6 +163,34 @@ def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
     assert dec.engine._runner is not None and dec.engine._runner.graphs
     assert dec.adapter._use_kernel("factor")
+
+
+def test_eager_moe_experts_refuse_a_recorded_step_by_name():
+    """transformers' eager MoE experts read the experts hit on the host: a fixed-shape step is
+    refused with a ConfigError naming them (``auto`` runs such a model eagerly), and the graph-safe
+    ``batched_mm`` experts run the fixed-shape step token-identically."""
+    model = ARCH.tiny_model("moe", seed=3, dtype=torch.float32)
+    prompts = [[3, 5, 7, 9, 11], [4, 6]]
+    refs = [ARCH.reference_decode(model, p, 8) for p in prompts]
+    with pytest.raises(specla.ConfigError, match="MoE experts run transformers' 'eager' implementation"):
+        SpecDecoder(model, drafter="ngram", config=dict(max_new_tokens=8, cuda_graphs="unrecorded"))
+    model.config._experts_implementation = "batched_mm"
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
+                      config=dict(max_new_tokens=8, num_draft_tokens=4, max_depth=3, top_k=2, cuda_graphs="unrecorded"))
+    assert dec.generate(prompts).outputs == refs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eager_moe_experts_run_eager_steps():
+    """On a GPU, a MoE model on transformers' eager experts runs with ``cuda_graphs="auto"``
+    (the default) through eager steps, token-identical to transformers' greedy decoding."""
+    model = ARCH.tiny_model("moe", seed=2, dtype=torch.float32).cuda()
+    prompts = prompts_around_the_prefill_chunk(4)
+    refs = [ARCH.reference_decode(model, p, 10) for p in prompts]
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
+                      config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2))
+    assert dec.generate(prompts).outputs == refs
+    assert dec.engine._runner is None
 
 
 def write_mtp_layer(directory, model, seed=0):

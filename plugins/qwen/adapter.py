@@ -119,6 +119,7 @@ class QwenAdapter(MixerAdapter):
         self.layers = list(text.layers)
         self.num_layers = len(self.layers)
         self.mixers = [self._mixer(layer) for layer in self.layers]
+        self._experts_problem = self._find_experts_problem()
         self._init_state()
 
     def _mixer(self, layer: torch.nn.Module):
@@ -144,6 +145,23 @@ class QwenAdapter(MixerAdapter):
         return GDNMixer(project=project, conv_w=conv.weight.detach()[:, 0], conv_b=conv_b, A_log=st(lin.A_log), dt_bias=st(lin.dt_bias), H=lin.num_k_heads, HV=lin.num_v_heads,
                         K=lin.head_k_dim, V=Vd, beta_scale=1.0, output=output, dtype=self.dtype,
                         state_dtype=self.state_dtype, device=self.device)
+
+    def graph_problem(self) -> str | None:
+        """MoE experts on transformers' eager implementation find the experts hit on the host
+        (``nonzero``), which a CUDA graph cannot record; ``batched_mm`` records, and so does
+        ``grouped_mm`` in bfloat16 (transformers' default for a loaded checkpoint)."""
+        return self._experts_problem
+
+    def _find_experts_problem(self) -> str | None:
+        for m in self.model.modules():
+            if not hasattr(m, "has_gate"):  # transformers' experts modules carry it
+                continue
+            impl = m.config._experts_implementation
+            if not (impl == "batched_mm" or (impl == "grouped_mm" and self.dtype == torch.bfloat16)):
+                return (f"the MoE experts run transformers' {impl or 'eager'!r} implementation, which a CUDA graph "
+                        "cannot record here (load the model with experts_implementation='batched_mm', or "
+                        "'grouped_mm' in bfloat16)")
+        return None
 
     def _block(self, li: int, x: Tensor, mix) -> Tensor:
         return decoder_layer(self.layers[li], x, mix)
