@@ -109,8 +109,18 @@ def adapter_for(model, **cfg):
     return get_plugin("mamba2").make_adapter(model, SpecConfig(**cfg))
 
 
+def states(adapter):
+    """Each block's recurrent state ``[B, H, N, P]``."""
+    return [m.S for m in adapter.mixers]
+
+
+def windows(adapter):
+    """Each block's conv window ``[B, C - 1, Dc]``."""
+    return [m.conv for m in adapter.mixers]
+
+
 def snapshot(adapter):
-    return [s.clone() for s in adapter.recurrent] + [c.clone() for c in adapter.conv]
+    return [s.clone() for s in states(adapter)] + [c.clone() for c in windows(adapter)]
 
 
 def assert_bit_identical(a, b):
@@ -127,11 +137,11 @@ def naive_after(model, tokens):
 
 
 def assert_state_matches(adapter, b, dec):
-    for li in range(len(adapter.recurrent)):
+    for li, m in enumerate(adapter.mixers):
         ref = dec.states[li]
-        assert float((adapter.recurrent[li][b] - ref).abs().max()) < MODEL_TOL * max(1.0, float(ref.abs().max()))
+        assert float((m.S[b] - ref).abs().max()) < MODEL_TOL * max(1.0, float(ref.abs().max()))
         # same inputs, different matmul shapes: equal up to rounding
-        assert float((adapter.conv[li][b] - dec.window(li)).abs().max()) < MODEL_TOL
+        assert float((m.conv[b] - dec.window(li)).abs().max()) < MODEL_TOL
 
 
 def acceptance_for(tree, ends, bonus):
@@ -261,7 +271,7 @@ def test_ragged_batch_equals_per_sequence_runs_and_select():
     batch.select(torch.tensor([2, 0]))
     assert batch.roots.tolist() == [6, 4] and batch.pending.path.shape[0] == 2
     batch.flush()
-    assert batch.recurrent[0].shape[0] == 2 and not torch.equal(batch.recurrent[0][1], before[0][0])
+    assert states(batch)[0].shape[0] == 2 and not torch.equal(states(batch)[0][1], before[0][0])
 
 
 def test_prefill_longer_than_one_chunk_and_one_token_prompt():
@@ -271,7 +281,7 @@ def test_prefill_longer_than_one_chunk_and_one_token_prompt():
     adapter = adapter_for(model)
     adapter.prefill([prompt, [4]])
     assert_state_matches(adapter, 0, naive_after(model, prompt[:-1])[0])
-    assert all(not s[1].any() for s in adapter.recurrent) and all(not c[1].any() for c in adapter.conv)
+    assert all(not s[1].any() for s in states(adapter)) and all(not c[1].any() for c in windows(adapter))
 
 
 def test_score_is_teacher_forced_decoding():
@@ -295,7 +305,7 @@ def test_state_stays_float32_with_bfloat16_activations():
     assert all(r.u.dtype == torch.float32 and r.G.dtype == torch.float32 for r in out.records)
     adapter.commit(t, out, acceptance_for(t, [1], [9]))
     adapter.flush()
-    assert all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in adapter.recurrent)
+    assert all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in states(adapter))
 
 
 # ---------------------------------------------------------------------------- bad inputs
@@ -413,22 +423,23 @@ def test_layer_decode_step_equals_fla_with_groups():
     state = torch.randn(2, m.num_heads, m.head_dim, m.ssm_state_size, generator=gen)  # FLA: [B, H, P, N]
     conv = torch.randn(2, m.conv_dim, m.conv_kernel_size, generator=gen)  # FLA: [B, Dc, C], oldest first
     adapter = adapter_for(model)
-    adapter.layers = adapter.layers[:1]  # the first block only
-    L = adapter.layers[0]
-    hs = rms_norm(x, L.norm, L.norm_eps)[:, None]
+    adapter.mixers, adapter.num_layers = adapter.mixers[:1], 1  # the first block only
+    norm_w, norm_eps, _ = adapter.blocks[0]
+    hs = rms_norm(x, norm_w, norm_eps)[:, None]
     with torch.no_grad():
         ref, ref_conv, ref_state = m.torch_forward(hs, {"conv_state": conv.clone(), "recurrent_state": state.clone()})
-    adapter.recurrent = [state.transpose(-1, -2).contiguous()]  # ours: [B, H, N, P]
-    adapter.conv = [conv[..., 1:].transpose(1, 2).contiguous()]  # the inputs before the new token
+    mixer = adapter.mixers[0]
+    mixer.S = state.transpose(-1, -2).contiguous()  # ours: [B, H, N, P]
+    mixer.conv = conv[..., 1:].transpose(1, 2).contiguous()  # the inputs before the new token
     adapter.embed_weight = x
     _, hidden, recs = adapter.forward(torch.tensor([[0], [1]]), torch.full((2, 1), -1), torch.ones(2, dtype=torch.int64),
                                       "factor", logits=False)
     assert float((hidden[:, 0] - x - ref[:, 0]).abs().max()) < 1e-5  # block output minus residual
     rec = recs[0]
     path, plen = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
-    new_state = ssd_commit_factor(adapter.recurrent[0], rec.Bm, rec.u, rec.G, path, plen)
+    new_state = ssd_commit_factor(mixer.S, rec.Bm, rec.u, rec.G, path, plen)
     assert float((new_state - ref_state.transpose(-1, -2)).abs().max()) < 1e-5
-    new_conv = conv_window_after(rec.conv_x, adapter.conv[0], path, plen)
+    new_conv = conv_window_after(rec.conv_x, mixer.conv, path, plen)
     assert torch.equal(new_conv, ref_conv[..., 1:].transpose(1, 2))
 
 

@@ -1,0 +1,129 @@
+"""Mamba2 (SSD) as a sequence mixer (:class:`specla.mixers.Mixer`): what every Mamba2 layer runs,
+in FLA's pure Mamba2 models and in the hybrids of transformers' classes (Bamba, Granite 4.0-H,
+Nemotron-H, Falcon-H1), with the plugin's records, reference path and Triton kernels.
+
+Shapes: ``B`` sequences, ``T`` verified nodes (root explicit), ``H`` SSM heads, ``P`` head dim,
+``N`` state size, ``G`` groups of the SSM matrices, ``Di = H P``, ``Dc = Di + 2 G N`` conv
+channels (``x, B, C``), ``C`` conv width. The state of a head is ``[N, P]`` (the ``[K, V]``
+layout of the other plugins; FLA's and transformers' caches hold it transposed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from specla.mixers import Mixer, TreePass
+from specla.ops import conv_triton as conv_kernels
+from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.records import Record, path_end
+
+from .commit import flush_commit
+from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
+from .reference import discretize, node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
+from .verify import pick_verify_kernel, serial_verify, tree_verify
+
+
+class Mamba2Mixer(Mixer):
+    """One Mamba2 layer's sequence mixer (Dao & Gu 2024, arXiv 2405.21060): the input projection
+    split into the gate ``z``, the conv input ``xBC`` and ``dt``; tree-aware depthwise causal
+    conv + SiLU over ``xBC``, split into ``x, B, C``; ``dt = clamp(softplus(dt + dt_bias),
+    *dt_limit)``, ``A = -exp(A_log)``; the tree-masked SSD with the ``D`` skip and records of the
+    pass's kind (docs/DESIGN.md section 5); then ``output(y, z)`` (the gated norm and output
+    projection of the model).
+
+    State: ``S [B, H, N, P]`` in ``state_dtype`` (float32, or float64 for float64 runs) and the
+    conv window ``[B, C - 1, Dc]`` in the activation dtype.
+
+    Args:
+        project: ``h [B, T, hidden] -> (z [B, T, Di] or None, xBC [B, T, Dc], dt [B, T, H])``:
+            the layer's input projection (the model's own module), before the conv.
+        conv_w: ``[Dc, C]`` depthwise taps. conv_b: ``[Dc]`` or ``None``.
+        A_log, dt_bias: ``[H]`` in ``state_dtype``. D: ``[H]`` or ``[H, P]`` in ``state_dtype``.
+        dt_limit: ``(min, max)`` clamp of the step size (``(0, inf)``: none).
+        H, P, N, G: heads, head dim, state size, groups.
+        output: ``(y [B, T, Di] state dtype, z) -> [B, T, hidden]``: the model's gated norm and
+            output projection.
+        dtype, state_dtype, device: activations, recurrent state, device.
+    """
+
+    def __init__(self, *, project: Callable[[Tensor], tuple], conv_w: Tensor, conv_b: Tensor | None, A_log: Tensor,
+                 dt_bias: Tensor, D: Tensor, dt_limit: tuple[float, float], H: int, P: int, N: int, G: int,
+                 output: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype, state_dtype: torch.dtype,
+                 device: torch.device):
+        self.project, self.output = project, output
+        self.conv_w, self.conv_b = conv_w, conv_b
+        self.A_log, self.dt_bias, self.D, self.dt_limit = A_log, dt_bias, D, dt_limit
+        self.H, self.P, self.N, self.G = H, P, N, G
+        self.dtype, self.state_dtype, self.device = dtype, state_dtype, device
+        self.C = conv_w.shape[1]
+        self.empty_state(0, 0)
+
+    def empty_state(self, B: int, capacity: int) -> None:
+        self.S = torch.zeros(B, self.H, self.N, self.P, dtype=self.state_dtype, device=self.device)
+        self.conv = torch.zeros(B, self.C - 1, self.conv_w.shape[0], dtype=self.dtype, device=self.device)
+
+    def state(self) -> list[Tensor]:
+        return [self.S, self.conv]
+
+    def set_state(self, tensors: Iterator[Tensor]) -> None:
+        self.S, self.conv = next(tensors), next(tensors)
+
+    def recurrent_states(self) -> list[Tensor]:
+        return [self.S]
+
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+        kernel = tp.kernels
+        # one kernel for every layer of the pass: serial (chains), parallel, or the reference
+        # path for a tree too large for the parallel kernel
+        choice = tp.shared("mamba2-kernel", lambda: tp.choose(pick_verify_kernel)) if kernel else "reference"
+        if pending is not None:  # the delayed commit of the previous step, conv window first
+            self.conv = (conv_kernels.conv_commit if kernel else conv_window_after)(pending.conv_x, self.conv,
+                                                                                    tp.path, tp.path_len)
+            if kernel and choice == "reference":  # commit in place, then verify unfused
+                flush_commit(self.S, pending.Bm, pending.u, pending.G, tp.path, tp.path_len)
+            elif not kernel:
+                self.S = ssd_commit_factor(self.S, pending.Bm, pending.u, pending.G, tp.path, tp.path_len)
+        B, T = h.shape[:2]
+        H, P, N, G = self.H, self.P, self.N, self.G
+        z, xbc_in, dt_raw = self.project(h)
+        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C))
+        xbc = (conv_kernels.tree_conv if kernel else tree_conv)(xbc_in, self.conv, self.conv_w, self.conv_b, anc)
+        xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
+        xs, Bm, Cm = xs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N)
+        dt, a = discretize(dt_raw, self.dt_bias, self.A_log, self.dt_limit)
+        S0 = self.S
+        fused = None if pending is None or choice == "reference" else (pending.Bm, pending.u, pending.G, tp.path,
+                                                                       tp.path_len)
+        if choice == "serial":  # the kernels apply the pending commit to S0 in place first
+            y, u, Gs = serial_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.counts, pending=fused)
+        elif choice == "parallel":
+            y, u, Gs = tree_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.mask, pending=fused)
+        else:
+            y, u, Gs = tree_ssd(xs, dt, a, Bm, Cm, self.D, S0, tp.mask)
+        if tp.records == "factor":
+            rec = Mamba2FactorRecord(Bm=Bm, u=u, G=Gs, conv_x=xbc_in)
+        elif tp.records == "snapshot":
+            rec = Mamba2SnapshotRecord(node_states(S0, Bm, u, Gs, tp.mask), conv_windows_per_node(xbc_in, self.conv, anc))
+        else:
+            rec = Mamba2ReplayRecord(Bm=Bm, u=u, a=a.to(self.state_dtype), conv_x=xbc_in)
+        return self.output(y.reshape(B, T, H * P), z), rec
+
+    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        if isinstance(record, Mamba2SnapshotRecord):
+            keep, end = path_len > 0, path_end(path, path_len).clamp(min=0)
+            rows = torch.arange(path.shape[0], device=path.device)
+            self.S = torch.where(keep[:, None, None, None], record.states[rows, end], self.S)
+            self.conv = torch.where(keep[:, None, None], record.conv_windows[rows, end], self.conv)
+            return
+        if isinstance(record, Mamba2FactorRecord) and kernels:
+            flush_commit(self.S, record.Bm, record.u, record.G, path, path_len)  # in place
+            self.conv = conv_kernels.conv_commit(record.conv_x, self.conv, path, path_len)
+            return
+        if isinstance(record, Mamba2FactorRecord):
+            self.S = ssd_commit_factor(self.S, record.Bm, record.u, record.G, path, path_len)
+        else:
+            self.S = ssd_commit_replay(self.S, record.Bm, record.u, record.a, path, path_len)
+        self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
