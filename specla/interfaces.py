@@ -276,6 +276,13 @@ class ArchitecturePlugin(ABC):
             raise UnsupportedModelError(f"{path}: model_type {cfg.get('model_type')!r} is not one of {self.model_types}")
         return cfg
 
+    def claims(self, model: "torch.nn.Module | dict") -> bool:
+        """Whether this plugin runs ``model`` (a loaded model, or a checkpoint's ``config.json`` as
+        a dict) when another plugin declares the same ``model_type``: FLA's and transformers'
+        ``Mamba2ForCausalLM`` both say ``"mamba2"``. Auto-detection asks it only then; default
+        ``True``."""
+        return True
+
     @abstractmethod
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         """Load a checkpoint directory (transformers format) into a model object.

@@ -222,6 +222,70 @@ class AttentionMixer(Mixer):
                                    capacity=self.capacity)
 
 
+class ProjectedAttention(AttentionMixer):
+    """Softmax attention with separate query, key, value and output projections (the layout of
+    most transformers attention modules: ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj``), the
+    model's own modules called on the verify rows, with optional per-head q/k norms, a key
+    multiplier and a rotary embedding.
+
+    Args:
+        q_proj, k_proj, v_proj, o_proj: the projections (``[B, T, hidden] -> [B, T, heads * Dh]``
+            and back).
+        num_kv_heads, head_dim: ``HKV`` and ``Dh``; the query head count follows from ``q_proj``.
+        dtype, device: the KV cache's.
+        scale: softmax scale (the module's own ``scaling``). window: sliding window or ``None``.
+        q_norm, k_norm: per-head norms on ``[B, T, heads, Dh]`` (before the rotary embedding),
+            or ``None``.
+        key_multiplier: keys are scaled by it (Falcon-H1).
+        rotary: ``rotary(h, positions [B, T] int64) -> (cos, sin)`` (the model's rotary module),
+            or ``None`` for attention without positions (Nemotron-H).
+        apply_rotary: ``apply_rotary(q, k, cos, sin, unsqueeze_dim=2) -> (q, k)`` (the model
+            file's ``apply_rotary_pos_emb``, which handles its partial rotary).
+    """
+
+    def __init__(self, *, q_proj: Callable, k_proj: Callable, v_proj: Callable, o_proj: Callable, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, scale: float | None = None,
+                 window: int | None = None, q_norm: Callable | None = None, k_norm: Callable | None = None,
+                 key_multiplier: float = 1.0, rotary: Callable | None = None, apply_rotary: Callable | None = None):
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_norm, self.k_norm, self.key_multiplier = q_norm, k_norm, key_multiplier
+        self.rotary, self.apply_rotary = rotary, apply_rotary
+        super().__init__(num_kv_heads, head_dim, dtype, device, scale=scale, window=window)
+
+    def project(self, h: Tensor, positions: Tensor):
+        (B, T), D = h.shape[:2], self.Dh
+        q = self.q_proj(h).view(B, T, -1, D)
+        k = self.k_proj(h).view(B, T, -1, D)
+        v = self.v_proj(h).view(B, T, -1, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
+        if self.rotary is not None:
+            cos, sin = self.rotary(h, positions)
+            q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=2)
+        return q, k, v, None
+
+    def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
+        return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+
+def experts_graph_problem(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """Why the MoE experts of a transformers ``model`` cannot be recorded in a CUDA graph, or
+    ``None``: transformers' eager experts find the experts hit on the host (``nonzero``);
+    ``batched_mm`` records, and so does ``grouped_mm`` in bfloat16 (transformers' default for a
+    loaded checkpoint). For :meth:`TargetAdapter.graph_problem`."""
+    for m in model.modules():
+        if not hasattr(m, "has_gate"):  # transformers' experts modules carry it
+            continue
+        impl = m.config._experts_implementation
+        if not (impl == "batched_mm" or (impl == "grouped_mm" and dtype == torch.bfloat16)):
+            return (f"the MoE experts run transformers' {impl or 'eager'!r} implementation, which a CUDA graph "
+                    "cannot record here (load the model with experts_implementation='batched_mm', or 'grouped_mm' "
+                    "in bfloat16)")
+    return None
+
+
 class MixerAdapter(LayerwiseAdapter):
     """A :class:`LayerwiseAdapter` whose state is that of its mixers (:class:`Mixer`), in one
     layer loop shared by every mixer-based plugin.
@@ -304,7 +368,9 @@ class MixerAdapter(LayerwiseAdapter):
             for li in range(self.num_layers):
                 x = self._block(li, x, mix)
             out = self.lm_logits(x) if logits else None
-        return out, x, tuple(out_records)
+        # a plugin may keep the residual stream wider than the activations between layers
+        # (residual_in_fp32); the features it returns are in the activation dtype
+        return out, x.to(self.dtype), tuple(out_records)
 
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         kernels = self._use_kernel("factor")

@@ -125,15 +125,19 @@ def model_type_of(model: torch.nn.Module | str | Path) -> str | None:
 
 
 def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
-    """The plugin whose ``model_types`` contains the model's ``config.model_type``.
+    """The plugin whose ``model_types`` contains the model's ``config.model_type`` (among several,
+    the first whose :meth:`ArchitecturePlugin.claims` accepts the model).
 
     Raises:
         UnsupportedModelError: no registered plugin runs this model type, or a checkpoint
             directory's ``config.json`` is not a valid JSON object.
     """
     model_type = model_type_of(model)
-    for arch, _ in _architectures().values():
-        if model_type in arch.model_types:
-            return arch
+    matches = [arch for arch, _ in _architectures().values() if model_type in arch.model_types]
+    if len(matches) > 1:  # one model_type, several implementations: each plugin says whether it is its own
+        probe = json.loads((Path(model) / "config.json").read_text()) if isinstance(model, (str, Path)) else model
+        matches = [arch for arch in matches if arch.claims(probe)] or matches
+    if matches:
+        return matches[0]
     known = {n: a.model_types for n, (a, _) in _architectures().items()}
     raise UnsupportedModelError(f"no plugin runs model_type {model_type!r}; registered plugins: {known}")

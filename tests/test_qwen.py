@@ -11,6 +11,9 @@ from specla.errors import SpecError
 from specla.records import Acceptance
 from specla.registry import get_plugin
 from specla.testing.drafters import OracleDrafter
+
+import transformers_checks
+from transformers_checks import check_cuda_graphs_equal_transformers, check_kernels_equal_reference
 from specla.tree import DraftTree
 
 ARCH = get_plugin("qwen")
@@ -18,8 +21,7 @@ V = 61
 
 
 def prompts_around_the_prefill_chunk(seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 63, 64, 65, 129)]
+    return transformers_checks.prompts_around_the_prefill_chunk(seed, V)
 
 
 @pytest.mark.parametrize("variant", ARCH.tiny_variants)
@@ -129,21 +131,7 @@ def test_the_gdn_kernels_in_qwen_layers_equal_transformers_greedy(variant, graph
     kernels, the pending commit fused into them, eagerly and in the fixed-shape step; float32,
     accepted tree drafts: outputs equal transformers' greedy decoding and the recurrent states
     equal the PyTorch path's."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = ARCH.tiny_model(variant, seed=9, dtype=torch.float32).to(dev)
-    prompts = [[3], [7, 1, 9, 4, 4], [i % 60 + 1 for i in range(12)]]
-    refs = [ARCH.reference_decode(model, p, 10) for p in prompts]
-    states = {}
-    for kernels in ("triton", "reference"):
-        dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
-                          config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2, kernels=kernels,
-                                      cuda_graphs=graphs))
-        out = dec.generate(prompts)
-        assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
-        assert dec.adapter._use_kernel("factor") == (kernels == "triton")
-        states[kernels] = dec.adapter.recurrent_states()
-    for a, b in zip(states["triton"], states["reference"]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    check_kernels_equal_reference(ARCH, variant, graphs, V)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -153,16 +141,7 @@ def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):
     CUDA graphs for prefill and steps), float32, accepted tree drafts, a ragged batch: every
     output equals transformers' greedy decoding of the same model on the GPU, and steps were
     recorded (MoE experts on transformers' graph-safe ``batched_mm``)."""
-    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32).cuda()
-    model.config._experts_implementation = "batched_mm"
-    prompts = prompts_around_the_prefill_chunk(8)
-    refs = [ARCH.reference_decode(model, p, 18) for p in prompts]
-    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
-                      config=dict(max_new_tokens=18, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on"))
-    out = dec.generate(prompts)
-    assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
-    assert dec.engine._runner is not None and dec.engine._runner.graphs
-    assert dec.adapter._use_kernel("factor")
+    check_cuda_graphs_equal_transformers(ARCH, variant, V)
 
 
 def test_eager_moe_experts_refuse_a_recorded_step_by_name():
@@ -226,7 +205,7 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from specla_qwen.mtp import MTPDrafter
-    from specla_qwen.naive import torch_path
+    from specla.testing.transformers_oracle import torch_path
 
     ARCH.tiny_model(variant, seed=3, dtype=torch.float32).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()

@@ -29,7 +29,8 @@ TINY_VARIANTS = {
 
 class Mamba2Plugin(ArchitecturePlugin):
     """Mamba2 (SSD; Dao & Gu 2024, arXiv 2405.21060) as implemented by FLA's ``Mamba2ForCausalLM``
-    (``model_type == "mamba2"``; transformers' own ``Mamba2ForCausalLM`` is not accepted)."""
+    (``model_type == "mamba2"``; transformers' own ``Mamba2ForCausalLM`` runs on the
+    ``mamba2_hybrid`` plugin)."""
 
     name = "mamba2"
     model_types = ("mamba2",)
@@ -37,6 +38,14 @@ class Mamba2Plugin(ArchitecturePlugin):
     # (tests/test_graphs.py, factor and snapshot commits; BENCHMARKS.md section 5, GPU tests)
     capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
+
+    def claims(self, model) -> bool:
+        """FLA's ``Mamba2ForCausalLM``, or a checkpoint config with FLA's fields (``dt_limit``,
+        ``norm_eps``) rather than transformers' (``time_step_limit``, ``layer_norm_epsilon``);
+        transformers' own class is the ``mamba2_hybrid`` plugin's."""
+        if isinstance(model, dict):
+            return "time_step_limit" not in model and "layer_norm_epsilon" not in model
+        return type(model).__module__.startswith("fla.")
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         self.checkpoint_config(path)
@@ -74,6 +83,8 @@ class Mamba2Plugin(ArchitecturePlugin):
         if not isinstance(model, Mamba2ForCausalLM):
             raise UnsupportedModelError(
                 f"the mamba2 plugin runs fla.models.Mamba2ForCausalLM, got {type(model).__module__}.{type(model).__name__}"
+                + (" (transformers' Mamba2ForCausalLM runs on the mamba2_hybrid plugin)"
+                   if type(model).__module__.startswith("transformers.") else "")
             )
         self.check_config(model.config.to_dict())
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from specla.config import SpecConfig
 from specla.layerwise import eos_token_ids
-from specla.mixers import AttentionMixer, MixerAdapter
+from specla.mixers import AttentionMixer, MixerAdapter, experts_graph_problem
 from specla_gdn.mixer import GDNMixer
 
 
@@ -119,7 +119,7 @@ class QwenAdapter(MixerAdapter):
         self.layers = list(text.layers)
         self.num_layers = len(self.layers)
         self.mixers = [self._mixer(layer) for layer in self.layers]
-        self._experts_problem = self._find_experts_problem()
+        self._experts_problem = experts_graph_problem(self.model, self.dtype)
         self._init_state()
 
     def _mixer(self, layer: torch.nn.Module):
@@ -147,21 +147,8 @@ class QwenAdapter(MixerAdapter):
                         state_dtype=self.state_dtype, device=self.device)
 
     def graph_problem(self) -> str | None:
-        """MoE experts on transformers' eager implementation find the experts hit on the host
-        (``nonzero``), which a CUDA graph cannot record; ``batched_mm`` records, and so does
-        ``grouped_mm`` in bfloat16 (transformers' default for a loaded checkpoint)."""
+        """See :func:`specla.mixers.experts_graph_problem` (MoE experts that read the host)."""
         return self._experts_problem
-
-    def _find_experts_problem(self) -> str | None:
-        for m in self.model.modules():
-            if not hasattr(m, "has_gate"):  # transformers' experts modules carry it
-                continue
-            impl = m.config._experts_implementation
-            if not (impl == "batched_mm" or (impl == "grouped_mm" and self.dtype == torch.bfloat16)):
-                return (f"the MoE experts run transformers' {impl or 'eager'!r} implementation, which a CUDA graph "
-                        "cannot record here (load the model with experts_implementation='batched_mm', or "
-                        "'grouped_mm' in bfloat16)")
-        return None
 
     def _block(self, li: int, x: Tensor, mix) -> Tensor:
         return decoder_layer(self.layers[li], x, mix)

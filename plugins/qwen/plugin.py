@@ -125,7 +125,7 @@ class QwenPlugin(ArchitecturePlugin):
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
         """transformers' own greedy decoding (no-cache forwards on its PyTorch path)."""
-        from .naive import transformers_greedy
+        from specla.testing.transformers_oracle import transformers_greedy
 
         return transformers_greedy(model, prompt, max_new_tokens)
 

@@ -1,9 +1,10 @@
-"""The oracle of the Qwen3.5 plugin: transformers' own model, greedy, without a cache.
+"""The oracle of the plugins for transformers' classes: the model itself, greedy, without a cache.
 
-Every step runs ``Qwen3_5ForCausalLM.forward`` (or the MoE class's) over the whole sequence so
-far, with no cache, on transformers' PyTorch path, and takes the argmax of the last logits. With
-FLA installed, transformers routes its chunked gated delta rule to FLA's Triton kernel, which
-cannot run on a CPU; :func:`torch_path` swaps in transformers' own PyTorch function for the
+Every step runs the model's forward over the whole sequence so far, with no cache, on
+transformers' PyTorch path, and takes the argmax of the last logits. transformers routes some
+sequence mixers to external kernels when they are installed (the gated delta rule to FLA's Triton
+kernel, which cannot run on a CPU; Mamba2's scan and causal conv to ``mamba_ssm`` and
+``causal_conv1d``); :func:`torch_path` swaps in transformers' own PyTorch functions for the
 duration.
 """
 
@@ -16,14 +17,16 @@ import threading
 import torch
 
 _PATCH_LOCK = threading.Lock()
-_PATCHED = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+_PATCHED = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan",
+            "mamba2_selective_state_update", "mamba2_split_conv1d_scan_combined", "chunk_kimi_delta_attention",
+            "recurrent_kimi_delta_attention")
 
 
 @contextlib.contextmanager
 def torch_path(model: torch.nn.Module):
-    """Run ``model``'s gated delta rule and causal conv on transformers' PyTorch functions (the
-    undecorated ``__wrapped__`` of the hub-kernel fallback) while the block runs; one caller at
-    a time (the swap is process-wide)."""
+    """Run ``model``'s sequence-mixer functions (:data:`_PATCHED`: gated delta rule, causal conv,
+    Mamba2 scan) on transformers' PyTorch versions (the undecorated ``__wrapped__`` of its
+    hub-kernel fallback) while the block runs; one caller at a time (the swap is process-wide)."""
     module = sys.modules[type(model).__module__]
     with _PATCH_LOCK:
         saved = {n: getattr(module, n) for n in _PATCHED if hasattr(module, n)}

@@ -1,0 +1,195 @@
+"""Speed of hybrid models at published shapes on one GPU, random weights, oracle drafter (issues 17, 18).
+
+    python benchmarks/hybrid_study.py --out DIR [--models qwen3_5-0.8b,bamba-9.8b] [--batches 1,8]
+
+Each model is a transformers class at a published model's layer shapes (:data:`SHAPES`) with random
+weights in bfloat16, except that the input embedding is scaled by ``--embed-scale`` and copied into
+the LM head, as in ``benchmarks/e2e.py``: the greedy next token is then the input token, which lets
+the oracle drafter of ``e2e.py`` (:class:`ProfileDrafter`) set acceptance exactly from a measured
+profile (the ``small`` target's trained EAGLE drafter on GSM8K, tree N 15 / depth 6 and chain N 6)
+while a random EAGLE head of the model's width drafts a full tree each step, so the drafter's cost
+is counted. Acceptance is therefore a replayed profile, not this model's: these rows are a cost
+model, not a speed claim for a trained checkpoint.
+
+Rows per model and batch (medians over ``--repeats`` timed runs after a warm-up, prefill excluded):
+transformers ``generate`` (greedy, its cache, the model's own kernels: FLA's for Qwen3.5's GDN
+layers; not run for Mamba2 layers without ``mamba_ssm``, whose PyTorch reference path is no
+baseline), specla's
+graph-captured autoregressive step, SpecLA chain and tree (``factor`` commit, CUDA graphs). Every
+speculative row's ``vs_best_ar`` is against the faster of the two plain-decoding rows; ``exact`` is
+the fraction of sequences equal to specla's AR output; ``record_mib`` the MiB per sequence one
+verify of the tree keeps for its commit, for the ``factor`` and ``snapshot`` strategies.
+
+Writes ``DIR/hybrid.json`` (rows, versions, commit, GPU) and prints one JSON line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e import (CHAIN, TREE, ProfileDrafter, exact_rate, geometric, library_versions,  # noqa: E402
+                 measured_profile, source_commit)
+
+from specla import SpecConfig, SpecDecoder  # noqa: E402
+from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
+
+# (plugin, transformers config class, model class, config kwargs)
+SHAPES = {
+    # Qwen3.5-0.8B's layer shapes: 24 layers, every fourth gated attention (8 query, 2 key/value heads
+    # of 256), GDN with 16 key and 16 value heads of 128, MLP 3584, vocabulary 248,320, tied head
+    "qwen3_5-0.8b": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=True)),
+    # Bamba-9.8B (transformers' BambaConfig defaults: 32 layers of width 4096, Mamba2 with 128 heads of
+    # 64 and state 128) with attention at layers 9, 18 and 27
+    "bamba-9.8b": ("mamba2_hybrid", "BambaConfig", "BambaForCausalLM", dict(attn_layer_indices=[9, 18, 27])),
+    # tiny shapes for a CPU check of the script itself
+    "qwen3_5-tiny": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16)),
+    "bamba-tiny": ("mamba2_hybrid", "BambaConfig", "BambaForCausalLM", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=1)),
+}
+
+
+def build(name: str, embed_scale: float, device: str, dtype: torch.dtype):
+    """The model of ``SHAPES[name]`` with the embedding trick of the module docstring."""
+    import transformers
+
+    plugin, cfg_cls, model_cls, kw = SHAPES[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(**{"eos_token_id": None, **kw})
+    with torch.device(device):
+        model = getattr(transformers, model_cls)(cfg).to(dtype).eval()
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.mul_(embed_scale)
+        if model.lm_head.weight.data_ptr() != emb.data_ptr():
+            model.lm_head.weight.copy_(emb)
+    return plugin, model
+
+
+def timed(dec: SpecDecoder, prompts: list[list[int]], repeats: int) -> dict:
+    """Warm-up (records the graphs), then ``repeats`` runs: median decode time (prefill
+    excluded), tokens/s, ms per step, accepted drafts per step, the outputs."""
+    dec.generate(prompts)
+    runs = []
+    for _ in range(repeats):
+        r = dec.generate(prompts)
+        runs.append((r.stats.wall_s - r.stats.prefill_s, r))
+    s = statistics.median(t for t, _ in runs)
+    r = runs[0][1]
+    return dict(tokens_per_s=r.stats.generated_tokens / s, ms_per_step=s / r.stats.steps * 1e3,
+                accepted_per_step=r.stats.mean_accepted_tokens, outputs=r.outputs)
+
+
+def hf_generate(model, prompts: list[list[int]], n: int, repeats: int) -> dict:
+    """transformers ``generate``, greedy with its cache, ``n`` new tokens: tokens/s and outputs."""
+    ids = torch.tensor(prompts, device=model.lm_head.weight.device)
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    with torch.no_grad():
+        out = model.generate(ids, **kw)
+        times = []
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            model.generate(ids, **kw)
+            sync()
+            times.append(time.perf_counter() - t)
+    return dict(tokens_per_s=len(prompts) * n / statistics.median(times), outputs=out[:, ids.shape[1]:].tolist())
+
+
+def record_mib(dec: SpecDecoder) -> float:
+    """MiB per sequence one eager verify of the drafter's full tree keeps for its commit."""
+    ad, cfg = dec.adapter, dec.config
+    ad.prefill([[1, 2]])
+    dec.drafter.reset([[1, 2]])
+    out = ad.verify(dec.drafter.propose_on_device(ad.roots, cfg))
+    return sum(r.nbytes_per_sequence() for r in out.records) / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="qwen3_5-0.8b,bamba-9.8b")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--tokens", type=int, default=96, help="new tokens per sequence (specla rows)")
+    ap.add_argument("--hf-tokens", type=int, default=32, help="new tokens per transformers generate run")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--embed-scale", type=float, default=32.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree")
+    ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json"
+                    ":gsm8k/eagle-chain")
+    a = ap.parse_args()
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profiles = {"tree": measured_profile(a.profile), "chain": measured_profile(a.chain_profile)}
+    graphs = "on" if a.device == "cuda" else "off"
+    rows = []
+    meta = dict(command=" ".join(sys.argv), commit=source_commit(), versions=library_versions(),
+                gpu=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", date=time.strftime("%Y-%m-%d"))
+
+    def add(**row):
+        row.pop("outputs", None)
+        rows.append(row)
+        (out_dir / "hybrid.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+    for name in a.models.split(","):
+        plugin, model = build(name, a.embed_scale, a.device, torch.bfloat16)
+        hidden = model.get_input_embeddings().weight.shape[1]
+        params = sum(p.numel() for p in model.parameters())
+        head = EagleHead(hidden)
+        g = torch.Generator().manual_seed(0)
+        V = model.get_input_embeddings().weight.shape[0]
+        for B in (int(b) for b in a.batches.split(",")):
+            prompts = torch.randint(0, V, (B, a.prompt_len), generator=g).tolist()
+
+            def decoder(tree: dict, commit: str = "factor", profile=None):
+                cfg = SpecConfig(device=a.device, dtype="bfloat16", commit=commit, cuda_graphs=graphs,
+                                 stop_at_eos=False, max_new_tokens=a.tokens, budget_policy="fixed", **tree)
+                eagle = EagleDrafter(head) if tree["num_draft_tokens"] else None
+                return SpecDecoder(model, plugin, drafter=ProfileDrafter(profile or geometric(0.0, 6), eagle),
+                                   config=cfg)
+
+            base = dict(model=name, params=params, B=B)
+            ar = timed(decoder(dict(num_draft_tokens=0)), prompts, a.repeats)
+            # transformers generate with the model's own kernels only: on a CPU (a check of this
+            # script) it would pick FLA's GPU kernels, and without mamba_ssm its Mamba2 layers run
+            # a PyTorch reference path no one serves with
+            kernels = plugin != "mamba2_hybrid" or importlib.util.find_spec("mamba_ssm") is not None
+            hf = hf_generate(model, prompts, a.hf_tokens, a.repeats) if a.device == "cuda" and kernels else None
+            best = max(ar["tokens_per_s"], hf["tokens_per_s"] if hf else 0.0)
+            if hf:
+                add(**base, row="transformers generate", tokens_per_s=hf["tokens_per_s"],
+                    vs_best_ar=hf["tokens_per_s"] / best, exact=exact_rate(hf["outputs"], ar["outputs"]))
+            add(**base, row="specla AR (graph)", **ar, vs_best_ar=ar["tokens_per_s"] / best, exact=1.0)
+            for kind, tree in (("chain", CHAIN), ("tree", TREE)):
+                dec = decoder(tree, profile=profiles[kind])
+                r = timed(dec, prompts, a.repeats)
+                snap = record_mib(decoder(tree, "snapshot", profiles[kind])) if B == 1 else None
+                add(**base, row=f"SpecLA {kind}", **r, vs_best_ar=r["tokens_per_s"] / best,
+                    exact=exact_rate(r["outputs"], ar["outputs"]), record_mib=record_mib(dec) if B == 1 else None,
+                    snapshot_record_mib=snap)
+        model = None
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The mamba2_hybrid plugin against transformers' own Mamba2-family classes (Mamba2, Bamba, Granite
+4.0-H, Nemotron-H, Falcon-H1): token identity with their greedy decoding (no-cache forwards on the
+PyTorch path), checkpoints loaded unchanged, the ``mamba2`` model type shared with FLA's class,
+the Triton kernels and CUDA graphs."""
+
+import os
+
+import pytest
+import torch
+
+import specla
+from specla import SpecConfig, SpecDecoder
+from specla.errors import UnsupportedModelError
+from specla.registry import detect_plugin, get_plugin
+from specla.testing.drafters import OracleDrafter
+
+import transformers_checks
+from transformers_checks import check_cuda_graphs_equal_transformers, check_kernels_equal_reference
+
+ARCH = get_plugin("mamba2_hybrid")
+V = 41
+
+
+def prompts_around_the_prefill_chunk(seed):
+    return transformers_checks.prompts_around_the_prefill_chunk(seed, V)
+
+
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
+    """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
+    (an oracle drafter; ``plugin=None`` detects the plugin from ``model_type``): every output
+    equals transformers' own greedy decoding, and drafts were accepted."""
+    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32)
+    prompts = prompts_around_the_prefill_chunk(3)
+    refs = [ARCH.reference_decode(model, p, 14) for p in prompts]
+    cfg = SpecConfig(max_new_tokens=14, num_draft_tokens=6, max_depth=4, top_k=2, commit=commit)
+    out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", V), config=cfg)
+    assert out.outputs == refs
+    assert out.stats.mean_accepted_tokens > 1
+
+
+def test_ngram_drafts_and_stop_tokens_equal_transformers_greedy():
+    """The default drafter on repetitive prompts with a stop token that ends sequences at
+    different steps (Falcon-H1: two mixers in every layer)."""
+    model = ARCH.tiny_model("falcon_h1", seed=4, dtype=torch.float32)
+    motif = [5, 17, 33, 8]
+    prompts = [motif * 6, [9] + motif * 4, [2, 2, 2]]
+    refs = [ARCH.reference_decode(model, p, 20) for p in prompts]
+    stop = refs[0][8]
+    want = [r[: r.index(stop) + 1] if stop in r else r for r in refs]
+    out = specla.run(model, prompts=prompts, config=dict(max_new_tokens=20, stop_token_ids=[stop]))
+    assert out.outputs == want
+
+
+def test_the_mamba2_model_type_goes_to_the_plugin_of_its_class(tmp_path):
+    """FLA's and transformers' ``Mamba2ForCausalLM`` both say ``model_type="mamba2"``: a loaded
+    model and a saved checkpoint directory of each are detected as their own plugin's and decode
+    like their own greedy decoding; each plugin refuses the other's model by name."""
+    hf = ARCH.tiny_model("mamba2", seed=5, dtype=torch.float32)
+    fla_arch = get_plugin("mamba2")
+    fla = fla_arch.tiny_model("base", seed=5, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "hf")
+    fla.save_pretrained(tmp_path / "fla")
+    assert detect_plugin(hf) is ARCH and detect_plugin(str(tmp_path / "hf")) is ARCH
+    assert detect_plugin(fla) is fla_arch and detect_plugin(str(tmp_path / "fla")) is fla_arch
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert specla.run(str(tmp_path / "hf"), prompts=[prompt], config=dict(max_new_tokens=8)).outputs == \
+        [ARCH.reference_decode(hf, prompt, 8)]
+    assert specla.run(str(tmp_path / "fla"), prompts=[prompt], config=dict(max_new_tokens=8)).outputs == \
+        [fla_arch.reference_decode(fla, prompt, 8)]
+    with pytest.raises(UnsupportedModelError, match="transformers' Mamba2ForCausalLM runs on the mamba2_hybrid plugin"):
+        fla_arch.check_model(hf)
+    with pytest.raises(UnsupportedModelError, match="the mamba2_hybrid plugin runs transformers' Mamba2ForCausalLM"):
+        ARCH.check_model(fla)
+    with pytest.raises(UnsupportedModelError, match="an FLA Mamba2 checkpoint"):
+        ARCH.load_model(tmp_path / "fla", dtype=None, device=None)
+
+
+@pytest.mark.parametrize("variant", ["granite", "nemotron_h"])
+def test_a_checkpoint_directory_runs_unchanged(tmp_path, variant):
+    """``save_pretrained`` of a tiny MoE hybrid loads by path (transformers' default experts) and
+    decodes like the saved model's greedy decoding."""
+    model = ARCH.tiny_model(variant, seed=6, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "ckpt")
+    prompt = [7, 3, 9, 9, 1, 4]
+    out = specla.run(str(tmp_path / "ckpt"), prompts=[prompt], config=dict(max_new_tokens=8))
+    assert out.outputs == [ARCH.reference_decode(model, prompt, 8)]
+
+
+def test_eager_moe_experts_refuse_a_recorded_step_by_name():
+    """transformers' eager MoE experts read the experts hit on the host: a fixed-shape step is
+    refused with a ConfigError naming them; ``batched_mm`` experts run it token-identically."""
+    model = ARCH.tiny_model("nemotron_h", seed=3, dtype=torch.float32)
+    prompts = [[3, 5, 7, 9, 11], [4, 6]]
+    refs = [ARCH.reference_decode(model, p, 8) for p in prompts]
+    with pytest.raises(specla.ConfigError, match="MoE experts run transformers' 'eager' implementation"):
+        SpecDecoder(model, drafter="ngram", config=dict(max_new_tokens=8, cuda_graphs="unrecorded"))
+    model.config._experts_implementation = "batched_mm"
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
+                      config=dict(max_new_tokens=8, num_draft_tokens=4, max_depth=3, top_k=2, cuda_graphs="unrecorded"))
+    assert dec.generate(prompts).outputs == refs
+
+
+def test_models_of_other_families_are_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="the mamba2_hybrid plugin runs transformers'"):
+        ARCH.check_model(get_plugin("gdn").tiny_model("base"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("variant, graphs", [("falcon_h1", "off"), ("bamba", "unrecorded")])
+def test_the_mamba2_kernels_in_hybrid_layers_equal_transformers_greedy(variant, graphs):
+    """``kernels="triton"`` (interpreted on a CPU): the Mamba2 layers verify with the mamba2
+    plugin's kernels, the pending commit fused into them, eagerly and in the fixed-shape step;
+    float32, accepted tree drafts: outputs equal transformers' greedy decoding and the recurrent
+    states equal the PyTorch path's."""
+    check_kernels_equal_reference(ARCH, variant, graphs, V)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):
+    """On a GPU with the defaults (the mamba2 plugin's Triton kernels, recorded CUDA graphs for
+    prefill and steps; MoE experts on transformers' graph-safe ``batched_mm``), float32,
+    accepted tree drafts, a ragged batch: every output equals transformers' greedy decoding of the
+    same model on the GPU, and steps were recorded."""
+    check_cuda_graphs_equal_transformers(ARCH, variant, V)

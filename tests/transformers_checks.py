@@ -1,0 +1,51 @@
+"""Checks shared by the tests of the plugins for transformers' hybrid classes (qwen,
+mamba2_hybrid): each runs a plugin's tiny model against transformers' own greedy decoding."""
+
+import torch
+
+from specla import SpecDecoder
+from specla.testing.drafters import OracleDrafter
+
+
+def prompts_around_the_prefill_chunk(seed: int, vocab: int, lengths=(1, 63, 64, 65, 129)) -> list[list[int]]:
+    """Random prompts of the given lengths (around the 64-token prefill chunk)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def check_kernels_equal_reference(arch, variant: str, graphs: str, vocab: int) -> None:
+    """``kernels="triton"`` against ``"reference"`` on the plugin's tiny ``variant`` (float32,
+    accepted tree drafts, ``cuda_graphs=graphs``): both outputs equal transformers' greedy
+    decoding, the kernels ran only where asked, and the recurrent states agree (rtol 1e-4, atol
+    1e-5)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = arch.tiny_model(variant, seed=9, dtype=torch.float32).to(dev)
+    prompts = [[3], [7, 1, 9, 4, 4], [i % (vocab - 1) + 1 for i in range(12)]]
+    refs = [arch.reference_decode(model, p, 10) for p in prompts]
+    states = {}
+    for kernels in ("triton", "reference"):
+        dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
+                          config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2, kernels=kernels,
+                                      cuda_graphs=graphs))
+        out = dec.generate(prompts)
+        assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
+        assert dec.adapter._use_kernel("factor") == (kernels == "triton")
+        states[kernels] = dec.adapter.recurrent_states()
+    for a, b in zip(states["triton"], states["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def check_cuda_graphs_equal_transformers(arch, variant: str, vocab: int) -> None:
+    """On a GPU with the defaults (Triton kernels, recorded CUDA graphs for prefill and steps;
+    MoE experts on transformers' graph-safe ``batched_mm``), float32, accepted tree drafts, a
+    ragged batch: every output equals transformers' greedy decoding, and steps were recorded."""
+    model = arch.tiny_model(variant, seed=2, dtype=torch.float32).cuda()
+    model.config._experts_implementation = "batched_mm"
+    prompts = prompts_around_the_prefill_chunk(8, vocab)
+    refs = [arch.reference_decode(model, p, 18) for p in prompts]
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
+                      config=dict(max_new_tokens=18, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on"))
+    out = dec.generate(prompts)
+    assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
+    assert dec.engine._runner is not None and dec.engine._runner.graphs
+    assert dec.adapter._use_kernel("factor")
