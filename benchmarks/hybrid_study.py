@@ -52,6 +52,8 @@ SHAPES = {
         linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=True)),
     # Bamba-9.8B (transformers' BambaConfig defaults: 32 layers of width 4096, Mamba2 with 128 heads of
     # 64 and state 128) with attention at layers 9, 18 and 27
+    # (its Mamba2 layers add more to the residual stream than GDN's: run it with --embed-scale 2000,
+    # or the greedy token is not the input token and bfloat16 near-ties decide the outputs)
     "bamba-9.8b": ("mamba2_hybrid", "BambaConfig", "BambaForCausalLM", dict(attn_layer_indices=[9, 18, 27])),
     # tiny shapes for a CPU check of the script itself
     "qwen3_5-tiny": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(

@@ -1,0 +1,143 @@
+"""Gated Linear Attention as a sequence mixer (:class:`specla.mixers.Mixer`), with the plugin's
+records, reference path and Triton kernels.
+
+Shapes: ``B`` sequences, ``T`` verified nodes (root explicit), ``H`` query heads, ``groups``
+query heads per key/value head, ``K``/``V`` head dims, ``Dc = H K + (H K + H V) / groups`` conv
+channels (q, k, v before the conv), ``C`` conv width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specla.mixers import Mixer, TreePass
+from specla.ops import conv_triton as conv_kernels
+from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.records import Record, path_end
+
+from .commit import flush_commit
+from .records import GLAFactorRecord, GLAReplayRecord, GLASnapshotRecord
+from .reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
+from .verify import pick_verify_kernel, serial_verify, tree_verify
+
+
+class GLAMixer(Mixer):
+    """One GLA layer's sequence mixer (Yang et al. 2024, arXiv 2312.06635; ``fla/layers/gla.py``):
+    q/k/v projections, optional tree-aware short conv + SiLU, key/value/decay heads repeated to
+    the query heads, the low-rank decay ``gk = logsigmoid(W2 W1 h + b2) / normalizer`` (then
+    ``clamp_min``), the feature map on q and k, the tree-masked GLA recurrence with records of the
+    pass's kind (docs/DESIGN.md), then ``output(o, gate)``.
+
+    State: ``S [B, H, K, V]`` in ``state_dtype`` and the conv window ``[B, C - 1, Dc]`` (``None``
+    without short conv) in the activation dtype.
+
+    Args:
+        project: ``h [B, T, hidden] -> (qkv [B, T, Dc], gk [B, T, H K / groups] before its bias,
+            gate [B, T, H V] or None)``: the layer's input projections.
+        conv_w, conv_b: ``[Dc, C]`` and ``[Dc]`` (or ``None``: no short conv, no activation).
+        b_gk: ``[H K / groups]`` decay bias in ``state_dtype``. normalizer, clamp_min: the decay's.
+        feature_map: applied to q and k (FLA's ``feature_map`` option).
+        H, groups, K, V: heads and dims.
+        output: ``(o [B, T, H, V] state dtype, gate) -> [B, T, hidden]``: the output norm, gate
+            and projection.
+        dtype, state_dtype, device: activations, recurrent state, device.
+    """
+
+    def __init__(self, *, project: Callable[[Tensor], tuple], conv_w: Tensor | None, conv_b: Tensor | None,
+                 b_gk: Tensor, normalizer: float, clamp_min: float | None, feature_map: Callable[[Tensor], Tensor],
+                 H: int, groups: int, K: int, V: int, output: Callable[[Tensor, Tensor | None], Tensor],
+                 dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device):
+        self.project, self.output, self.feature_map = project, output, feature_map
+        self.conv_w, self.conv_b, self.b_gk = conv_w, conv_b, b_gk
+        self.normalizer, self.clamp_min = normalizer, clamp_min
+        self.H, self.groups, self.K, self.V = H, groups, K, V
+        self.dtype, self.state_dtype, self.device = dtype, state_dtype, device
+        self.C = conv_w.shape[1] if conv_w is not None else 0
+        self.empty_state(0, 0)
+
+    def empty_state(self, B: int, capacity: int) -> None:
+        self.S = torch.zeros(B, self.H, self.K, self.V, dtype=self.state_dtype, device=self.device)
+        Dc = self.H * self.K + (self.H * self.K + self.H * self.V) // self.groups
+        self.conv = torch.zeros(B, self.C - 1, Dc, dtype=self.dtype, device=self.device) if self.C else None
+
+    def state(self) -> list[Tensor]:
+        return [self.S] + ([self.conv] if self.conv is not None else [])
+
+    def set_state(self, tensors: Iterator[Tensor]) -> None:
+        self.S = next(tensors)
+        if self.conv is not None:
+            self.conv = next(tensors)
+
+    def recurrent_states(self) -> list[Tensor]:
+        return [self.S]
+
+    def _inputs(self, qkv: Tensor, gk: Tensor):
+        """q, k, v (``[B, T, H, *]``) and the log decay (``[B, T, H, K]``, state dtype), key/value
+        heads repeated to the query heads (FLA's ``repeat(... (h g) d)``)."""
+        B, T = qkv.shape[:2]
+        H, g, K, V, st = self.H, self.groups, self.K, self.V, self.state_dtype
+        q, k, v = qkv.split([H * K, H * K // g, H * V // g], dim=-1)
+        rep = lambda x, d: x.reshape(B, T, H // g, d).repeat_interleave(g, 2)  # noqa: E731
+        k, v, gk = rep(k, K), rep(v, V), rep(gk.to(st) + self.b_gk, K)
+        gk = F.logsigmoid(gk) / self.normalizer  # float32 end to end: never rounded to bf16
+        if self.clamp_min is not None:
+            gk = gk.clamp_min(self.clamp_min)
+        return self.feature_map(q.reshape(B, T, H, K).to(st)), self.feature_map(k.to(st)), v.to(st), gk
+
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+        kernel = tp.kernels
+        # one kernel for every layer of the pass, chosen once (the rule may read the tree on the host)
+        choice = tp.shared("gla-kernel", lambda: tp.choose(pick_verify_kernel)) if kernel else "reference"
+        if pending is not None and self.conv is not None:  # the conv window commits first
+            self.conv = (conv_kernels.conv_commit if kernel else conv_window_after)(pending.conv_x, self.conv,
+                                                                                    tp.path, tp.path_len)
+        if pending is not None and not kernel:
+            self.S = gla_commit_factor(self.S, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
+        proj, gk_raw, gate = self.project(h)
+        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C)) if self.C else None
+        qkv = (conv_kernels.tree_conv if kernel else tree_conv)(proj, self.conv, self.conv_w, self.conv_b,
+                                                                anc) if anc is not None else proj
+        q, k, v, gk = self._inputs(qkv, gk_raw)
+        S0, scale = self.S, self.K**-0.5
+        fused = None if pending is None or not kernel else (pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
+        if choice == "serial":  # the kernels apply the pending commit to S0 in place, then verify
+            o, Gk = serial_verify(q, k, v, gk, S0, tp.counts, scale, pending=fused)
+        elif choice == "parallel":
+            o, Gk = tree_verify(q, k, v, gk, S0, tp.mask, scale, pending=fused)
+        else:
+            if fused is not None:  # a tree over the kernels' size: commit, then verify unfused
+                flush_commit(S0, *fused)
+            o, Gk = tree_gla(q, k, v, gk, S0, tp.mask, scale)
+        conv_x = proj if anc is not None else None
+        if tp.records == "factor":
+            rec = GLAFactorRecord(k=k, v=v, Gk=Gk, conv_x=conv_x)
+        elif tp.records == "snapshot":
+            wins = conv_windows_per_node(proj, self.conv, anc) if anc is not None else None
+            rec = GLASnapshotRecord(node_states(S0, k, v, Gk, tp.mask), wins)
+        else:
+            rec = GLAReplayRecord(k=k, v=v, gk=gk, conv_x=conv_x)
+        return self.output(o, gate), rec
+
+    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        S0, end = self.S, path_end(path, path_len)
+        keep = path_len > 0
+        if isinstance(record, GLAFactorRecord) and kernels:
+            flush_commit(S0, record.k, record.v, record.Gk, path, path_len)  # in place
+        elif isinstance(record, GLAFactorRecord):
+            self.S = gla_commit_factor(S0, record.k, record.v, record.Gk, path, path_len)
+        elif isinstance(record, GLAReplayRecord):
+            self.S = gla_commit_replay(S0, record.k, record.v, record.gk, path, path_len)
+        else:
+            picked = record.states[torch.arange(S0.shape[0], device=S0.device), end.clamp(min=0)]
+            self.S = torch.where(keep[:, None, None, None], picked, S0)
+        if self.conv is None:
+            return
+        if isinstance(record, GLASnapshotRecord):
+            picked = record.conv_windows[torch.arange(self.conv.shape[0], device=self.conv.device), end.clamp(min=0)]
+            self.conv = torch.where(keep[:, None, None], picked, self.conv)
+        else:
+            self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
