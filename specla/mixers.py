@@ -129,6 +129,26 @@ class Mixer(ABC):
         run (float32 state, factor records)."""
 
 
+class RecurrentMixer(Mixer):
+    """A :class:`Mixer` whose state is a recurrent state ``S [B, ...]`` (float32 or wider) and,
+    for layers with a short convolution, its window ``conv [B, C - 1, Dc]`` (``None``
+    otherwise): the state layout GDN, GLA and Mamba2 layers share."""
+
+    S: Tensor
+    conv: Tensor | None
+
+    def state(self) -> list[Tensor]:
+        return [self.S] + ([self.conv] if self.conv is not None else [])
+
+    def set_state(self, tensors: Iterator[Tensor]) -> None:
+        self.S = next(tensors)
+        if self.conv is not None:
+            self.conv = next(tensors)
+
+    def recurrent_states(self) -> list[Tensor]:
+        return [self.S]
+
+
 @dataclass(frozen=True)
 class KVRecord(Record):
     """An attention mixer's record: every node's key and value. The commit writes the accepted

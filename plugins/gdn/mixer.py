@@ -9,13 +9,13 @@ grouping), ``K``/``V`` head dims, ``Dc = 2 H K + HV V`` conv channels, ``C`` con
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specla.mixers import Mixer, TreePass
+from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import act_triton as act_kernels
 from specla.ops import conv_triton as conv_kernels
 from specla.ops import norm_triton as norm_kernels
@@ -109,7 +109,7 @@ def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path
     return S, conv_window_after(rec.conv_x, win, path, path_len)
 
 
-class GDNMixer(Mixer):
+class GDNMixer(RecurrentMixer):
     """One Gated DeltaNet layer's sequence mixer (Yang et al. 2024, arXiv 2412.06464): input
     projections, tree-aware short convolution + SiLU, L2-normalised q/k, gates ``g = -exp(A_log)
     softplus(a + dt_bias)`` and ``beta = beta_scale * sigmoid(b)``, the tree-masked delta rule
@@ -147,17 +147,6 @@ class GDNMixer(Mixer):
         self.S = torch.zeros(B, self.HV, self.K, self.V, dtype=self.state_dtype, device=self.device)
         Dc = 2 * self.H * self.K + self.HV * self.V
         self.conv = torch.zeros(B, self.C - 1, Dc, dtype=self.dtype, device=self.device) if self.C else None
-
-    def state(self) -> list[Tensor]:
-        return [self.S] + ([self.conv] if self.conv is not None else [])
-
-    def set_state(self, tensors: Iterator[Tensor]) -> None:
-        self.S = next(tensors)
-        if self.conv is not None:
-            self.conv = next(tensors)
-
-    def recurrent_states(self) -> list[Tensor]:
-        return [self.S]
 
     def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels

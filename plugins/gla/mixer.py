@@ -8,13 +8,13 @@ channels (q, k, v before the conv), ``C`` conv width.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specla.mixers import Mixer, TreePass
+from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
 from specla.records import Record, path_end
@@ -25,7 +25,7 @@ from .reference import gla_commit_factor, gla_commit_replay, node_states, tree_g
 from .verify import pick_verify_kernel, serial_verify, tree_verify
 
 
-class GLAMixer(Mixer):
+class GLAMixer(RecurrentMixer):
     """One GLA layer's sequence mixer (Yang et al. 2024, arXiv 2312.06635; ``fla/layers/gla.py``):
     q/k/v projections, optional tree-aware short conv + SiLU, key/value/decay heads repeated to
     the query heads, the low-rank decay ``gk = logsigmoid(W2 W1 h + b2) / normalizer`` (then
@@ -63,17 +63,6 @@ class GLAMixer(Mixer):
         self.S = torch.zeros(B, self.H, self.K, self.V, dtype=self.state_dtype, device=self.device)
         Dc = self.H * self.K + (self.H * self.K + self.H * self.V) // self.groups
         self.conv = torch.zeros(B, self.C - 1, Dc, dtype=self.dtype, device=self.device) if self.C else None
-
-    def state(self) -> list[Tensor]:
-        return [self.S] + ([self.conv] if self.conv is not None else [])
-
-    def set_state(self, tensors: Iterator[Tensor]) -> None:
-        self.S = next(tensors)
-        if self.conv is not None:
-            self.conv = next(tensors)
-
-    def recurrent_states(self) -> list[Tensor]:
-        return [self.S]
 
     def _inputs(self, qkv: Tensor, gk: Tensor):
         """q, k, v (``[B, T, H, *]``) and the log decay (``[B, T, H, K]``, state dtype), key/value

@@ -10,12 +10,12 @@ layout of the other plugins; FLA's and transformers' caches hold it transposed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from specla.mixers import Mixer, TreePass
+from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
 from specla.records import Record, path_end
@@ -26,7 +26,7 @@ from .reference import discretize, node_states, ssd_commit_factor, ssd_commit_re
 from .verify import pick_verify_kernel, serial_verify, tree_verify
 
 
-class Mamba2Mixer(Mixer):
+class Mamba2Mixer(RecurrentMixer):
     """One Mamba2 layer's sequence mixer (Dao & Gu 2024, arXiv 2405.21060): the input projection
     split into the gate ``z``, the conv input ``xBC`` and ``dt``; tree-aware depthwise causal
     conv + SiLU over ``xBC``, split into ``x, B, C``; ``dt = clamp(softplus(dt + dt_bias),
@@ -64,15 +64,6 @@ class Mamba2Mixer(Mixer):
     def empty_state(self, B: int, capacity: int) -> None:
         self.S = torch.zeros(B, self.H, self.N, self.P, dtype=self.state_dtype, device=self.device)
         self.conv = torch.zeros(B, self.C - 1, self.conv_w.shape[0], dtype=self.dtype, device=self.device)
-
-    def state(self) -> list[Tensor]:
-        return [self.S, self.conv]
-
-    def set_state(self, tensors: Iterator[Tensor]) -> None:
-        self.S, self.conv = next(tensors), next(tensors)
-
-    def recurrent_states(self) -> list[Tensor]:
-        return [self.S]
 
     def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels
