@@ -62,7 +62,7 @@ from specla.graphs import record_graph
 from specla.interfaces import Drafter
 from specla.tree import DraftTree
 from specla_gdn.adapter import GDNAdapter
-from specla_gdn.reference import expand_heads
+from specla_gdn.reference import expand_heads, tree_gdn
 
 VOCAB = 32000
 CHAIN = dict(num_draft_tokens=6, max_depth=6, top_k=1)
@@ -88,13 +88,47 @@ def gdn13b(layers: int, embed_scale: float, seed: int = 0):
     return model
 
 
+def fla_recurrence(q, k, v, g, beta, S0, mask, scale, records):
+    """FLA-SD's verify recurrence (:attr:`specla_gdn.mixer.GDNMixer.recurrence`): FLA's stock
+    ``fused_recurrent_gated_delta_rule`` over the chain as one sequence, from the committed state,
+    for ``replay`` passes; prefill (factor records) stays on specla's path (it is not timed)."""
+    if records != "replay":
+        return tree_gdn(q, k, v, g, beta, S0, mask, scale)
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    # q, k as they are (FLA upcasts every load; its output o takes v's dtype, as in FLA)
+    HV = v.shape[2]
+    q, k = (expand_heads(x, HV) for x in (q, k))
+    o, _ = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=S0,
+                                            output_final_state=False)
+    return o.to(S0.dtype), None, None
+
+
+def fla_replay(S0, rec, path, path_len):
+    """FLA-SD's replay commit (:attr:`specla_gdn.mixer.GDNMixer.replay`): the accepted tokens run
+    through FLA's fused recurrent kernel again (``output_final_state``)."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    B, P = path.shape
+    rows = torch.arange(B, device=path.device)[:, None]
+    node = path.clamp(min=0)
+    live = (torch.arange(P, device=path.device)[None, :] < path_len[:, None])[..., None]  # [B, P, 1]
+    v = rec.v[rows, node]
+    k = expand_heads(rec.k[rows, node], v.shape[2])
+    g = torch.where(live, rec.g[rows, node], 0.0)  # decay 1 and no update past the path's end
+    beta = torch.where(live, rec.beta[rows, node], 0.0)
+    _, S = fused_recurrent_gated_delta_rule(k, k, v, g=g, beta=beta, scale=1.0, initial_state=S0,
+                                            output_final_state=True)
+    return S.to(S0.dtype)
+
+
 class FLASDAdapter(GDNAdapter):
     """The FLA-SD baseline (the SpecLA paper's comparison): chain drafts whose verify runs the
     recurrence with FLA's stock ``fused_recurrent_gated_delta_rule`` (the chain as a sequence,
-    from the committed state), and a replay commit that runs the accepted tokens through the same
-    FLA kernel again (``output_final_state``). The rest of the layer (projections, conv, norms)
-    is specla's reference path, as in the snapshot and replay rows. Chains only: FLA's kernel
-    reads its tokens as one sequence. Made with :func:`use_fla_sd`."""
+    from the committed state, :func:`fla_recurrence`), and a replay commit that runs the accepted
+    tokens through the same FLA kernel again (:func:`fla_replay`). The rest of the layer
+    (projections, conv, norms) is specla's reference path, as in the snapshot and replay rows.
+    Chains only: FLA's kernel reads its tokens as one sequence. Made with :func:`use_fla_sd`."""
 
     def _verify(self, tree):
         """Refuses branching drafts (FLA's kernel would read them as one chain); checked on the
@@ -107,33 +141,6 @@ class FLASDAdapter(GDNAdapter):
                 raise ValueError("FLA-SD verifies chains only: the drafter proposed a branching tree")
         return super()._verify(tree)
 
-    def _reference_verify(self, q, k, v, g, beta, S0, mask, scale, records):
-        if records != "replay":  # prefill (factor records) stays on specla's path; it is not timed
-            return super()._reference_verify(q, k, v, g, beta, S0, mask, scale, records)
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-        # q, k as they are (FLA upcasts every load; its output o takes v's dtype, as in FLA)
-        HV = v.shape[2]
-        q, k = (expand_heads(x, HV) for x in (q, k))
-        o, _ = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=S0,
-                                                output_final_state=False)
-        return o.to(S0.dtype), None, None
-
-    def _replay_commit(self, S0, rec, path, path_len):
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-        B, P = path.shape
-        rows = torch.arange(B, device=path.device)[:, None]
-        node = path.clamp(min=0)
-        live = (torch.arange(P, device=path.device)[None, :] < path_len[:, None])[..., None]  # [B, P, 1]
-        v = rec.v[rows, node]
-        k = expand_heads(rec.k[rows, node], v.shape[2])
-        g = torch.where(live, rec.g[rows, node], 0.0)  # decay 1 and no update past the path's end
-        beta = torch.where(live, rec.beta[rows, node], 0.0)
-        _, S = fused_recurrent_gated_delta_rule(k, k, v, g=g, beta=beta, scale=1.0, initial_state=S0,
-                                                output_final_state=True)
-        return S.to(S0.dtype)
-
 
 def use_fla_sd(dec: SpecDecoder) -> SpecDecoder:
     """Turn a GDN decoder with ``commit="replay"`` and chain drafts into the FLA-SD baseline
@@ -145,7 +152,9 @@ def use_fla_sd(dec: SpecDecoder) -> SpecDecoder:
     cfg = dec.config
     if cfg.top_k != 1 or cfg.commit != "replay" or not isinstance(dec.adapter, GDNAdapter):
         raise ValueError("FLA-SD needs a GDN decoder with chain drafts (top_k=1) and commit='replay'")
-    dec.adapter.__class__ = FLASDAdapter  # same state, the two recurrence methods swapped
+    dec.adapter.__class__ = FLASDAdapter  # same state, the chain check added
+    for m in dec.adapter.mixers:  # the recurrence and the replay commit on FLA's kernel
+        m.recurrence, m.replay = fla_recurrence, fla_replay
     return dec
 
 

@@ -321,10 +321,12 @@ class MixerAdapter(LayerwiseAdapter):
     num_layers: int
 
     @abstractmethod
-    def _block(self, li: int, x: Tensor, mix: Callable[[Tensor], Tensor]) -> Tensor:
+    def _block(self, li: int, x: Tensor, mix: Callable[[Tensor], Tensor], kernels: bool) -> Tensor:
         """Layer ``li`` on the residual stream ``x [B, T, hidden]``: its norms and position-wise
         modules, calling ``mix(h)`` once per mixer of the layer (in ``self.mixers`` order; it
-        returns the mixer's output for input ``h``). Returns the new residual stream."""
+        returns the mixer's output for input ``h``). ``kernels``: this pass runs the plugin's
+        Triton kernels (fused position-wise kernels may run too). Returns the new residual
+        stream."""
 
     def _init_state(self) -> None:
         self.capacity = 0  # the tokens each attention cache holds (set by prefill)
@@ -386,7 +388,7 @@ class MixerAdapter(LayerwiseAdapter):
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
             x = self.embed(tokens)
             for li in range(self.num_layers):
-                x = self._block(li, x, mix)
+                x = self._block(li, x, mix, tp.kernels)
             out = self.lm_logits(x) if logits else None
         # a plugin may keep the residual stream wider than the activations between layers
         # (residual_in_fp32); the features it returns are in the activation dtype

@@ -94,7 +94,7 @@ def test_fla_sd_baseline_decodes_like_the_reference_replay(variant, monkeypatch)
     assert r_fla.outputs == r_ref.outputs == ar.outputs
     assert r_fla.stats.mean_accepted_tokens > 0
     assert True in calls and False in calls  # FLA's kernel ran for verify and for commit
-    for s_ref, s_fla in zip(ref.adapter.recurrent, fla.adapter.recurrent):
+    for s_ref, s_fla in zip(ref.adapter.recurrent_states(), fla.adapter.recurrent_states()):
         torch.testing.assert_close(s_fla, s_ref, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="chain drafts"):
         e2e.use_fla_sd(SpecDecoder(model, "gdn", config=dict(cfg, top_k=2)))

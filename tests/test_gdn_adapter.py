@@ -18,7 +18,7 @@ def adapter_for(model, **cfg):
 
 
 def snapshot(adapter):
-    return [s.clone() for s in adapter.recurrent] + [c.clone() for c in adapter.conv if c is not None]
+    return [m.S.clone() for m in adapter.mixers] + [m.conv.clone() for m in adapter.mixers if m.conv is not None]
 
 
 def assert_bit_identical(a, b):
@@ -35,13 +35,13 @@ def naive_after(model, tokens):
 
 
 def assert_state_matches(adapter, b, dec):
-    for li in range(len(adapter.recurrent)):
+    for li, m in enumerate(adapter.mixers):
         ref = dec.states[li]
-        assert float((adapter.recurrent[li][b] - ref).abs().max()) < TOL * max(1.0, float(ref.abs().max()))
-        if adapter.conv[li] is not None:
+        assert float((m.S[b] - ref).abs().max()) < TOL * max(1.0, float(ref.abs().max()))
+        if m.conv is not None:
             # same inputs, different matmul shapes: equal up to rounding (bit-identity is tested
             # where the same code path runs twice)
-            assert float((adapter.conv[li][b] - dec.window(li)).abs().max()) < TOL
+            assert float((m.conv[b] - dec.window(li)).abs().max()) < TOL
 
 
 def acceptance_for(tree, b_ends, bonus):
@@ -118,7 +118,7 @@ def test_short_prompt_in_a_batch_keeps_an_exactly_empty_state():
     model = make_model("base")
     adapter = adapter_for(model)
     adapter.prefill([[1], list(range(1, 40))])
-    assert all(not s[0].any() for s in adapter.recurrent) and all(not c[0].any() for c in adapter.conv)
+    assert all(not m.S[0].any() and not m.conv[0].any() for m in adapter.mixers)
     assert_state_matches(adapter, 1, naive_after(model, list(range(1, 39)))[0])
 
 
@@ -176,9 +176,9 @@ def test_ragged_batch_equals_per_sequence_runs(rng):
         t = DraftTree.from_lists([trees[b]])
         single.commit(t, single.verify(t), acceptance_for(t, [ends[b]], [b + 1]))
         single.flush()
-        for x, y in zip(single.recurrent, batch.recurrent):
+        for x, y in zip(single.recurrent_states(), batch.recurrent_states()):
             assert float((x[0] - y[b]).abs().max()) < 1e-12
-        for x, y in zip(single.conv, batch.conv):
+        for x, y in zip([m.conv for m in single.mixers], [m.conv for m in batch.mixers]):
             assert float((x[0] - y[b]).abs().max()) < 1e-12
     # select keeps sequences in the given order, pending commit included
     batch.verify(tree)
@@ -188,7 +188,7 @@ def test_ragged_batch_equals_per_sequence_runs(rng):
     assert batch.roots.tolist() == [6, 4]
     assert isinstance(batch.pending, PendingCommit) and batch.pending.path.shape[0] == 2
     batch.flush()
-    assert batch.recurrent[0].shape[0] == 2 and not torch.equal(batch.recurrent[0][1], before[0][0])
+    assert batch.mixers[0].S.shape[0] == 2 and not torch.equal(batch.mixers[0].S[1], before[0][0])
 
 
 @pytest.mark.parametrize(
@@ -237,7 +237,7 @@ def test_state_dtype_stays_float32_with_bfloat16_activations():
     assert all(r.delta.dtype == torch.float32 and r.G.dtype == torch.float32 for r in out.records)
     adapter.commit(t, out, acceptance_for(t, [1], [9]))
     adapter.flush()
-    assert all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in adapter.recurrent)
+    assert all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in adapter.recurrent_states())
 
 
 def test_score_is_teacher_forced_decoding_and_differentiable(rng):

@@ -201,7 +201,7 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
         dec = specla.SpecDecoder(model, "gdn", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
         result = dec.generate(prompts)
         assert result.outputs == [r[:14] for r in refs]
-        states[kernels] = [s.cpu() for s in dec.adapter.recurrent]
+        states[kernels] = [s.cpu() for s in dec.adapter.recurrent_states()]
     for a, b in zip(states["triton"], states["reference"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     assert calls["fused"] > 0 and calls["plain"] > 0  # the kernels ran, with and without pending commits

@@ -20,13 +20,13 @@ from specla.ops import act_triton as act_kernels
 from specla.ops import conv_triton as conv_kernels
 from specla.ops import norm_triton as norm_kernels
 from specla.ops.act import decay_and_sigmoid_gates
-from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
 from specla.ops.norm import l2norm
 from specla.records import Record, path_end
 
 from .commit import flush_commit
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
-from .reference import gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
+from .reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
 from .verify import hybrid_plan, hybrid_verify, pick_verify_kernel, serial_verify, tree_verify
 
 
@@ -109,31 +109,45 @@ def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path
     return S, conv_window_after(rec.conv_x, win, path, path_len)
 
 
+def _reference_recurrence(q, k, v, g, beta, S0, mask, scale, records):
+    """:func:`reference.tree_gdn` (the pass's record kind does not change it)."""
+    return tree_gdn(q, k, v, g, beta, S0, mask, scale)
+
+
 class GDNMixer(RecurrentMixer):
     """One Gated DeltaNet layer's sequence mixer (Yang et al. 2024, arXiv 2412.06464): input
     projections, tree-aware short convolution + SiLU, L2-normalised q/k, gates ``g = -exp(A_log)
     softplus(a + dt_bias)`` and ``beta = beta_scale * sigmoid(b)``, the tree-masked delta rule
-    with records of the pass's kind (docs/DESIGN.md section 4), then ``output(o, z)``.
+    with records of the pass's kind (docs/DESIGN.md section 4), then ``output(o, z, kernels)``.
 
     State: ``S [B, HV, K, V]`` in ``state_dtype`` (float32, or float64 for float64 runs) and the
     conv window ``[B, C - 1, Dc]`` in the activation dtype.
 
     Args:
-        project: ``h [B, T, hidden] -> (qkv [B, T, Dc], a [B, T, HV], b [B, T, HV], z [B, T,
-            HV V] or None)``: the layer's input projections (the model's own modules), ``qkv``
-            with q's ``H`` heads, then k's, then v's ``HV`` heads, before the short conv.
+        project: ``(h [B, T, hidden], kernels) -> (qkv [B, T, Dc], a [B, T, HV], b [B, T, HV], z
+            [B, T, HV V] or None)``: the layer's input projections (the model's own modules),
+            ``qkv`` with q's ``H`` heads, then k's, then v's ``HV`` heads, before the short conv;
+            ``kernels``: the pass runs the Triton kernels (a plugin may fuse its GEMMs then).
         conv_w: ``[Dc, C]`` depthwise taps, or ``None`` (no short conv: SiLU alone).
         conv_b: ``[Dc]`` or ``None``. A_log, dt_bias: ``[HV]`` in ``state_dtype``.
         H, HV, K, V: head counts and dims. beta_scale: 2 with negative eigenvalues, else 1.
-        output: ``(o [B, T, HV, V] activation dtype, z [B, T, HV V] or None) -> [B, T,
-            hidden]``: the gated norm and output projection (the model's own modules).
+        output: ``(o [B, T, HV, V], z [B, T, HV V] or None, kernels) -> [B, T, ...]``: the gated
+            norm and output projection (the model's own modules); ``o`` is in the activation
+            dtype from the kernels, in ``state_dtype`` from the reference path.
         dtype, state_dtype, device: activations, recurrent state, device.
+
+    Attributes:
+        recurrence: ``(q, k, v, g, beta, S0, mask, scale, records) -> (o, delta, G)``, the
+            reference path's recurrence over the tree (:func:`reference.tree_gdn`); a baseline may
+            swap it (``benchmarks/e2e.py``'s FLA-SD row; ``delta`` and ``G`` may then be ``None``,
+            which only replay records allow).
+        replay: ``(S0, record, path, path_len) -> S``, the replay commit (:func:`replay_commit`),
+            swappable likewise.
     """
 
-    def __init__(self, *, project: Callable[[Tensor], tuple], conv_w: Tensor | None, conv_b: Tensor | None,
+    def __init__(self, *, project: Callable[..., tuple], conv_w: Tensor | None, conv_b: Tensor | None,
                  A_log: Tensor, dt_bias: Tensor, H: int, HV: int, K: int, V: int, beta_scale: float,
-                 output: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype, state_dtype: torch.dtype,
-                 device: torch.device):
+                 output: Callable[..., Tensor], dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device):
         self.project = project
         self.conv_w, self.conv_b = conv_w, conv_b
         self.dt_bias, self.neg_A = dt_bias, -torch.exp(A_log)
@@ -141,6 +155,7 @@ class GDNMixer(RecurrentMixer):
         self.output = output
         self.dtype, self.state_dtype, self.device = dtype, state_dtype, device
         self.C = conv_w.shape[1] if conv_w is not None else 0
+        self.recurrence, self.replay = _reference_recurrence, replay_commit
         self.empty_state(0, 0)
 
     def empty_state(self, B: int, capacity: int) -> None:
@@ -148,19 +163,12 @@ class GDNMixer(RecurrentMixer):
         Dc = 2 * self.H * self.K + self.HV * self.V
         self.conv = torch.zeros(B, self.C - 1, Dc, dtype=self.dtype, device=self.device) if self.C else None
 
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
-        kernel = tp.kernels
-        if pending is not None:
-            self.S, self.conv = apply_pending(self.S, self.conv, pending, tp.path, tp.path_len, kernel)
-        B, T = h.shape[:2]
+    def inputs(self, qkv: Tensor, a: Tensor, b: Tensor, kernel: bool):
+        """``q, k [B, T, H, K]`` (L2-normalised), ``v [B, T, HV, V]`` and the gates ``g, beta
+        [B, T, HV]`` (state dtype) from the conv output ``qkv`` and the gate projections; with
+        ``kernel`` both norms and both gates are one Triton launch each (same formulas)."""
+        B, T = qkv.shape[:2]
         H, HV, K, V = self.H, self.HV, self.K, self.V
-        proj, a, b, z = self.project(h)
-        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C)) if self.C else None
-        if anc is not None:
-            conv = conv_kernels.tree_conv if kernel else tree_conv
-            qkv = conv(proj, self.conv, self.conv_w, self.conv_b, anc)
-        else:
-            qkv = F.silu(proj)
         if kernel:
             q, k = norm_kernels.l2norm_pair(qkv, H, K)
             g, beta = act_kernels.decay_and_sigmoid_gates(a, b, self.dt_bias, self.neg_A, self.beta_scale)
@@ -168,17 +176,41 @@ class GDNMixer(RecurrentMixer):
             q = l2norm(qkv[..., : H * K].reshape(B, T, H, K))
             k = l2norm(qkv[..., H * K : 2 * H * K].reshape(B, T, H, K))
             g, beta = decay_and_sigmoid_gates(a, b, self.dt_bias, self.neg_A, self.beta_scale, self.state_dtype)
-        v = qkv[..., 2 * H * K :].reshape(B, T, HV, V)
-        if kernel:
+        return q, k, qkv[..., 2 * H * K :].reshape(B, T, HV, V), g, beta
+
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+        kernel = tp.kernels
+        if pending is not None:
+            self.S, self.conv = apply_pending(self.S, self.conv, pending, tp.path, tp.path_len, kernel)
+        proj, a, b, z = self.project(h, kernel)
+        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C)) if self.C else None
+        if anc is not None:
+            qkv = (conv_kernels.tree_conv if kernel else tree_conv)(proj, self.conv, self.conv_w, self.conv_b, anc)
+        else:
+            qkv = F.silu(proj)
+        q, k, v, g, beta = self.inputs(qkv, a, b, kernel)
+        if kernel:  # fused: the kernel applies the pending commit to S in place, then verifies
             plan = tp.shared("gdn-kernel", lambda: kernel_plan(tp.choose, tp.parents, tp.counts))
             fused = None if pending is None else (pending.k, pending.delta, pending.G, tp.path, tp.path_len)
             o, delta, G = run_verify_kernel(plan, q, k, v, g, beta, self.S, tp.parents, tp.counts, tp.mask,
-                                            K**-0.5, fused)
+                                            self.K**-0.5, fused)
         else:
-            o, delta, G = tree_gdn(q, k, v, g, beta, self.S, tp.mask, K**-0.5)
+            o, delta, G = self.recurrence(q, k, v, g, beta, self.S, tp.mask, self.K**-0.5, tp.records)
         rec = layer_record(tp.records, self.S, k, v, g, beta, delta, G, tp.mask, proj, self.conv, anc,
                            self.state_dtype)
-        return self.output(o.to(self.dtype), z), rec
+        return self.output(o, z, kernel), rec
+
+    def sequence(self, h: Tensor, chunk: int) -> Tensor:
+        """The layer over whole sequences ``h [B, T, hidden]`` from an empty state, teacher-forced
+        (scoring and training): causal short conv and the chunked gated delta rule
+        (:func:`reference.chunk_gdn`, ``chunk`` tokens per chunk) on the reference path,
+        differentiable. Returns ``output(o, z, False)``; the state is not touched."""
+        proj, a, b, z = self.project(h, False)
+        qkv = causal_conv(proj, self.conv_w, self.conv_b) if self.C else F.silu(proj)
+        q, k, v, g, beta = self.inputs(qkv, a, b, False)
+        S0 = torch.zeros(h.shape[0], self.HV, self.K, self.V, dtype=self.state_dtype, device=h.device)
+        o, _ = chunk_gdn(q, k, v, g, beta, S0, self.K**-0.5, chunk)
+        return self.output(o, z, False)
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        self.S, self.conv = commit_layer(self.S, self.conv, record, path, path_len, kernels)
+        self.S, self.conv = commit_layer(self.S, self.conv, record, path, path_len, kernels, self.replay)

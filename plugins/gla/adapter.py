@@ -97,7 +97,7 @@ class GLAAdapter(MixerAdapter):
                         feature_map=feature_map, H=H, groups=a.num_kv_groups, K=a.head_k_dim, V=V, output=output,
                         dtype=self.dtype, state_dtype=self.state_dtype, device=self.device)
 
-    def _block(self, li: int, x: Tensor, mix) -> Tensor:
+    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
         """FLA's ``GLABlock``: pre-norm, mixer, residual; pre-norm, SwiGLU MLP, residual."""
         attn_w, attn_eps, mlp_w, mlp_eps, w_gate, w_up, w_down = self.blocks[li]
         x = x + mix(rms_norm(x, attn_w, attn_eps))

@@ -73,7 +73,7 @@ class Mamba2Adapter(MixerAdapter):
                            G=m.n_groups, output=output, dtype=self.dtype, state_dtype=self.state_dtype,
                            device=self.device)
 
-    def _block(self, li: int, x: Tensor, mix) -> Tensor:
+    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
         """FLA's ``Mamba2Block``: RMSNorm, the mixer, the residual add (in float32 with
         ``residual_in_fp32``)."""
         w, eps, fp32 = self.blocks[li]

@@ -139,7 +139,7 @@ class Mamba2HybridAdapter(MixerAdapter):
         x = self.embed_weight[tokens]
         return x * self.embed_scale if self.embed_scale != 1.0 else x
 
-    def _block(self, li: int, x: Tensor, mix) -> Tensor:
+    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
         layer, fam = self.layers[li], self.family
         if fam == "mamba2":  # residual_in_fp32 keeps the residual stream in float32 between blocks
             residual = x.float() if layer.residual_in_fp32 else x

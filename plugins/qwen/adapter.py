@@ -129,16 +129,16 @@ class QwenAdapter(MixerAdapter):
         st = lambda p: p.detach().to(self.state_dtype)  # noqa: E731
         Vd = lin.head_v_dim
 
-        def project(h: Tensor):
+        def project(h: Tensor, kernels: bool):
             if hasattr(lin, "in_proj_qkvz"):  # Qwen3-Next: regrouped by the layer's own method
                 q, k, v, z, b, a = lin.fix_query_key_value_ordering(lin.in_proj_qkvz(h), lin.in_proj_ba(h))
                 flat = lambda x: x.reshape(*h.shape[:2], -1)  # noqa: E731
                 return torch.cat([flat(q), flat(k), flat(v)], -1), a, b, flat(z)
             return lin.in_proj_qkv(h), lin.in_proj_a(h), lin.in_proj_b(h), lin.in_proj_z(h)
 
-        def output(o: Tensor, z: Tensor) -> Tensor:
-            B, T = o.shape[:2]
-            return lin.out_proj(lin.norm(o.reshape(-1, Vd), z.reshape(-1, Vd)).reshape(B, T, -1))
+        def output(o: Tensor, z: Tensor, kernels: bool) -> Tensor:
+            B, T = o.shape[:2]  # transformers' gated norm takes o in the activation dtype
+            return lin.out_proj(lin.norm(o.to(self.dtype).reshape(-1, Vd), z.reshape(-1, Vd)).reshape(B, T, -1))
 
         conv = lin.conv1d
         conv_b = conv.bias.detach() if conv.bias is not None else None
@@ -150,7 +150,7 @@ class QwenAdapter(MixerAdapter):
         """See :func:`specla.mixers.experts_graph_problem` (MoE experts that read the host)."""
         return self._experts_problem
 
-    def _block(self, li: int, x: Tensor, mix) -> Tensor:
+    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
         return decoder_layer(self.layers[li], x, mix)
 
     def lm_logits(self, hidden: Tensor) -> Tensor:

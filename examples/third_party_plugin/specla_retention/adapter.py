@@ -142,5 +142,5 @@ class RetentionAdapter(MixerAdapter):
         self.num_layers = len(self.mixers)
         self._init_state()
 
-    def _block(self, li: int, x: Tensor, mix) -> Tensor:
+    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
         return x + mix(rms_norm(x, self.model.layers[li].norm, 1e-6))
