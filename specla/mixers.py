@@ -18,6 +18,7 @@ token), ``hidden`` model width.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -327,6 +328,16 @@ class MixerAdapter(LayerwiseAdapter):
         returns the mixer's output for input ``h``). ``kernels``: this pass runs the plugin's
         Triton kernels (fused position-wise kernels may run too). Returns the new residual
         stream."""
+
+    def _adopt(self, model: torch.nn.Module, config, head: Tensor) -> torch.nn.Module:
+        """Set the run's placement (:meth:`LayerwiseAdapter._place`, from the LM head ``head``)
+        and return the model whose own modules the adapter calls: ``model`` itself when its
+        device and dtype are the run's and it is in eval mode, else a converted copy in eval mode
+        (made once; the caller's model is never modified)."""
+        self._place(config, head)
+        if head.device != self.device or head.dtype != self.dtype or model.training:
+            model = copy.deepcopy(model).to(self.device, self.dtype).eval()
+        return model
 
     def _init_state(self) -> None:
         self.capacity = 0  # the tokens each attention cache holds (set by prefill)

@@ -25,7 +25,6 @@ their block wiring (:meth:`Mamba2HybridAdapter._block`) and scalar multipliers:
 
 from __future__ import annotations
 
-import copy
 import sys
 
 import torch
@@ -67,10 +66,7 @@ class Mamba2HybridAdapter(MixerAdapter):
     """
 
     def __init__(self, model: torch.nn.Module, config: SpecConfig):
-        self._place(config, model.lm_head.weight)
-        w = model.lm_head.weight
-        if w.device != self.device or w.dtype != self.dtype or model.training:
-            model = copy.deepcopy(model).to(self.device, self.dtype).eval()
+        model = self._adopt(model, config, model.lm_head.weight)
         self.model, self.family = model, model.config.model_type
         inner, cfg = _inner(model), model.config
         self.inner = inner

@@ -119,19 +119,9 @@ class Mamba2HybridPlugin(ArchitecturePlugin):
         if hasattr(cfg, "num_local_experts") or hasattr(cfg, "n_routed_experts"):
             cfg._experts_implementation = "eager"
         model = getattr(transformers, f"{name}ForCausalLM")(cfg).to(dtype).eval()
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if pname.endswith("A_log"):
-                    p.uniform_(-2.0, 1.0)
-                elif pname.endswith("dt_bias"):
-                    p.normal_(0.0, 1.0)
-                elif pname.endswith(".D"):
-                    p.normal_(1.0, 0.5)
-                elif "norm" in pname:
-                    p.add_(torch.randn_like(p) * 0.2)
-                elif pname.endswith("bias"):
-                    p.normal_(0.0, 0.3)
-        return model
+        from specla.testing.transformers_oracle import spread_parameters
+
+        return spread_parameters(model)
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
         """transformers' own greedy decoding (no-cache forwards on its PyTorch path)."""

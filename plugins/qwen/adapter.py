@@ -15,8 +15,6 @@ the checkpoint's own transformers module, called on the verify rows.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import Tensor
 
@@ -105,12 +103,11 @@ class QwenAdapter(MixerAdapter):
     """
 
     def __init__(self, model: torch.nn.Module, config: SpecConfig):
+        adopted = self._adopt(model, config, text_parts(model)[1].weight)
+        if adopted is not model:  # specla's own copy
+            eager_experts_for_float64(adopted)
+        model = adopted
         text, head = text_parts(model)
-        self._place(config, head.weight)
-        if head.weight.device != self.device or head.weight.dtype != self.dtype or model.training:
-            model = copy.deepcopy(model).to(self.device, self.dtype).eval()
-            eager_experts_for_float64(model)
-            text, head = text_parts(model)
         self.model = model
         self.text, self.head = text, head
         self.embed_weight = text.embed_tokens.weight.detach()

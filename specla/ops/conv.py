@@ -40,8 +40,10 @@ def conv_ancestors(parents: Tensor, width: int) -> Tensor:
     return torch.stack(cols[::-1], dim=-1)
 
 
-def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, anc: Tensor) -> Tensor:
-    """Tree-aware causal short convolution + SiLU (docs/DESIGN.md section 4, short convolution).
+def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, anc: Tensor, *,
+              silu: bool = True) -> Tensor:
+    """Tree-aware causal short convolution + SiLU (docs/DESIGN.md section 4, short convolution);
+    ``silu=False``: the convolution alone (LFM2's gated short convolution has no activation).
 
     Args:
         x: ``[B, T, D]`` node inputs (pre-conv projections).
@@ -59,7 +61,7 @@ def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, an
     y = torch.einsum("btcd,dc->btd", taps.to(ct), weight.to(ct))
     if bias is not None:
         y = y + bias.to(ct)
-    return F.silu(y).to(x.dtype)
+    return (F.silu(y) if silu else y).to(x.dtype)
 
 
 def conv_window_after(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor) -> Tensor:

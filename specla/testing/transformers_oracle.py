@@ -50,3 +50,23 @@ def transformers_greedy(model: torch.nn.Module, prompt: list[int], max_new_token
             logits = model(torch.tensor([ids], device=dev), use_cache=False).logits[0, -1]
             ids.append(int(logits.argmax()))
     return ids[len(prompt):]
+
+
+@torch.no_grad()
+def spread_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Spread a freshly initialised transformers model's parameters (tiny test models), in place:
+    decays (``A_log``) over ``[-2, 1]``, ``dt_bias`` normal, Mamba2 skips (``.D``) around 1, norm
+    weights and biases away from 1 and 0, so that paths differ and no weight hides a bug by being
+    0 or 1. Returns ``model``."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.uniform_(-2.0, 1.0)
+        elif name.endswith("dt_bias"):
+            p.normal_(0.0, 1.0)
+        elif name.endswith(".D"):
+            p.normal_(1.0, 0.5)
+        elif "norm" in name:
+            p.add_(torch.randn_like(p) * 0.2)
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.3)
+    return model

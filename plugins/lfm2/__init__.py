@@ -1,0 +1,1 @@
+"""specla plugin for transformers' LFM2: gated short convolutions and attention."""

@@ -1,0 +1,88 @@
+"""Registers the LFM2 plugin through the ``specla.plugins`` entry-point group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specla.config import SpecConfig
+from specla.errors import UnsupportedModelError
+from specla.hookspecs import hookimpl
+from specla.interfaces import ArchitecturePlugin, TargetAdapter
+
+TINY_BASE = dict(vocab_size=41, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                 eos_token_id=None, pad_token_id=0, bos_token_id=1, tie_word_embeddings=False, block_multiple_of=8,
+                 max_position_embeddings=512, initializer_range=0.2)
+# conv, attention, conv (width 3, no bias); attention first with a biased 4-wide conv and a tied head
+TINY_VARIANTS = {
+    "base": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
+    "attn_first": dict(num_hidden_layers=3, layer_types=["full_attention", "conv", "conv"], conv_L_cache=4,
+                       conv_bias=True, tie_word_embeddings=True, num_key_value_heads=1),
+}
+
+
+class Lfm2Plugin(ArchitecturePlugin):
+    """Liquid AI's LFM2 (gated short convolutions and grouped-query attention) as transformers
+    implements it, ``Lfm2ForCausalLM``, detected from ``model_type == "lfm2"``
+    (:class:`specla_lfm2.adapter.Lfm2Adapter`)."""
+
+    name = "lfm2"
+    model_types = ("lfm2",)
+    # no "cuda_graphs" yet: its mixers are the same graph-safe PyTorch ops as the hybrids' (tree
+    # conv, tree attention) and the fixed-shape step passes on the CPU (cuda_graphs="unrecorded"),
+    # but no recorded step has run on a GPU; CUDA runs take eager steps until one has
+    capabilities = frozenset({"trees"})
+    tiny_variants = tuple(TINY_VARIANTS)
+    # transformers' RMSNorms and attention compute in float32 inside a float64 run
+    logits_tolerance = 1e-6
+
+    def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
+        self.checkpoint_config(path)
+        from transformers import Lfm2ForCausalLM
+
+        model = Lfm2ForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+        return model.to(device) if device else model
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        from transformers import Lfm2ForCausalLM
+
+        if not isinstance(model, Lfm2ForCausalLM):
+            raise UnsupportedModelError(f"the lfm2 plugin runs transformers' Lfm2ForCausalLM, got "
+                                        f"{type(model).__module__}.{type(model).__name__}")
+        unknown = set(model.config.layer_types) - {"conv", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"LFM2 layer types {sorted(unknown)} are not supported")
+
+    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
+        self.check_model(model)
+        from .adapter import Lfm2Adapter
+
+        return Lfm2Adapter(model, config)
+
+    def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+        """A random ``Lfm2ForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`), its norm
+        weights and biases spread away from 1 and 0.
+
+        Raises:
+            KeyError: unknown variant.
+        """
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        torch.manual_seed(seed)
+        model = Lfm2ForCausalLM(Lfm2Config(**{**TINY_BASE, **TINY_VARIANTS[variant]})).to(dtype).eval()
+        from specla.testing.transformers_oracle import spread_parameters
+
+        return spread_parameters(model)
+
+    def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """transformers' own greedy decoding (no-cache forwards on its PyTorch path)."""
+        from specla.testing.transformers_oracle import transformers_greedy
+
+        return transformers_greedy(model, prompt, max_new_tokens)
+
+
+@hookimpl
+def specla_architectures() -> list[ArchitecturePlugin]:
+    """The hook implementation pluggy finds through the entry point."""
+    return [Lfm2Plugin()]

@@ -1,0 +1,87 @@
+"""The lfm2 plugin against transformers' own ``Lfm2ForCausalLM``: token identity with its greedy
+decoding (no-cache forwards on the PyTorch path), the short convolution's window under trees,
+checkpoints loaded unchanged, bad models refused by name."""
+
+import pytest
+import torch
+
+import specla
+from specla import SpecConfig, SpecDecoder
+from specla.errors import UnsupportedModelError
+from specla.registry import detect_plugin, get_plugin
+from specla.testing.drafters import OracleDrafter
+
+import transformers_checks
+
+ARCH = get_plugin("lfm2")
+V = 41
+
+
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
+    """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
+    (``plugin=None`` detects the plugin): every output equals transformers' greedy decoding."""
+    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32)
+    prompts = transformers_checks.prompts_around_the_prefill_chunk(3, V)
+    refs = [ARCH.reference_decode(model, p, 14) for p in prompts]
+    cfg = SpecConfig(max_new_tokens=14, num_draft_tokens=6, max_depth=4, top_k=2, commit=commit)
+    out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", V), config=cfg)
+    assert out.outputs == refs
+    assert out.stats.mean_accepted_tokens > 1
+
+
+def test_the_window_follows_the_accepted_branch_only():
+    """After a step whose accepted path is not the tree's first branch, the committed window is
+    the last ``L - 1`` inputs along that path: a fresh prefill of the accepted tokens has the same
+    windows and the same next logits (float32; equal up to the rounding of other matmul shapes)."""
+    from specla.records import Acceptance
+    from specla.tree import DraftTree
+
+    model = ARCH.tiny_model("base", seed=4, dtype=torch.float32)
+    cfg = SpecConfig(num_draft_tokens=4, max_depth=2)
+    ad, fresh = ARCH.make_adapter(model, cfg), ARCH.make_adapter(model, cfg)
+    prompt = [5, 9, 14, 2, 30]
+    ad.prefill([prompt])
+    tree = DraftTree.from_lists([([7, 8, 11, 12], [-1, 0, -1, 2])])  # branches 7-8 and 11-12
+    out = ad.verify(tree)
+    acc = Acceptance(path=torch.tensor([[0, 3, 4]]), num_accepted=torch.tensor([2]), bonus=torch.tensor([20]),
+                     tokens=torch.tensor([[11, 12]]))
+    ad.commit(tree, out, acc)
+    ad.flush()
+    fresh.prefill([prompt + [11, 12, 20]])
+    from specla_lfm2.adapter import ShortConvMixer
+
+    convs = [(a, b) for a, b in zip(ad.mixers, fresh.mixers) if isinstance(a, ShortConvMixer)]
+    assert len(convs) == 2
+    for a, b in convs:
+        torch.testing.assert_close(a.conv, b.conv, rtol=1e-5, atol=1e-6)
+    empty = DraftTree.from_lists([([], [])])
+    torch.testing.assert_close(ad.verify(empty).logits, fresh.verify(empty).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_directory_runs_unchanged(tmp_path):
+    model = ARCH.tiny_model("attn_first", seed=5, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "ckpt")
+    assert detect_plugin(str(tmp_path / "ckpt")) is ARCH
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = specla.run(str(tmp_path / "ckpt"), prompts=[prompt], config=dict(max_new_tokens=8))
+    assert out.outputs == [ARCH.reference_decode(model, prompt, 8)]
+
+
+def test_models_of_other_families_are_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="the lfm2 plugin runs transformers' Lfm2ForCausalLM"):
+        ARCH.check_model(get_plugin("gdn").tiny_model("base"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+def test_cuda_eager_steps_equal_transformers_greedy(variant):
+    """On a GPU (eager steps: the plugin does not declare CUDA graphs yet), float32, accepted tree
+    drafts, a ragged batch: every output equals transformers' greedy decoding."""
+    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32).cuda()
+    prompts = transformers_checks.prompts_around_the_prefill_chunk(8, V)
+    refs = [ARCH.reference_decode(model, p, 18) for p in prompts]
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
+                      config=dict(max_new_tokens=18, num_draft_tokens=6, max_depth=4, top_k=2))
+    assert dec.generate(prompts).outputs == refs
