@@ -162,9 +162,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _plugins(args: argparse.Namespace) -> int:
     infos = registry.plugin_infos()
-    print(f"{'name':<10} {'distribution':<24} {'version':<10} model types")
+    w = max([len("name"), *(len(p.name) for p in infos)])
+    print(f"{'name':<{w}} {'distribution':<24} {'version':<10} model types")
     for p in infos:
-        print(f"{p.name:<10} {p.distribution:<24} {p.version:<10} {', '.join(p.model_types)}")
+        print(f"{p.name:<{w}} {p.distribution:<24} {p.version:<10} {', '.join(p.model_types)}")
     return 0
 
 

@@ -8,7 +8,7 @@ import torch
 import specla
 from specla import SpecConfig, SpecDecoder
 from specla.errors import UnsupportedModelError
-from specla.registry import detect_plugin, get_plugin
+from specla.registry import get_plugin
 from specla.testing.drafters import OracleDrafter
 
 import transformers_checks
@@ -61,12 +61,7 @@ def test_the_window_follows_the_accepted_branch_only():
 
 
 def test_a_checkpoint_directory_runs_unchanged(tmp_path):
-    model = ARCH.tiny_model("attn_first", seed=5, dtype=torch.float32)
-    model.save_pretrained(tmp_path / "ckpt")
-    assert detect_plugin(str(tmp_path / "ckpt")) is ARCH
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    out = specla.run(str(tmp_path / "ckpt"), prompts=[prompt], config=dict(max_new_tokens=8))
-    assert out.outputs == [ARCH.reference_decode(model, prompt, 8)]
+    transformers_checks.check_checkpoint_directory(ARCH, "attn_first", tmp_path / "ckpt")
 
 
 def test_models_of_other_families_are_refused_by_name():

@@ -49,3 +49,17 @@ def check_cuda_graphs_equal_transformers(arch, variant: str, vocab: int) -> None
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
     assert dec.engine._runner is not None and dec.engine._runner.graphs
     assert dec.adapter._use_kernel("factor")
+
+
+def check_checkpoint_directory(arch, variant: str, directory) -> None:
+    """``save_pretrained`` of the plugin's tiny ``variant`` into ``directory``: the path is
+    detected as the plugin's and decodes like the saved model's greedy decoding."""
+    import specla
+    from specla.registry import detect_plugin
+
+    model = arch.tiny_model(variant, seed=5, dtype=torch.float32)
+    model.save_pretrained(directory)
+    assert detect_plugin(str(directory)) is arch
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = specla.run(str(directory), prompts=[prompt], config=dict(max_new_tokens=8))
+    assert out.outputs == [arch.reference_decode(model, prompt, 8)]

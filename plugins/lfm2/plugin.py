@@ -30,8 +30,8 @@ class Lfm2Plugin(ArchitecturePlugin):
     name = "lfm2"
     model_types = ("lfm2",)
     # no "cuda_graphs" yet: its mixers are the same graph-safe PyTorch ops as the hybrids' (tree
-    # conv, tree attention) and the fixed-shape step passes on the CPU (cuda_graphs="unrecorded"),
-    # but no recorded step has run on a GPU; CUDA runs take eager steps until one has
+    # conv, tree attention), but no recorded step has run on a GPU; until one has, CUDA runs take
+    # eager steps (and cuda_graphs="on" / "unrecorded" are refused by name)
     capabilities = frozenset({"trees"})
     tiny_variants = tuple(TINY_VARIANTS)
     # transformers' RMSNorms and attention compute in float32 inside a float64 run

@@ -10,9 +10,18 @@
 from __future__ import annotations
 
 from .drafters import OracleDrafter
-from .suite import PluginSuite
 
 __all__ = ["OracleDrafter", "PluginSuite", "check_plugin"]
+
+
+def __getattr__(name: str):
+    """``PluginSuite`` on first use: the suite imports pytest (the ``test`` extra), which the
+    runtime helpers of this package (the transformers oracle, :class:`OracleDrafter`) do not need."""
+    if name == "PluginSuite":
+        from .suite import PluginSuite
+
+        return PluginSuite
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_plugin(name: str, *pytest_args: str) -> bool:

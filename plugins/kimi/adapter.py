@@ -1,0 +1,175 @@
+"""Turns transformers' ``KimiLinearForCausalLM`` into a :class:`specla.TargetAdapter` on the mixer
+core.
+
+Kimi Linear interleaves Kimi Delta Attention (KDA: a gated delta rule whose decay is per key
+channel, with a short convolution over q, k, v) with multi-head latent attention (MLA) without
+positional encoding. :class:`KDAMixer` verifies a draft tree along every node's root path
+(:func:`specla_kimi.reference.kda_tree`) and commits the accepted path by running its tokens again
+(the per-channel decay has no scalar factor form here yet, so the ``factor`` strategy keeps the
+same compact per-token inputs as ``replay``); :class:`MLAMixer` expands MLA's latents to
+per-head keys and values and runs the core's tree attention over a KV cache of those. The
+checkpoint's own modules do everything else (projections, gates, norms, MLP / MoE, LM head).
+PyTorch only: no Triton kernels for KDA yet.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specla.config import SpecConfig
+from specla.layerwise import eos_token_ids
+from specla.mixers import AttentionMixer, MixerAdapter, RecurrentMixer, TreePass
+from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.records import Record, path_end
+
+from .reference import kda_commit, kda_tree
+
+
+@dataclass(frozen=True)
+class KDAInputsRecord(Record):
+    """KDA's ``factor`` and ``replay`` record: the per-token inputs the commit runs again."""
+
+    k: Tensor  # [B, T, H, K] state dtype, L2-normalised
+    v: Tensor  # [B, T, H, V] state dtype
+    g: Tensor  # [B, T, H, K] state dtype, per-channel log decay
+    beta: Tensor  # [B, T, H] state dtype
+    conv_x: Tensor  # [B, T, 3 H D] activation dtype, the conv inputs
+
+
+@dataclass(frozen=True)
+class KDASnapshotRecord(Record):
+    """The snapshot strategy: the state and the conv window after every node."""
+
+    states: Tensor  # [B, T, H, K, V] state dtype
+    conv_windows: Tensor  # [B, T, C - 1, 3 H D] activation dtype
+
+
+class KDAMixer(RecurrentMixer):
+    """One Kimi Delta Attention layer (``KimiLinearDeltaAttention``) under draft trees: ``q, k, v``
+    projections through a tree-aware short convolution + SiLU, the layer's forget gate (per-channel
+    log decay) and ``beta = sigmoid(b_proj h)``, q and k L2-normalised (transformers' ``l2norm``)
+    and q scaled by ``K ** -0.5``, the recurrence along each root path, then the layer's gated
+    RMSNorm and output projection.
+
+    State: ``S [B, H, K, V]`` in ``state_dtype`` and the conv window ``[B, C - 1, 3 H D]``.
+
+    Args:
+        layer: the layer's ``KimiLinearDeltaAttention`` module.
+        dtype, state_dtype, device: activations, recurrent state, device.
+    """
+
+    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device):
+        self.m, self.dtype, self.state_dtype, self.device = layer, dtype, state_dtype, device
+        self.H, self.D = layer.num_heads, layer.head_dim
+        self.conv_w = layer.conv1d.weight.detach()[:, 0]
+        self.conv_b = layer.conv1d.bias.detach() if layer.conv1d.bias is not None else None
+        self.C = self.conv_w.shape[1]
+        self.l2norm = sys.modules[type(layer).__module__].l2norm
+        self.empty_state(0, 0)
+
+    def empty_state(self, B: int, capacity: int) -> None:
+        self.S = torch.zeros(B, self.H, self.D, self.D, dtype=self.state_dtype, device=self.device)
+        self.conv = torch.zeros(B, self.C - 1, 3 * self.H * self.D, dtype=self.dtype, device=self.device)
+
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+        if pending is not None:  # the delayed commit of the previous step
+            self.commit(pending, tp.path, tp.path_len, False)
+        m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
+        mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
+        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C))
+        q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, anc).split(H * D, dim=-1)
+        # float32 (or wider) from here, as transformers' KDA: norms, decays and the state
+        q = self.l2norm(q.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6) * D**-0.5
+        k = self.l2norm(k.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6)
+        v = v.reshape(B, T, H, D).to(st)
+        g, beta = m.forget_gate(h).to(st), torch.sigmoid(m.b_proj(h)).to(st)
+        o, states = kda_tree(q, k, v, g, beta, self.S, tp.parents)
+        if tp.records == "snapshot":
+            rec = KDASnapshotRecord(states, conv_windows_per_node(mixed, self.conv, anc))
+        else:
+            rec = KDAInputsRecord(k=k, v=v, g=g, beta=beta, conv_x=mixed)
+        gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
+        return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1)), rec
+
+    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        if isinstance(record, KDASnapshotRecord):
+            keep, end = path_len > 0, path_end(path, path_len).clamp(min=0)
+            rows = torch.arange(path.shape[0], device=path.device)
+            self.S = torch.where(keep[:, None, None, None], record.states[rows, end], self.S)
+            self.conv = torch.where(keep[:, None, None], record.conv_windows[rows, end], self.conv)
+            return
+        self.S = kda_commit(self.S, record.k, record.v, record.g, record.beta, path, path_len)
+        self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
+
+
+class MLAMixer(AttentionMixer):
+    """Kimi Linear's multi-head latent attention (``KimiLinearAttention``, no positional
+    encoding) under draft trees: the latents expanded to per-head keys ``[k_nope ; k_rot]`` and
+    values by the layer's own projections, cached per head (not as latents), zero-padded to one
+    head width ``max(qk_head_dim, v_head_dim)`` for the core's tree attention (zeros change no
+    score and no output), the output cut back to ``v_head_dim`` and projected.
+
+    Args:
+        attn: the layer's ``KimiLinearAttention`` module. dtype, device: the cache's.
+    """
+
+    def __init__(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device):
+        self.attn = attn
+        self.Dqk, self.Dv = attn.qk_head_dim, attn.v_head_dim
+        super().__init__(attn.num_heads, max(self.Dqk, self.Dv), dtype, device, scale=attn.scaling)
+
+    def project(self, h: Tensor, positions: Tensor):
+        a, (B, T) = self.attn, h.shape[:2]
+        q = a.q_proj(h) if a.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(h)))
+        kv_nope, k_rot = a.kv_a_proj_with_mqa(h).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        k_nope, v = a.kv_b_proj(a.kv_a_layernorm(kv_nope)).view(B, T, -1, a.qk_nope_head_dim + self.Dv).split(
+            [a.qk_nope_head_dim, self.Dv], dim=-1)
+        k = torch.cat([k_nope, k_rot[:, :, None].expand(-1, -1, k_nope.shape[2], -1)], -1)
+        pad = lambda x: F.pad(x, (0, self.Dh - x.shape[-1]))  # noqa: E731
+        return pad(q.view(B, T, -1, self.Dqk)), pad(k), pad(v), None
+
+    def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
+        return self.attn.o_proj(o[..., : self.Dv].reshape(*o.shape[:2], -1))
+
+
+class KimiLinearAdapter(MixerAdapter):
+    """Kimi Linear on the mixer core (see the module docstring).
+
+    State per sequence: per KDA layer a float32 (float64 in float64 runs) state ``[B, H, K, V]``
+    and a conv window; per MLA layer a KV cache ``[B, capacity + 65, H, max(Dqk, Dv)]`` with its
+    length. The model is used as it is when the run's device and dtype are its own and it is in
+    eval mode, else as a converted copy.
+
+    Args:
+        model: a ``KimiLinearForCausalLM`` (checked by the plugin). config: the run's
+            :class:`SpecConfig`.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: SpecConfig):
+        model = self._adopt(model, config, model.lm_head.weight)
+        self.model, self.inner = model, model.model
+        self.embed_weight = self.inner.embed_tokens.weight.detach()
+        self.vocab_size = self.embed_weight.shape[0]
+        self.eos_token_ids = eos_token_ids(model)
+        self.layers = list(self.inner.layers)
+        self.num_layers = len(self.layers)
+        self.mixers = [MLAMixer(layer.self_attn, self.dtype, self.device) if hasattr(layer.self_attn, "kv_b_proj")
+                       else KDAMixer(layer.self_attn, self.dtype, self.state_dtype, self.device)
+                       for layer in self.layers]
+        self._init_state()
+
+    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
+        """``KimiLinearDecoderLayer``: ``x + mix(input_layernorm(x))``, then ``x +
+        mlp(post_attention_layernorm(x))`` (dense MLP or MoE)."""
+        layer = self.layers[li]
+        x = x + mix(layer.input_layernorm(x))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        """Logits ``[..., vocab]``: the final norm and the LM head."""
+        return self.model.lm_head(self.inner.norm(hidden))

@@ -1,0 +1,97 @@
+"""Registers the Kimi Linear plugin through the ``specla.plugins`` entry-point group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specla.config import SpecConfig
+from specla.errors import UnsupportedModelError
+from specla.hookspecs import hookimpl
+from specla.interfaces import ArchitecturePlugin, TargetAdapter
+
+TINY_BASE = dict(vocab_size=41, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,
+                 num_key_value_heads=4, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                 linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                 num_experts_per_token=2, num_expert_group=1, topk_group=1, n_shared_experts=1,
+                 model_max_length=512, eos_token_id=None, pad_token_id=0, bos_token_id=1, tie_word_embeddings=False,
+                 initializer_range=0.2)
+# KDA, MLA, KDA with a MoE layer in the middle; MLA first with a low-rank query and values wider
+# than the query-key heads
+TINY_VARIANTS = {
+    "base": dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                 mlp_layer_types=["dense", "sparse", "dense"], q_lora_rank=None),
+    "mla_first": dict(num_hidden_layers=3, layer_types=["full_attention", "linear_attention", "linear_attention"],
+                      mlp_layer_types=["dense", "dense", "dense"], q_lora_rank=12, v_head_dim=12),
+}
+
+
+class KimiLinearPlugin(ArchitecturePlugin):
+    """Moonshot AI's Kimi Linear (KDA and MLA layers, dense and MoE MLPs) as transformers
+    implements it, ``KimiLinearForCausalLM``, detected from ``model_type == "kimi_linear"``
+    (:class:`specla_kimi.adapter.KimiLinearAdapter`). PyTorch only; no CUDA-graph step yet."""
+
+    name = "kimi_linear"
+    model_types = ("kimi_linear",)
+    capabilities = frozenset({"trees"})
+    tiny_variants = tuple(TINY_VARIANTS)
+    # transformers' norms and its KDA compute in float32 inside a float64 run
+    logits_tolerance = 1e-6
+
+    def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
+        self.checkpoint_config(path)
+        from transformers import KimiLinearForCausalLM
+
+        model = KimiLinearForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+        self.check_model(model)
+        return model.to(device) if device else model
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        from transformers import KimiLinearForCausalLM
+
+        if not isinstance(model, KimiLinearForCausalLM):
+            raise UnsupportedModelError(f"the kimi_linear plugin runs transformers' KimiLinearForCausalLM, got "
+                                        f"{type(model).__module__}.{type(model).__name__}")
+        for layer in model.model.layers:
+            a = layer.self_attn
+            if hasattr(a, "kv_b_proj") and a.num_key_value_groups != 1:
+                raise UnsupportedModelError("Kimi Linear MLA with num_key_value_heads != num_attention_heads is not "
+                                            "supported (its kv_b_proj emits every head)")
+            if hasattr(a, "conv1d") and a.activation not in ("silu", "swish"):
+                raise UnsupportedModelError(f"KDA short-conv activation {a.activation!r} is not supported (silu only)")
+
+    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
+        self.check_model(model)
+        from .adapter import KimiLinearAdapter
+
+        return KimiLinearAdapter(model, config)
+
+    def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+        """A random ``KimiLinearForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`), decays,
+        norm weights and biases spread; MoE experts on transformers' eager implementation (its
+        grouped GEMM takes no float64).
+
+        Raises:
+            KeyError: unknown variant.
+        """
+        from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+        from specla.testing.transformers_oracle import spread_parameters
+
+        torch.manual_seed(seed)
+        cfg = KimiLinearConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]})
+        cfg._experts_implementation = "eager"
+        return spread_parameters(KimiLinearForCausalLM(cfg).to(dtype).eval())
+
+    def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """transformers' own greedy decoding (no-cache forwards on its PyTorch path)."""
+        from specla.testing.transformers_oracle import transformers_greedy
+
+        return transformers_greedy(model, prompt, max_new_tokens)
+
+
+@hookimpl
+def specla_architectures() -> list[ArchitecturePlugin]:
+    """The hook implementation pluggy finds through the entry point."""
+    return [KimiLinearPlugin()]

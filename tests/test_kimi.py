@@ -1,0 +1,113 @@
+"""The kimi_linear plugin against transformers' own ``KimiLinearForCausalLM``: the KDA tree
+recurrence against transformers' per-token recurrence along every root path, token identity with
+transformers' greedy decoding, checkpoints loaded unchanged, unsupported models refused by name."""
+
+import random
+
+import pytest
+import torch
+
+import specla
+from specla import SpecConfig, SpecDecoder
+from specla.errors import UnsupportedModelError
+from specla.registry import get_plugin
+from specla.testing.drafters import OracleDrafter
+
+import transformers_checks
+from trees import SHAPES, tree_parents
+
+ARCH = get_plugin("kimi_linear")
+V = 41
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kda_tree_and_commit_equal_transformers_recurrence_along_each_path(shape):
+    """Float64, random inputs (raw q and k; per-channel decays), a batch of two trees of shape
+    ``shape``: every node's output and state equal transformers' ``recurrent_kimi_delta_attention``
+    (its PyTorch function) run over the node's root path from the committed state, and
+    ``kda_commit`` along a path gives the state after its last node, and leaves a row with nothing
+    accepted bit-identical."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as mk
+
+    from specla_kimi.reference import kda_commit, kda_tree
+
+    recurrent = getattr(mk.recurrent_kimi_delta_attention, "__wrapped__", mk.recurrent_kimi_delta_attention)
+    rng, g = random.Random(7), torch.Generator().manual_seed(7)
+    B, H, K, Vd = 2, 2, 4, 3
+    parents = torch.tensor([tree_parents(shape, 9, rng) for _ in range(B)])
+    T = parents.shape[1]
+    q, k = torch.randn(B, T, H, K, generator=g, dtype=torch.float64), torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, H, Vd, generator=g, dtype=torch.float64)
+    gk = -torch.rand(B, T, H, K, generator=g, dtype=torch.float64)  # log decay in (-1, 0]
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    S0 = torch.randn(B, H, K, Vd, generator=g, dtype=torch.float64)
+    qn = mk.l2norm(q, dim=-1, eps=1e-6) * K**-0.5
+    kn = mk.l2norm(k, dim=-1, eps=1e-6)
+    o, states = kda_tree(qn, kn, v, gk, beta, S0, parents)
+    for b in range(B):
+        for t in range(T):
+            idx = root_path(parents[b].tolist(), t)
+            want_o, want_S = recurrent(q[b:b + 1, idx].float(), k[b:b + 1, idx].float(), v[b:b + 1, idx].float(),
+                                       g=gk[b:b + 1, idx].float(), beta=beta[b:b + 1, idx].float(),
+                                       initial_state=S0[b:b + 1].float(), output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+            # transformers computes in float32: compare at float32 precision
+            torch.testing.assert_close(o[b, t].float(), want_o[0, -1], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(states[b, t].float(), want_S[0], rtol=1e-5, atol=1e-6)
+            path = torch.full((B, T), -1)
+            path[b, : len(idx)] = torch.tensor(idx)
+            path_len = torch.zeros(B, dtype=torch.int64)
+            path_len[b] = len(idx)
+            S = kda_commit(S0, kn, v, gk, beta, path, path_len)
+            torch.testing.assert_close(S[b], states[b, t], rtol=1e-12, atol=1e-12)
+            assert torch.equal(S[1 - b], S0[1 - b])  # nothing accepted: bit-identical
+
+
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
+    """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
+    (``plugin=None`` detects the plugin): every output equals transformers' greedy decoding."""
+    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32)
+    prompts = transformers_checks.prompts_around_the_prefill_chunk(3, V, lengths=(1, 63, 65, 129))
+    refs = [ARCH.reference_decode(model, p, 12) for p in prompts]
+    cfg = SpecConfig(max_new_tokens=12, num_draft_tokens=6, max_depth=4, top_k=2, commit=commit)
+    out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", V), config=cfg)
+    assert out.outputs == refs
+    assert out.stats.mean_accepted_tokens > 1
+
+
+def test_a_checkpoint_directory_runs_unchanged(tmp_path):
+    transformers_checks.check_checkpoint_directory(ARCH, "mla_first", tmp_path / "ckpt")
+
+
+def test_unsupported_models_are_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="the kimi_linear plugin runs transformers' KimiLinearForCausalLM"):
+        ARCH.check_model(get_plugin("gdn").tiny_model("base"))
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from specla_kimi.plugin import TINY_BASE, TINY_VARIANTS
+
+    cfg = KimiLinearConfig(**{**TINY_BASE, **TINY_VARIANTS["base"], "num_key_value_heads": 2})
+    with pytest.raises(UnsupportedModelError, match="num_key_value_heads != num_attention_heads"):
+        ARCH.check_model(KimiLinearForCausalLM(cfg))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eager_steps_equal_transformers_greedy():
+    """On a GPU (eager steps, PyTorch path), float32, accepted tree drafts: every output equals
+    transformers' greedy decoding of the same model on the GPU."""
+    model = ARCH.tiny_model("base", seed=2, dtype=torch.float32).cuda()
+    prompts = transformers_checks.prompts_around_the_prefill_chunk(8, V)
+    refs = [ARCH.reference_decode(model, p, 12) for p in prompts]
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
+                      config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=4, top_k=2))
+    assert dec.generate(prompts).outputs == refs
