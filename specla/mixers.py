@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .errors import SpecError
 from .graphs import cache_capacity
-from .layerwise import PREFILL_CHUNK, LayerwiseAdapter
+from .layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
 from .ops.attention import commit_kv, tree_attention
 from .records import PendingCommit, Record
 from .tree import inclusive_ancestor_mask
@@ -338,6 +338,23 @@ class MixerAdapter(LayerwiseAdapter):
         if head.device != self.device or head.dtype != self.dtype or model.training:
             model = copy.deepcopy(model).to(self.device, self.dtype).eval()
         return model
+
+    def _act(self, p: Tensor | None) -> Tensor | None:
+        """A weight in the run's device and activation dtype (``None`` stays ``None``); kept
+        attached to the model's parameter when the adapter is ``differentiable`` (training)."""
+        if p is None:
+            return None
+        return (p if self.differentiable else p.detach()).to(self.device, self.dtype)
+
+    def _copy_head(self, model: torch.nn.Module, embedding: torch.nn.Module, norm: torch.nn.Module) -> None:
+        """Set ``embed_weight``, ``vocab_size``, ``eos_token_ids``, ``norm``, ``norm_eps`` and
+        ``lm_head`` from the model's input embedding, final RMSNorm and LM head (converted with
+        :meth:`_act`), for plugins whose :meth:`lm_logits` is the default RMSNorm + head."""
+        self.embed_weight = self._act(embedding.weight)
+        self.vocab_size = self.embed_weight.shape[0]
+        self.eos_token_ids = eos_token_ids(model)
+        self.norm, self.norm_eps = self._act(norm.weight), norm.eps
+        self.lm_head = self._act(model.lm_head.weight)
 
     def _init_state(self) -> None:
         self.capacity = 0  # the tokens each attention cache holds (set by prefill)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.config import SpecConfig
-from specla.layerwise import PREFILL_CHUNK, eos_token_ids
+from specla.layerwise import PREFILL_CHUNK
 from specla.mixers import MixerAdapter
 from specla.ops import act_triton as act_kernels
 from specla.ops import norm_triton as norm_kernels
@@ -63,11 +63,7 @@ class GDNAdapter(MixerAdapter):
         self.differentiable = differentiable
         self._place(config, model.lm_head.weight)
         m = model.model
-        self.embed_weight = self._act(m.embeddings.weight)
-        self.vocab_size = self.embed_weight.shape[0]
-        self.eos_token_ids = eos_token_ids(model)
-        self.norm, self.norm_eps = self._act(m.norm.weight), m.norm.eps
-        self.lm_head = self._act(model.lm_head.weight)
+        self._copy_head(model, m.embeddings, m.norm)
         self.blocks, self.mixers = [], []
         for blk in m.layers:
             block, mixer = self._layer(blk)
@@ -75,11 +71,6 @@ class GDNAdapter(MixerAdapter):
             self.mixers.append(mixer)
         self.num_layers = len(self.mixers)
         self._init_state()
-
-    def _act(self, p: Tensor) -> Tensor:
-        """A weight in the run's device and dtype; kept attached to the model's parameter when
-        differentiable (training recipes)."""
-        return (p if self.differentiable else p.detach()).to(self.device, self.dtype)
 
     def _layer(self, blk: torch.nn.Module) -> tuple[_Block, GDNMixer]:
         act, a = self._act, blk.attn

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.config import SpecConfig
-from specla.layerwise import eos_token_ids
 from specla.mixers import MixerAdapter
 from specla.ops.norm import rms_norm
 
@@ -49,11 +48,7 @@ class GLAAdapter(MixerAdapter):
         self.differentiable = differentiable
         self._place(config, model.lm_head.weight)
         m = model.model
-        self.embed_weight = self._act(m.embeddings.weight)
-        self.vocab_size = self.embed_weight.shape[0]
-        self.eos_token_ids = eos_token_ids(model)
-        self.norm, self.norm_eps = self._act(m.norm.weight), m.norm.eps
-        self.lm_head = self._act(model.lm_head.weight)
+        self._copy_head(model, m.embeddings, m.norm)
         feature_map = FEATURE_MAPS[model.config.feature_map]
         self.blocks = [(self._act(b.attn_norm.weight), b.attn_norm.eps, self._act(b.mlp_norm.weight), b.mlp_norm.eps,
                         self._act(b.mlp.gate_proj.weight), self._act(b.mlp.up_proj.weight),
@@ -61,13 +56,6 @@ class GLAAdapter(MixerAdapter):
         self.mixers = [self._mixer(b.attn, feature_map) for b in m.layers]
         self.num_layers = len(self.mixers)
         self._init_state()
-
-    def _act(self, p: Tensor | None) -> Tensor | None:
-        """A weight in the run's device and dtype (kept attached to the model's parameter when
-        differentiable)."""
-        if p is None:
-            return None
-        return (p if self.differentiable else p.detach()).to(self.device, self.dtype)
 
     def _mixer(self, a: torch.nn.Module, feature_map) -> GLAMixer:
         act = self._act

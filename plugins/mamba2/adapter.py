@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.config import SpecConfig
-from specla.layerwise import eos_token_ids
 from specla.mixers import MixerAdapter
 from specla.ops.norm import rms_norm
 
@@ -39,18 +38,11 @@ class Mamba2Adapter(MixerAdapter):
     def __init__(self, model: torch.nn.Module, config: SpecConfig):
         self._place(config, model.lm_head.weight)
         bb = model.backbone
-        self.embed_weight = self._act(bb.embeddings.weight)
-        self.vocab_size = self.embed_weight.shape[0]
-        self.eos_token_ids = eos_token_ids(model)
-        self.norm, self.norm_eps = self._act(bb.norm_f.weight), bb.norm_f.eps
-        self.lm_head = self._act(model.lm_head.weight)
+        self._copy_head(model, bb.embeddings, bb.norm_f)
         self.blocks = [(self._act(blk.norm.weight), blk.norm.eps, blk.residual_in_fp32) for blk in bb.layers]
         self.mixers = [self._mixer(blk.mixer) for blk in bb.layers]
         self.num_layers = len(self.mixers)
         self._init_state()
-
-    def _act(self, p: Tensor | None) -> Tensor | None:
-        return p.detach().to(self.device, self.dtype) if p is not None else None
 
     def _mixer(self, m: torch.nn.Module) -> Mamba2Mixer:
         st = lambda p: p.detach().to(self.device, self.state_dtype)  # noqa: E731
