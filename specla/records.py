@@ -96,3 +96,13 @@ def path_end(path: Tensor, path_len: Tensor) -> Tensor:
     """Last node of each path (``[B]`` int64; ``-1`` where ``path_len == 0``)."""
     last = path.gather(1, (path_len - 1).clamp(min=0)[:, None]).squeeze(1)
     return torch.where(path_len > 0, last, torch.full_like(last, -1))
+
+
+def take_accepted(per_node: Tensor, current: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
+    """The snapshot commit of one state tensor: ``per_node[b, end_b]`` (the value after the
+    accepted path's last node, ``per_node [B, T, ...]``), or ``current[b]`` (``[B, ...]``) where
+    ``path_len == 0``, bit-identical there."""
+    end = path_end(path, path_len).clamp(min=0)
+    picked = per_node[torch.arange(per_node.shape[0], device=per_node.device), end]
+    keep = (path_len > 0).view(-1, *([1] * (current.dim() - 1)))
+    return torch.where(keep, picked, current)

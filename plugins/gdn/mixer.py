@@ -22,7 +22,7 @@ from specla.ops import norm_triton as norm_kernels
 from specla.ops.act import decay_and_sigmoid_gates
 from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
 from specla.ops.norm import l2norm
-from specla.records import Record, path_end
+from specla.records import Record, take_accepted
 
 from .commit import flush_commit
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
@@ -91,7 +91,6 @@ def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path
     [B]``) from its record (factor: closed form, in place on the kernel path; snapshot: the
     accepted node's state; replay: ``replay(S0, rec, path, path_len)`` re-runs the recurrence).
     Returns ``(state [B, HV, K, V], window [B, C - 1, Dc] or None)``."""
-    end = path_end(path, path_len)
     if isinstance(rec, GDNFactorRecord) and kernel:
         S = flush_commit(S0, rec.k, rec.delta, rec.G, path, path_len)  # in place
     elif isinstance(rec, GDNFactorRecord):
@@ -99,13 +98,11 @@ def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path
     elif isinstance(rec, GDNReplayRecord):
         S = replay(S0, rec, path, path_len)
     else:
-        picked = rec.states[torch.arange(S0.shape[0], device=S0.device), end.clamp(min=0)]
-        S = torch.where((path_len > 0)[:, None, None, None], picked, S0)
+        S = take_accepted(rec.states, S0, path, path_len)
     if win is None:
         return S, None
     if isinstance(rec, GDNSnapshotRecord):
-        picked = rec.conv_windows[torch.arange(win.shape[0], device=win.device), end.clamp(min=0)]
-        return S, torch.where((path_len > 0)[:, None, None], picked, win)
+        return S, take_accepted(rec.conv_windows, win, path, path_len)
     return S, conv_window_after(rec.conv_x, win, path, path_len)
 
 

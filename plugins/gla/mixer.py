@@ -17,7 +17,7 @@ from torch import Tensor
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record, path_end
+from specla.records import Record, take_accepted
 
 from .commit import flush_commit
 from .records import GLAFactorRecord, GLAReplayRecord, GLASnapshotRecord
@@ -112,8 +112,7 @@ class GLAMixer(RecurrentMixer):
         return self.output(o, gate), rec
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        S0, end = self.S, path_end(path, path_len)
-        keep = path_len > 0
+        S0 = self.S
         if isinstance(record, GLAFactorRecord) and kernels:
             flush_commit(S0, record.k, record.v, record.Gk, path, path_len)  # in place
         elif isinstance(record, GLAFactorRecord):
@@ -121,12 +120,10 @@ class GLAMixer(RecurrentMixer):
         elif isinstance(record, GLAReplayRecord):
             self.S = gla_commit_replay(S0, record.k, record.v, record.gk, path, path_len)
         else:
-            picked = record.states[torch.arange(S0.shape[0], device=S0.device), end.clamp(min=0)]
-            self.S = torch.where(keep[:, None, None, None], picked, S0)
+            self.S = take_accepted(record.states, S0, path, path_len)
         if self.conv is None:
             return
         if isinstance(record, GLASnapshotRecord):
-            picked = record.conv_windows[torch.arange(self.conv.shape[0], device=self.conv.device), end.clamp(min=0)]
-            self.conv = torch.where(keep[:, None, None], picked, self.conv)
+            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
         else:
             self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)

@@ -25,7 +25,7 @@ from specla.config import SpecConfig
 from specla.layerwise import eos_token_ids
 from specla.mixers import AttentionMixer, MixerAdapter, RecurrentMixer, TreePass
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record, path_end
+from specla.records import Record, take_accepted
 
 from .reference import kda_commit, kda_tree
 
@@ -98,10 +98,8 @@ class KDAMixer(RecurrentMixer):
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         if isinstance(record, KDASnapshotRecord):
-            keep, end = path_len > 0, path_end(path, path_len).clamp(min=0)
-            rows = torch.arange(path.shape[0], device=path.device)
-            self.S = torch.where(keep[:, None, None, None], record.states[rows, end], self.S)
-            self.conv = torch.where(keep[:, None, None], record.conv_windows[rows, end], self.conv)
+            self.S = take_accepted(record.states, self.S, path, path_len)
+            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
             return
         self.S = kda_commit(self.S, record.k, record.v, record.g, record.beta, path, path_len)
         self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)

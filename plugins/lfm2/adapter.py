@@ -22,7 +22,7 @@ from specla.config import SpecConfig
 from specla.layerwise import eos_token_ids
 from specla.mixers import Mixer, MixerAdapter, ProjectedAttention, TreePass
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record, path_end
+from specla.records import Record, take_accepted
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,7 @@ class ShortConvMixer(Mixer):
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         if isinstance(record, ConvSnapshotRecord):
-            end = path_end(path, path_len).clamp(min=0)
-            picked = record.conv_windows[torch.arange(path.shape[0], device=path.device), end]
-            self.conv = torch.where((path_len > 0)[:, None, None], picked, self.conv)
+            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
         else:
             self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record, path_end
+from specla.records import Record, take_accepted
 
 from .commit import flush_commit
 from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
@@ -104,10 +104,8 @@ class Mamba2Mixer(RecurrentMixer):
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         if isinstance(record, Mamba2SnapshotRecord):
-            keep, end = path_len > 0, path_end(path, path_len).clamp(min=0)
-            rows = torch.arange(path.shape[0], device=path.device)
-            self.S = torch.where(keep[:, None, None, None], record.states[rows, end], self.S)
-            self.conv = torch.where(keep[:, None, None], record.conv_windows[rows, end], self.conv)
+            self.S = take_accepted(record.states, self.S, path, path_len)
+            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
             return
         if isinstance(record, Mamba2FactorRecord) and kernels:
             flush_commit(self.S, record.Bm, record.u, record.G, path, path_len)  # in place
