@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-import specla
-from specla import SpecConfig, SpecDecoder
+from specla import SpecDecoder
 from specla.errors import UnsupportedModelError
 from specla.registry import get_plugin
 from specla.testing.drafters import OracleDrafter
@@ -76,13 +75,7 @@ def test_kda_tree_and_commit_equal_transformers_recurrence_along_each_path(shape
 def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
     """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
     (``plugin=None`` detects the plugin): every output equals transformers' greedy decoding."""
-    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32)
-    prompts = transformers_checks.prompts_around_the_prefill_chunk(3, V, lengths=(1, 63, 65, 129))
-    refs = [ARCH.reference_decode(model, p, 12) for p in prompts]
-    cfg = SpecConfig(max_new_tokens=12, num_draft_tokens=6, max_depth=4, top_k=2, commit=commit)
-    out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", V), config=cfg)
-    assert out.outputs == refs
-    assert out.stats.mean_accepted_tokens > 1
+    transformers_checks.check_tree_drafts_equal_transformers(ARCH, variant, commit, V, 12, lengths=(1, 63, 65, 129))
 
 
 def test_a_checkpoint_directory_runs_unchanged(tmp_path):

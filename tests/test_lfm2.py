@@ -5,7 +5,6 @@ checkpoints loaded unchanged, bad models refused by name."""
 import pytest
 import torch
 
-import specla
 from specla import SpecConfig, SpecDecoder
 from specla.errors import UnsupportedModelError
 from specla.registry import get_plugin
@@ -22,13 +21,7 @@ V = 41
 def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
     """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
     (``plugin=None`` detects the plugin): every output equals transformers' greedy decoding."""
-    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32)
-    prompts = transformers_checks.prompts_around_the_prefill_chunk(3, V)
-    refs = [ARCH.reference_decode(model, p, 14) for p in prompts]
-    cfg = SpecConfig(max_new_tokens=14, num_draft_tokens=6, max_depth=4, top_k=2, commit=commit)
-    out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", V), config=cfg)
-    assert out.outputs == refs
-    assert out.stats.mean_accepted_tokens > 1
+    transformers_checks.check_tree_drafts_equal_transformers(ARCH, variant, commit, V, 14)
 
 
 def test_the_window_follows_the_accepted_branch_only():

@@ -20,23 +20,13 @@ ARCH = get_plugin("qwen")
 V = 61
 
 
-def prompts_around_the_prefill_chunk(seed):
-    return transformers_checks.prompts_around_the_prefill_chunk(seed, V)
-
-
 @pytest.mark.parametrize("variant", ARCH.tiny_variants)
 @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
 def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
     """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
     (an oracle drafter; ``plugin=None`` detects the plugin from ``model_type``): every output
     equals transformers' own greedy decoding, and drafts were accepted."""
-    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32)
-    prompts = prompts_around_the_prefill_chunk(3)
-    refs = [ARCH.reference_decode(model, p, 18) for p in prompts]
-    cfg = SpecConfig(max_new_tokens=18, num_draft_tokens=6, max_depth=4, top_k=2, commit=commit)
-    out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", V), config=cfg)
-    assert out.outputs == refs
-    assert out.stats.mean_accepted_tokens > 1
+    transformers_checks.check_tree_drafts_equal_transformers(ARCH, variant, commit, V, 18)
 
 
 def test_ngram_drafts_and_stop_tokens_equal_transformers_greedy():
@@ -164,7 +154,7 @@ def test_cuda_eager_moe_experts_run_eager_steps():
     """On a GPU, a MoE model on transformers' eager experts runs with ``cuda_graphs="auto"``
     (the default) through eager steps, token-identical to transformers' greedy decoding."""
     model = ARCH.tiny_model("moe", seed=2, dtype=torch.float32).cuda()
-    prompts = prompts_around_the_prefill_chunk(4)
+    prompts = transformers_checks.prompts_around_the_prefill_chunk(4, V)
     refs = [ARCH.reference_decode(model, p, 10) for p in prompts]
     dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
                       config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2))
