@@ -178,10 +178,12 @@ def write_mtp_layer(directory, model, seed=0):
     head.fc = torch.nn.Linear(2 * H, H, bias=False)
     head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.norm = (type(text.norm)(H) for _ in range(3))
     head.layers = torch.nn.ModuleList([type(text.layers[li])(cfg, li)])
-    with torch.no_grad():
+    with torch.no_grad():  # every weight drawn here: a layer built outside from_pretrained leaves its experts empty
         for name, p in head.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
+            else:
+                p.copy_(torch.randn_like(p) * 0.1)
     save_file({f"mtp.{k}": v.detach().to(text.norm.weight.dtype).contiguous() for k, v in head.state_dict().items()},
               str(directory / "mtp.safetensors"))
 
