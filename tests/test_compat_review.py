@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import specla
-from specla import SpecConfig, SpecDecoder
+from specla import SpecDecoder
 from specla.errors import UnsupportedModelError
 from specla.layerwise import eos_token_ids
 from specla.registry import get_plugin

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specla
-from specla import SpecConfig, SpecDecoder
+from specla import SpecDecoder
 from specla_gdn.naive import naive_greedy_decode
 from conftest import make_model
 from specla.testing import OracleDrafter

@@ -2,7 +2,6 @@
 commit against plain sequential decoding (NaiveMamba2), end-to-end token identity, FLA's own
 model as an independent oracle, and bad inputs."""
 
-import copy
 import os
 import random
 

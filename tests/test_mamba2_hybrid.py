@@ -116,3 +116,99 @@ def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):
     accepted tree drafts, a ragged batch: every output equals transformers' greedy decoding of the
     same model on the GPU, and steps were recorded."""
     check_cuda_graphs_equal_transformers(ARCH, variant, V)
+
+
+def write_nemotron_mtp(directory, model, seed=0):
+    """A random Nemotron-H MTP module for ``model`` (attention then MoE, the default
+    ``mtp_layers_block_type``) as ``directory/mtp.safetensors`` under the names the checkpoints
+    ship (``mtp.layers.{i}.*``, MoE experts one tensor per expert), built from transformers' own
+    classes. Returns the blocks (the oracle's copy)."""
+    import copy
+
+    from safetensors.torch import save_file
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock, NemotronHRMSNorm
+
+    torch.manual_seed(seed)
+    cfg = copy.copy(model.config)
+    cfg.layers_block_type = list(cfg.mtp_layers_block_type)
+    H = cfg.hidden_size
+    blocks = torch.nn.ModuleList([NemotronHBlock(cfg, i) for i in range(len(cfg.layers_block_type))])
+    blocks[0].enorm, blocks[0].hnorm = NemotronHRMSNorm(H), NemotronHRMSNorm(H)
+    blocks[0].eh_proj = torch.nn.Linear(2 * H, H, bias=False)
+    blocks[-1].final_layernorm = NemotronHRMSNorm(H)
+    tensors = {}
+    with torch.no_grad():  # every weight drawn here: a block built outside from_pretrained leaves its experts empty
+        for name, p in [*blocks.named_parameters(), *blocks.named_buffers()]:
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+            if name.endswith(("experts.up_proj", "experts.down_proj")):
+                stem, kind = name.rsplit(".", 1)
+                tensors.update({f"mtp.layers.{stem}.{e}.{kind}.weight": w.clone() for e, w in enumerate(p)})
+            else:
+                tensors[f"mtp.layers.{name}"] = p.detach().clone()
+    save_file({k: v.to(model.dtype).contiguous() for k, v in tensors.items()}, str(directory / "mtp.safetensors"))
+    return blocks.to(model.dtype).eval()
+
+
+def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(tmp_path):
+    """``drafter="mtp"`` on a Nemotron-H checkpoint with an MTP module (per-expert tensors, as
+    shipped): the first draft level's top-k equals an independent teacher-forced pass
+    (transformers' own ``NemotronHBlock``s over every prompt pair (final-normed target feature
+    ``f_p``, embedding of ``x_{p+1}``) with causal attention, the final norm, the target's LM
+    head); and decoding with it, chains and trees, is exact."""
+    from transformers import NemotronHForCausalLM
+
+    from specla.drafters.mtp import MTPDrafter
+    from specla.testing.transformers_oracle import torch_path
+
+    tiny = ARCH.tiny_model("nemotron_h", seed=3, dtype=torch.float32)
+    tiny.config.num_nextn_predict_layers = 1
+    tiny.save_pretrained(tmp_path)
+    model = NemotronHForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    model.config._experts_implementation = "eager"
+    blocks = write_nemotron_mtp(tmp_path, model)
+    prompt = [5, 17, 33, 8, 5, 17, 33, 8, 2, 9, 40]
+    refs = [ARCH.reference_decode(model, p, 12) for p in (prompt, prompt[:4])]
+    for budget in (dict(num_draft_tokens=3, max_depth=3, top_k=1), dict(num_draft_tokens=6, max_depth=3, top_k=3)):
+        dec = SpecDecoder(model, drafter="mtp", config=dict(max_new_tokens=12, **budget))
+        assert isinstance(dec.drafter, MTPDrafter)
+        assert dec.generate([prompt, prompt[:4]]).outputs == refs
+
+    dr, ad = dec.drafter, dec.adapter
+    ad.prefill([prompt])
+    dr.reset([prompt])
+    with torch.no_grad():
+        _, top_logp, top_tok = dr._expand(dr._root_state()[:, None], dr.root[:, None], 3)
+        ids = torch.tensor([prompt])
+        with torch_path(model):  # transformers' PyTorch path on a CPU
+            f = model.model(ids[:, :-1]).last_hidden_state  # final-normed features f_0 .. f_{L-2}
+        e = model.model.embeddings(ids[:, 1:])
+        h = blocks[0].eh_proj(torch.cat([blocks[0].enorm(e), blocks[0].hnorm(f)], -1))
+        for block in blocks:
+            h = block(h)
+        want = torch.log_softmax(model.lm_head(blocks[-1].final_layernorm(h))[0, -1].float(), -1).topk(3)
+    assert top_tok[0, 0].tolist() == want.indices.tolist()
+    torch.testing.assert_close(top_logp[0, 0], want.values, rtol=1e-4, atol=1e-5)
+
+
+def test_mtp_is_refused_by_name_without_a_fitting_module(tmp_path):
+    """``drafter="mtp"``: a family whose checkpoints ship no MTP module, a checkpoint without
+    ``mtp.*`` tensors, and tensors with an expert missing are each refused with a DrafterError
+    naming the problem."""
+    from safetensors.torch import load_file, save_file
+
+    from specla.errors import DrafterError
+
+    with pytest.raises(DrafterError, match="only Nemotron-H"):
+        SpecDecoder(ARCH.tiny_model("bamba", seed=1, dtype=torch.float32), drafter="mtp")
+    ARCH.tiny_model("nemotron_h", seed=1, dtype=torch.float32).save_pretrained(tmp_path)
+    from transformers import NemotronHForCausalLM
+
+    model = NemotronHForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    with pytest.raises(DrafterError, match="holds none"):
+        SpecDecoder(model, drafter="mtp")
+    write_nemotron_mtp(tmp_path, model)
+    tensors = load_file(str(tmp_path / "mtp.safetensors"))
+    del tensors["mtp.layers.1.mixer.experts.2.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "mtp.safetensors"))
+    with pytest.raises(DrafterError, match="not numbered"):
+        SpecDecoder(model, drafter="mtp")

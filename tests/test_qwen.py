@@ -196,7 +196,7 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, tmp_pa
     position ``p``, then the MTP norm and the LM head); and decoding with it is exact."""
     from transformers import AutoModelForCausalLM
 
-    from specla_qwen.mtp import MTPDrafter
+    from specla.drafters.mtp import MTPDrafter
     from specla.testing.transformers_oracle import torch_path
 
     ARCH.tiny_model(variant, seed=3, dtype=torch.float32).save_pretrained(tmp_path)
@@ -215,7 +215,8 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, tmp_pa
     dr.reset([prompt])
     with torch.no_grad():
         _, top_logp, top_tok = dr._expand(dr._root_state()[:, None], dr.root[:, None], 3)
-        text, head = dr.text, dr.head
+        head = dr.head
+        text = head.text
         ids = torch.tensor([prompt])
         with torch_path(model):  # transformers' PyTorch path on a CPU
             f = model.model(ids[:, :-1]).last_hidden_state  # final-normed features f_0 .. f_{L-2}
@@ -224,7 +225,7 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, tmp_pa
         rope_pos = pos[None].expand(3, -1, -1) if variant == "base" else pos
         y = head.layers[0](h, position_embeddings=text.rotary_emb(h, rope_pos), attention_mask=None)
         y = y[0] if isinstance(y, tuple) else y
-        want = torch.log_softmax(dr.lm_head(head.norm(y))[0, -1].float(), -1).topk(3)
+        want = torch.log_softmax(head.lm_head(head.norm(y))[0, -1].float(), -1).topk(3)
     assert top_tok[0, 0].tolist() == want.indices.tolist()
     torch.testing.assert_close(top_logp[0, 0], want.values, rtol=1e-4, atol=1e-5)
 

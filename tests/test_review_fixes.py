@@ -1,7 +1,6 @@
 """Defects an outside review found in the engine, the public API and the options (issue 15):
 each test fails on the defect and asserts the exact output, error type or message."""
 
-import math
 import threading
 
 import numpy as np
@@ -11,7 +10,7 @@ import torch
 import specla
 from specla import DraftTree, SpecConfig
 from specla.api import SpecDecoder
-from specla.errors import BudgetError, ConfigError, InvalidTokenError, InvalidTreeError
+from specla.errors import ConfigError, InvalidTokenError, InvalidTreeError
 from specla.interfaces import Drafter
 from specla.registry import get_plugin
 

@@ -57,6 +57,7 @@ class Mamba2HybridPlugin(ArchitecturePlugin):
     tiny_variants = tuple(TINY_VARIANTS)
     # transformers' norms and its attention compute in float32 inside a float64 run
     logits_tolerance = 1e-6
+    model_drafters = ("mtp",)
 
     def claims(self, model) -> bool:
         """transformers' classes, or a ``mamba2`` checkpoint config with transformers' fields
@@ -101,6 +102,17 @@ class Mamba2HybridPlugin(ArchitecturePlugin):
         from .adapter import Mamba2HybridAdapter
 
         return Mamba2HybridAdapter(model, config)
+
+    def make_model_drafter(self, name: str, model: torch.nn.Module):
+        """``"mtp"``: :class:`specla.drafters.mtp.MTPDrafter` over the MTP module of the
+        Nemotron-H checkpoint the model was loaded from. Raises DrafterError for other families
+        and checkpoints without one (see :func:`specla_mamba2_hybrid.mtp.mtp_drafter`)."""
+        if name != "mtp":
+            raise NotImplementedError(f"the mamba2_hybrid plugin's model drafters are {self.model_drafters}, "
+                                      f"not {name!r}")
+        from .mtp import mtp_drafter
+
+        return mtp_drafter(model)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         """A random model of family ``variant`` (:data:`TINY_VARIANTS`) with decays, step sizes,

@@ -6,51 +6,25 @@ The MTP layer reads the target's final-normed feature ``f_p`` and the embedding 
 it): ``h = fc([norm_e(embed(x_{p+1})) ; norm_h(f_p)])``, one decoder layer of the model's own
 full-attention kind over the pairs so far (gated attention with q/k norms and the model's partial
 rotary embedding at position ``p``, then the MLP or MoE), ``f' = norm(h)``, logits ``lm_head(f')``
-(the target's LM head, no further norm). Deeper draft levels feed ``f'`` back in. This is the
-EAGLE drafter's shape (:class:`specla.drafters.eagle.EagleDrafter`: a cache of the accepted pairs'
-keys and values following the accepted path, trees by the confidence-pruned builder), so
-:class:`MTPDrafter` subclasses it and replaces the head.
+(the target's LM head, no further norm). Deeper draft levels feed ``f'`` back in. The drafter is the
+core's :class:`specla.drafters.mtp.MTPDrafter` over :class:`QwenMTPHead`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
-from specla.drafters.eagle import EagleDrafter
+from specla.drafters.mtp import MTPDrafter, MTPHead, checkpoint_directory, load_mtp_state, mtp_tensors
 from specla.errors import DrafterError
 from specla.interfaces import TargetAdapter
-from specla.ops.attention import draft_attention
 
 from .adapter import QwenAttention, decoder_layer, text_parts
 
 
-def mtp_tensors(directory: str | Path) -> dict[str, Tensor]:
-    """Every ``mtp.*`` tensor of a checkpoint directory's safetensors files, prefix removed.
-
-    Raises:
-        DrafterError: no such directory, or no ``mtp.*`` tensor in it.
-    """
-    from safetensors import safe_open
-
-    d = Path(directory)
-    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
-    out: dict[str, Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                if key.startswith("mtp."):
-                    out[key[4:]] = st.get_tensor(key)
-    if not out:
-        raise DrafterError(f"drafter='mtp' reads the checkpoint's mtp.* tensors, and {d} holds none"
-                           + ("" if files else " (no safetensors files there)")
-                           + ": load the model from a checkpoint directory that ships its MTP layer")
-    return out
-
-
-class QwenMTPHead(nn.Module):
+class QwenMTPHead(MTPHead):
     """The MTP layer, built from the target's own classes (its decoder-layer class of the
     full-attention kind, its RMSNorm) and loaded from the checkpoint's ``mtp.*`` tensors.
 
@@ -77,93 +51,37 @@ class QwenMTPHead(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = (norm_cls(H, eps=eps) for _ in range(3))
         self.layers = nn.ModuleList([layer_cls(cfg, li)])
-        try:
-            self.load_state_dict(tensors)
-        except RuntimeError as err:
-            raise DrafterError(f"the checkpoint's mtp.* tensors do not fit {type(model).__name__}'s MTP layer: "
-                               f"{err}") from err
+        load_mtp_state(self, tensors, model)
+        self._model = [model]  # in a list: the target is not a submodule of its drafter
+
+    def bind(self, adapter: TargetAdapter) -> None:
+        self.to(adapter.device, adapter.dtype).eval()
+        self.text, self.lm_head = text_parts(getattr(adapter, "model", self._model[0]))
+        self.attention = QwenAttention(self.layers[0].self_attn, self.text.rotary_emb, adapter.dtype, adapter.device)
+
+    def features(self, hidden: Tensor) -> Tensor:
+        return self.text.norm(hidden)
 
     def pair(self, feature: Tensor, embedding: Tensor) -> Tensor:
         """``fc([norm_e(e) ; norm_h(f)])``: ``[..., hidden]``."""
         return self.fc(torch.cat([self.pre_fc_norm_embedding(embedding), self.pre_fc_norm_hidden(feature)], -1))
 
+    def attention_input(self, h: Tensor) -> Tensor:
+        return self.layers[0].input_layernorm(h)
 
-class MTPDrafter(EagleDrafter):
-    """Draft chains and trees from the checkpoint's MTP layer (see the module docstring).
+    def run(self, h: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+        return self.norm(decoder_layer(self.layers[0], h, attend))
 
-    State as :class:`EagleDrafter`'s, with the MTP attention's key/value heads in the cache.
-    The draft levels run on PyTorch (its grouped-query attention has no Triton form yet).
-
-    Args:
-        head: a :class:`QwenMTPHead`.
-        model: the target it belongs to (its final norm, rotary module and LM head are used).
-    """
-
-    name = "mtp"
-
-    def __init__(self, head: QwenMTPHead, model: nn.Module):
-        super().__init__(head)
-        self.model = model
-
-    @classmethod
-    def from_model(cls, model: nn.Module) -> "MTPDrafter":
-        """The MTP layer of the checkpoint ``model`` was loaded from (``config._name_or_path``).
-
-        Raises:
-            DrafterError: the model does not name a checkpoint directory with ``mtp.*`` tensors.
-        """
-        source = getattr(text_parts(model)[0].config, "_name_or_path", "") or getattr(model.config, "_name_or_path", "")
-        if not source or not Path(source).is_dir():
-            raise DrafterError("drafter='mtp' reads the MTP layer from the checkpoint directory the model was loaded "
-                               f"from, and this model names none ({source!r}): load it with from_pretrained(DIR) or "
-                               "pass DIR to specla")
-        return cls(QwenMTPHead(model, mtp_tensors(source)), model)
-
-    def bind(self, adapter: TargetAdapter) -> None:
-        self.adapter = adapter
-        self.head = self.head.to(adapter.device, adapter.dtype).eval()
-        self.text, self.lm_head = text_parts(getattr(adapter, "model", self.model))
-        layer = self.head.layers[0]
-        self.attn = QwenAttention(layer.self_attn, self.text.rotary_emb, adapter.dtype, adapter.device)
-        self.kernels = False
-
-    def _cache_heads(self) -> tuple[int, int]:
-        return self.attn.HKV, self.attn.Dh
-
-    def _root_state(self) -> Tensor:
-        return self.feature
-
-    def _features(self, hidden: Tensor) -> Tensor:
-        return self.text.norm(hidden)  # the MTP layer reads final-normed target features
-
-    def _pair_kv(self, feats: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        h = self.head.pair(feats, self.adapter.embed(tokens))
-        _, k, v, _ = self.attn.project(self.head.layers[0].input_layernorm(h), positions)
-        return k, v
-
-    def _logits(self, feature: Tensor) -> Tensor:
+    def logits(self, feature: Tensor) -> Tensor:
         return self.lm_head(feature)
 
-    def _level(self, state: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """One draft level. ``state [B, M, hidden + 2 A kv]``: the parents' features, then the
-        keys and values of their ``A`` ancestors (``kv = HKV Dh``, flattened). Nodes sit at
-        position ``cache_len + A`` (the pair of a feature at position ``p`` is at ``p``)."""
-        B, M, S = state.shape[:3]
-        H = self.head.fc.out_features
-        HKV, Dh = self._cache_heads()
-        A = (S - H) // (2 * HKV * Dh)
-        positions = (self.cache_len + A)[:, None].expand(B, M)
-        shape = (B, M, A, HKV, Dh)
-        anc_k, anc_v = state[..., H : H + A * HKV * Dh].reshape(shape), state[..., H + A * HKV * Dh :].reshape(shape)
-        kv = []
 
-        def attend(n: Tensor) -> Tensor:  # over the cache, the ancestors and the node itself
-            q, k, v, gate = self.attn.project(n, positions)
-            kv.extend([torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)])
-            o = draft_attention(q, self.cache_k, self.cache_v, self.cache_len, *kv).to(n.dtype)
-            return self.attn.output(o, gate)
+def mtp_drafter(model: nn.Module) -> MTPDrafter:
+    """``drafter="mtp"``: the MTP layer of the checkpoint ``model`` was loaded from.
 
-        x = decoder_layer(self.head.layers[0], self.head.pair(state[..., :H], self.adapter.embed(tokens)), attend)
-        new = self.head.norm(x)
-        keys, values = kv
-        return torch.cat([new, keys.flatten(2), values.flatten(2)], -1), new
+    Raises:
+        DrafterError: the model names no checkpoint directory with ``mtp.*`` tensors, or they do
+            not fit (see :class:`QwenMTPHead`).
+    """
+    directory = checkpoint_directory(model, text_parts(model)[0].config)
+    return MTPDrafter(QwenMTPHead(model, mtp_tensors(directory)))

@@ -85,13 +85,14 @@ class QwenPlugin(ArchitecturePlugin):
         return QwenAdapter(model, config)
 
     def make_model_drafter(self, name: str, model: torch.nn.Module):
-        """``"mtp"``: :class:`specla_qwen.mtp.MTPDrafter`, the MTP layer of the checkpoint the
-        model was loaded from. Raises DrafterError without one (see ``MTPDrafter.from_model``)."""
+        """``"mtp"``: :class:`specla.drafters.mtp.MTPDrafter` over the MTP layer of the checkpoint
+        the model was loaded from. Raises DrafterError without one (see
+        :func:`specla_qwen.mtp.mtp_drafter`)."""
         if name != "mtp":
             raise NotImplementedError(f"the qwen plugin's model drafters are {self.model_drafters}, not {name!r}")
-        from .mtp import MTPDrafter
+        from .mtp import mtp_drafter
 
-        return MTPDrafter.from_model(model)
+        return mtp_drafter(model)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         """A random ``Qwen3_5ForCausalLM`` (``Qwen3_5MoeForCausalLM`` for ``moe``,

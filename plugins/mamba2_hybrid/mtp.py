@@ -1,0 +1,135 @@
+"""Nemotron-H's own drafter: the MTP module its newer checkpoints ship (``mtp.layers.*`` tensors,
+which transformers does not load; ``num_nextn_predict_layers`` and ``mtp_layers_block_type`` in the
+config), as ``drafter="mtp"``.
+
+The module is a short stack of Nemotron-H blocks (``mtp_layers_block_type``, e.g. attention then
+MoE), each ``x + mixer(norm(x))`` as in the decoder. The first block also holds ``enorm``,
+``hnorm`` and ``eh_proj``: its input is ``eh_proj([enorm(embed(x_{p+1})) ; hnorm(f_p)])`` with
+``f_p`` the target's final-normed feature; the last block holds ``final_layernorm``, whose output
+is the predicted feature and, through the target's LM head, the logits (the layout vLLM and SGLang
+load). Nemotron-H's attention has no positional encoding. The drafter is the core's
+:class:`specla.drafters.mtp.MTPDrafter` over :class:`NemotronHMTPHead`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from specla.drafters.mtp import MTPDrafter, MTPHead, checkpoint_directory, load_mtp_state, mtp_tensors
+from specla.errors import DrafterError
+from specla.interfaces import TargetAdapter
+from specla.mixers import ProjectedAttention
+
+
+def merge_experts(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint's per-expert MoE weights (``...experts.{e}.up_proj.weight``,
+    ``...experts.{e}.down_proj.weight``) stacked into transformers' ``[E, out, in]`` parameters
+    (``...experts.up_proj``, ``...experts.down_proj``), as transformers' own loading does for the
+    decoder; other names pass through.
+
+    Raises:
+        DrafterError: an expert index missing from a stack.
+    """
+    out, stacks = {}, {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight", name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+    for name, experts in stacks.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise DrafterError(f"the checkpoint's mtp.{name} experts are not numbered 0..{len(experts) - 1}")
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+class NemotronHMTPHead(MTPHead):
+    """Nemotron-H's MTP module, built from transformers' ``NemotronHBlock`` and
+    ``NemotronHRMSNorm`` and loaded from the checkpoint's ``mtp.*`` tensors.
+
+    Args:
+        model: the target ``NemotronHForCausalLM`` (its config and classes are read).
+        tensors: the ``mtp.*`` tensors without the prefix (``layers.{i}.*``; per-expert MoE
+            weights as the checkpoints ship them, or stacked).
+    Raises:
+        DrafterError: the config asks for more than one MTP module, its block pattern has no or
+            several attention blocks or a block of another kind (Mamba2), or the tensors do not fit (missing or
+            unexpected names, wrong shapes).
+    """
+
+    def __init__(self, model: nn.Module, tensors: dict[str, Tensor]):
+        super().__init__()
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock, NemotronHRMSNorm
+
+        cfg = copy.copy(model.config)
+        kinds = list(cfg.mtp_layers_block_type or [])
+        if getattr(cfg, "num_nextn_predict_layers", 1) > 1:
+            raise DrafterError(f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}: one MTP module is supported")
+        if kinds.count("full_attention") != 1 or set(kinds) - {"full_attention", "mlp", "moe"}:
+            raise DrafterError(f"mtp_layers_block_type {kinds}: an MTP module of exactly one attention block and "
+                               "MLP / MoE blocks is supported")
+        cfg.layers_block_type = kinds  # NemotronHBlock reads its kind from the config by index
+        H, eps = cfg.hidden_size, cfg.layer_norm_epsilon
+        self.layers = nn.ModuleList([NemotronHBlock(cfg, i) for i in range(len(kinds))])
+        first, last = self.layers[0], self.layers[-1]
+        first.enorm, first.hnorm = NemotronHRMSNorm(H, eps=eps), NemotronHRMSNorm(H, eps=eps)
+        first.eh_proj = nn.Linear(2 * H, H, bias=False)
+        last.final_layernorm = NemotronHRMSNorm(H, eps=eps)
+        self.attention_index = kinds.index("full_attention")
+        load_mtp_state(self, merge_experts(tensors), model)
+        self._model = [model]  # in a list: the target is not a submodule of its drafter
+
+    def bind(self, adapter: TargetAdapter) -> None:
+        self.to(adapter.device, adapter.dtype).eval()
+        model = getattr(adapter, "model", self._model[0])
+        self.final_norm, self.lm_head = model.model.norm_f, model.lm_head
+        a = self.layers[self.attention_index].mixer
+        self.attention = ProjectedAttention(q_proj=a.q_proj, k_proj=a.k_proj, v_proj=a.v_proj, o_proj=a.o_proj,
+                                            num_kv_heads=a.k_proj.out_features // a.head_dim, head_dim=a.head_dim,
+                                            dtype=adapter.dtype, device=adapter.device, scale=a.scaling)
+
+    def features(self, hidden: Tensor) -> Tensor:
+        return self.final_norm(hidden)
+
+    def pair(self, feature: Tensor, embedding: Tensor) -> Tensor:
+        """``eh_proj([enorm(e) ; hnorm(f)])``: ``[..., hidden]``."""
+        first = self.layers[0]
+        return first.eh_proj(torch.cat([first.enorm(embedding), first.hnorm(feature)], -1))
+
+    def _blocks(self, x: Tensor, stop: int, attend: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """Blocks ``0 .. stop - 1`` on the stream ``x``; the attention block mixes by ``attend``."""
+        for i, block in enumerate(self.layers[:stop]):
+            h = block.norm(x.to(block.norm.weight.dtype))
+            x = x + (attend(h) if i == self.attention_index else block.mixer(h))
+        return x
+
+    def attention_input(self, h: Tensor) -> Tensor:
+        block = self.layers[self.attention_index]
+        x = self._blocks(h, self.attention_index)
+        return block.norm(x.to(block.norm.weight.dtype))
+
+    def run(self, h: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+        return self.layers[-1].final_layernorm(self._blocks(h, len(self.layers), attend))
+
+    def logits(self, feature: Tensor) -> Tensor:
+        return self.lm_head(feature.to(self.lm_head.weight.dtype))
+
+
+def mtp_drafter(model: nn.Module) -> MTPDrafter:
+    """``drafter="mtp"`` for a ``NemotronHForCausalLM``: the MTP module of the checkpoint it was
+    loaded from.
+
+    Raises:
+        DrafterError: not a Nemotron-H model, no checkpoint directory with ``mtp.*`` tensors, or
+            tensors that do not fit (see :class:`NemotronHMTPHead`).
+    """
+    if model.config.model_type != "nemotron_h":
+        raise DrafterError(f"drafter='mtp': of the mamba2_hybrid families only Nemotron-H checkpoints ship an MTP "
+                           f"module, and this model is {model.config.model_type!r}")
+    return MTPDrafter(NemotronHMTPHead(model, mtp_tensors(checkpoint_directory(model))))

@@ -1,0 +1,186 @@
+"""The model's own drafter: the multi-token-prediction (MTP) module a checkpoint ships beside its
+decoder (``mtp.*`` tensors, which transformers does not load), as ``drafter="mtp"``.
+
+An MTP module (DeepSeek-V3's, as Qwen3.5 / Qwen3-Next and Nemotron-H ship it, and as vLLM and
+SGLang run it) reads the target's final-normed feature ``f_p`` and the embedding of the next token
+``x_{p+1}``, mixes them into one stream (``W [norm_e(e) ; norm_h(f)]``), runs a few decoder
+blocks of the model's own classes over the pairs so far (exactly one of them softmax attention,
+causal over the pairs), and ends with a norm whose output ``f'`` is both the predicted feature and,
+through the target's LM head, the next-token logits. Deeper draft levels feed ``f'`` back in.
+
+That is the EAGLE drafter's shape (:class:`specla.drafters.eagle.EagleDrafter`: a cache of the
+accepted pairs' keys and values that follows the accepted path, trees by the confidence-pruned
+builder), so :class:`MTPDrafter` subclasses it and takes its layer from an :class:`MTPHead`, which
+each plugin builds from its model's classes and the checkpoint's tensors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import DrafterError
+from ..interfaces import TargetAdapter
+from ..ops.attention import draft_attention
+from .eagle import EagleDrafter
+
+
+def mtp_tensors(directory: str | Path) -> dict[str, Tensor]:
+    """Every ``mtp.*`` tensor of a checkpoint directory's safetensors files, prefix removed (also
+    under ``language_model.``, where multimodal checkpoints keep the text model).
+
+    Raises:
+        DrafterError: no such directory, or no ``mtp.*`` tensor in it.
+    """
+    from safetensors import safe_open
+
+    d = Path(directory)
+    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
+    out: dict[str, Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = key.removeprefix("language_model.")
+                if name.startswith("mtp."):
+                    out[name[4:]] = st.get_tensor(key)
+    if not out:
+        raise DrafterError(f"drafter='mtp' reads the checkpoint's mtp.* tensors, and {d} holds none"
+                           + ("" if files else " (no safetensors files there)")
+                           + ": load the model from a checkpoint directory that ships its MTP layer")
+    return out
+
+
+def checkpoint_directory(model: nn.Module, config=None) -> Path:
+    """The checkpoint directory ``model`` was loaded from (``_name_or_path`` of ``config``, its
+    text config, or of ``model.config``).
+
+    Raises:
+        DrafterError: the model names no existing directory.
+    """
+    source = getattr(config, "_name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    if not source or not Path(source).is_dir():
+        raise DrafterError("drafter='mtp' reads the MTP layer from the checkpoint directory the model was loaded "
+                           f"from, and this model names none ({source!r}): load it with from_pretrained(DIR) or "
+                           "pass DIR to specla")
+    return Path(source)
+
+
+def load_mtp_state(module: nn.Module, tensors: dict[str, Tensor], model: nn.Module) -> None:
+    """``module.load_state_dict(tensors)`` (strict: every weight of the MTP module must come from
+    the checkpoint, none left as initialised).
+
+    Raises:
+        DrafterError: missing or unexpected names, or wrong shapes, naming ``model``'s class.
+    """
+    try:
+        module.load_state_dict(tensors)
+    except RuntimeError as err:
+        raise DrafterError(f"the checkpoint's mtp.* tensors do not fit {type(model).__name__}'s MTP layer: "
+                           f"{err}") from err
+
+
+class MTPHead(nn.Module, ABC):
+    """A checkpoint's MTP module, built by a plugin from its model's own classes (see the module
+    docstring). :meth:`bind` gives it the target's placement and sets :attr:`attention`.
+
+    Attributes:
+        attention: the module's attention layer as a :class:`specla.mixers.AttentionMixer`
+            (``project(h, positions) -> (q, k, v, gate)``, ``output(o, gate)``, ``HKV``, ``Dh``),
+            set by :meth:`bind`.
+    """
+
+    attention = None
+
+    @abstractmethod
+    def bind(self, adapter: TargetAdapter) -> None:
+        """Move to the adapter's device and dtype (eval mode) and build :attr:`attention`; the
+        target's final norm and LM head are taken from the adapter's model."""
+
+    @abstractmethod
+    def features(self, hidden: Tensor) -> Tensor:
+        """The MTP module's input feature of target last-layer features ``[..., hidden]`` (the
+        target's final norm)."""
+
+    @abstractmethod
+    def pair(self, feature: Tensor, embedding: Tensor) -> Tensor:
+        """The stream of pairs (feature, next-token embedding), both ``[..., hidden]``:
+        ``W [norm_e(embedding) ; norm_h(feature)]``."""
+
+    @abstractmethod
+    def attention_input(self, h: Tensor) -> Tensor:
+        """The attention layer's input ``[B, T, hidden]`` for pair streams ``h`` (the blocks
+        before it and its pre-norm): what the cached keys and values are projected from."""
+
+    @abstractmethod
+    def run(self, h: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+        """Every block on the pair stream ``h [B, M, hidden]``, the attention layer's mixing
+        done by ``attend(normed input) -> output``, then the final norm: the predicted feature."""
+
+    @abstractmethod
+    def logits(self, feature: Tensor) -> Tensor:
+        """Next-token logits ``[..., vocab]`` of predicted features (the target's LM head)."""
+
+
+class MTPDrafter(EagleDrafter):
+    """Draft chains and trees from a checkpoint's MTP module (see the module docstring).
+
+    State as :class:`EagleDrafter`'s, with the MTP attention's key/value heads in the cache. The
+    draft levels run on PyTorch through the model's own modules.
+
+    Args:
+        head: the plugin's :class:`MTPHead`.
+    """
+
+    name = "mtp"
+
+    def __init__(self, head: MTPHead):
+        super().__init__(head)
+
+    def bind(self, adapter: TargetAdapter) -> None:
+        self.adapter = adapter
+        self.head.bind(adapter)
+        self.kernels = False
+
+    def _cache_heads(self) -> tuple[int, int]:
+        return self.head.attention.HKV, self.head.attention.Dh
+
+    def _root_state(self) -> Tensor:
+        return self.feature
+
+    def _features(self, hidden: Tensor) -> Tensor:
+        return self.head.features(hidden)
+
+    def _pair_kv(self, feats: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.head.pair(feats, self.adapter.embed(tokens))
+        _, k, v, _ = self.head.attention.project(self.head.attention_input(h), positions)
+        return k, v
+
+    def _logits(self, feature: Tensor) -> Tensor:
+        return self.head.logits(feature)
+
+    def _level(self, state: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft level. ``state [B, M, hidden + 2 A kv]``: the parents' features, then the
+        keys and values of their ``A`` ancestors (``kv = HKV Dh``, flattened). Nodes sit at
+        position ``cache_len + A`` (the pair of a feature at position ``p`` is at ``p``)."""
+        B, M, S = state.shape[:3]
+        H = self.feature.shape[-1]
+        HKV, Dh = self._cache_heads()
+        A = (S - H) // (2 * HKV * Dh)
+        positions = (self.cache_len + A)[:, None].expand(B, M)
+        shape = (B, M, A, HKV, Dh)
+        anc_k, anc_v = state[..., H : H + A * HKV * Dh].reshape(shape), state[..., H + A * HKV * Dh :].reshape(shape)
+        attn, kv = self.head.attention, []
+
+        def attend(n: Tensor) -> Tensor:  # over the cache, the ancestors and the node itself
+            q, k, v, gate = attn.project(n, positions)
+            kv.extend([torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)])
+            o = draft_attention(q, self.cache_k, self.cache_v, self.cache_len, *kv).to(n.dtype)
+            return attn.output(o, gate)
+
+        new = self.head.run(self.head.pair(state[..., :H], self.adapter.embed(tokens)), attend)
+        keys, values = kv
+        return torch.cat([new, keys.flatten(2), values.flatten(2)], -1), new
