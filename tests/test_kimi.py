@@ -32,11 +32,11 @@ def test_kda_tree_and_commit_equal_transformers_recurrence_along_each_path(shape
     """Float64, random inputs (raw q and k; per-channel decays), a batch of two trees of shape
     ``shape``: every node's output and state equal transformers' ``recurrent_kimi_delta_attention``
     (its PyTorch function) run over the node's root path from the committed state, and
-    ``kda_commit`` along a path gives the state after its last node, and leaves a row with nothing
+    ``kda_commit_replay`` along a path gives the state after its last node, and leaves a row with nothing
     accepted bit-identical."""
     from transformers.models.kimi_linear import modeling_kimi_linear as mk
 
-    from specla_kimi.reference import kda_commit, kda_tree
+    from specla_kimi.naive import kda_commit_replay, kda_tree
 
     recurrent = getattr(mk.recurrent_kimi_delta_attention, "__wrapped__", mk.recurrent_kimi_delta_attention)
     rng, g = random.Random(7), torch.Generator().manual_seed(7)
@@ -50,7 +50,7 @@ def test_kda_tree_and_commit_equal_transformers_recurrence_along_each_path(shape
     S0 = torch.randn(B, H, K, Vd, generator=g, dtype=torch.float64)
     qn = mk.l2norm(q, dim=-1, eps=1e-6) * K**-0.5
     kn = mk.l2norm(k, dim=-1, eps=1e-6)
-    o, states = kda_tree(qn, kn, v, gk, beta, S0, parents)
+    o, states, _ = kda_tree(qn, kn, v, gk, beta, S0, parents)
     for b in range(B):
         for t in range(T):
             idx = root_path(parents[b].tolist(), t)
@@ -65,9 +65,53 @@ def test_kda_tree_and_commit_equal_transformers_recurrence_along_each_path(shape
             path[b, : len(idx)] = torch.tensor(idx)
             path_len = torch.zeros(B, dtype=torch.int64)
             path_len[b] = len(idx)
-            S = kda_commit(S0, kn, v, gk, beta, path, path_len)
+            S = kda_commit_replay(S0, kn, v, gk, beta, path, path_len)
             torch.testing.assert_close(S[b], states[b, t], rtol=1e-12, atol=1e-12)
             assert torch.equal(S[1 - b], S0[1 - b])  # nothing accepted: bit-identical
+
+
+def kda_inputs(B, T, H, K, Vd, seed, dtype=torch.float64):
+    """Fresh random KDA inputs: q, k L2-normalised (q scaled), v, per-channel log decays in
+    (-1, 0], beta in (0, 1), a random committed state."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    q, k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1) * K**-0.5, torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    return (q, k, r(B, T, H, Vd), -torch.rand(B, T, H, K, generator=g, dtype=dtype),
+            torch.rand(B, T, H, generator=g, dtype=dtype), r(B, H, K, Vd))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_factorized_kda_and_its_factor_commit_equal_the_token_by_token_recurrence(shape, dtype, tol):
+    """``tree_kda`` (one batched pass, no loop over nodes) on fresh random inputs and a batch of
+    two trees of ``shape``: every node's output and delta equal the token-by-token twin along its
+    root path; the snapshot states from the factors equal the twin's states; the closed-form
+    ``kda_commit_factor`` of every node's root path equals the twin's state after that node and
+    ``kda_commit_replay``; a row with nothing accepted keeps its state bit-identical."""
+    from specla.tree import inclusive_ancestor_mask
+    from specla_kimi.naive import kda_commit_replay, kda_tree
+    from specla_kimi.reference import kda_commit_factor, kda_node_states, tree_kda
+
+    rng = random.Random(11)
+    B, H, K, Vd = 2, 3, 8, 5
+    parents = torch.tensor([tree_parents(shape, 9, rng) for _ in range(B)])
+    T = parents.shape[1]
+    q, k, v, gk, beta, S0 = kda_inputs(B, T, H, K, Vd, seed=SHAPES.index(shape), dtype=dtype)
+    mask = inclusive_ancestor_mask(parents)
+    o, delta, Gk = tree_kda(q, k, v, gk, beta, S0, mask)
+    want_o, want_states, want_delta = kda_tree(q, k, v, gk, beta, S0, parents)
+    torch.testing.assert_close(o, want_o, rtol=tol, atol=tol)
+    torch.testing.assert_close(delta, want_delta, rtol=tol, atol=tol)
+    torch.testing.assert_close(kda_node_states(S0, k, delta, Gk, mask), want_states, rtol=tol, atol=tol)
+    for t in range(T):
+        path = torch.full((B, T), -1)
+        idx = root_path(parents[0].tolist(), t)
+        path[0, : len(idx)] = torch.tensor(idx)
+        path_len = torch.tensor([len(idx), 0])
+        S = kda_commit_factor(S0, k, delta, Gk, path, path_len)
+        torch.testing.assert_close(S[0], want_states[0, t], rtol=tol, atol=tol)
+        torch.testing.assert_close(S, kda_commit_replay(S0, k, v, gk, beta, path, path_len), rtol=tol, atol=tol)
+        assert torch.equal(S[1], S0[1])
 
 
 @pytest.mark.parametrize("variant", ARCH.tiny_variants)

@@ -3,10 +3,11 @@ core.
 
 Kimi Linear interleaves Kimi Delta Attention (KDA: a gated delta rule whose decay is per key
 channel, with a short convolution over q, k, v) with multi-head latent attention (MLA) without
-positional encoding. :class:`KDAMixer` verifies a draft tree along every node's root path
-(:func:`specla_kimi.reference.kda_tree`) and commits the accepted path by running its tokens again
-(the per-channel decay has no scalar factor form here yet, so the ``factor`` strategy keeps the
-same compact per-token inputs as ``replay``); :class:`MLAMixer` expands MLA's latents to
+positional encoding. :class:`KDAMixer` verifies a draft tree in one factorized pass
+(:func:`specla_kimi.reference.tree_kda`: every node's output and delta as if the recurrence ran
+along its root path) and commits the accepted path from compact per-token factor records ``(k,
+delta, Gk)`` in closed form (``factor``), from per-node states (``snapshot``) or by running its
+tokens again (``replay``); :class:`MLAMixer` expands MLA's latents to
 per-head keys and values and runs the core's tree attention over a KV cache of those. The
 checkpoint's own modules do everything else (projections, gates, norms, MLP / MoE, LM head).
 PyTorch only: no Triton kernels for KDA yet.
@@ -27,12 +28,24 @@ from specla.mixers import AttentionMixer, MixerAdapter, RecurrentMixer, TreePass
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
 from specla.records import Record, take_accepted
 
-from .reference import kda_commit, kda_tree
+from .naive import kda_commit_replay
+from .reference import kda_commit_factor, kda_node_states, tree_kda
 
 
 @dataclass(frozen=True)
-class KDAInputsRecord(Record):
-    """KDA's ``factor`` and ``replay`` record: the per-token inputs the commit runs again."""
+class KDAFactorRecord(Record):
+    """The ``factor`` strategy: what the closed-form commit needs per node
+    (:func:`specla_kimi.reference.kda_commit_factor`)."""
+
+    k: Tensor  # [B, T, H, K] state dtype, L2-normalised
+    delta: Tensor  # [B, T, H, V] state dtype, the delta rule's write on the node's root path
+    Gk: Tensor  # [B, T, H, K] state dtype, per-channel log decay summed along the root path
+    conv_x: Tensor  # [B, T, 3 H D] activation dtype, the conv inputs
+
+
+@dataclass(frozen=True)
+class KDAReplayRecord(Record):
+    """The ``replay`` strategy: the per-token inputs the commit runs again."""
 
     k: Tensor  # [B, T, H, K] state dtype, L2-normalised
     v: Tensor  # [B, T, H, V] state dtype
@@ -88,11 +101,14 @@ class KDAMixer(RecurrentMixer):
         k = self.l2norm(k.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6)
         v = v.reshape(B, T, H, D).to(st)
         g, beta = m.forget_gate(h).to(st), torch.sigmoid(m.b_proj(h)).to(st)
-        o, states = kda_tree(q, k, v, g, beta, self.S, tp.parents)
-        if tp.records == "snapshot":
-            rec = KDASnapshotRecord(states, conv_windows_per_node(mixed, self.conv, anc))
+        o, delta, Gk = tree_kda(q, k, v, g, beta, self.S, tp.mask)
+        if tp.records == "factor":
+            rec = KDAFactorRecord(k=k, delta=delta, Gk=Gk, conv_x=mixed)
+        elif tp.records == "snapshot":
+            rec = KDASnapshotRecord(kda_node_states(self.S, k, delta, Gk, tp.mask),
+                                    conv_windows_per_node(mixed, self.conv, anc))
         else:
-            rec = KDAInputsRecord(k=k, v=v, g=g, beta=beta, conv_x=mixed)
+            rec = KDAReplayRecord(k=k, v=v, g=g, beta=beta, conv_x=mixed)
         gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
         return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1)), rec
 
@@ -101,7 +117,10 @@ class KDAMixer(RecurrentMixer):
             self.S = take_accepted(record.states, self.S, path, path_len)
             self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
             return
-        self.S = kda_commit(self.S, record.k, record.v, record.g, record.beta, path, path_len)
+        if isinstance(record, KDAFactorRecord):
+            self.S = kda_commit_factor(self.S, record.k, record.delta, record.Gk, path, path_len)
+        else:
+            self.S = kda_commit_replay(self.S, record.k, record.v, record.g, record.beta, path, path_len)
         self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
 
 
