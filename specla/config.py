@@ -68,8 +68,8 @@ class SpecConfig(BaseModel):
             ``serial``, ``parallel`` or ``hybrid``. CUDA graphs use ``serial`` for one-token passes
             (plain decoding) and ``parallel`` otherwise, whatever this says.
         cuda_graphs: ``auto`` (default): on a CUDA device, steps (greedy or sampled) run as recorded CUDA
-            graphs (:mod:`specla.graphs`; with the ``factor`` commit every step after the first,
-            which creates the pending commit the graph copies) when the plugin declares the
+            graphs (:mod:`specla.graphs`; every step, the first after a prefill from an empty
+            pending commit) when the plugin declares the
             ``cuda_graphs`` capability and the budget fits its recorded verify (``N <= 63`` with
             the Triton kernels), else eagerly; ``off``: always eager; ``on``: graphs or a
             ``ConfigError`` (also on a CPU, where no graph can be recorded); ``unrecorded``: the

@@ -9,12 +9,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .acceptance import accept_greedy, accept_sampling, sampling_probs
 from .config import SpecConfig
 from .errors import ConfigError
-from .graphs import GraphRunner, batch_bucket, graph_problem, host_proposal
+from .graphs import GraphRunner, batch_bucket, graph_problem
 from .interfaces import Drafter, TargetAdapter
 from .policy import BudgetPolicy
+from .step import host_proposal, read_outcome, speculative_step
 from .tree import DraftTree
 
 
@@ -227,29 +227,22 @@ class Engine:
 
     def _eager_step(self, contexts: list[list[int]], room: list[int], generator: torch.Generator | None,
                     budget: SpecConfig):
-        """draft -> verify -> accept -> commit, op by op, with ``budget``'s draft budget.
-        ``room[r]``: drafts row ``r`` may still use (deeper nodes are cut). Returns
-        ``(num_accepted, accepted tokens, bonus)`` per row (host lists) and the clock after
-        drafting, verify+accept and commit."""
-        cfg, adapter = self.config, self.adapter
+        """The host drafter's checked tree (the device drafters build theirs inside ``propose``),
+        then :func:`specla.step.speculative_step`, op by op, with ``budget``'s draft budget and
+        the run's sampling options. ``room[r]``: drafts row ``r`` may still use (deeper nodes are
+        cut). Returns ``(num_accepted, accepted tokens, bonus)`` per row (host lists) and the
+        clock after drafting, verify+accept and commit."""
+        adapter = self.adapter
         tree = host_proposal(self.drafter, contexts, budget, vocab_size=adapter.vocab_size)
         # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
         tree = tree.limit_depth(torch.tensor(room).clamp(min=0))
         tree = DraftTree.trusted(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),
                                  draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(adapter.device))
-        t1 = self._clock()
-        out = adapter.verify(tree)
-        if generator is None:
-            acceptance = accept_greedy(tree, out.logits)
-        else:  # with the drafter's q when it gives one, else one-hot q: lossless either way
-            probs = sampling_probs(out.logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p)
-            acceptance = accept_sampling(tree, probs, tree.draft_probs, generator)
-        t2 = self._clock()
-        adapter.commit(tree, out, acceptance)
-        self.drafter.on_commit(acceptance, out)
-        t3 = self._clock()
-        # the step's outcome, read on the host
-        return acceptance.num_accepted.tolist(), acceptance.tokens.tolist(), acceptance.bonus.tolist(), (t1, t2, t3)
+        marks = [self._clock()]
+        rows = speculative_step(adapter, self.drafter, tree, budget, generator=generator,
+                                after_accept=lambda: marks.append(self._clock()))
+        marks.append(self._clock())
+        return (*read_outcome(rows), tuple(marks))
 
     def _gather(self, run: _Decoding, keep: list[int], size: int) -> None:
         """Keep the adapter and drafter rows ``keep`` (in order), padded to ``size`` rows with

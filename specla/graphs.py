@@ -39,10 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .acceptance import accept_greedy, accept_sampling, sampling_probs
 from .config import SpecConfig
 from .interfaces import Drafter, TargetAdapter
-from .errors import InvalidTreeError
+from .step import host_proposal, read_outcome, speculative_step, step_depth
 from .tree import DraftTree
 
 
@@ -98,7 +97,7 @@ class GraphRunner:
         if problem:
             raise ValueError(f"CUDA graphs cannot run this configuration: {problem}")
         self.adapter, self.drafter, self.config, self.capture = adapter, drafter, config, capture
-        self.depth = min(config.max_depth, config.num_draft_tokens)
+        self.depth = step_depth(config)
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # trees come from the host only for a host drafter with a budget (N = 0: an empty tree)
@@ -110,10 +109,10 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ the recorded step
     def _body(self, tree: DraftTree | None, uniforms: Tensor | None = None) -> Tensor:
-        """verify -> accept -> commit -> drafter update on the bound state, with fixed shapes;
-        ``tree`` ``None``: the drafter builds it on the device; ``uniforms`` ``[B, N + 1]``: a
-        sampling step's draws. Returns the outcome rows ``[B, 2 + D]`` int64 (num_accepted,
-        bonus, accepted tokens padded with -1)."""
+        """:func:`specla.step.speculative_step` on the bound state, with fixed shapes; ``tree``
+        ``None``: the drafter builds it on the device; ``uniforms`` ``[B, N + 1]``: a sampling
+        step's draws (the drafts count as deterministic proposals). Returns the outcome rows
+        ``[B, 2 + D]``."""
         ad, dr, cfg = self.adapter, self.drafter, self.config
         ad.static_shapes = True
         try:
@@ -121,20 +120,9 @@ class GraphRunner:
                 tree = DraftTree.empty(ad.batch_size, ad.device)
             elif tree is None:
                 tree = dr.propose_on_device(ad.roots, cfg)
-            out = ad._verify(tree)
-            if self.sampling:  # the drafts count as deterministic proposals: lossless, no host reads
-                probs = sampling_probs(out.logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p)
-                acceptance = accept_sampling(tree, probs, None, uniforms=uniforms[:, : tree.width + 1],
-                                             max_depth=self.depth)
-            else:
-                acceptance = accept_greedy(tree, out.logits, max_depth=self.depth)
-            ad._commit(tree, out, acceptance)
-            dr.on_commit(acceptance, out)
+            return speculative_step(ad, dr, tree, cfg, uniforms=uniforms)
         finally:
             ad.static_shapes = False
-        tokens = acceptance.tokens
-        pad = torch.full((tokens.shape[0], self.depth - tokens.shape[1]), -1, dtype=torch.int64, device=tokens.device)
-        return torch.cat([acceptance.num_accepted[:, None], acceptance.bonus[:, None], tokens, pad], 1)
 
     def _record(self, g: _Graph) -> None:
         """One step on ``g``'s static buffers, ending with its new state copied back into them:
@@ -172,20 +160,15 @@ class GraphRunner:
 
     @staticmethod
     def _load(g: _Graph, state: list[Tensor], drafter_state: list[Tensor]) -> None:
-        for static, live in zip(g.state + g.drafter_state, state + drafter_state):
-            if live.data_ptr() != static.data_ptr():
-                static.copy_(live)
+        copy_into(g.state + g.drafter_state, state + drafter_state)
 
     # ------------------------------------------------------------------ public
     def step(self, contexts: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
-        """One speculative step of the whole (physical) batch.
-
-        The first step after a prefill runs eagerly until a graph of this batch size exists (it
-        creates the pending commit a graph copies); after that, the first step replays the graph
-        from an empty pending commit (``TargetAdapter.empty_commit_state``), and every step is one
-        replay of the batch's graph (recorded on first use).
-        While the live state is the graph's own buffers (see :meth:`release`) nothing is copied
-        or checked before the replay.
+        """One speculative step of the whole (physical) batch: one replay of the batch size's
+        graph, recorded on first use. The first step after a prefill starts from a pending
+        commit of nothing (:meth:`TargetAdapter.empty_commit`), so every step, the first
+        included, is recorded or replayed. While the live state is the graph's own buffers (see
+        :meth:`release`) nothing is copied or checked before the replay.
 
         Args:
             contexts: per row of the adapter's batch, the tokens so far (what a host drafter
@@ -200,17 +183,8 @@ class GraphRunner:
         g = self._bound
         # a prefill or select outside the runner replaces the roots: that also unbinds
         if g is None or ad.roots is not self._bound_roots or self.graphs.get(ad.batch_size) is not g:
+            ad.empty_commit(self.config.num_draft_tokens, self.depth)  # nothing pending after a prefill
             state, dstate = ad.graph_state(), dr.graph_state()
-            if state is None and ad.batch_size in self.graphs:  # first step after a prefill: a
-                # pending commit of nothing, in the recorded graph's own buffers, replays it
-                state = ad.empty_commit_state(self.graphs[ad.batch_size].state)
-            if state is None:  # no pending commit yet (first step after prefill): the same
-                # fixed-shape step, run eagerly on the live state; it leaves the pending commit
-                tree = None
-                if self._host_drafts:
-                    tree = DraftTree.trusted(*(x.to(ad.device) for x in self._host_tree(contexts)))
-                uniforms = self._draw(ad.batch_size) if self.sampling else None
-                return self._rows(self._body(tree, uniforms).tolist())
             B = ad.batch_size
             g = self.graphs.get(B)
             if g is not None and any(a.shape != b.shape for a, b in zip(g.state + g.drafter_state, state + dstate)):
@@ -231,7 +205,7 @@ class GraphRunner:
             g.graph.replay()
         else:
             self._record(g)
-        return self._rows(g.outcome.tolist())  # the step's one host synchronisation
+        return read_outcome(g.outcome)  # the step's one host synchronisation
 
     def seed(self, seed: int | None) -> None:
         """Seed the generator of a sampling run's draws (``None``: a fresh random seed); the
@@ -246,10 +220,6 @@ class GraphRunner:
         """``[B, N + 1]`` float32 draws from ``U[0, 1)`` by the run's generator (into ``out``)."""
         shape = (B, self.config.num_draft_tokens + 1)
         return torch.rand(shape, generator=self.generator, device=self.adapter.device, out=out)
-
-    @staticmethod
-    def _rows(outcome: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
-        return [row[0] for row in outcome], [row[2:] for row in outcome], [row[1] for row in outcome]
 
     def release(self) -> None:
         """Forget which graph holds the live state: the next :meth:`step` reads the adapter's and
@@ -325,66 +295,6 @@ def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
             dst.copy_(src)
     for dsts, srcs in groups.values():
         torch._foreach_copy_(dsts, srcs)
-
-
-def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig, *, vocab_size: int) -> DraftTree:
-    """``drafter.propose`` on the host, checked: ``None`` reads as "no drafts" (an empty tree),
-    and the tree is rebuilt through :class:`DraftTree`'s construction checks (topological order,
-    canonical padding) and validated against the budget and the vocabulary. Both the eager and
-    the CUDA-graph step take their host trees from here, so they accept and reject the same trees
-    (a drafter may return :meth:`DraftTree.trusted` trees, which skip the construction checks).
-
-    Args:
-        drafter: a host drafter. contexts: per row, the tokens so far. config: the budget.
-        vocab_size: the target's vocabulary size.
-    Returns:
-        a CPU :class:`DraftTree` with ``len(contexts)`` rows, padding canonical (token 0, parent -1).
-    Raises:
-        TypeError: the drafter returned something other than a ``DraftTree`` or ``None``.
-        InvalidTreeError: a parent at or after its child, wrong shapes or dtypes, or a batch
-            size other than ``len(contexts)``.
-        BudgetError: more than ``num_draft_tokens`` nodes or a path deeper than ``max_depth``.
-        InvalidTokenError: a real node's token outside ``0..vocab_size-1``.
-    """
-    tree = drafter.propose(contexts, config) if config.num_draft_tokens else None
-    if tree is None:
-        return DraftTree.empty(len(contexts))
-    if not isinstance(tree, DraftTree):
-        raise TypeError(f"drafter {drafter.name!r} returned {type(tree).__name__}, not a DraftTree")
-    tree = DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=tree.draft_probs)
-    if tree.batch_size != len(contexts):
-        raise InvalidTreeError(f"drafter {drafter.name!r} proposed {tree.batch_size} trees for "
-                               f"{len(contexts)} sequences")
-    n = int(tree.num_nodes.max()) if tree.batch_size else 0
-    if tree.width > n:  # columns past the widest real row are padding: neither checks nor verify see them
-        q = tree.draft_probs
-        tree = DraftTree.trusted(tree.tokens[:, :n], tree.parents[:, :n], tree.num_nodes,
-                                 None if q is None else q[:, :n])
-    tree.validate(vocab_size=vocab_size, max_nodes=config.num_draft_tokens, max_depth=config.max_depth)
-    if tree.draft_probs is not None:
-        _check_draft_probs(tree, vocab_size)
-    return tree
-
-
-def _check_draft_probs(tree: DraftTree, vocab_size: int) -> None:
-    """A sampling drafter's ``q`` must be what lossless acceptance assumes: per real node a
-    distribution over the target's vocabulary (finite, non-negative, summing to 1 within 1e-3)
-    that gives the node's own token positive probability.
-
-    Raises:
-        InvalidTreeError: naming the first offending sequence and node.
-    """
-    q = tree.draft_probs
-    if q.shape[-1] != vocab_size:
-        raise InvalidTreeError(f"draft_probs has {q.shape[-1]} columns; the target's vocabulary has {vocab_size}")
-    valid = tree.valid.to(q.device)
-    rows = q.float()
-    own = rows.gather(-1, tree.tokens.to(q.device)[..., None]).squeeze(-1)
-    bad = valid & (~torch.isfinite(rows).all(-1) | (rows < 0).any(-1) | ((rows.sum(-1) - 1).abs() > 1e-3) | (own <= 0))
-    if bool(bad.any()):
-        b, i = (int(x) for x in bad.nonzero()[0])
-        raise InvalidTreeError(f"sequence {b}, draft node {i}: draft_probs is not a distribution that gives the node's "
-                               "token positive probability (it must be finite, non-negative and sum to 1)")
 
 
 def graph_problem(adapter: TargetAdapter, config: SpecConfig) -> str | None:

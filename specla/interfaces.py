@@ -180,7 +180,8 @@ class TargetAdapter(ABC):
     def graph_state(self) -> list[Tensor] | None:
         """Every tensor a decoding step reads and replaces (recurrent states, conv windows, roots,
         a pending commit...), in a fixed order, or ``None`` when the adapter cannot run in a CUDA
-        graph (the default). :class:`specla.graphs.GraphRunner` keeps static copies of them and
+        graph (the default) or, with a delayed commit, has none pending (see
+        :meth:`empty_commit`). :class:`specla.graphs.GraphRunner` keeps static copies of them and
         rebinds them with :meth:`set_graph_state`."""
         return None
 
@@ -204,13 +205,13 @@ class TargetAdapter(ABC):
         with this text."""
         return None
 
-    def empty_commit_state(self, template: list[Tensor]) -> list[Tensor] | None:
-        """The graph state of a step that has nothing to commit yet (just after a prefill), laid
-        out like ``template``, the static state of a graph recorded for this batch size, or
-        ``None`` when the adapter cannot build it (the default): the runner then runs the first
-        step eagerly. An adapter with a delayed commit may take its pending-commit tensors from
-        ``template`` (overwriting them) and commit nothing with them."""
-        return None
+    def empty_commit(self, nodes: int, depth: int) -> None:
+        """With a delayed commit and nothing pending (just after a prefill or a flush), make the
+        pending commit one of nothing, laid out as a step with trees of ``nodes`` draft nodes
+        and paths of up to ``depth`` drafts leaves it (``path_len`` 0, zeroed records), so that
+        :meth:`graph_state` lists what a recorded step of that budget reads; called by
+        :class:`specla.graphs.GraphRunner` before it lists the state. A no-op by default (no
+        delayed commit) and when a commit is pending."""
 
     @abstractmethod
     def _prefill(self, prompts: list[list[int]]) -> None: ...
@@ -363,7 +364,7 @@ class Drafter(ABC):
             a CPU :class:`DraftTree` with ``len(contexts)`` rows within the budget. The engine
             checks it on the host before anything runs (structure, budget, vocabulary), also
             when built with :meth:`DraftTree.trusted`, eagerly and with CUDA graphs alike
-            (:func:`specla.graphs.host_proposal`).
+            (:func:`specla.step.host_proposal`).
         """
 
     def on_commit(self, acceptance: Acceptance, out: VerifyOutput) -> None:

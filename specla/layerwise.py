@@ -147,6 +147,11 @@ class LayerwiseAdapter(TargetAdapter):
         Returns ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records tuple)``."""
 
     @abstractmethod
+    def _empty_records(self, B: int, T: int) -> tuple[Record, ...]:
+        """Every layer's ``factor`` record of a ``T``-row pass, zeroed, laid out as
+        :meth:`forward` returns them (see :meth:`specla.mixers.Mixer.empty_record`)."""
+
+    @abstractmethod
     def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
         """Commit ``path`` (``[B, P]``, ``path_len [B]``) to every layer from its records."""
 
@@ -210,25 +215,16 @@ class LayerwiseAdapter(TargetAdapter):
             out += [self.pending.path, self.pending.path_len]
         return out
 
-    def empty_commit_state(self, template: list[Tensor]) -> list[Tensor] | None:
-        """See :meth:`TargetAdapter.empty_commit_state`: with the ``factor`` commit and no pending
-        commit, a pending commit of no tokens (``path_len`` 0, the records zeroed) in
-        ``template``'s record tensors, so that a recorded graph replays the first step after a
-        prefill; ``None`` before any graph was recorded (no record layout is known) or when
-        ``template`` does not fit."""
+    def empty_commit(self, nodes: int, depth: int) -> None:
+        """See :meth:`TargetAdapter.empty_commit`: with the ``factor`` commit and nothing
+        pending, ``PendingCommit(records of nodes + 1 rows zeroed (:meth:`_empty_records`), path
+        [B, depth + 1] of -1, path_len 0)``."""
         if self.config.commit != "factor" or self.pending is not None:
-            return self.graph_state()
-        layout = getattr(self, "_pending_template", None)
-        if layout is None:
-            return None
-        head = [*self._state_list(), self._roots]
-        tail = template[len(head):]
-        if len(tail) != sum(isinstance(getattr(r, f.name), Tensor) for r in layout.records for f in fields(r)) + 2:
-            return None
-        for t in tail:
-            t.zero_()  # path_len 0: nothing is committed; zeroed records keep every product finite
-        self.set_graph_state(head + tail)  # the pending commit rebuilt on the template's tensors
-        return self.graph_state()
+            return
+        B, dev = self.batch_size, self.device
+        self.pending = PendingCommit(self._empty_records(B, nodes + 1),
+                                     torch.full((B, depth + 1), -1, dtype=torch.int64, device=dev),
+                                     torch.zeros(B, dtype=torch.int64, device=dev))
 
     def set_graph_state(self, tensors: list[Tensor]) -> None:
         """Rebind the state to ``tensors`` (the layout of :meth:`graph_state`)."""

@@ -124,6 +124,14 @@ class Mixer(ABC):
         """
 
     @abstractmethod
+    def empty_record(self, B: int, T: int) -> Record:
+        """The ``factor`` record of a ``T``-row pass with every tensor zeroed, laid out (fields,
+        shapes, dtypes, device) as :meth:`verify` returns it: what a pending commit of nothing
+        holds (committed with ``path_len == 0`` it changes nothing, and zeros keep every product
+        finite), so that a CUDA graph can be recorded before the first step
+        (:meth:`specla.interfaces.TargetAdapter.empty_commit`)."""
+
+    @abstractmethod
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         """Move the state along ``path`` (``[B, P]`` int64 node indices from the root, ``-1``
         padded; ``path_len [B]``) from ``record``; ``kernels``: the plugin's Triton kernels may
@@ -205,6 +213,10 @@ class AttentionMixer(Mixer):
 
     def state(self) -> list[Tensor]:
         return [self.k_cache, self.v_cache, self.cache_len]
+
+    def empty_record(self, B: int, T: int) -> KVRecord:
+        k = torch.zeros(B, T, self.HKV, self.Dh, dtype=self.dtype, device=self.device)
+        return KVRecord(k, torch.zeros_like(k))
 
     def set_state(self, tensors: Iterator[Tensor]) -> None:
         self.k_cache, self.v_cache, self.cache_len = next(tensors), next(tensors), next(tensors)
@@ -363,6 +375,9 @@ class MixerAdapter(LayerwiseAdapter):
     def _empty_state(self, B: int) -> None:
         for m in self.mixers:
             m.empty_state(B, self.capacity)
+
+    def _empty_records(self, B: int, T: int) -> tuple[Record, ...]:
+        return tuple(m.empty_record(B, T) for m in self.mixers)
 
     def _state_list(self) -> list[Tensor]:
         return [t for m in self.mixers for t in m.state()]

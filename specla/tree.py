@@ -167,7 +167,7 @@ class DraftTree:
         token 0, parent -1), *without* the construction checks: they read values on the host,
         which a CUDA graph cannot do and which costs a synchronisation per step on a GPU.
         Same shapes as the class; nothing is checked or copied. A host drafter's trees are
-        checked by the engine all the same (:func:`specla.graphs.host_proposal`)."""
+        checked by the engine all the same (:func:`specla.step.host_proposal`)."""
         tree = object.__new__(cls)
         for name, x in (("tokens", tokens), ("parents", parents), ("num_nodes", num_nodes),
                         ("draft_probs", draft_probs)):

@@ -399,7 +399,7 @@ def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
     out = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts).outputs
     assert out == [naive_greedy_decode(model, p, 6) for p in prompts]
     # the decoding steps' calls (prefill chunks are longer); a recorded graph calls Python only
-    # while it is recorded, so on CUDA these are the eager first step, the warm-up and the capture
+    # while it is recorded, so on CUDA these are the warm-up and the capture
     one = [kind for kind, T in calls if T == 1]
     assert len(one) >= 2 * 2 and set(one) == {"serial"}
 

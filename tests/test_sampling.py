@@ -215,11 +215,11 @@ def test_engine_sampling_with_the_eagle_drafters_q_follows_the_model_distributio
     seen = []
     real = acc.accept_sampling
 
-    def spy(tree, target, q, generator=None):
+    def spy(tree, target, q, generator=None, **kw):
         seen.append(q is not None and tree.draft_probs is not None)
-        return real(tree, target, q, generator)
+        return real(tree, target, q, generator, **kw)
 
-    monkeypatch.setattr("specla.engine.accept_sampling", spy)
+    monkeypatch.setattr("specla.step.accept_sampling", spy)
     cfg = dict(temperature=temp, max_new_tokens=2, num_draft_tokens=3, max_depth=2, top_k=2, seed=5)
     out = SpecDecoder(model, "gdn", drafter=EagleDrafter(head), config=cfg).generate([prompt] * n)
     assert seen and all(seen)

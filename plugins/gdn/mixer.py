@@ -152,13 +152,18 @@ class GDNMixer(RecurrentMixer):
         self.output = output
         self.dtype, self.state_dtype, self.device = dtype, state_dtype, device
         self.C = conv_w.shape[1] if conv_w is not None else 0
+        self.Dc = 2 * H * K + HV * V
         self.recurrence, self.replay = _reference_recurrence, replay_commit
         self.empty_state(0, 0)
 
+    def empty_record(self, B: int, T: int) -> GDNFactorRecord:
+        z = lambda *s, dtype=self.state_dtype: torch.zeros(B, T, *s, dtype=dtype, device=self.device)  # noqa: E731
+        return GDNFactorRecord(k=z(self.H, self.K), delta=z(self.HV, self.V), G=z(self.HV),
+                               conv_x=z(self.Dc, dtype=self.dtype) if self.C else None)
+
     def empty_state(self, B: int, capacity: int) -> None:
         self.S = torch.zeros(B, self.HV, self.K, self.V, dtype=self.state_dtype, device=self.device)
-        Dc = 2 * self.H * self.K + self.HV * self.V
-        self.conv = torch.zeros(B, self.C - 1, Dc, dtype=self.dtype, device=self.device) if self.C else None
+        self.conv = torch.zeros(B, self.C - 1, self.Dc, dtype=self.dtype, device=self.device) if self.C else None
 
     def inputs(self, qkv: Tensor, a: Tensor, b: Tensor, kernel: bool):
         """``q, k [B, T, H, K]`` (L2-normalised), ``v [B, T, HV, V]`` and the gates ``g, beta

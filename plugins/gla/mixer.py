@@ -57,12 +57,17 @@ class GLAMixer(RecurrentMixer):
         self.H, self.groups, self.K, self.V = H, groups, K, V
         self.dtype, self.state_dtype, self.device = dtype, state_dtype, device
         self.C = conv_w.shape[1] if conv_w is not None else 0
+        self.Dc = H * K + (H * K + H * V) // groups  # conv channels: q, then k and v of the key/value heads
         self.empty_state(0, 0)
+
+    def empty_record(self, B: int, T: int) -> GLAFactorRecord:
+        z = lambda *s, dtype=self.state_dtype: torch.zeros(B, T, *s, dtype=dtype, device=self.device)  # noqa: E731
+        return GLAFactorRecord(k=z(self.H, self.K), v=z(self.H, self.V), Gk=z(self.H, self.K),
+                               conv_x=z(self.Dc, dtype=self.dtype) if self.C else None)
 
     def empty_state(self, B: int, capacity: int) -> None:
         self.S = torch.zeros(B, self.H, self.K, self.V, dtype=self.state_dtype, device=self.device)
-        Dc = self.H * self.K + (self.H * self.K + self.H * self.V) // self.groups
-        self.conv = torch.zeros(B, self.C - 1, Dc, dtype=self.dtype, device=self.device) if self.C else None
+        self.conv = torch.zeros(B, self.C - 1, self.Dc, dtype=self.dtype, device=self.device) if self.C else None
 
     def _inputs(self, qkv: Tensor, gk: Tensor):
         """q, k, v (``[B, T, H, *]``) and the log decay (``[B, T, H, K]``, state dtype), key/value

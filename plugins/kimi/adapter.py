@@ -85,6 +85,11 @@ class KDAMixer(RecurrentMixer):
         self.l2norm = sys.modules[type(layer).__module__].l2norm
         self.empty_state(0, 0)
 
+    def empty_record(self, B: int, T: int) -> KDAFactorRecord:
+        z = lambda *s, dtype=self.state_dtype: torch.zeros(B, T, *s, dtype=dtype, device=self.device)  # noqa: E731
+        H, D = self.H, self.D
+        return KDAFactorRecord(k=z(H, D), delta=z(H, D), Gk=z(H, D), conv_x=z(3 * H * D, dtype=self.dtype))
+
     def empty_state(self, B: int, capacity: int) -> None:
         self.S = torch.zeros(B, self.H, self.D, self.D, dtype=self.state_dtype, device=self.device)
         self.conv = torch.zeros(B, self.C - 1, 3 * self.H * self.D, dtype=self.dtype, device=self.device)

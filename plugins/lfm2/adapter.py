@@ -67,6 +67,9 @@ class ShortConvMixer(Mixer):
     def empty_state(self, B: int, capacity: int) -> None:
         self.conv = torch.zeros(B, self.L - 1, self.weight.shape[0], dtype=self.dtype, device=self.device)
 
+    def empty_record(self, B: int, T: int) -> ConvRecord:
+        return ConvRecord(torch.zeros(B, T, self.weight.shape[0], dtype=self.dtype, device=self.device))
+
     def state(self) -> list[Tensor]:
         return [self.conv]
 

@@ -61,6 +61,11 @@ class Mamba2Mixer(RecurrentMixer):
         self.C = conv_w.shape[1]
         self.empty_state(0, 0)
 
+    def empty_record(self, B: int, T: int) -> Mamba2FactorRecord:
+        z = lambda *s, dtype=self.state_dtype: torch.zeros(B, T, *s, dtype=dtype, device=self.device)  # noqa: E731
+        return Mamba2FactorRecord(Bm=z(self.G, self.N, dtype=self.dtype), u=z(self.H, self.P), G=z(self.H),
+                                  conv_x=z(self.conv_w.shape[0], dtype=self.dtype))
+
     def empty_state(self, B: int, capacity: int) -> None:
         self.S = torch.zeros(B, self.H, self.N, self.P, dtype=self.state_dtype, device=self.device)
         self.conv = torch.zeros(B, self.C - 1, self.conv_w.shape[0], dtype=self.dtype, device=self.device)

@@ -254,6 +254,46 @@ class PluginSuite:
             tol = arch.logits_tolerance
             assert torch.allclose(got, want, rtol=tol, atol=tol), f"a = {a}"
 
+    def test_empty_commit_lays_out_what_a_step_leaves_and_changes_nothing(self, arch, rng):
+        """Just after a prefill, ``empty_commit(N, D)`` (what lets a CUDA graph be recorded
+        before the first step) makes ``graph_state()`` list tensors of exactly the shapes and
+        dtypes a fixed-shape step of that budget leaves (trees padded to ``N``, paths to ``D``),
+        for every tiny variant; committing that empty commit leaves every recurrent state
+        bit-identical. Adapters without a delayed commit (``empty_commit`` not overridden) pass."""
+        self.check_empty_commit(arch, rng)
+
+    @classmethod
+    def check_empty_commit(cls, arch, rng, **config) -> None:
+        """The check of :meth:`test_empty_commit_lays_out_what_a_step_leaves_and_changes_nothing`
+        with extra :class:`SpecConfig` options (``kernels="triton"``, say)."""
+        from ..interfaces import TargetAdapter
+
+        D = 3
+        for variant in arch.tiny_variants:
+            model = cls._model(arch, variant)
+            V = cls._vocab(model)
+            adapter = arch.make_adapter(model, SpecConfig(num_draft_tokens=N, max_depth=D, commit="factor", **config))
+            if type(adapter).empty_commit is TargetAdapter.empty_commit:
+                return
+            prompts = [[rng.randrange(V) for _ in range(9)], [rng.randrange(V) for _ in range(4)]]
+            adapter.prefill(prompts)
+            before = [t.clone() for t in adapter.recurrent_states()]
+            adapter.empty_commit(N, D)
+            layout = [(tuple(t.shape), t.dtype) for t in adapter.graph_state()]
+            after = adapter.recurrent_states()  # applies the empty commit
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), f"{variant}: an empty commit changed a state"
+            wide = [-1, 0, 1, -1, 3, -1][:N]  # N nodes, D deep: the padded width a graph verifies
+            tree = DraftTree.from_lists([([rng.randrange(V) for _ in range(N)], wide),
+                                         ([rng.randrange(V)] * 2, [-1, -1])], device=adapter.device)
+            adapter.static_shapes = True
+            try:
+                out = adapter.verify(tree)
+                adapter.commit(tree, out, accept_greedy(tree, out.logits, max_depth=D))
+            finally:
+                adapter.static_shapes = False
+            stepped = [(tuple(t.shape), t.dtype) for t in adapter.graph_state()]
+            assert layout == stepped, f"{variant}: empty_commit lays out {layout}, a step leaves {stepped}"
+
     def test_verify_never_writes_the_state(self, arch, rng):
         """Verifying the same tree twice gives bit-identical logits."""
         model = self._model(arch)

@@ -77,6 +77,10 @@ class RetentionMixer(Mixer):
     def state(self) -> list[Tensor]:
         return [self.S]
 
+    def empty_record(self, B: int, T: int) -> RetentionFactorRecord:
+        z = lambda *s: torch.zeros(B, T, *s, dtype=self.state_dtype, device=self.device)  # noqa: E731
+        return RetentionFactorRecord(k=z(self.H, self.K), v=z(self.H, self.K), G=z(self.H))
+
     def set_state(self, tensors: Iterator[Tensor]) -> None:
         self.S = next(tensors)
 
