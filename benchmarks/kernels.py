@@ -62,8 +62,10 @@ from triton.testing import do_bench
 
 from e2e import replay_ms  # this folder is on sys.path when the script runs
 from specla.graphs import record_graph
+from specla.records import LayerCommit
 from specla.tree import inclusive_ancestor_mask
 from specla_gdn.commit import flush_commit
+from specla_gdn.records import GDNFactorRecord
 from specla_gdn.verify import MAX_TREE_NODES, hybrid_plan, hybrid_verify, serial_verify, tree_verify
 
 H = HV = 8
@@ -304,7 +306,7 @@ def bench_fused(batches: list[int], bw: float) -> list[dict]:
                 pq, pk, pv, pg, pbeta, _ = layer_inputs(B, 16, gen)
                 _, pdelta, pG = serial_verify(pq, pk, pv, pg, pbeta, xs[5].clone(), torch.full((B,), 16, device=DEV),
                                               K**-0.5)
-                sets.append((xs, (pk, pdelta, pG, path, plen)))
+                sets.append((xs, LayerCommit(GDNFactorRecord(k=pk, delta=pdelta, G=pG, conv_x=None), path, plen)))
 
             def verify(i, pending):
                 xs = sets[i][0]
@@ -315,7 +317,8 @@ def bench_fused(batches: list[int], bw: float) -> list[dict]:
                 return hybrid_verify(*xs, parents, K**-0.5, pending=pending, plan=plan)
 
             def separate(i):
-                flush_commit(sets[i][0][5], *sets[i][1])
+                c = sets[i][1]
+                flush_commit(sets[i][0][5], c.record.k, c.record.delta, c.record.G, c.path, c.path_len)
                 return verify(i, None)
 
             n = len(sets)

@@ -211,7 +211,7 @@ class LayerwiseAdapter(TargetAdapter):
                 return None
             self._pending_template = self.pending
             for rec in self.pending.records:
-                out += [x for x in (getattr(rec, f.name) for f in fields(rec)) if isinstance(x, Tensor)]
+                out += rec.tensors()
             out += [self.pending.path, self.pending.path_len]
         return out
 

@@ -8,7 +8,7 @@ own record types so the three strategies can be compared behind one interface.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -25,6 +25,10 @@ class Record:
     def select(self: R, index: Tensor) -> R:
         """Keep the sequences ``index`` (``[B']`` int64) of every field, in that order."""
         return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
+
+    def tensors(self) -> list[Tensor]:
+        """The tensor fields, in field order (``None`` fields left out)."""
+        return [x for x in (getattr(self, f.name) for f in fields(self)) if isinstance(x, Tensor)]
 
     def nbytes_per_sequence(self) -> int:
         """Bytes this record holds per sequence (all fields; used for memory reports)."""
@@ -90,6 +94,20 @@ class PendingCommit:
         return PendingCommit(
             tuple(r.select(index) for r in self.records), _take(self.path, index), _take(self.path_len, index)
         )
+
+
+class LayerCommit(NamedTuple):
+    """One layer's part of a pending commit, as a verify kernel takes it to apply fused before it
+    verifies (:mod:`specla.ops.pending`): the layer's factor record and the accepted paths of
+    :class:`PendingCommit`."""
+
+    record: Record
+    path: Tensor  # [B, P] int64
+    path_len: Tensor  # [B] int64
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the record and the paths (for device checks)."""
+        return [*self.record.tensors(), self.path, self.path_len]
 
 
 def path_end(path: Tensor, path_len: Tensor) -> Tensor:

@@ -14,6 +14,15 @@ from specla_gdn.verify import hybrid_verify, serial_verify
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+
+def layer_commit(k, delta, G, path, path_len):
+    """A pending commit on ``DEV`` as the verify kernels take it."""
+    from specla.records import LayerCommit
+    from specla_gdn.records import GDNFactorRecord
+
+    return LayerCommit(GDNFactorRecord(k=k.to(DEV), delta=delta.to(DEV), G=G.to(DEV), conv_x=None), path.to(DEV),
+                       path_len.to(DEV))
+
 def inputs(B, T, H, HV, K, V, gen):
     q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
@@ -68,7 +77,7 @@ def test_fused_pending_commit_ragged():
     plen = torch.tensor([len(p) for p in paths])
     q, k, v, g, beta, _ = inputs(B, T, H, HV, K, V, gen)
     state = S0.clone().to(DEV)
-    pending = tuple(x.to(DEV) for x in (pk, pdelta.float(), pG.float(), path, plen))
+    pending = layer_commit(pk, pdelta.float(), pG.float(), path, plen)
     o, d, G = serial_verify(*(x.to(DEV) for x in (q, k, v, g, beta)), state, torch.full((B,), T, device=DEV),
                             K**-0.5, pending=pending, out=nan_out(B, T, HV, V))
     for b, e in enumerate(ends):
@@ -132,7 +141,7 @@ def test_tree_verify_with_pending_commit_equals_serial_kernel():
     path = torch.tensor([[0, 1, 2], [0, -1, -1], [-1, -1, -1]])
     plen = torch.tensor([3, 1, 0])
     pdelta, pG = torch.randn(B, Tp, HV, V, generator=gen), -torch.rand(B, Tp, HV, generator=gen)
-    pending = tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen))
+    pending = layer_commit(pk, pdelta, pG, path, plen)
     rng = random.Random(3)
     T = 40
     parents = torch.tensor([tree_parents("random", T, rng) for _ in range(B)])
@@ -255,7 +264,7 @@ def test_hybrid_verify_equals_naive(kind, with_pending):
         pk = F.normalize(torch.randn(B, 3, H, K, generator=gen), dim=-1)
         pdelta, pG = torch.randn(B, 3, HV, V, generator=gen), -torch.rand(B, 3, HV, generator=gen).cumsum(1)
         path, plen = torch.tensor([[0, 1, 2], [0, -1, -1]]), torch.tensor([3, 1])
-        pending = tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen))
+        pending = layer_commit(pk, pdelta, pG, path, plen)
         committed = gdn_commit_factor(S0, pk, pdelta, pG, path, plen)
     state = S0.clone().to(DEV)
     o, d, G = hybrid_verify(*(x.to(DEV) for x in (q, k, v, g, beta)), state, parents.to(DEV), K**-0.5,
@@ -288,7 +297,7 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
     pG = -(torch.rand(B, Tp, HV, generator=gen) * 0.5).cumsum(1)
     path, plen = ragged_pending()
     committed = gdn_commit_factor(f64(S0), f64(pk), f64(pdelta), f64(pG), path.to(DEV), plen.to(DEV))
-    pending = tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen))
+    pending = layer_commit(pk, pdelta, pG, path, plen)
     state = S0.clone().to(DEV)
     args = [x.to(DEV) for x in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)]
     out = (torch.full((B, T, HV, V), float("nan"), device=DEV, dtype=torch.bfloat16),) + nan_out(B, T, HV, V)[1:]
@@ -329,7 +338,7 @@ def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch):
     committed = gdn_commit_factor(S0, pk, pdelta, pG, path, plen)
     state = S0.clone().to(DEV)
     o, d, G = tree_verify(*(x.to(DEV) for x in (q, k, v, g, beta)), state, inclusive_ancestor_mask(parents).to(DEV),
-                          K**-0.5, pending=tuple(x.to(DEV) for x in (pk, pdelta, pG, path, plen)),
+                          K**-0.5, pending=layer_commit(pk, pdelta, pG, path, plen),
                           out=nan_out(B, T, HV, V))
     ro, rd, rG, _ = naive_tree_gdn(q, k, v, g, beta, committed.double(), parents, K**-0.5)
     for got, ref in ((o, ro), (d, rd), (G, rG)):

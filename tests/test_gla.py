@@ -409,6 +409,14 @@ def on_dev(*xs):
     return [x.to(DEV) for x in xs]
 
 
+def layer_commit(k, v, Gk, path, path_len):
+    """A pending commit as the verify kernels take it."""
+    from specla.records import LayerCommit
+    from specla_gla.records import GLAFactorRecord
+
+    return LayerCommit(GLAFactorRecord(k=k, v=v, Gk=Gk, conv_x=None), path, path_len)
+
+
 @needs_triton
 @pytest.mark.parametrize("shape", [(3, 5, 2, 5, 6), (2, 4, 1, 16, 8), (1, 1, 1, 4, 4)])
 def test_serial_verify_kernel_equals_naive_chains(shape):
@@ -471,10 +479,10 @@ def test_fused_pending_commit_ragged(kernel):
     state = S0.clone().to(DEV)
     args = on_dev(q, k, v, gk)
     if kernel == "serial":
-        o, _ = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=pending,
+        o, _ = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=layer_commit(*pending),
                              out=nan_out(B, T, H, K, V))
     elif kernel == "parallel":
-        o, _ = tree_verify(*args, state, inclusive_ancestor_mask(chain(B, T)).to(DEV), K**-0.5, pending=pending,
+        o, _ = tree_verify(*args, state, inclusive_ancestor_mask(chain(B, T)).to(DEV), K**-0.5, pending=layer_commit(*pending),
                            out=nan_out(B, T, H, K, V))
     else:
         flush_commit(state, *pending)
@@ -615,9 +623,9 @@ def test_kernels_at_gla13b_layer_shape_bf16(kernel):
         args = on_dev(q.bfloat16(), k.bfloat16(), v.bfloat16(), gk)
         out = (torch.full((B, T, H, V), float("nan"), device=DEV, dtype=torch.bfloat16), nan_out(B, T, H, K, V)[1])
         if kernel == "serial":
-            o, G = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=pending, out=out)
+            o, G = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=layer_commit(*pending), out=out)
         else:
-            o, G = tree_verify(*args, state, inclusive_ancestor_mask(parents).to(DEV), K**-0.5, pending=pending,
+            o, G = tree_verify(*args, state, inclusive_ancestor_mask(parents).to(DEV), K**-0.5, pending=layer_commit(*pending),
                                out=out)
         ro, rG, _ = naive_tree_gla(f64(q), f64(k), f64(v), f64(gk), committed, parents, K**-0.5)
         assert not o.isnan().any() and not G.isnan().any()

@@ -117,8 +117,10 @@ def _assert_same(full_state, sliced_state, full_out, sliced_outs):
 
 @pytest.mark.parametrize("kernel", ["serial", "parallel", "hybrid", "flush"])
 def test_gdn_kernels_beyond_65535_programs(kernel):
+    from specla.records import LayerCommit
     from specla.tree import inclusive_ancestor_mask
     from specla_gdn.commit import flush_commit
+    from specla_gdn.records import GDNFactorRecord
     from specla_gdn.verify import hybrid_verify, serial_verify, tree_verify
 
     B, T, Tp, H, HV, K, V = 32800, 4, 3, 1, 2, 16, 16  # B * HV = 65600 programs per V tile
@@ -131,16 +133,17 @@ def test_gdn_kernels_beyond_65535_programs(kernel):
     parents = _tree(B, T, gen)
 
     def call(q, k, v, g, beta, state, parents, pk, pd, pG, path, plen):
+        pending = LayerCommit(GDNFactorRecord(k=pk, delta=pd, G=pG, conv_x=None), path, plen)
         out = tuple(torch.full(s, float("nan"), device="cuda") for s in ((q.shape[0], T, HV, V),) * 2 + ((q.shape[0], T, HV),))
         if kernel == "flush":
             return flush_commit(state, pk, pd, pG, path, plen).clone()
         if kernel == "serial":
             n = torch.full((q.shape[0],), T, device="cuda")
-            return serial_verify(q, k, v, g, beta, state, n, K**-0.5, pending=(pk, pd, pG, path, plen), out=out)
+            return serial_verify(q, k, v, g, beta, state, n, K**-0.5, pending=pending, out=out)
         if kernel == "parallel":
             return tree_verify(q, k, v, g, beta, state, inclusive_ancestor_mask(parents), K**-0.5,
-                               pending=(pk, pd, pG, path, plen), out=out)
-        return hybrid_verify(q, k, v, g, beta, state, parents, K**-0.5, pending=(pk, pd, pG, path, plen), out=out)
+                               pending=pending, out=out)
+        return hybrid_verify(q, k, v, g, beta, state, parents, K**-0.5, pending=pending, out=out)
 
     args = [q, k, v, g, beta, None, parents, *pending]
     full_state, sliced_state = S0.clone(), S0.clone()
@@ -153,6 +156,7 @@ def test_gdn_kernels_beyond_65535_programs(kernel):
 @pytest.mark.parametrize("kernel", ["serial", "parallel", "flush"])
 @pytest.mark.parametrize("plugin", ["gla", "mamba2"])
 def test_gla_mamba2_kernels_beyond_65535_programs(plugin, kernel):
+    from specla.records import LayerCommit
     from specla.tree import inclusive_ancestor_mask
 
     B, T, Tp, H = 32800, 4, 3, 2  # B * H = 65600 programs per value tile
@@ -160,6 +164,7 @@ def test_gla_mamba2_kernels_beyond_65535_programs(plugin, kernel):
     mask = inclusive_ancestor_mask(_tree(B, T, gen))
     if plugin == "gla":
         from specla_gla.commit import flush_commit
+        from specla_gla.records import GLAFactorRecord as Record
         from specla_gla.verify import serial_verify, tree_verify
 
         K = V = 8
@@ -168,6 +173,7 @@ def test_gla_mamba2_kernels_beyond_65535_programs(plugin, kernel):
         S0, extra = _rand(gen, B, H, K, V), [K**-0.5]
     else:
         from specla_mamba2.commit import flush_commit
+        from specla_mamba2.records import Mamba2FactorRecord as Record
         from specla_mamba2.verify import serial_verify, tree_verify
 
         P, N = 8, 8
@@ -184,10 +190,11 @@ def test_gla_mamba2_kernels_beyond_65535_programs(plugin, kernel):
         ins, state, mask, pend = a[:n_in], a[n_in], a[n_in + 1], tuple(a[n_in + 2 :])
         if kernel == "flush":
             return flush_commit(state, *pend).clone()
+        commit = LayerCommit(Record(*pend[:3], conv_x=None), *pend[3:])  # the record's first three fields
         if kernel == "serial":
             n = torch.full((state.shape[0],), T, device="cuda")
-            return serial_verify(*ins, state, n, *extra, pending=pend)
-        return tree_verify(*ins, state, mask, *extra, pending=pend)
+            return serial_verify(*ins, state, n, *extra, pending=commit)
+        return tree_verify(*ins, state, mask, *extra, pending=commit)
 
     full_state, sliced_state = S0.clone(), S0.clone()
     full = call(*inputs, full_state, mask, *pending)

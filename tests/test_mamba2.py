@@ -26,6 +26,14 @@ MODEL_TOL = 1e-9  # float64 models: batched factorized form vs sequential loop
 MODEL_CONFIGS = get_plugin("mamba2").tiny_variants
 
 
+
+def layer_commit(Bm, u, G, path, path_len):
+    """A pending commit as the verify kernels take it."""
+    from specla.records import LayerCommit
+    from specla_mamba2.records import Mamba2FactorRecord
+
+    return LayerCommit(Mamba2FactorRecord(Bm=Bm, u=u, G=G, conv_x=None), path, path_len)
+
 def make_mamba2_model(name: str = "base", dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """The mamba2 plugin's conformance test model ``name`` (config fields ``overrides`` replaced)."""
     return get_plugin("mamba2").tiny_model(name, seed=seed, dtype=dtype, **overrides)
@@ -512,7 +520,7 @@ def test_verify_kernels_with_fused_ragged_commit_equal_naive(kind, shape):
         n = torch.full((B,), T)
     state = S0.clone().to(DEV)
     args = [t.to(DEV) for t in (x, dt, dt * A, Bm, Cm, D)]
-    fused = tuple(t.to(DEV) for t in pending)
+    fused = layer_commit(*(t.to(DEV) for t in pending))
     if kind == "chain":
         y, u, G = serial_verify(*args, state, n.to(DEV), pending=fused, out=nan_out(B, T, H, P))
     else:
@@ -625,11 +633,11 @@ def test_kernels_at_mamba2_13b_layer_shape_bf16(kernel):
     else:
         args = [t.to(DEV) for t in (x.bfloat16(), dt, dt * A, Bm.bfloat16(), Cm.bfloat16(), D)]
         if kernel == "serial":
-            y, u, G = serial_verify(*args, state, torch.full((B,), T, device=DEV), pending=pending,
+            y, u, G = serial_verify(*args, state, torch.full((B,), T, device=DEV), pending=layer_commit(*pending),
                                     out=nan_out(B, T, H, P))
         else:
-            y, u, G = tree_verify(*args, state, inclusive_ancestor_mask(parents).to(DEV), pending=pending,
-                                  out=nan_out(B, T, H, P))
+            y, u, G = tree_verify(*args, state, inclusive_ancestor_mask(parents).to(DEV),
+                                  pending=layer_commit(*pending), out=nan_out(B, T, H, P))
         ry, ru, rG, _ = naive_tree_ssd(f64(x), f64(dt), f64(A), f64(Bm), f64(Cm), f64(D),
                                        committed, parents)
         assert not any(t.isnan().any() for t in (y, u, G))

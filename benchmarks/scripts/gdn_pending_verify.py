@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from specla.records import LayerCommit
 from specla.tree import inclusive_ancestor_mask
+from specla_gdn.records import GDNFactorRecord
 from specla_gdn import verify as vk
 
 H = HV = 8
@@ -45,7 +47,7 @@ def make(B, T, Tp, P):
     path = torch.arange(P, device=d).expand(B, P).contiguous()
     plen = torch.full((B,), P, device=d)
     parents = torch.arange(-1, T - 1, device=d).expand(B, T).contiguous()
-    return q, k, v, g, beta, S, (pk, pd, pG, path, plen), parents
+    return q, k, v, g, beta, S, LayerCommit(GDNFactorRecord(k=pk, delta=pd, G=pG, conv_x=None), path, plen), parents
 
 
 def us(f, rep=50):

@@ -10,7 +10,10 @@ import torch
 import triton
 from torch import Tensor
 
-from .verify import TUNING, _check_pending, _serial_verify_kernel
+from specla.records import LayerCommit
+
+from .records import GDNFactorRecord
+from .verify import TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel
 
 
 def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
@@ -31,16 +34,15 @@ def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tenso
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"state must be a contiguous float32 [B, HV, K, V], got {state.dtype}")
     H = k.shape[2]
-    _check_pending(B, H, K, HV, V, (k, delta, G, path, path_len))
+    commit = LayerCommit(GDNFactorRecord(k=k, delta=delta, G=G, conv_x=None), path, path_len)
+    _check_pending(B, H, K, HV, V, commit)
     if len({x.device for x in (state, k, delta, G, path, path_len)}) != 1:
         raise ValueError("all tensors must be on one device")
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
-    pk, pd, pG, pa, pl = (x.contiguous() for x in (k, delta, G, path, path_len))
-    # T = 0: no chain token is read or written, so the state stands in for the unused pointers
+    # T = 0: no chain token is read or written, so the state stands in for the chain's pointers
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        state, state, state, state, state, state, state, state, state, pl, pk, pd, pG, pa, pl,
-        1.0, 0, pa.shape[1], pk.shape[1], H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=True,
-        num_warps=TUNING["serial"]["num_warps"],
+        state, state, state, state, state, state, state, state, state, path_len, scale=1.0, T=0,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **_pending_kwargs(commit), num_warps=TUNING["serial"]["num_warps"],
     )
     return state

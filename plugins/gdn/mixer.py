@@ -22,7 +22,7 @@ from specla.ops import norm_triton as norm_kernels
 from specla.ops.act import decay_and_sigmoid_gates
 from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
 from specla.ops.norm import l2norm
-from specla.records import Record, take_accepted
+from specla.records import LayerCommit, Record, take_accepted
 
 from .commit import flush_commit
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
@@ -40,14 +40,15 @@ def kernel_plan(tp_choose: Callable, parents: Tensor, counts: Tensor):
 
 def run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, scale, pending):
     """Run the chosen verify kernel (``plan`` from :func:`kernel_plan`) with the pending factor
-    commit ``(k, delta, G, path, path_len)`` fused (or ``None``). Returns ``o, delta, G``."""
+    commit (a :class:`specla.records.LayerCommit`, or ``None``) fused. Returns ``o, delta, G``."""
     choice, hplan = plan
     if choice == "serial":
         return serial_verify(q, k, v, g, beta, S0, counts, scale, pending=pending)
     if choice == "parallel":
         return tree_verify(q, k, v, g, beta, S0, mask, scale, pending=pending)
     if pending is not None and hplan.waves and hplan.waves[0][0].shape[0] != parents.shape[0]:
-        flush_commit(S0, *pending)  # not root-explicit: commit first, then verify unfused
+        rec = pending.record  # not root-explicit: commit first, then verify unfused
+        flush_commit(S0, rec.k, rec.delta, rec.G, pending.path, pending.path_len)
         pending = None
     return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
 
@@ -193,7 +194,7 @@ class GDNMixer(RecurrentMixer):
         q, k, v, g, beta = self.inputs(qkv, a, b, kernel)
         if kernel:  # fused: the kernel applies the pending commit to S in place, then verifies
             plan = tp.shared("gdn-kernel", lambda: kernel_plan(tp.choose, tp.parents, tp.counts))
-            fused = None if pending is None else (pending.k, pending.delta, pending.G, tp.path, tp.path_len)
+            fused = None if pending is None else LayerCommit(pending, tp.path, tp.path_len)
             o, delta, G = run_verify_kernel(plan, q, k, v, g, beta, self.S, tp.parents, tp.counts, tp.mask,
                                             self.K**-0.5, fused)
         else:

@@ -21,6 +21,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specla.ops.pending import pending_launch, with_pending
+from specla.records import LayerCommit
+
+from .records import GDNFactorRecord
+
 # Launch parameters per kernel: the V-tile width (each program keeps a [K, BV] float32 state tile
 # in registers) and warps per program, as measured on one H200 at the GDN-1.3B layer shape
 # (K = V = 256). benchmarks/kernels.py --only sweep and benchmarks/scripts/gdn_pending_verify.py
@@ -62,6 +67,10 @@ def _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv
     return b_S
 
 
+PENDING_FIELDS = dict(pk="k", pdelta="delta", pG="G")  # kernel parameter -> GDNFactorRecord field
+
+
+@with_pending
 @triton.jit
 def _serial_verify_kernel(
     q, k, v, g, beta, S, o, delta, G, num_nodes,
@@ -112,17 +121,15 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     BK = triton.next_power_of_2(K)
     tune = TUNING["decode" if T == 1 else "serial"]
     BV = min(triton.next_power_of_2(V), tune["BV"])
-    pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        q, k, v, g, beta, state, o, d, G, num_nodes, pk, pd, pG, path, plen,
-        scale, T, P, Tp, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None,
-        num_warps=tune["num_warps"],
+        q, k, v, g, beta, state, o, d, G, num_nodes, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        **_pending_kwargs(pending), num_warps=tune["num_warps"],
     )
 
 
 def serial_verify(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, num_nodes: Tensor,
-    scale: float, pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    scale: float, pending: LayerCommit | None = None,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """State-resident serial verify of a batch of chains, with the fused delayed commit.
@@ -138,8 +145,9 @@ def serial_verify(
             to it **in place** (and nothing else is written to it).
         num_nodes: ``[B]`` int64 chain length per sequence (``0..T``).
         scale: query scale (``K ** -0.5``).
-        pending: the previous step's ``(k [B, Tp, H, K], delta [B, Tp, HV, V] float32,
-            G [B, Tp, HV] float32, path [B, P] int64, path_len [B] int64)``; ``path_len[b] = 0``
+        pending: the previous step's commit, :class:`specla.records.LayerCommit` of a
+            ``GDNFactorRecord`` (``k [B, Tp, H, K]``, ``delta [B, Tp, HV, V]`` float32, ``G [B,
+            Tp, HV]`` float32), ``path [B, P]`` and ``path_len [B]`` int64; ``path_len[b] = 0``
             leaves sequence ``b``'s state bit-identical.
         out: optional preallocated ``(o, delta, G)`` (tests pass NaN-filled tensors).
     Returns:
@@ -174,30 +182,29 @@ def _check(q, k, v, g, beta, state, pending) -> None:
             raise ValueError(f"{name} must be float32 {list(shape)}, got {x.dtype} {list(x.shape)}")
     if not state.is_contiguous():
         raise ValueError("state must be contiguous (the committed state is written in place)")
-    if len({x.device for x in [q, k, v, g, beta, state, *(pending or [])]}) != 1:
+    if len({x.device for x in [q, k, v, g, beta, state, *(pending.tensors() if pending else [])]}) != 1:
         raise ValueError("all tensors must be on one device")
     if pending is not None:
         _check_pending(B, H, K, HV, V, pending)
 
 
-def _check_pending(B, H, K, HV, V, pending) -> None:
+def _check_pending(B, H, K, HV, V, pending: LayerCommit) -> None:
     """A pending commit's factor records and path must match the state's shape (ValueError)."""
-    pk, pd, pG, path, plen = pending
+    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, GDNFactorRecord):
+        raise ValueError(f"pending must be a LayerCommit of a GDNFactorRecord, got {type(pending).__name__}")
+    rec, path, plen = pending
+    pk, pd, pG = rec.k, rec.delta, rec.G
     Tp = pk.shape[1]
     if pk.shape != (B, Tp, H, K) or pd.shape != (B, Tp, HV, V) or pG.shape != (B, Tp, HV) or \
             pd.dtype != torch.float32 or pG.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B \
             or plen.shape != (B,) or path.dtype != torch.int64 or plen.dtype != torch.int64:
-        raise ValueError("pending must be (k [B, Tp, H, K], delta [B, Tp, HV, V] f32, G [B, Tp, HV] f32, "
-                         "path [B, P] int64, path_len [B] int64)")
+        raise ValueError("pending must be a LayerCommit of a GDNFactorRecord (k [B, Tp, H, K], delta [B, Tp, HV, V] "
+                         "f32, G [B, Tp, HV] f32), path [B, P] int64 and path_len [B] int64")
 
 
-def _pending_args(state, pending):
-    """Kernel arguments of an optional pending commit (dummies when there is none)."""
-    if pending is None:
-        dummy = torch.zeros(1, dtype=torch.int64, device=state.device)
-        return state, state, state, dummy, dummy, 1, 1
-    pk, pd, pG, path, plen = (x.contiguous() for x in pending)
-    return pk, pd, pG, path, plen, path.shape[1], pk.shape[1]
+def _pending_kwargs(pending: LayerCommit | None) -> dict:
+    """The launch's keyword arguments of an optional pending commit (:mod:`specla.ops.pending`)."""
+    return pending_launch(pending, PENDING_FIELDS)
 
 
 @triton.jit
@@ -235,6 +242,7 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
     tl.store(G + (i_b * T + o_t) * HV + i_hv, b_G, mask=m_t)
 
 
+@with_pending
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, beta, mask, Tm, G, S, o, delta,
@@ -316,7 +324,7 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees need the hybrid 
 
 def tree_verify(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, mask: Tensor, scale: float,
-    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    pending: LayerCommit | None = None,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Tree-masked factorized (parallel) verify of a batch of trees, with the fused delayed commit.
@@ -356,16 +364,16 @@ def tree_verify(
     Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     _tree_prepare_kernel[(B * HV,)](k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
                                     num_warps=TUNING["prepare"]["num_warps"])
-    pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
+    pend = _pending_kwargs(pending)
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        q, k, v, beta, m8, Tm, G, state, o, d, pk, pd, pG, path, plen, scale, T, P, Tp,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, HAS_PENDING=pending is not None, DOT_PREC=prec,
-        BP=max(16, triton.next_power_of_2(P)),
-        num_warps=TUNING["tree"]["num_warps"],
+        q, k, v, beta, m8, Tm, G, state, o, d, scale=scale, T=T,
+        H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, BP=max(16, triton.next_power_of_2(pend["P"])),
+        **pend, num_warps=TUNING["tree"]["num_warps"],
     )
     return out
 
 
+@with_pending
 @triton.jit
 def _chain_kernel(
     q, k, v, g, beta, S, o, delta, G, branch,
@@ -426,7 +434,7 @@ def _chain_kernel(
 
 def hybrid_verify(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, parents: Tensor, scale: float,
-    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    pending: LayerCommit | None = None,
     out: tuple[Tensor, Tensor, Tensor] | None = None, plan: HybridPlan | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Hybrid chain-decomposed verify (docs/DESIGN.md section 4, kernel 3).
@@ -464,12 +472,11 @@ def hybrid_verify(
     branch = torch.empty(max(plan.num_slots, 1), HV, K, V, dtype=torch.float32, device=dev)
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), TUNING["chain"]["BV"])
-    pk, pd, pG, path, plen, P, Tp = _pending_args(state, pending)
     for w, (seq, nodes, lens, par, src) in enumerate(plan.waves):
         _chain_kernel[(seq.shape[0] * HV, triton.cdiv(V, BV))](
             q, k, v, g, beta, state, o, d, G, branch, seq, nodes, lens, par, src, plan.slot_of,
-            pk, pd, pG, path, plen, scale, T, nodes.shape[1], P, Tp,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None and w == 0,
+            scale=scale, T=T, L=nodes.shape[1], H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+            **_pending_kwargs(pending if w == 0 else None),  # only the root chains commit
             num_warps=TUNING["chain"]["num_warps"],
         )
     return out

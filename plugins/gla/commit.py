@@ -10,7 +10,10 @@ import torch
 import triton
 from torch import Tensor
 
-from .verify import _check_pending, _serial_verify_kernel
+from specla.records import LayerCommit
+
+from .records import GLAFactorRecord
+from .verify import _check_pending, _pending_kwargs, _serial_verify_kernel
 
 
 def flush_commit(state: Tensor, k: Tensor, v: Tensor, Gk: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
@@ -30,15 +33,15 @@ def flush_commit(state: Tensor, k: Tensor, v: Tensor, Gk: Tensor, path: Tensor, 
     B, H, K, V = state.shape
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"state must be a contiguous float32 [B, H, K, V], got {state.dtype}")
-    _check_pending(B, H, K, V, (k, v, Gk, path, path_len))
+    commit = LayerCommit(GLAFactorRecord(k=k, v=v, Gk=Gk, conv_x=None), path, path_len)
+    _check_pending(B, H, K, V, commit)
     if len({x.device for x in (state, k, v, Gk, path, path_len)}) != 1:
         raise ValueError("all tensors must be on one device")
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 64)
-    pk, pv, pG, pa, pl = (x.contiguous() for x in (k, v, Gk, path, path_len))
-    # T = 0: no chain token is read or written, so the state stands in for the unused pointers
+    # T = 0: no chain token is read or written, so the state stands in for the chain's pointers
     _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
-        state, state, state, state, state, state, state, pl, pk, pv, pG, pa, pl,
-        1.0, 0, pa.shape[1], pk.shape[1], H=H, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=True,
+        state, state, state, state, state, state, state, path_len, scale=1.0, T=0, H=H, K=K, V=V, BK=BK, BV=BV,
+        **_pending_kwargs(commit),
     )
     return state

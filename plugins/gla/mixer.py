@@ -17,7 +17,7 @@ from torch import Tensor
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record, take_accepted
+from specla.records import LayerCommit, Record, take_accepted
 
 from .commit import flush_commit
 from .records import GLAFactorRecord, GLAReplayRecord, GLASnapshotRecord
@@ -97,14 +97,14 @@ class GLAMixer(RecurrentMixer):
                                                                 anc) if anc is not None else proj
         q, k, v, gk = self._inputs(qkv, gk_raw)
         S0, scale = self.S, self.K**-0.5
-        fused = None if pending is None or not kernel else (pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
+        fused = None if pending is None or not kernel else LayerCommit(pending, tp.path, tp.path_len)
         if choice == "serial":  # the kernels apply the pending commit to S0 in place, then verify
             o, Gk = serial_verify(q, k, v, gk, S0, tp.counts, scale, pending=fused)
         elif choice == "parallel":
             o, Gk = tree_verify(q, k, v, gk, S0, tp.mask, scale, pending=fused)
         else:
             if fused is not None:  # a tree over the kernels' size: commit, then verify unfused
-                flush_commit(S0, *fused)
+                flush_commit(S0, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
             o, Gk = tree_gla(q, k, v, gk, S0, tp.mask, scale)
         conv_x = proj if anc is not None else None
         if tp.records == "factor":

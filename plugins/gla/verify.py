@@ -19,6 +19,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specla.ops.pending import pending_launch, with_pending
+from specla.records import LayerCommit
+
+from .records import GLAFactorRecord
+
+PENDING_FIELDS = dict(pk="k", pv="v", pGk="Gk")  # kernel parameter -> GLAFactorRecord field
 MAX_TREE_NODES = 64  # register tiles of [BT, BK]; larger trees use the reference path
 
 
@@ -45,6 +51,7 @@ def _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_
     return b_S
 
 
+@with_pending
 @triton.jit
 def _serial_verify_kernel(
     q, k, v, gk, S, o, Gk, num_nodes,
@@ -94,30 +101,29 @@ def _check(q, k, v, gk, state, pending) -> None:
             raise ValueError(f"{name} must be float32 {list(shape)}, got {x.dtype} {list(x.shape)}")
     if not state.is_contiguous():
         raise ValueError("state must be contiguous (the committed state is written in place)")
-    if len({x.device for x in [q, k, v, gk, state, *(pending or [])]}) != 1:
+    if len({x.device for x in [q, k, v, gk, state, *(pending.tensors() if pending else [])]}) != 1:
         raise ValueError("all tensors must be on one device")
     if pending is not None:
         _check_pending(B, H, K, V, pending)
 
 
-def _check_pending(B, H, K, V, pending) -> None:
+def _check_pending(B, H, K, V, pending: LayerCommit) -> None:
     """A pending commit's factor records and path must match the state's shape (ValueError)."""
-    pk, pv, pGk, path, plen = pending
+    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, GLAFactorRecord):
+        raise ValueError(f"pending must be a LayerCommit of a GLAFactorRecord, got {type(pending).__name__}")
+    rec, path, plen = pending
+    pk, pv, pGk = rec.k, rec.v, rec.Gk
     Tp = pk.shape[1]
     if pk.shape != (B, Tp, H, K) or pv.shape != (B, Tp, H, V) or pGk.shape != (B, Tp, H, K) or \
             pGk.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B or plen.shape != (B,) \
             or path.dtype != torch.int64 or plen.dtype != torch.int64:
-        raise ValueError("pending must be (k [B, Tp, H, K], v [B, Tp, H, V], Gk [B, Tp, H, K] f32, "
-                         "path [B, P] int64, path_len [B] int64)")
+        raise ValueError("pending must be a LayerCommit of a GLAFactorRecord (k [B, Tp, H, K], v [B, Tp, H, V], "
+                         "Gk [B, Tp, H, K] f32), path [B, P] int64 and path_len [B] int64")
 
 
-def _pending_args(state, pending):
-    """Kernel arguments of an optional pending commit (dummies when there is none)."""
-    if pending is None:
-        dummy = torch.zeros(1, dtype=torch.int64, device=state.device)
-        return state, state, state, dummy, dummy, 1, 1
-    pk, pv, pGk, path, plen = (x.contiguous() for x in pending)
-    return pk, pv, pGk, path, plen, path.shape[1], pk.shape[1]
+def _pending_kwargs(pending: LayerCommit | None) -> dict:
+    """The launch's keyword arguments of an optional pending commit (:mod:`specla.ops.pending`)."""
+    return pending_launch(pending, PENDING_FIELDS)
 
 
 def _outputs(v, K, out):
@@ -129,7 +135,7 @@ def _outputs(v, K, out):
 
 def serial_verify(
     q: Tensor, k: Tensor, v: Tensor, gk: Tensor, state: Tensor, num_nodes: Tensor, scale: float,
-    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    pending: LayerCommit | None = None,
     out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """State-resident serial verify of a batch of chains, with the fused delayed commit.
@@ -145,8 +151,9 @@ def serial_verify(
             to it **in place** (and nothing else is written to it).
         num_nodes: ``[B]`` int64 chain length per sequence (``0..T``).
         scale: query scale (``K ** -0.5``).
-        pending: the previous step's ``(k [B, Tp, H, K], v [B, Tp, H, V], Gk [B, Tp, H, K]
-            float32, path [B, P] int64, path_len [B] int64)``; ``path_len[b] = 0`` leaves
+        pending: the previous step's commit, :class:`specla.records.LayerCommit` of a
+            ``GLAFactorRecord`` (``k [B, Tp, H, K]``, ``v [B, Tp, H, V]``, ``Gk [B, Tp, H, K]``
+            float32), ``path [B, P]`` and ``path_len [B]`` int64; ``path_len[b] = 0`` leaves
             sequence ``b``'s state bit-identical.
         out: optional preallocated ``(o, Gk)`` (tests pass NaN-filled tensors).
     Returns:
@@ -165,10 +172,9 @@ def serial_verify(
     o, G = out = _outputs(v, K, out)
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 64)
-    pk, pv, pGk, path, plen, P, Tp = _pending_args(state, pending)
     _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
-        q, k, v, gk, state, o, G, num_nodes, pk, pv, pGk, path, plen,
-        scale, T, P, Tp, H=H, K=K, V=V, BK=BK, BV=BV, HAS_PENDING=pending is not None,
+        q, k, v, gk, state, o, G, num_nodes, scale=scale, T=T, H=H, K=K, V=V, BK=BK, BV=BV,
+        **_pending_kwargs(pending),
     )
     return out
 
@@ -188,6 +194,7 @@ def _tree_decay_kernel(gk, mask, Gk, T, H: tl.constexpr, K: tl.constexpr, BT: tl
     tl.store(Gk + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], b_G, mask=m_tk)
 
 
+@with_pending
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, mask, Gk, S, o,
@@ -232,7 +239,7 @@ def _tree_verify_kernel(
 
 def tree_verify(
     q: Tensor, k: Tensor, v: Tensor, gk: Tensor, state: Tensor, mask: Tensor, scale: float,
-    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    pending: LayerCommit | None = None,
     out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Tree-masked parallel verify of a batch of trees, with the fused delayed commit.
@@ -263,10 +270,9 @@ def tree_verify(
     BV = max(16, min(triton.next_power_of_2(V), 64))
     o, G = out = _outputs(v, K, out)
     _tree_decay_kernel[(B * H,)](gk, m8, G, T, H=H, K=K, BT=BT, BK=BK)
-    pk, pv, pGk, path, plen, P, Tp = _pending_args(state, pending)
     _tree_verify_kernel[(B * H, triton.cdiv(V, BV))](
-        q, k, v, m8, G, state, o, pk, pv, pGk, path, plen, scale, T, P, Tp,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_PENDING=pending is not None,
+        q, k, v, m8, G, state, o, scale=scale, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        **_pending_kwargs(pending),
     )
     return out
 

@@ -10,7 +10,10 @@ import torch
 import triton
 from torch import Tensor
 
-from .verify import _check_pending, _serial_verify_kernel
+from specla.records import LayerCommit
+
+from .records import Mamba2FactorRecord
+from .verify import _check_pending, _pending_kwargs, _serial_verify_kernel
 
 
 def flush_commit(state: Tensor, Bm: Tensor, u: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
@@ -33,15 +36,14 @@ def flush_commit(state: Tensor, Bm: Tensor, u: Tensor, G: Tensor, path: Tensor, 
     if Bm.dim() != 4 or H % Bm.shape[2]:
         raise ValueError(f"Bm must be [B, T, NG, N] with H % NG == 0, got {list(Bm.shape)}")
     NG = Bm.shape[2]
-    _check_pending(B, H, NG, N, P, (Bm, u, G, path, path_len))
+    commit = LayerCommit(Mamba2FactorRecord(Bm=Bm, u=u, G=G, conv_x=None), path, path_len)
+    _check_pending(B, H, NG, N, P, commit)
     if len({t.device for t in (state, Bm, u, G, path, path_len)}) != 1:
         raise ValueError("all tensors must be on one device")
     BP = min(triton.next_power_of_2(P), 64)
-    pB, pu, pG, pa, pl = (t.contiguous() for t in (Bm, u, G, path, path_len))
-    # T = 0: no chain token is read or written, so the state stands in for the unused pointers
+    # T = 0: no chain token is read or written, so the state stands in for the chain's pointers
     _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
-        state, state, state, state, state, state, state, state, state, state, pl, pB, pu, pG, pa, pl,
-        0, pa.shape[1], pB.shape[1], H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP,
-        HAS_PENDING=True, D_HDIM=False,
+        state, state, state, state, state, state, state, state, state, state, path_len, T=0,
+        H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=False, **_pending_kwargs(commit),
     )
     return state

@@ -18,7 +18,7 @@ from torch import Tensor
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record, take_accepted
+from specla.records import LayerCommit, Record, take_accepted
 
 from .commit import flush_commit
 from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
@@ -91,8 +91,7 @@ class Mamba2Mixer(RecurrentMixer):
         xs, Bm, Cm = xs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N)
         dt, a = discretize(dt_raw, self.dt_bias, self.A_log, self.dt_limit)
         S0 = self.S
-        fused = None if pending is None or choice == "reference" else (pending.Bm, pending.u, pending.G, tp.path,
-                                                                       tp.path_len)
+        fused = None if pending is None or choice == "reference" else LayerCommit(pending, tp.path, tp.path_len)
         if choice == "serial":  # the kernels apply the pending commit to S0 in place first
             y, u, Gs = serial_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.counts, pending=fused)
         elif choice == "parallel":

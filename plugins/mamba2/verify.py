@@ -20,6 +20,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specla.ops.pending import pending_launch, with_pending
+from specla.records import LayerCommit
+
+from .records import Mamba2FactorRecord
+
+PENDING_FIELDS = dict(pB="Bm", pu="u", pG="G")  # kernel parameter -> Mamba2FactorRecord field
+
 MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the reference path
 
 
@@ -55,6 +62,7 @@ def _load_D(D, i_h, o_p, m_p, P: tl.constexpr, BP: tl.constexpr, D_HDIM: tl.cons
     return b_D.to(tl.float32)
 
 
+@with_pending
 @triton.jit
 def _serial_verify_kernel(
     x, dt, a, Bm, Cm, D, S, y, u, G, num_nodes,
@@ -99,6 +107,7 @@ def _serial_verify_kernel(
             tl.store(G + one, tl.where(valid, G_new, 0.0))
 
 
+@with_pending
 @triton.jit
 def _tree_verify_kernel(
     x, dt, a, Bm, Cm, D, mask, S, y, u, G,
@@ -160,30 +169,30 @@ def _check(x, dt, a, Bm, Cm, D, state, pending) -> None:
         raise ValueError(f"D must be [{H}] or [{H}, {P}], got {list(D.shape)}")
     if not state.is_contiguous():
         raise ValueError("state must be contiguous (the committed state is written in place)")
-    if len({t.device for t in [x, dt, a, Bm, Cm, D, state, *(pending or [])]}) != 1:
+    if len({t.device for t in [x, dt, a, Bm, Cm, D, state, *(pending.tensors() if pending else [])]}) != 1:
         raise ValueError("all tensors must be on one device")
     if pending is not None:
         _check_pending(B, H, NG, N, P, pending)
 
 
-def _check_pending(B, H, NG, N, P, pending) -> None:
+def _check_pending(B, H, NG, N, P, pending: LayerCommit) -> None:
     """A pending commit's factor records and path must match the state's shape (ValueError)."""
-    pB, pu, pG, path, plen = pending
+    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, Mamba2FactorRecord):
+        raise ValueError(f"pending must be a LayerCommit of a Mamba2FactorRecord, got {type(pending).__name__}")
+    rec, path, plen = pending
+    pB, pu, pG = rec.Bm, rec.u, rec.G
     Tp = pB.shape[1]
     if pB.shape != (B, Tp, NG, N) or pu.shape != (B, Tp, H, P) or pG.shape != (B, Tp, H) or \
             pu.dtype != torch.float32 or pG.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B \
             or plen.shape != (B,) or path.dtype != torch.int64 or plen.dtype != torch.int64:
-        raise ValueError("pending must be (Bm [B, Tp, NG, N], u [B, Tp, H, P] f32, G [B, Tp, H] f32, "
-                         "path [B, L] int64, path_len [B] int64)")
+        raise ValueError("pending must be a LayerCommit of a Mamba2FactorRecord (Bm [B, Tp, NG, N], u [B, Tp, H, P] "
+                         "f32, G [B, Tp, H] f32), path [B, L] int64 and path_len [B] int64")
 
 
-def _pending_args(state, pending):
-    """Kernel arguments of an optional pending commit (dummies when there is none)."""
-    if pending is None:
-        dummy = torch.zeros(1, dtype=torch.int64, device=state.device)
-        return state, state, state, dummy, dummy, 1, 1
-    pB, pu, pG, path, plen = (t.contiguous() for t in pending)
-    return pB, pu, pG, path, plen, path.shape[1], pB.shape[1]
+def _pending_kwargs(pending: LayerCommit | None) -> dict:
+    """The launch's keyword arguments of an optional pending commit (:mod:`specla.ops.pending`;
+    the path width is ``Lp``: ``P`` is the head dim here)."""
+    return pending_launch(pending, PENDING_FIELDS, width="Lp")
 
 
 def _outputs(x, out):
@@ -196,7 +205,7 @@ def _outputs(x, out):
 
 def serial_verify(
     x: Tensor, dt: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, D: Tensor, state: Tensor, num_nodes: Tensor,
-    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    pending: LayerCommit | None = None,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """State-resident serial SSD verify of a batch of chains, with the fused delayed commit.
@@ -212,8 +221,9 @@ def serial_verify(
         state: ``[B, H, N, P]`` float32 committed state; the pending commit, if any, is applied
             to it **in place** (and nothing else is written to it).
         num_nodes: ``[B]`` int64 chain length per sequence (``0..T``).
-        pending: the previous step's ``(Bm [B, Tp, NG, N], u [B, Tp, H, P] float32,
-            G [B, Tp, H] float32, path [B, L] int64, path_len [B] int64)``; ``path_len[b] = 0``
+        pending: the previous step's commit, :class:`specla.records.LayerCommit` of a
+            ``Mamba2FactorRecord`` (``Bm [B, Tp, NG, N]``, ``u [B, Tp, H, P]`` float32, ``G [B,
+            Tp, H]`` float32), ``path [B, L]`` and ``path_len [B]`` int64; ``path_len[b] = 0``
             leaves sequence ``b``'s state bit-identical.
         out: optional preallocated ``(y, u, G)`` (tests pass NaN-filled tensors).
     Returns:
@@ -229,19 +239,18 @@ def serial_verify(
     if num_nodes.shape != (B,) or num_nodes.dtype != torch.int64 or num_nodes.device != x.device:
         raise ValueError(f"num_nodes must be int64 [{B}] on {x.device}, got {num_nodes.dtype} {list(num_nodes.shape)}")
     y, u, G = out = _outputs(x, out)
-    pB, pu, pG, path, plen, Lp, Tp = _pending_args(state, pending)
     BP = min(triton.next_power_of_2(P), 64)
     _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
         *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), state, y, u, G, num_nodes,
-        pB, pu, pG, path, plen, T, Lp, Tp, H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP,
-        HAS_PENDING=pending is not None, D_HDIM=D.dim() == 2,
+        T=T, H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=D.dim() == 2,
+        **_pending_kwargs(pending),
     )
     return out
 
 
 def tree_verify(
     x: Tensor, dt: Tensor, a: Tensor, Bm: Tensor, Cm: Tensor, D: Tensor, state: Tensor, mask: Tensor,
-    pending: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    pending: LayerCommit | None = None,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Tree-masked factorized (parallel) SSD verify of a batch of trees, with the fused delayed
@@ -267,14 +276,13 @@ def tree_verify(
     if T > MAX_TREE_NODES:
         raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
     y, u, G = out = _outputs(x, out)
-    pB, pu, pG, path, plen, Lp, Tp = _pending_args(state, pending)
     BP = max(16, min(triton.next_power_of_2(P), 64))  # tl.dot needs tiles of at least 16
     # node tiles of at least 32: on an H200 at the Mamba2-1.3B shape, 32-node trees (BT = 32) ran
     # 3.4x to 4.2x faster than 8- and 16-node ones with BT = 16 (BENCHMARKS.md section 2)
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
         *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), mask.to(torch.int8).contiguous(), state, y, u, G,
-        pB, pu, pG, path, plen, T, Lp, Tp, H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(T)),
-        BN=max(16, triton.next_power_of_2(N)), BP=BP, HAS_PENDING=pending is not None, D_HDIM=D.dim() == 2,
+        T=T, H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(T)),
+        BN=max(16, triton.next_power_of_2(N)), BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending),
     )
     return out
 
