@@ -7,8 +7,8 @@ positional encoding. :class:`KDAMixer` verifies a draft tree in one factorized p
 (:func:`specla_kimi.reference.tree_kda`: every node's output and delta as if the recurrence ran
 along its root path) and commits the accepted path from compact per-token factor records ``(k,
 delta, Gk)`` in closed form (``factor``), from per-node states (``snapshot``) or by running its
-tokens again (``replay``); :class:`MLAMixer` expands MLA's latents to
-per-head keys and values and runs the core's tree attention over a KV cache of those. The
+tokens again (``replay``); :class:`MLAMixer` runs the core's tree attention in MLA's latent
+space over a KV cache of the latents (one head of ``kv_lora_rank + qk_rope_head_dim``). The
 checkpoint's own modules do everything else (projections, gates, norms, MLP / MoE, LM head).
 PyTorch only: no Triton kernels for KDA yet.
 """
@@ -131,10 +131,13 @@ class KDAMixer(RecurrentMixer):
 
 class MLAMixer(AttentionMixer):
     """Kimi Linear's multi-head latent attention (``KimiLinearAttention``, no positional
-    encoding) under draft trees: the latents expanded to per-head keys ``[k_nope ; k_rot]`` and
-    values by the layer's own projections, cached per head (not as latents), zero-padded to one
-    head width ``max(qk_head_dim, v_head_dim)`` for the core's tree attention (zeros change no
-    score and no output), the output cut back to ``v_head_dim`` and projected.
+    encoding) under draft trees, in the latent space (DeepSeek-V2's absorbed form): the KV cache
+    holds per token only the normalised latent ``c`` (``kv_lora_rank``) and the key part shared
+    by all heads ``k_rot``, as one key head ``[c ; k_rot]`` (values ``[c ; 0]``). Each head's
+    query enters the latent space through its key up-projection, ``q' = [W_kb^T q_nope ;
+    q_rot]``, and its attention output leaves through its value up-projection, ``o = W_vb
+    o'[:kv_lora_rank]``; exact, since ``q_nope . (W_kb c) = (W_kb^T q_nope) . c`` and ``sum_i
+    p_i W_vb c_i = W_vb sum_i p_i c_i``, with the layer's own scale ``qk_head_dim ** -0.5``.
 
     Args:
         attn: the layer's ``KimiLinearAttention`` module. dtype, device: the cache's.
@@ -142,29 +145,31 @@ class MLAMixer(AttentionMixer):
 
     def __init__(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device):
         self.attn = attn
-        self.Dqk, self.Dv = attn.qk_head_dim, attn.v_head_dim
-        super().__init__(attn.num_heads, max(self.Dqk, self.Dv), dtype, device, scale=attn.scaling)
+        self.R, self.Dn, self.Dr, self.Dv = attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+        w = attn.kv_b_proj.weight.detach().view(attn.num_heads, self.Dn + self.Dv, self.R)
+        self.W_kb, self.W_vb = w[:, : self.Dn], w[:, self.Dn :]  # [H, Dn, R], [H, Dv, R]
+        super().__init__(1, self.R + self.Dr, dtype, device, scale=attn.scaling)
 
     def project(self, h: Tensor, positions: Tensor):
         a, (B, T) = self.attn, h.shape[:2]
         q = a.q_proj(h) if a.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(h)))
-        kv_nope, k_rot = a.kv_a_proj_with_mqa(h).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        k_nope, v = a.kv_b_proj(a.kv_a_layernorm(kv_nope)).view(B, T, -1, a.qk_nope_head_dim + self.Dv).split(
-            [a.qk_nope_head_dim, self.Dv], dim=-1)
-        k = torch.cat([k_nope, k_rot[:, :, None].expand(-1, -1, k_nope.shape[2], -1)], -1)
-        pad = lambda x: F.pad(x, (0, self.Dh - x.shape[-1]))  # noqa: E731
-        return pad(q.view(B, T, -1, self.Dqk)), pad(k), pad(v), None
+        q_nope, q_rot = q.view(B, T, -1, self.Dn + self.Dr).split([self.Dn, self.Dr], dim=-1)
+        c, k_rot = a.kv_a_proj_with_mqa(h).split([self.R, self.Dr], dim=-1)
+        c = a.kv_a_layernorm(c)
+        q = torch.cat([torch.einsum("bthd,hdr->bthr", q_nope, self.W_kb), q_rot], -1)
+        return q, torch.cat([c, k_rot], -1)[:, :, None], F.pad(c, (0, self.Dr))[:, :, None], None
 
     def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
-        return self.attn.o_proj(o[..., : self.Dv].reshape(*o.shape[:2], -1))
+        o = torch.einsum("bthr,hdr->bthd", o[..., : self.R], self.W_vb)
+        return self.attn.o_proj(o.reshape(*o.shape[:2], -1))
 
 
 class KimiLinearAdapter(MixerAdapter):
     """Kimi Linear on the mixer core (see the module docstring).
 
     State per sequence: per KDA layer a float32 (float64 in float64 runs) state ``[B, H, K, V]``
-    and a conv window; per MLA layer a KV cache ``[B, capacity + 65, H, max(Dqk, Dv)]`` with its
-    length. The model is used as it is when the run's device and dtype are its own and it is in
+    and a conv window; per MLA layer a latent KV cache ``[B, capacity + 65, 1, kv_lora_rank +
+    qk_rope_head_dim]`` with its length. The model is used as it is when the run's device and dtype are its own and it is in
     eval mode, else as a converted copy.
 
     Args:
