@@ -51,7 +51,7 @@ MODELS = {
         qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=None, moe_intermediate_size=32, num_experts=2,
         num_experts_per_token=1, num_expert_group=1, topk_group=1, pad_token_id=0, bos_token_id=None, eos_token_id=None), 20, 7,
         "Kimi-Linear-48B-A3B: 27 layers (MLA at 4, 8, 12, 16, 20, 24, 27), KDA 32 heads of 128; MLA 32 "
-        "heads, latent 512, q/k 128 + 64 rotary, values 128 (cached per head by specla)"),
+        "heads, latent 512, q/k 128 + 64 rotary, values 128 (specla caches the latent and the rotary key)"),
     "lfm2-1.2b": ("lfm2", "Lfm2Config", dict(
         hidden_size=2048, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3,
         num_attention_heads=32, num_key_value_heads=8), 10, 6,
