@@ -101,6 +101,9 @@ class Engine:
         self.policy = BudgetPolicy([config.num_draft_tokens, 0]) if adaptive and config.num_draft_tokens else None
         self._current = 0  # the candidate the last step ran
         self._lock = threading.Lock()  # one batch at a time: the state below is the engine's only copy
+        # the draws of a sampling run: one generator for the eager steps and every runner, reseeded
+        # by each generate call (separate generators seeded alike would repeat each other's draws)
+        self._sampler = torch.Generator(device=adapter.device) if config.temperature > 0 else None
         # why graphs cannot run here (None: they can), decided once
         self._graph_problem = graph_problem(adapter, config) if config.cuda_graphs != "off" else None
         if config.cuda_graphs == "on" and adapter.device.type != "cuda":
@@ -139,10 +142,11 @@ class Engine:
         start = self._clock()
         adapter.prefill(prompts)
         self.drafter.reset(prompts)
+        if self._sampler is not None:
+            self._sampler.manual_seed(cfg.seed) if cfg.seed is not None else self._sampler.seed()
         if runner is not None:
             for r in self._runners():
                 r.release()  # the state was replaced: the next step loads it into its graph
-                r.seed(cfg.seed)
         run = _Decoding(prompts, cfg, adapter.eos_token_ids, stats)
         if runner is not None and batch_bucket(len(run.rows)) > len(run.rows):  # graphs run power-of-two batches
             self._gather(run, list(range(len(run.rows))), batch_bucket(len(run.rows)))
@@ -160,14 +164,7 @@ class Engine:
 
     def _decode_eager(self, run: _Decoding, t: float) -> None:
         """Eager steps until every sequence is done; finished rows leave the batch at once."""
-        cfg, stats = self.config, run.stats
-        generator = None
-        if cfg.temperature > 0:
-            generator = torch.Generator(device=self.adapter.device)
-            if cfg.seed is not None:
-                generator.manual_seed(cfg.seed)
-            else:
-                generator.seed()
+        cfg, stats, generator = self.config, run.stats, self._sampler
         first = True  # the first step after a prefill or a gather is not timed for the policy
         while True:
             room = [cfg.max_new_tokens - len(run.outputs[s]) - 1 for s in run.shown]
@@ -263,8 +260,7 @@ class Engine:
             return None
         if self._graph_runners[candidate] is None:
             runner = GraphRunner(self.adapter, self.drafter, self.configs[candidate],
-                                 capture=on_cuda and cfg.cuda_graphs != "unrecorded")
-            runner.seed(cfg.seed)
+                                 capture=on_cuda and cfg.cuda_graphs != "unrecorded", generator=self._sampler)
             self._graph_runners[candidate] = runner
         return self._graph_runners[candidate]
 

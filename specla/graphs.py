@@ -29,7 +29,7 @@ same output (every accepted token is the target's greedy token).
 Sampling (``temperature > 0``) runs in the graph too: trees are verified as deterministic
 proposals (greedy device trees, host trees without their ``q``), so acceptance is one draw per node
 and a walk (:func:`specla.acceptance.accept_sampling`), lossless whatever the drafter; the draws
-come from a static buffer that the runner's seeded generator fills before each replay.
+come from a static buffer that the run's one generator fills before each replay.
 """
 
 from __future__ import annotations
@@ -87,12 +87,16 @@ class GraphRunner:
             ``adapter.graph_max_nodes()``.
         capture: record CUDA graphs (``False`` runs the same static-buffer step eagerly, which is
             how the CPU tests check the runner's logic).
+        generator: the random source of a sampling run's draws (``temperature > 0``); the engine
+            passes one generator to every runner and its eager steps, so no draw is ever reused
+            (default: a new, randomly seeded one).
 
     Raises:
         ValueError: the adapter cannot run in graphs, or the budget is over its limit.
     """
 
-    def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig, capture: bool = True):
+    def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig, capture: bool = True,
+                 generator: torch.Generator | None = None):
         problem = graph_problem(adapter, config)
         if problem:
             raise ValueError(f"CUDA graphs cannot run this configuration: {problem}")
@@ -105,7 +109,10 @@ class GraphRunner:
         self._bound: _Graph | None = None  # the graph whose static buffers hold the live state
         self._bound_roots: Tensor | None = None  # adapter.roots while bound (replaced by any prefill or select)
         self.sampling = config.temperature > 0
-        self.generator = torch.Generator(device=adapter.device) if self.sampling else None
+        if self.sampling and generator is None:
+            generator = torch.Generator(device=adapter.device)
+            generator.seed()
+        self.generator = generator
 
     # ------------------------------------------------------------------ the recorded step
     def _body(self, tree: DraftTree | None, uniforms: Tensor | None = None) -> Tensor:
@@ -206,15 +213,6 @@ class GraphRunner:
         else:
             self._record(g)
         return read_outcome(g.outcome)  # the step's one host synchronisation
-
-    def seed(self, seed: int | None) -> None:
-        """Seed the generator of a sampling run's draws (``None``: a fresh random seed); the
-        engine calls it at the start of every ``generate`` call, so a seed repeats a run."""
-        if self.generator is not None:
-            if seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(seed)
 
     def _draw(self, B: int, out: Tensor | None = None) -> Tensor:
         """``[B, N + 1]`` float32 draws from ``U[0, 1)`` by the run's generator (into ``out``)."""

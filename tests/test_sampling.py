@@ -243,3 +243,37 @@ def test_engine_sampling_with_the_eagle_drafters_q_follows_the_model_distributio
     assert stat < bound(int(keep.sum()) - 1), stat
     again = SpecDecoder(model, "gdn", drafter=EagleDrafter(head), config=cfg).generate([prompt] * n)
     assert again.outputs == out.outputs
+
+
+@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
+def test_steps_of_both_budgets_draw_fresh_numbers(graphs, monkeypatch):
+    """With the adaptive policy a run alternates its drafting budget and plain decoding, each
+    with its own recorded step: every step's draws come from the run's one generator, so no
+    step reuses another's numbers (separately seeded generators would replay the same draws),
+    and the seeded run repeats."""
+    from specla import SpecDecoder
+    from specla.engine import Engine
+    from specla.registry import get_plugin
+
+    model = get_plugin("gdn").tiny_model("base", seed=3, dtype=torch.float32)
+    firsts = []
+    real_rand = torch.rand
+
+    def spy_rand(*shape, **kw):  # every sampling draw, eager or into a graph's buffer
+        out = real_rand(*shape, **kw)
+        if kw.get("generator") is not None:
+            firsts.append(float(out.flatten()[0]))
+        return out
+
+    monkeypatch.setattr(torch, "rand", spy_rand)
+    monkeypatch.setattr(Engine, "_choose", lambda self, batch: self.stats_steps.__next__())
+    runs = []
+    for _ in range(2):
+        firsts.clear()
+        dec = SpecDecoder(model, "gdn", drafter="ngram",
+                          config=dict(temperature=0.8, seed=7, max_new_tokens=12, num_draft_tokens=3, max_depth=3,
+                                      budget_policy="adaptive", cuda_graphs=graphs))
+        dec.engine.stats_steps = iter([0, 1] * 20)  # drafting, plain, drafting, ...
+        runs.append((dec.generate([[5, 9, 5, 9, 5, 9, 2]]).outputs, list(firsts)))
+        assert len(firsts) >= 4 and len(set(firsts)) == len(firsts), firsts
+    assert runs[0] == runs[1]
