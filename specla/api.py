@@ -12,9 +12,9 @@ import torch
 from .config import SpecConfig
 from .drafters import make_drafter
 from .engine import Engine, RunStats
-from .errors import ConfigError, InvalidTokenError, TokenTypeError, UnsupportedModelError
+from .errors import ConfigError, DrafterError, InvalidTokenError, TokenTypeError, UnsupportedModelError
 from .interfaces import ArchitecturePlugin, Drafter
-from .registry import detect_plugin, get_plugin
+from .registry import available, detect_plugin, get_plugin
 
 ModelLike = torch.nn.Module | str | Path
 
@@ -84,6 +84,8 @@ class SpecDecoder:
         ConfigError: ``cuda_graphs="on"`` for a plugin without the ``cuda_graphs`` capability,
             or without a CUDA device, or a configuration graphs cannot run (sampling, a budget
             over the recorded verify's); a ``stop_token_ids`` entry outside the vocabulary.
+        DrafterError: a model's own drafter (``"mtp"``) the model does not bring (the plugin has
+            none, or the checkpoint ships no fitting MTP layer: the message names the problem).
 
     One decoder may be shared between threads: its :meth:`generate` calls run one after another
     (a decoder holds one batch's state), each returning exactly what it would alone.
@@ -138,6 +140,9 @@ class SpecDecoder:
                               f"0..{self.adapter.vocab_size - 1}")
         if isinstance(drafter, str) and drafter in self.plugin.model_drafters:  # the model's own (MTP)
             self.drafter = self.plugin.make_model_drafter(drafter, model)
+        elif isinstance(drafter, str) and (owners := [n for n in available() if drafter in get_plugin(n).model_drafters]):
+            raise DrafterError(f"drafter={drafter!r} is a model's own drafter, and the {self.plugin.name} plugin's "
+                               f"models bring none (the {', '.join(owners)} plugins' do)")
         else:
             self.drafter = make_drafter(drafter)
         self.drafter.bind(self.adapter)

@@ -192,8 +192,8 @@ def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(tmp
 
 def test_mtp_is_refused_by_name_without_a_fitting_module(tmp_path):
     """``drafter="mtp"``: a family whose checkpoints ship no MTP module, a checkpoint without
-    ``mtp.*`` tensors, and tensors with an expert missing are each refused with a DrafterError
-    naming the problem."""
+    ``mtp.*`` tensors, tensors with an expert missing or of another shape, and a plugin without
+    model drafters are each refused with a DrafterError naming the problem."""
     from safetensors.torch import load_file, save_file
 
     from specla.errors import DrafterError
@@ -212,3 +212,9 @@ def test_mtp_is_refused_by_name_without_a_fitting_module(tmp_path):
     save_file(tensors, str(tmp_path / "mtp.safetensors"))
     with pytest.raises(DrafterError, match="not numbered"):
         SpecDecoder(model, drafter="mtp")
+    tensors["mtp.layers.1.mixer.experts.2.up_proj.weight"] = tensors["mtp.layers.1.mixer.experts.1.up_proj.weight"][:-1].clone()
+    save_file(tensors, str(tmp_path / "mtp.safetensors"))
+    with pytest.raises(DrafterError, match="differ in shape"):
+        SpecDecoder(model, drafter="mtp")
+    with pytest.raises(DrafterError, match="the gdn plugin's models bring none"):
+        SpecDecoder(get_plugin("gdn").tiny_model("base"), drafter="mtp")

@@ -163,8 +163,9 @@ def test_cuda_eager_moe_experts_run_eager_steps():
 
 
 def write_mtp_layer(directory, model, seed=0):
-    """A random MTP layer for ``model`` as ``directory/mtp.safetensors`` (``mtp.*`` names, as the
-    checkpoints ship it in their shards), built from the model's own classes."""
+    """A random MTP layer for ``model`` as ``directory/mtp.safetensors`` (``mtp.*`` names, MoE
+    experts one tensor per expert and projection, as the checkpoints ship it in their shards),
+    built from the model's own classes. Returns the layer (the oracle's copy)."""
     from safetensors.torch import save_file
 
     from specla_qwen.adapter import text_parts
@@ -184,8 +185,20 @@ def write_mtp_layer(directory, model, seed=0):
                 p.add_(torch.randn_like(p) * 0.2)
             else:
                 p.copy_(torch.randn_like(p) * 0.1)
-    save_file({f"mtp.{k}": v.detach().to(text.norm.weight.dtype).contiguous() for k, v in head.state_dict().items()},
+    tensors = {}
+    for k, v in head.state_dict().items():
+        if k.endswith("experts.gate_up_proj"):  # [E, 2 I, H]: each expert's gate rows, then its up rows
+            stem = k.rsplit(".", 1)[0]
+            for e, w in enumerate(v):
+                gate, up = w.chunk(2, 0)
+                tensors.update({f"mtp.{stem}.{e}.gate_proj.weight": gate, f"mtp.{stem}.{e}.up_proj.weight": up})
+        elif k.endswith("experts.down_proj"):
+            tensors.update({f"mtp.{k.rsplit('.', 1)[0]}.{e}.down_proj.weight": w for e, w in enumerate(v)})
+        else:
+            tensors[f"mtp.{k}"] = v
+    save_file({k: v.detach().to(text.norm.weight.dtype).contiguous() for k, v in tensors.items()},
               str(directory / "mtp.safetensors"))
+    return head.to(text.norm.weight.dtype).eval()
 
 
 @pytest.mark.parametrize("variant", ["base", "next"])
@@ -203,7 +216,7 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     if variant == "next":
         model.config._experts_implementation = "eager"
-    write_mtp_layer(tmp_path, model)
+    written = write_mtp_layer(tmp_path, model)
     dec = SpecDecoder(model, drafter="mtp", config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=3, top_k=3))
     assert isinstance(dec.drafter, MTPDrafter)
     prompt = [5, 17, 33, 8, 5, 17, 33, 8, 2, 9, 40]
@@ -215,17 +228,17 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, tmp_pa
     dr.reset([prompt])
     with torch.no_grad():
         _, top_logp, top_tok = dr._expand(dr._root_state()[:, None], dr.root[:, None], 3)
-        head = dr.head
-        text = head.text
+        text, head = dr.head.text, written  # the oracle: the layer as written, not as specla loaded it
         ids = torch.tensor([prompt])
         with torch_path(model):  # transformers' PyTorch path on a CPU
             f = model.model(ids[:, :-1]).last_hidden_state  # final-normed features f_0 .. f_{L-2}
-        h = head.pair(f, text.embed_tokens(ids[:, 1:]))
+        e = text.embed_tokens(ids[:, 1:])
+        h = head.fc(torch.cat([head.pre_fc_norm_embedding(e), head.pre_fc_norm_hidden(f)], -1))
         pos = torch.arange(h.shape[1])[None]
         rope_pos = pos[None].expand(3, -1, -1) if variant == "base" else pos
         y = head.layers[0](h, position_embeddings=text.rotary_emb(h, rope_pos), attention_mask=None)
         y = y[0] if isinstance(y, tuple) else y
-        want = torch.log_softmax(head.lm_head(head.norm(y))[0, -1].float(), -1).topk(3)
+        want = torch.log_softmax(model.lm_head(head.norm(y))[0, -1].float(), -1).topk(3)
     assert top_tok[0, 0].tolist() == want.indices.tolist()
     torch.testing.assert_close(top_logp[0, 0], want.values, rtol=1e-4, atol=1e-5)
 

@@ -14,7 +14,6 @@ load). Nemotron-H's attention has no positional encoding. The drafter is the cor
 from __future__ import annotations
 
 import copy
-import re
 from typing import Callable
 
 import torch
@@ -26,29 +25,6 @@ from specla.interfaces import TargetAdapter
 from specla.mixers import ProjectedAttention
 
 
-def merge_experts(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The checkpoint's per-expert MoE weights (``...experts.{e}.up_proj.weight``,
-    ``...experts.{e}.down_proj.weight``) stacked into transformers' ``[E, out, in]`` parameters
-    (``...experts.up_proj``, ``...experts.down_proj``), as transformers' own loading does for the
-    decoder; other names pass through.
-
-    Raises:
-        DrafterError: an expert index missing from a stack.
-    """
-    out, stacks = {}, {}
-    for name, t in tensors.items():
-        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight", name)
-        if m is None:
-            out[name] = t
-        else:
-            stacks.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
-    for name, experts in stacks.items():
-        if sorted(experts) != list(range(len(experts))):
-            raise DrafterError(f"the checkpoint's mtp.{name} experts are not numbered 0..{len(experts) - 1}")
-        out[name] = torch.stack([experts[e] for e in range(len(experts))])
-    return out
-
-
 class NemotronHMTPHead(MTPHead):
     """Nemotron-H's MTP module, built from transformers' ``NemotronHBlock`` and
     ``NemotronHRMSNorm`` and loaded from the checkpoint's ``mtp.*`` tensors.
@@ -56,7 +32,7 @@ class NemotronHMTPHead(MTPHead):
     Args:
         model: the target ``NemotronHForCausalLM`` (its config and classes are read).
         tensors: the ``mtp.*`` tensors without the prefix (``layers.{i}.*``; per-expert MoE
-            weights as the checkpoints ship them, or stacked).
+            weights as the checkpoints ship them, or stacked: :func:`specla.drafters.mtp.stack_experts`).
     Raises:
         DrafterError: the config asks for more than one MTP module, its block pattern has no or
             several attention blocks or a block of another kind (Mamba2), or the tensors do not fit (missing or
@@ -82,7 +58,7 @@ class NemotronHMTPHead(MTPHead):
         first.eh_proj = nn.Linear(2 * H, H, bias=False)
         last.final_layernorm = NemotronHRMSNorm(H, eps=eps)
         self.attention_index = kinds.index("full_attention")
-        load_mtp_state(self, merge_experts(tensors), model)
+        load_mtp_state(self, tensors, model)
         self._model = [model]  # in a list: the target is not a submodule of its drafter
 
     def bind(self, adapter: TargetAdapter) -> None:

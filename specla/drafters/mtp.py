@@ -16,6 +16,7 @@ each plugin builds from its model's classes and the checkpoint's tensors.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable
@@ -56,28 +57,83 @@ def mtp_tensors(directory: str | Path) -> dict[str, Tensor]:
 
 def checkpoint_directory(model: nn.Module, config=None) -> Path:
     """The checkpoint directory ``model`` was loaded from (``_name_or_path`` of ``config``, its
-    text config, or of ``model.config``).
+    text config, or of ``model.config``): a local directory, or a Hugging Face Hub id whose
+    snapshot is in the local cache (looked up without network access).
 
     Raises:
-        DrafterError: the model names no existing directory.
+        DrafterError: the model names neither.
     """
     source = getattr(config, "_name_or_path", "") or getattr(model.config, "_name_or_path", "")
-    if not source or not Path(source).is_dir():
-        raise DrafterError("drafter='mtp' reads the MTP layer from the checkpoint directory the model was loaded "
-                           f"from, and this model names none ({source!r}): load it with from_pretrained(DIR) or "
-                           "pass DIR to specla")
-    return Path(source)
+    if source and Path(source).is_dir():
+        return Path(source)
+    if source:
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(source, local_files_only=True))
+        except Exception:  # not an id, or not cached: refused below  # noqa: BLE001
+            pass
+    raise DrafterError("drafter='mtp' reads the MTP layer from the checkpoint directory the model was loaded "
+                       f"from, and this model names none that is here ({source!r}): load it with "
+                       "from_pretrained(DIR) or from a Hub id whose snapshot is cached, or pass DIR to specla")
+
+
+def stack_experts(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The per-expert MoE weights checkpoints ship (``...experts.{e}.gate_proj.weight``,
+    ``up_proj``, ``down_proj``) as transformers' stacked expert parameters, as its own loading
+    does for the decoder: ``...experts.down_proj [E, out, in]``, and ``...experts.gate_up_proj``
+    (each expert's gate rows, then its up rows) where there is a gate projection, else
+    ``...experts.up_proj``; every other name passes through.
+
+    Raises:
+        DrafterError: expert indices that are not ``0..E-1``, experts of one projection with
+            different shapes, or a gate projection without an up projection.
+    """
+    out: dict[str, Tensor] = {}
+    stacks: dict[tuple[str, str], dict[int, Tensor]] = {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault((m[1], m[3]), {})[int(m[2])] = t
+
+    def stacked(prefix: str, proj: str) -> Tensor:
+        experts = stacks[(prefix, proj)]
+        if sorted(experts) != list(range(len(experts))):
+            raise DrafterError(f"the checkpoint's mtp.{prefix}.*.{proj} experts are not numbered 0..{len(experts) - 1}")
+        shapes = sorted({tuple(t.shape) for t in experts.values()})
+        if len(shapes) != 1:
+            raise DrafterError(f"the checkpoint's mtp.{prefix}.*.{proj} experts differ in shape: {shapes}")
+        return torch.stack([experts[e] for e in range(len(experts))])
+
+    for prefix in sorted({p for p, _ in stacks}):
+        projs = {proj for p, proj in stacks if p == prefix}
+        if "down_proj" in projs:
+            out[f"{prefix}.down_proj"] = stacked(prefix, "down_proj")
+        if "gate_proj" in projs:
+            if "up_proj" not in projs:
+                raise DrafterError(f"the checkpoint's mtp.{prefix} experts have gate_proj but no up_proj")
+            gate, up = stacked(prefix, "gate_proj"), stacked(prefix, "up_proj")
+            if gate.shape != up.shape:
+                raise DrafterError(f"the checkpoint's mtp.{prefix} experts: gate_proj {list(gate.shape[1:])} and "
+                                   f"up_proj {list(up.shape[1:])} differ in shape")
+            out[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], 1)
+        elif "up_proj" in projs:
+            out[f"{prefix}.up_proj"] = stacked(prefix, "up_proj")
+    return out
 
 
 def load_mtp_state(module: nn.Module, tensors: dict[str, Tensor], model: nn.Module) -> None:
-    """``module.load_state_dict(tensors)`` (strict: every weight of the MTP module must come from
-    the checkpoint, none left as initialised).
+    """``module.load_state_dict(stack_experts(tensors))`` (strict: every weight of the MTP module
+    must come from the checkpoint, none left as initialised).
 
     Raises:
-        DrafterError: missing or unexpected names, or wrong shapes, naming ``model``'s class.
+        DrafterError: missing or unexpected names, or wrong shapes, naming ``model``'s class
+            (and :func:`stack_experts`'s errors).
     """
     try:
-        module.load_state_dict(tensors)
+        module.load_state_dict(stack_experts(tensors))
     except RuntimeError as err:
         raise DrafterError(f"the checkpoint's mtp.* tensors do not fit {type(model).__name__}'s MTP layer: "
                            f"{err}") from err
