@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from .api import SpecDecoder
 from .config import SpecConfig
+from .step import step_depth
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -149,7 +150,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     ar = SpecDecoder(spec.model, spec.plugin.name, config=config.model_copy(update={"num_draft_tokens": 0}),
                      tokenizer=spec.tokenizer)
     per = defaultdict(lambda: {"prompts": 0, "exact": 0, "spec_tokens": 0, "ar_tokens": 0, "spec_s": 0.0, "ar_s": 0.0,
-                               "hist": [0] * (min(config.max_depth, config.num_draft_tokens) + 1),
+                               "hist": [0] * (step_depth(config) + 1),
                                "gsm8k": [0, 0, 0], "humaneval": [0, 0, 0]})
     samples = []
     if batch_size < 1:

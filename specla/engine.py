@@ -14,7 +14,7 @@ from .errors import ConfigError
 from .graphs import GraphRunner, batch_bucket, graph_problem
 from .interfaces import Drafter, TargetAdapter
 from .policy import BudgetPolicy
-from .step import host_proposal, read_outcome, speculative_step
+from .step import host_proposal, read_outcome, speculative_step, step_depth
 from .tree import DraftTree
 
 
@@ -137,7 +137,7 @@ class Engine:
 
     def _generate(self, prompts: list[list[int]]) -> tuple[list[list[int]], RunStats]:
         cfg, adapter = self.config, self.adapter
-        stats = RunStats(accepted_histogram=[0] * (min(cfg.max_depth, cfg.num_draft_tokens) + 1))
+        stats = RunStats(accepted_histogram=[0] * (step_depth(cfg) + 1))
         runner = self._graph_runner()
         start = self._clock()
         adapter.prefill(prompts)

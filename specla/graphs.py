@@ -55,7 +55,7 @@ def cache_capacity(current: int, longest_prompt: int, config) -> int:
         current: the capacity so far (``0`` at first). longest_prompt: tokens. config: the run's
             :class:`~specla.config.SpecConfig`.
     """
-    need = longest_prompt + config.max_new_tokens + min(config.max_depth, config.num_draft_tokens) + 2
+    need = longest_prompt + config.max_new_tokens + step_depth(config) + 2
     return max(current, 1 << max(need - 1, 255).bit_length())
 
 
@@ -226,17 +226,16 @@ class GraphRunner:
         checks as well)."""
         self._bound = self._bound_roots = None
 
-    def _host_tree(self, contexts: list[list[int]], buf: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def _host_tree(self, contexts: list[list[int]], buf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The host drafter's trees, checked on the CPU and padded to the budget ``N``:
         ``(tokens [B, N], parents [B, N], num_nodes [B])`` int64 CPU tensors, views of ``buf``
-        when given (a graph's pinned staging, so the copy to the device is queued without
+        (a graph's staging, pinned when recorded, so the copy to the device is queued without
         waiting; the previous step's copy has finished, as each step synchronises).
 
         Raises:
             BudgetError / InvalidTokenError / InvalidTreeError: the drafter's tree is invalid.
         """
         cfg, B, N = self.config, len(contexts), self.config.num_draft_tokens
-        buf = self._staging(B) if buf is None else buf
         tokens, parents, num = buf[: B * N].view(B, N), buf[B * N : 2 * B * N].view(B, N), buf[2 * B * N :]
         tokens.zero_()
         parents.fill_(-1)
@@ -247,7 +246,7 @@ class GraphRunner:
             tokens[:, :n], parents[:, :n], num[:] = tree.tokens[:, :n], tree.parents[:, :n], tree.num_nodes
         return tokens, parents, num
 
-    def _staging(self, B: int, pinned: bool = False) -> Tensor:
+    def _staging(self, B: int, pinned: bool) -> Tensor:
         """``[2 B N + B]`` int64 host buffer for one batch of host trees (tokens, parents,
         num_nodes)."""
         N = self.config.num_draft_tokens

@@ -32,12 +32,7 @@ class Record:
 
     def nbytes_per_sequence(self) -> int:
         """Bytes this record holds per sequence (all fields; used for memory reports)."""
-        total = 0
-        for f in fields(self):
-            x = getattr(self, f.name)
-            if isinstance(x, Tensor) and x.numel():
-                total += x.numel() * x.element_size() // x.shape[0]
-        return total
+        return sum(x.numel() * x.element_size() // x.shape[0] for x in self.tensors() if x.numel())
 
 
 def _take(x, index: Tensor):

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from specla.drafters.mtp import MTPDrafter, MTPHead, checkpoint_directory, load_mtp_state, mtp_tensors
 from specla.errors import DrafterError
 from specla.interfaces import TargetAdapter
-from specla.mixers import ProjectedAttention
 
 
 class NemotronHMTPHead(MTPHead):
@@ -59,16 +58,12 @@ class NemotronHMTPHead(MTPHead):
         last.final_layernorm = NemotronHRMSNorm(H, eps=eps)
         self.attention_index = kinds.index("full_attention")
         load_mtp_state(self, tensors, model)
-        self._model = [model]  # in a list: the target is not a submodule of its drafter
 
     def bind(self, adapter: TargetAdapter) -> None:
         self.to(adapter.device, adapter.dtype).eval()
-        model = getattr(adapter, "model", self._model[0])
-        self.final_norm, self.lm_head = model.model.norm_f, model.lm_head
-        a = self.layers[self.attention_index].mixer
-        self.attention = ProjectedAttention(q_proj=a.q_proj, k_proj=a.k_proj, v_proj=a.v_proj, o_proj=a.o_proj,
-                                            num_kv_heads=a.k_proj.out_features // a.head_dim, head_dim=a.head_dim,
-                                            dtype=adapter.dtype, device=adapter.device, scale=a.scaling)
+        self.final_norm, self.lm_head = adapter.model.model.norm_f, adapter.model.lm_head
+        # the attention mixer the adapter builds for the model's own Nemotron-H attention layers
+        self.attention = adapter._attention(self.layers[self.attention_index].mixer)
 
     def features(self, hidden: Tensor) -> Tensor:
         return self.final_norm(hidden)

@@ -52,11 +52,10 @@ class QwenMTPHead(MTPHead):
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = (norm_cls(H, eps=eps) for _ in range(3))
         self.layers = nn.ModuleList([layer_cls(cfg, li)])
         load_mtp_state(self, tensors, model)
-        self._model = [model]  # in a list: the target is not a submodule of its drafter
 
     def bind(self, adapter: TargetAdapter) -> None:
         self.to(adapter.device, adapter.dtype).eval()
-        self.text, self.lm_head = text_parts(getattr(adapter, "model", self._model[0]))
+        self.text, self.lm_head = text_parts(adapter.model)
         self.attention = QwenAttention(self.layers[0].self_attn, self.text.rotary_emb, adapter.dtype, adapter.device)
 
     def features(self, hidden: Tensor) -> Tensor:

@@ -193,9 +193,6 @@ class MTPDrafter(EagleDrafter):
 
     name = "mtp"
 
-    def __init__(self, head: MTPHead):
-        super().__init__(head)
-
     def bind(self, adapter: TargetAdapter) -> None:
         self.adapter = adapter
         self.head.bind(adapter)
