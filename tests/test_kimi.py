@@ -7,24 +7,15 @@ import random
 import pytest
 import torch
 
-from specla import SpecDecoder
 from specla.errors import UnsupportedModelError
+from specla.ops.naive import root_path
 from specla.registry import get_plugin
-from specla.testing.drafters import OracleDrafter
 
 import transformers_checks
 from trees import SHAPES, tree_parents
 
 ARCH = get_plugin("kimi_linear")
 V = 41
-
-
-def root_path(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -142,9 +133,4 @@ def test_unsupported_models_are_refused_by_name():
 def test_cuda_eager_steps_equal_transformers_greedy():
     """On a GPU (eager steps, PyTorch path), float32, accepted tree drafts: every output equals
     transformers' greedy decoding of the same model on the GPU."""
-    model = ARCH.tiny_model("base", seed=2, dtype=torch.float32).cuda()
-    prompts = transformers_checks.prompts_around_the_prefill_chunk(8, V)
-    refs = [ARCH.reference_decode(model, p, 12) for p in prompts]
-    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
-                      config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=4, top_k=2))
-    assert dec.generate(prompts).outputs == refs
+    transformers_checks.check_cuda_eager_steps_equal_transformers(ARCH, "base", V, 12)

@@ -5,10 +5,9 @@ checkpoints loaded unchanged, bad models refused by name."""
 import pytest
 import torch
 
-from specla import SpecConfig, SpecDecoder
+from specla import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.registry import get_plugin
-from specla.testing.drafters import OracleDrafter
 
 import transformers_checks
 
@@ -67,9 +66,4 @@ def test_models_of_other_families_are_refused_by_name():
 def test_cuda_eager_steps_equal_transformers_greedy(variant):
     """On a GPU (eager steps: the plugin does not declare CUDA graphs yet), float32, accepted tree
     drafts, a ragged batch: every output equals transformers' greedy decoding."""
-    model = ARCH.tiny_model(variant, seed=2, dtype=torch.float32).cuda()
-    prompts = transformers_checks.prompts_around_the_prefill_chunk(8, V)
-    refs = [ARCH.reference_decode(model, p, 18) for p in prompts]
-    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
-                      config=dict(max_new_tokens=18, num_draft_tokens=6, max_depth=4, top_k=2))
-    assert dec.generate(prompts).outputs == refs
+    transformers_checks.check_cuda_eager_steps_equal_transformers(ARCH, variant, V, 18)

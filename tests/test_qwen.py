@@ -153,12 +153,7 @@ def test_eager_moe_experts_refuse_a_recorded_step_by_name():
 def test_cuda_eager_moe_experts_run_eager_steps():
     """On a GPU, a MoE model on transformers' eager experts runs with ``cuda_graphs="auto"``
     (the default) through eager steps, token-identical to transformers' greedy decoding."""
-    model = ARCH.tiny_model("moe", seed=2, dtype=torch.float32).cuda()
-    prompts = transformers_checks.prompts_around_the_prefill_chunk(4, V)
-    refs = [ARCH.reference_decode(model, p, 10) for p in prompts]
-    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
-                      config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2))
-    assert dec.generate(prompts).outputs == refs
+    dec = transformers_checks.check_cuda_eager_steps_equal_transformers(ARCH, "moe", V, 10, prompt_seed=4)
     assert dec.engine._runner is None
 
 

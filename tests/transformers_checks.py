@@ -69,6 +69,21 @@ def check_cuda_graphs_equal_transformers(arch, variant: str, vocab: int) -> None
     assert dec.adapter._use_kernel("factor")
 
 
+def check_cuda_eager_steps_equal_transformers(arch, variant: str, vocab: int, new_tokens: int,
+                                              prompt_seed: int = 8) -> SpecDecoder:
+    """On a GPU with the defaults where the steps run eagerly (a plugin without the CUDA-graph
+    capability, or a module a graph cannot record), float32, accepted tree drafts, a ragged batch
+    around the prefill chunk: every output equals transformers' greedy decoding of the same model
+    on the GPU. Returns the decoder."""
+    model = arch.tiny_model(variant, seed=2, dtype=torch.float32).cuda()
+    prompts = prompts_around_the_prefill_chunk(prompt_seed, vocab)
+    refs = [arch.reference_decode(model, p, new_tokens) for p in prompts]
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
+                      config=dict(max_new_tokens=new_tokens, num_draft_tokens=6, max_depth=4, top_k=2))
+    assert dec.generate(prompts).outputs == refs
+    return dec
+
+
 def check_checkpoint_directory(arch, variant: str, directory) -> None:
     """``save_pretrained`` of the plugin's tiny ``variant`` into ``directory``: the path is
     detected as the plugin's and decodes like the saved model's greedy decoding."""
