@@ -34,6 +34,9 @@ come from a static buffer that the run's one generator fills before each replay.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -270,9 +273,36 @@ def record_graph(fn, device: torch.device | str, pool=None) -> torch.cuda.CUDAGr
         fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with _no_cyclic_gc(), torch.cuda.graph(graph, pool=pool):
         fn()
     return graph
+
+
+_gc_lock = threading.Lock()
+_gc_holders = 0  # records in progress that hold the cyclic garbage collector off
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Python's cyclic garbage collector off while a graph is recorded. An automatic collection
+    during a capture may free an older decoder's graph that sat in a reference cycle; its
+    ``CUDAGraph.reset`` is a CUDA call a capture forbids, which invalidates the capture
+    (``cudaErrorStreamCaptureInvalidated``). The garbage is collected after the capture instead;
+    torch no longer collects before a capture (``torch.compiler.config.force_cudagraph_gc``)."""
+    global _gc_holders, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holders == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def copy_into(static: list[Tensor], new: list[Tensor]) -> None:

@@ -3,6 +3,7 @@ steps, with one host synchronisation per recorded step. Skipped without CUDA; th
 fixed-shape step (unrecorded) runs on the CPU in the conformance suite
 (``test_cuda_graph_step_token_identical_or_refused``) and below."""
 
+import gc
 import warnings
 from pathlib import Path
 
@@ -356,3 +357,36 @@ def test_empty_commit_lays_out_the_kernel_records(plugin):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     PluginSuite.check_empty_commit(get_plugin(plugin), random.Random(3), kernels="triton", dtype="float32",
                                    device=device)
+
+
+@cuda
+def test_a_capture_survives_an_older_graph_awaiting_collection():
+    """An older CUDA graph left in a reference cycle (a dropped decoder) is not freed during a
+    later capture: the automatic collection a capture's allocations would trigger stays off
+    (freeing a graph while another records invalidates that capture), and is back on after."""
+    from specla.graphs import record_graph
+
+    x = torch.randn(64, device="cuda")
+    old = record_graph(lambda: x.mul_(2), "cuda")
+    cycle = [old]
+    cycle.append(cycle)
+    del old, cycle
+    thresholds = gc.get_threshold()
+
+    def step():
+        y.mul_(3).add_(1)
+        if torch.cuda.is_current_stream_capturing():  # automatic collections while recording
+            gc.set_threshold(1)
+            [[] for _ in range(100)]
+
+    try:
+        y = torch.randn(64, device="cuda")
+        want = y * 3 + 1
+        g = record_graph(step, "cuda")
+        y.copy_(want.sub(1).div(3))
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, want)
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*thresholds)
