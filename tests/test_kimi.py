@@ -130,7 +130,9 @@ def test_unsupported_models_are_refused_by_name():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_eager_steps_equal_transformers_greedy():
-    """On a GPU (eager steps, PyTorch path), float32, accepted tree drafts: every output equals
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+def test_cuda_recorded_steps_equal_transformers_greedy(variant):
+    """On a GPU, recorded CUDA-graph steps (PyTorch KDA and MLA mixers, MoE experts on
+    ``batched_mm``), float32, accepted tree drafts, a ragged batch: every output equals
     transformers' greedy decoding of the same model on the GPU."""
-    transformers_checks.check_cuda_eager_steps_equal_transformers(ARCH, "base", V, 12)
+    transformers_checks.check_cuda_graphs_equal_transformers(ARCH, variant, V, 12, kernels=False)

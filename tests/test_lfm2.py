@@ -63,7 +63,7 @@ def test_models_of_other_families_are_refused_by_name():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", ARCH.tiny_variants)
-def test_cuda_eager_steps_equal_transformers_greedy(variant):
-    """On a GPU (eager steps: the plugin does not declare CUDA graphs yet), float32, accepted tree
-    drafts, a ragged batch: every output equals transformers' greedy decoding."""
-    transformers_checks.check_cuda_eager_steps_equal_transformers(ARCH, variant, V, 18)
+def test_cuda_recorded_steps_equal_transformers_greedy(variant):
+    """On a GPU, recorded CUDA-graph steps (PyTorch mixers), float32, accepted tree drafts, a
+    ragged batch: every output equals transformers' greedy decoding."""
+    transformers_checks.check_cuda_graphs_equal_transformers(ARCH, variant, V, kernels=False)

@@ -30,11 +30,13 @@ TINY_VARIANTS = {
 class KimiLinearPlugin(ArchitecturePlugin):
     """Moonshot AI's Kimi Linear (KDA and MLA layers, dense and MoE MLPs) as transformers
     implements it, ``KimiLinearForCausalLM``, detected from ``model_type == "kimi_linear"``
-    (:class:`specla_kimi.adapter.KimiLinearAdapter`). PyTorch only; no CUDA-graph step yet."""
+    (:class:`specla_kimi.adapter.KimiLinearAdapter`). PyTorch only (no Triton KDA kernel yet)."""
 
     name = "kimi_linear"
     model_types = ("kimi_linear",)
-    capabilities = frozenset({"trees"})
+    # "cuda_graphs": the recorded step ran token-identical to transformers' greedy decoding on an
+    # H200 (tests/test_kimi.py)
+    capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
     # transformers' norms and its KDA compute in float32 inside a float64 run
     logits_tolerance = 1e-6

@@ -29,10 +29,9 @@ class Lfm2Plugin(ArchitecturePlugin):
 
     name = "lfm2"
     model_types = ("lfm2",)
-    # no "cuda_graphs" yet: its mixers are the same graph-safe PyTorch ops as the hybrids' (tree
-    # conv, tree attention), but no recorded step has run on a GPU; until one has, CUDA runs take
-    # eager steps (and cuda_graphs="on" / "unrecorded" are refused by name)
-    capabilities = frozenset({"trees"})
+    # "cuda_graphs": the recorded step ran token-identical to transformers' greedy decoding on an
+    # H200 (tests/test_lfm2.py); its mixers are graph-safe PyTorch ops (tree conv, tree attention)
+    capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
     # transformers' RMSNorms and attention compute in float32 inside a float64 run
     logits_tolerance = 1e-6
