@@ -55,6 +55,18 @@ SHAPES = {
     # (its Mamba2 layers add more to the residual stream than GDN's: run it with --embed-scale 2000,
     # or the greedy token is not the input token and bfloat16 near-ties decide the outputs)
     "bamba-9.8b": ("mamba2_hybrid", "BambaConfig", "BambaForCausalLM", dict(attn_layer_indices=[9, 18, 27])),
+    # Nemotron-H-8B's block counts and shapes: 52 blocks (24 Mamba2, 4 attention, 24 MLP; the
+    # attention blocks spread evenly here, not in the published order), width 4096, Mamba2 128 heads of
+    # 64 with state 128 and 8 groups, attention 32 query / 8 key/value heads of 128, MLP 21504
+    # (squared ReLU), vocabulary 131,072 (transformers' NemotronHConfig defaults)
+    "nemotron-h-8b": ("mamba2_hybrid", "NemotronHConfig", "NemotronHForCausalLM", dict(
+        hybrid_override_pattern=("M-" * 6 + "*") * 4)),
+    # LFM2-1.2B: 16 layers of width 2048, attention (32 query, 8 key/value heads of 64) at 2, 5, 8, 10,
+    # 12 and 14, gated short convolutions of width 3 elsewhere, feed-forward 8192 (12288 auto-adjusted),
+    # vocabulary 65,536, tied head
+    "lfm2-1.2b": ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(
+        vocab_size=65536, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, conv_L_cache=3, full_attn_idxs=[2, 5, 8, 10, 12, 14], tie_word_embeddings=True)),
     # tiny shapes for a CPU check of the script itself
     "qwen3_5-tiny": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -63,6 +75,12 @@ SHAPES = {
     "bamba-tiny": ("mamba2_hybrid", "BambaConfig", "BambaForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=1)),
+    "nemotron-h-tiny": ("mamba2_hybrid", "NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, hybrid_override_pattern="M-*-", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1)),
+    "lfm2-tiny": ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, full_attn_idxs=[1])),
 }
 
 
