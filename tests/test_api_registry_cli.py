@@ -53,11 +53,11 @@ def test_plugin_autodetection_and_unsupported_models():
         SpecDecoder(other, None)
 
 
-def test_hybrid_attention_gdn_is_rejected():
-    # building FLA's hybrid needs flash-attn; the plugin decides from the config alone
+def test_gdn_with_attention_residuals_is_rejected():
+    # the plugin decides from the config alone
     model = make_model()
-    model.config.attn = {"layers": [1], "num_heads": 2}
-    with pytest.raises(UnsupportedModelError, match="softmax-attention layers"):
+    model.config.attnres_block_size = 2
+    with pytest.raises(UnsupportedModelError, match="attention residuals"):
         SpecDecoder(model, "gdn")
 
 
@@ -194,13 +194,13 @@ def test_max_new_tokens_caps_the_drafts_and_eos_stops():
     assert r.outputs == [ref]
 
 
-def test_hybrid_checkpoint_rejected_before_loading(tmp_path):
+def test_unsupported_checkpoint_rejected_before_loading(tmp_path):
     model = make_model()
     model.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["attn"] = {"layers": [1], "num_heads": 2}
+    cfg["attnres_block_size"] = 2
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="softmax-attention layers"):
+    with pytest.raises(UnsupportedModelError, match="attention residuals"):
         SpecDecoder(tmp_path, "gdn")
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UnsupportedModelError, match="not valid JSON"):

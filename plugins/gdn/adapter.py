@@ -21,7 +21,8 @@ from torch import Tensor
 
 from specla.config import SpecConfig
 from specla.layerwise import PREFILL_CHUNK
-from specla.mixers import MixerAdapter
+from specla.fla_attention import fla_attention_mixer, is_fla_attention
+from specla.mixers import Mixer, MixerAdapter
 from specla.ops import act_triton as act_kernels
 from specla.ops import norm_triton as norm_kernels
 from specla.ops.norm import gated_rms_norm, rms_norm
@@ -72,14 +73,23 @@ class GDNAdapter(MixerAdapter):
         self.num_layers = len(self.mixers)
         self._init_state()
 
-    def _layer(self, blk: torch.nn.Module) -> tuple[_Block, GDNMixer]:
+    def _layer(self, blk: torch.nn.Module) -> tuple[_Block, Mixer]:
         act, a = self._act, blk.attn
+        mlp = [blk.mlp.gate_proj.weight, blk.mlp.up_proj.weight]
+        if is_fla_attention(a):  # a softmax-attention layer of FLA's hybrid configs (config.attn)
+            w_gu = act(torch.cat(mlp)) if self.triton_kernels and not self.differentiable else None
+            I = mlp[0].shape[0]  # noqa: E741
+            block = _Block(attn_norm=act(blk.attn_norm.weight), attn_eps=blk.attn_norm.eps, w_o=act(a.o_proj.weight),
+                           mlp_norm=act(blk.mlp_norm.weight), mlp_eps=blk.mlp_norm.eps,
+                           w_gate=w_gu[:I] if w_gu is not None else act(mlp[0]),
+                           w_up=w_gu[I:] if w_gu is not None else act(mlp[1]),
+                           w_down=act(blk.mlp.down_proj.weight), w_gu=w_gu)
+            return block, fla_attention_mixer(a, act, self.dtype, self.device, o_proj=False)
         st = lambda p: (p if self.differentiable else p.detach()).to(self.device, self.state_dtype)  # noqa: E731
         conv = [a.q_conv1d, a.k_conv1d, a.v_conv1d] if a.use_short_conv else None
         ins = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.a_proj.weight, a.b_proj.weight]
         ins += [a.g_proj.weight] if a.use_gate else []
         HV, V, Dc = a.num_v_heads, a.head_v_dim, sum(w.shape[0] for w in ins[:3])
-        mlp = [blk.mlp.gate_proj.weight, blk.mlp.up_proj.weight]
         I = mlp[0].shape[0]  # noqa: E741
         # the kernel path stacks the input projections into one GEMM each; the separate weights
         # are then row views of the stacks (no extra memory)
@@ -159,6 +169,8 @@ class GDNAdapter(MixerAdapter):
             with respect to the model's parameters when built with ``differentiable=True``.
         Discards any batch the adapter held.
         """
+        if not all(isinstance(m, GDNMixer) for m in self.mixers):  # FLA's hybrids: the generic chunked pass
+            return super().score(tokens, return_hidden)
         self.pending = None
         self._empty_state(0)
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)

@@ -9,6 +9,7 @@ import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
+from specla.fla_attention import without_flash_attn
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -23,6 +24,9 @@ TINY_VARIANTS = {
     "no_conv": dict(use_short_conv=False),
     "gva": dict(num_heads=1, num_v_heads=3),
     "odd_nogate": dict(hidden_size=20, num_heads=3, head_dim=5, vocab_size=37, use_gate=False, num_hidden_layers=3),
+    # FLA's hybrid config: softmax attention (grouped-query heads, biases, rotary) at layer 1 of 3
+    "attn": dict(num_hidden_layers=3, attn=dict(layers=[1], num_heads=4, num_kv_heads=2, qkv_bias=True,
+                                                window_size=None, rope_theta=500.0)),
 }
 
 
@@ -41,13 +45,14 @@ class GDNPlugin(ArchitecturePlugin):
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg = self.checkpoint_config(path)
-        self.check_config(cfg)  # before loading: a hybrid checkpoint would ask for flash-attn
+        self.check_config(cfg)
         with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
             warnings.simplefilter("ignore")
             import fla  # noqa: F401  (registers FLA's classes with transformers' Auto* factories)
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+        with without_flash_attn():  # a hybrid config's attention layers: specla runs them itself
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
         return model.to(device) if device else model
 
     @staticmethod
@@ -56,8 +61,6 @@ class GDNPlugin(ArchitecturePlugin):
 
         Args: cfg: the model's config as a dict (``config.json`` or ``PretrainedConfig.to_dict()``).
         """
-        if cfg.get("attn"):
-            raise UnsupportedModelError("GDN models with softmax-attention layers (config.attn) are not supported yet")
         if cfg.get("attnres_block_size") is not None:
             raise UnsupportedModelError("GDN models with attention residuals (attnres_block_size) are not supported")
         if cfg.get("hidden_act", "swish") not in ("swish", "silu"):
@@ -90,12 +93,14 @@ class GDNPlugin(ArchitecturePlugin):
             warnings.simplefilter("ignore")
             from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
         torch.manual_seed(seed)
-        model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]}))
+        with without_flash_attn():
+            model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]}))
         model = model.to(dtype).eval()
         with torch.no_grad():
             for blk in model.model.layers:
-                blk.attn.A_log.uniform_(-2.0, 1.0)
-                blk.attn.dt_bias.normal_(0.0, 1.0)
+                if hasattr(blk.attn, "A_log"):  # the GDN layers (not a hybrid's attention)
+                    blk.attn.A_log.uniform_(-2.0, 1.0)
+                    blk.attn.dt_bias.normal_(0.0, 1.0)
         return model
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:

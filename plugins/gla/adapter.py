@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.config import SpecConfig
-from specla.mixers import MixerAdapter
+from specla.fla_attention import fla_attention_mixer, is_fla_attention
+from specla.mixers import Mixer, MixerAdapter
 from specla.ops.norm import rms_norm
 
 from .mixer import GLAMixer
@@ -57,8 +58,10 @@ class GLAAdapter(MixerAdapter):
         self.num_layers = len(self.mixers)
         self._init_state()
 
-    def _mixer(self, a: torch.nn.Module, feature_map) -> GLAMixer:
+    def _mixer(self, a: torch.nn.Module, feature_map) -> Mixer:
         act = self._act
+        if is_fla_attention(a):  # a softmax-attention layer of FLA's hybrid configs (config.attn)
+            return fla_attention_mixer(a, act, self.dtype, self.device)
         conv = [a.q_conv1d, a.k_conv1d, a.v_conv1d] if a.use_short_conv else None
         onorm = a.g_norm_swish_gate if a.fuse_norm_and_gate else a.g_norm
         w_qkv = act(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specla.fla_attention import naive_fla_attention
 from specla.ops.naive import root_path
 
 # feature maps FLA's GatedLinearAttention may apply to q and k (config.feature_map), in PyTorch
@@ -83,8 +84,9 @@ class NaiveGLA:
         self.dt = model.lm_head.weight.dtype
         self.ct = torch.float64 if self.dt == torch.float64 else torch.float32
         attns = [blk.attn for blk in model.model.layers]
-        self.states = [torch.zeros(a.num_heads, a.head_k_dim, a.head_v_dim, dtype=self.ct) for a in attns]
-        self.inputs: list[list[Tensor]] = [[] for _ in attns]
+        self.states = [torch.zeros(a.num_heads, a.head_k_dim, a.head_v_dim, dtype=self.ct) if hasattr(a, "gk_proj")
+                       else None for a in attns]
+        self.inputs: list[list[Tensor]] = [[] for _ in attns]  # GLA layers: pre-conv inputs; attention: (k, v)
 
     def window(self, layer: int) -> Tensor:
         """``[C - 1, Dc]`` conv window of ``layer``: the last ``C - 1`` pre-conv inputs, zero-padded."""
@@ -102,6 +104,9 @@ class NaiveGLA:
         for li, blk in enumerate(m.layers):
             a = blk.attn
             h = _rms(x, blk.attn_norm.weight, blk.attn_norm.eps).to(dt)
+            if self.states[li] is None:  # a softmax-attention layer of FLA's hybrid configs
+                x = self._mlp(blk, x + naive_fla_attention(a, h, self.inputs[li], ct))
+                continue
             proj = torch.cat([h @ a.q_proj.weight.T, h @ a.k_proj.weight.T, h @ a.v_proj.weight.T])
             self.inputs[li].append(proj)
             if a.use_short_conv:  # ShortConvolution(activation="silu") on q, k, v separately
@@ -135,10 +140,14 @@ class NaiveGLA:
             if a.use_output_gate:  # FusedRMSNormGated(swish) or g_norm then gate_fn = swish
                 o = o * F.silu((h @ a.g_proj.weight.T).view(H, -1).to(ct))
             x = x + (o.reshape(-1).to(dt) @ a.o_proj.weight.T)
-            h = _rms(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(dt)
-            mlp = blk.mlp
-            x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+            x = self._mlp(blk, x)
         return _rms(x, m.norm.weight, m.norm.eps).to(dt) @ self.model.lm_head.weight.T
+
+    def _mlp(self, blk, x: Tensor) -> Tensor:
+        """The block's pre-norm SwiGLU MLP and residual."""
+        h = _rms(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(self.dt)
+        mlp = blk.mlp
+        return x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
 
 
 def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -9,6 +9,7 @@ import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
+from specla.fla_attention import without_flash_attn
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -25,6 +26,10 @@ TINY_VARIANTS = {
     "clamp_nogate": dict(use_output_gate=False, clamp_min=-0.2, fuse_norm=False, expand_v=2),
     "odd": dict(hidden_size=20, vocab_size=37, num_hidden_layers=3, use_short_conv=True, conv_size=3,
                 fuse_norm=False, elementwise_affine=False),
+    # FLA's hybrid config: softmax attention (grouped-query heads, a 4-token sliding window, rotary)
+    # at layer 0 of 3
+    "attn": dict(num_hidden_layers=3, attn=dict(layers=[0], num_heads=4, num_kv_heads=2, qkv_bias=False,
+                                                window_size=4, rope_theta=10000.0)),
 }
 
 
@@ -42,13 +47,14 @@ class GLAPlugin(ArchitecturePlugin):
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg = self.checkpoint_config(path)
-        self.check_config(cfg)  # before loading: a hybrid checkpoint would ask for flash-attn
+        self.check_config(cfg)
         with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
             warnings.simplefilter("ignore")
             import fla  # noqa: F401  (registers FLA's classes with transformers' Auto* factories)
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+        with without_flash_attn():  # a hybrid config's attention layers: specla runs them itself
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
         return model.to(device) if device else model
 
     @staticmethod
@@ -57,8 +63,6 @@ class GLAPlugin(ArchitecturePlugin):
 
         Args: cfg: the model's config as a dict (``config.json`` or ``PretrainedConfig.to_dict()``).
         """
-        if cfg.get("attn"):
-            raise UnsupportedModelError("GLA models with softmax-attention layers (config.attn) are not supported yet")
         if cfg.get("attnres_block_size") is not None:
             raise UnsupportedModelError("GLA models with attention residuals (attnres_block_size) are not supported")
         if cfg.get("hidden_act", "swish") != "swish":  # FLA's GatedMLP and the output gate both use it
@@ -93,11 +97,13 @@ class GLAPlugin(ArchitecturePlugin):
             warnings.simplefilter("ignore")
             from fla.models import GLAConfig, GLAForCausalLM
         torch.manual_seed(seed)
-        model = GLAForCausalLM(GLAConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]})).to(dtype).eval()
+        with without_flash_attn():
+            model = GLAForCausalLM(GLAConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]})).to(dtype).eval()
         with torch.no_grad():
             for blk in model.model.layers:
-                blk.attn.gk_proj[1].bias.normal_(0.0, 3.0)
-                blk.attn.gate_logit_normalizer = 4
+                if hasattr(blk.attn, "gk_proj"):  # the GLA layers (not a hybrid's attention)
+                    blk.attn.gk_proj[1].bias.normal_(0.0, 3.0)
+                    blk.attn.gate_logit_normalizer = 4
         return model
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
