@@ -61,6 +61,21 @@ SHAPES = {
     # (squared ReLU), vocabulary 131,072 (transformers' NemotronHConfig defaults)
     "nemotron-h-8b": ("mamba2_hybrid", "NemotronHConfig", "NemotronHForCausalLM", dict(
         hybrid_override_pattern=("M-" * 6 + "*") * 4)),
+    # Granite-4.0-H-Tiny (its config.json): 40 layers of width 1536, attention (12 query, 4 key/value heads
+    # of 128, no positions) at 5, 15, 25, 35, Mamba2 elsewhere (48 heads of 64, state 128, 1 group), MoE
+    # of 64 experts of 512 with 6 active and a shared expert of 1024, vocabulary 100,352, tied head
+    "granite-4.0-h-tiny": ("mamba2_hybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=100352, hidden_size=1536, num_hidden_layers=40,
+        layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)], num_attention_heads=12,
+        num_key_value_heads=4, intermediate_size=512, shared_intermediate_size=1024, num_local_experts=64,
+        num_experts_per_tok=6, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+        mamba_d_conv=4, mamba_expand=2, position_embedding_type="nope", tie_word_embeddings=True)),
+    # Falcon-H1-1.5B (its config.json): 24 layers of width 2048, each with attention (8 query, 2 key/value
+    # heads of 128) and Mamba2 (48 heads of 64, state 256, 1 group) side by side, MLP 4608, vocabulary 65,537
+    "falcon-h1-1.5b": ("mamba2_hybrid", "FalconH1Config", "FalconH1ForCausalLM", dict(
+        vocab_size=65537, hidden_size=2048, intermediate_size=4608, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, mamba_d_ssm=3072, mamba_n_heads=48, mamba_d_head=64,
+        mamba_d_state=256, mamba_n_groups=1, mamba_d_conv=4)),
     # LFM2-1.2B: 16 layers of width 2048, attention (32 query, 8 key/value heads of 64) at 2, 5, 8, 10,
     # 12 and 14, gated short convolutions of width 3 elsewhere, feed-forward 8192 (12288 auto-adjusted),
     # vocabulary 65,536, tied head
@@ -78,6 +93,15 @@ SHAPES = {
     "nemotron-h-tiny": ("mamba2_hybrid", "NemotronHConfig", "NemotronHForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, hybrid_override_pattern="M-*-", num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1)),
+    "granite-4.0-h-tiny-check": ("mamba2_hybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
+        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+        mamba_n_groups=1, position_embedding_type="nope")),
+    "falcon-h1-tiny": ("mamba2_hybrid", "FalconH1Config", "FalconH1ForCausalLM", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=1)),
     "lfm2-tiny": ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, full_attn_idxs=[1])),
@@ -93,6 +117,7 @@ def build(name: str, embed_scale: float, device: str, dtype: torch.dtype):
     cfg = getattr(transformers, cfg_cls)(**{"eos_token_id": None, **kw})
     with torch.device(device):
         model = getattr(transformers, model_cls)(cfg).to(dtype).eval()
+    model.config._experts_implementation = "batched_mm"  # MoE experts a CUDA graph records
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb.mul_(embed_scale)

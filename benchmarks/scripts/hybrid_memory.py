@@ -44,6 +44,19 @@ MODELS = {
         num_key_value_heads=8), 29, 3,
         "Bamba-9B: 32 layers (attention at 9, 18, 27), Mamba2 128 heads of 64, state 128, 1 group; "
         "attention 32 / 8 heads of 128"),
+    "granite-4.0-h-tiny": ("mamba2_hybrid", "GraniteMoeHybridConfig", dict(
+        hidden_size=1536, num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=48,
+        mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        num_attention_heads=12, num_key_value_heads=4, num_local_experts=2, num_experts_per_tok=1,
+        shared_intermediate_size=32), 36, 4,
+        "Granite-4.0-H-Tiny (its config.json): 40 layers (attention at 5, 15, 25, 35), Mamba2 48 heads of 64, "
+        "state 128, 1 group; attention 12 / 4 heads of 128"),
+    "falcon-h1-1.5b": ("mamba2_hybrid", "FalconH1Config", dict(
+        hidden_size=2048, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        mamba_d_ssm=3072, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=256, mamba_n_groups=1, mamba_d_conv=4),
+        24, 24,
+        "Falcon-H1-1.5B (its config.json): 24 layers, each with attention (8 / 2 heads of 128) and Mamba2 "
+        "(48 heads of 64, state 256, 1 group) side by side"),
     "kimi-linear-48b": ("kimi_linear", "KimiLinearConfig", dict(
         hidden_size=2304, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "dense"], linear_num_heads=32, linear_head_dim=128, linear_conv_kernel_dim=4,
