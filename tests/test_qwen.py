@@ -279,3 +279,25 @@ def test_a_moe_checkpoint_runs_in_float64_and_the_callers_model_is_left_as_it_wa
     model.train()
     assert SpecDecoder(model, config=dict(max_new_tokens=8)).generate([prompt]).outputs == [want]
     assert model.training
+
+
+def test_torch_path_runs_a_cached_generate_on_the_cpu():
+    """``torch_path`` covers the decode steps of transformers' own cached ``generate`` too: the
+    recurrent gated delta rule, which transformers otherwise sends to FLA's Triton kernel (on a
+    CPU without the interpreter: "0 active drivers"), is transformers' PyTorch function in the
+    block, and the greedy tokens equal the no-cache oracle's and specla's."""
+    import sys
+
+    from specla.testing.transformers_oracle import torch_path, transformers_greedy
+
+    model = ARCH.tiny_model("base", seed=4, dtype=torch.float32)
+    module = sys.modules[type(model).__module__]
+    hub = module.torch_recurrent_gated_delta_rule
+    prompt = [5, 17, 33, 8, 2, 9]
+    x = torch.tensor([prompt])
+    with torch_path(model), torch.no_grad():
+        assert module.torch_recurrent_gated_delta_rule is getattr(hub, "__wrapped__", hub)
+        ids = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    cached = ids[0, len(prompt):].tolist()
+    assert cached == transformers_greedy(model, prompt, 10)
+    assert cached == specla.run(model, prompts=[prompt], config=dict(max_new_tokens=10)).outputs[0]

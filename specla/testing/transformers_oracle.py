@@ -17,15 +17,16 @@ import threading
 import torch
 
 _PATCH_LOCK = threading.Lock()
-_PATCHED = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan",
+_PATCHED = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan",
             "mamba2_selective_state_update", "mamba2_split_conv1d_scan_combined", "chunk_kimi_delta_attention",
             "recurrent_kimi_delta_attention")
 
 
 @contextlib.contextmanager
 def torch_path(model: torch.nn.Module):
-    """Run ``model``'s sequence-mixer functions (:data:`_PATCHED`: gated delta rule, causal conv,
-    Mamba2 scan) on transformers' PyTorch versions (the undecorated ``__wrapped__`` of its
+    """Run ``model``'s sequence-mixer functions (:data:`_PATCHED`: gated delta rule, chunked and
+    recurrent (a cached ``generate``'s decode steps), causal conv, Mamba2 scan, KDA) on
+    transformers' PyTorch versions (the undecorated ``__wrapped__`` of its
     hub-kernel fallback) while the block runs; one caller at a time (the swap is process-wide)."""
     module = sys.modules[type(model).__module__]
     with _PATCH_LOCK:
