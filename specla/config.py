@@ -52,8 +52,9 @@ class SpecConfig(BaseModel):
         stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
             output).
         stop_at_eos: also stop at the model's ``eos_token_id`` (as ``generate`` does).
-        dtype: activation/weight dtype the target runs in; ``None`` keeps the model's (except
-            that bfloat16/float16 models run in float32 on the CPU). Recurrent states and gates
+        dtype: activation/weight dtype the target runs in, by name or as a ``torch.dtype``
+            (stored by name); ``None`` keeps the model's (except that bfloat16/float16 models
+            run in float32 on the CPU). Recurrent states and gates
             stay float32 (float64 when activations are float64).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device. A CUDA
             device is rejected when torch sees no GPU.
@@ -121,6 +122,13 @@ class SpecConfig(BaseModel):
         if any(t < 0 for t in value):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {value}")
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_by_name(cls, value):
+        import torch
+
+        return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
     @field_validator("device")
     @classmethod

@@ -129,9 +129,13 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
     the first whose :meth:`ArchitecturePlugin.claims` accepts the model).
 
     Raises:
-        UnsupportedModelError: no registered plugin runs this model type, or a checkpoint
+        UnsupportedModelError: ``model`` is neither a ``torch.nn.Module`` nor a path, no
+            registered plugin runs its model type (or it has none), or a checkpoint
             directory's ``config.json`` is not a valid JSON object.
     """
+    if not isinstance(model, (str, Path, torch.nn.Module)):
+        raise UnsupportedModelError(f"a model is a torch.nn.Module (transformers' or FLA's class) or a checkpoint "
+                                    f"directory, got {type(model).__name__}")
     model_type = model_type_of(model)
     matches = [arch for arch, _ in _architectures().values() if model_type in arch.model_types]
     if len(matches) > 1:  # one model_type, several implementations: each plugin says whether it is its own
@@ -140,4 +144,9 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
     if matches:
         return matches[0]
     known = {n: a.model_types for n, (a, _) in _architectures().items()}
+    if model_type is None:
+        what = "the directory has no config.json" if isinstance(model, (str, Path)) else \
+            f"{type(model).__name__} has no config.model_type"
+        raise UnsupportedModelError(f"no plugin runs model_type None ({what}); name one with plugin=, or pass "
+                                    f"a model of a registered plugin: {known}")
     raise UnsupportedModelError(f"no plugin runs model_type {model_type!r}; registered plugins: {known}")

@@ -40,8 +40,11 @@ def test_plugin_autodetection_and_unsupported_models():
     assert detect_plugin(TINY).name == "gdn"
     result = specla.run(model, None, prompts=[[1, 2]], config=dict(max_new_tokens=4))
     assert result.outputs == [naive_greedy_decode(model, [1, 2], 4)]
-    with pytest.raises(UnsupportedModelError, match="no plugin runs model_type None"):
+    with pytest.raises(UnsupportedModelError, match="model_type None .Linear has no config.model_type"):
         detect_plugin(torch.nn.Linear(2, 2))
+    with pytest.raises(UnsupportedModelError, match="a model is a torch.nn.Module .* got NoneType"):
+        specla.run(None, prompts=[[1]])
+    assert SpecConfig(dtype=torch.bfloat16).dtype == "bfloat16"  # a torch.dtype is taken by name
     with pytest.raises(UnsupportedModelError, match="runs fla.models.GatedDeltaNetForCausalLM, got Linear"):
         specla.run(torch.nn.Linear(2, 2), "gdn", prompts=[[1]])
     from fla.models import DeltaNetConfig, DeltaNetForCausalLM
