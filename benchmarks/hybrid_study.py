@@ -76,6 +76,24 @@ SHAPES = {
         vocab_size=65537, hidden_size=2048, intermediate_size=4608, num_hidden_layers=24, num_attention_heads=8,
         num_key_value_heads=2, head_dim=128, mamba_d_ssm=3072, mamba_n_heads=48, mamba_d_head=64,
         mamba_d_state=256, mamba_n_groups=1, mamba_d_conv=4)),
+    # transformers' Mamba2ForCausalLM at Mamba2-1.3B's shape: 48 layers of width 2048, 64 heads of 64,
+    # state 128, 1 group, vocabulary 50,288, tied head (no attention: the pure-Mamba2 row)
+    "mamba2-1.3b": ("mamba2_hybrid", "Mamba2Config", "Mamba2ForCausalLM", dict(
+        vocab_size=50288, hidden_size=2048, num_hidden_layers=48, num_heads=64, head_dim=64, state_size=128,
+        n_groups=1, expand=2, tie_word_embeddings=True)),
+    # Kimi-Linear-48B-A3B's layer shapes with 32 routed experts instead of 256 (the same 8 active of
+    # 1024 and one shared expert per token, so the same step compute; 7x fewer weights to build):
+    # 27 layers of width 2304, MLA (32 heads, latent 512, q/k 128 + 64 rotary, values 128) at layers
+    # 4, 8, 12, 16, 20, 24, 27 (1-based), KDA (32 heads of 128, conv 4) elsewhere, the first layer's
+    # MLP dense (9216), vocabulary 163,840
+    "kimi-linear-48b-32e": ("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        vocab_size=163840, hidden_size=2304, num_hidden_layers=27, intermediate_size=9216,
+        layer_types=["full_attention" if i + 1 in (4, 8, 12, 16, 20, 24, 27) else "linear_attention"
+                     for i in range(27)],
+        mlp_layer_types=["dense"] + ["sparse"] * 26, linear_num_heads=32, linear_head_dim=128,
+        linear_conv_kernel_dim=4, num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=None, moe_intermediate_size=1024,
+        num_local_experts=32, num_experts_per_tok=8, n_shared_experts=1, pad_token_id=0, bos_token_id=None)),
     # LFM2-1.2B: 16 layers of width 2048, attention (32 query, 8 key/value heads of 64) at 2, 5, 8, 10,
     # 12 and 14, gated short convolutions of width 3 elsewhere, feed-forward 8192 (12288 auto-adjusted),
     # vocabulary 65,536, tied head
