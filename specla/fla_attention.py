@@ -68,7 +68,8 @@ def fla_rotary(inv_freq: Tensor, dtype: torch.dtype) -> tuple[Callable, Callable
     Returns:
         ``rotary(h, positions [B, T] int64) -> (cos, sin [B, T, Dh / 2])`` and
         ``apply_rotary(q, k, cos, sin, unsqueeze_dim=2) -> (q, k)`` on ``[B, T, heads, Dh]``
-        (FLA's ``rotary_embedding_ref``: ``x cos + rotate_half(x) sin`` over the two halves).
+        (FLA's ``rotary_embedding_ref``: ``x cos + rotate_half(x) sin`` over the two halves, in
+        at least float32 and rounded to the inputs' dtype once, as FLA's kernel does).
     """
     from fla.modules.rotary.ops import rotary_embedding_ref
 
@@ -77,7 +78,10 @@ def fla_rotary(inv_freq: Tensor, dtype: torch.dtype) -> tuple[Callable, Callable
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 2) -> tuple[Tensor, Tensor]:
-        return rotary_embedding_ref(q, cos, sin), rotary_embedding_ref(k, cos, sin)
+        # in (at least) float32, rounded once at the end, as FLA's Triton rotary kernel computes
+        ct = torch.promote_types(q.dtype, torch.float32)
+        cos, sin = cos.to(ct), sin.to(ct)
+        return tuple(rotary_embedding_ref(x.to(ct), cos, sin).to(x.dtype) for x in (q, k))
 
     return rotary, apply_rotary
 
