@@ -34,21 +34,25 @@ def _flash_attn_absent(*args, **kwargs):
 
 @contextlib.contextmanager
 def without_flash_attn() -> Iterator[None]:
-    """While in the block, FLA's ``Attention`` builds without flash-attn installed (FLA's kernel
-    name then holds a stand-in that raises ``RuntimeError`` naming the reason if called); after
-    it, FLA's module is as it was. Where flash-attn is installed nothing changes. The block is
-    held by one thread at a time (re-entrant)."""
+    """While in the block, FLA's ``Attention`` builds without flash-attn installed: the one name
+    FLA's constructor checks holds a stand-in that raises ``RuntimeError`` naming the reason if
+    called. After it the name holds what it held before (``None`` without flash-attn: calling
+    FLA's own forward of such a layer then fails as it would in FLA). Where flash-attn is
+    installed nothing is swapped. One thread at a time holds the block (re-entrant).
+
+    Raises:
+        ImportError: FLA is not installed.
+    """
     import fla.layers.attn as fla_attn
 
     with _lock:
-        if fla_attn.flash_attn_func is not None:
-            yield
-            return
-        fla_attn.flash_attn_func = _flash_attn_absent  # what FLA's constructor checks
+        saved = fla_attn.flash_attn_func
+        if saved is None:
+            fla_attn.flash_attn_func = _flash_attn_absent
         try:
             yield
         finally:
-            fla_attn.flash_attn_func = None
+            fla_attn.flash_attn_func = saved
 
 
 def is_fla_attention(module: torch.nn.Module) -> bool:
@@ -101,15 +105,9 @@ def fla_attention_mixer(attn: torch.nn.Module, act: Callable[[Tensor | None], Te
     Returns:
         a :class:`ProjectedAttention` whose output is ``[B, T, hidden]``, or ``[B, T, H Dh]``
         without ``o_proj``.
-    Raises:
-        ValueError: a rotary embedding FLA builds interleaved or with XPos scaling (FLA's
-            ``Attention`` builds neither).
     """
-    rot = attn.rotary
-    if rot.interleaved or rot.scale_base is not None:
-        raise ValueError("FLA attention with an interleaved or XPos rotary embedding is not supported")
     D = attn.head_dim
-    inv_freq = 1.0 / (rot.base ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
+    inv_freq = 1.0 / (attn.rotary.base ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D))
     rotary, apply_rotary = fla_rotary(inv_freq, dtype)
 
     def linear(m: torch.nn.Linear) -> Callable[[Tensor], Tensor]:
@@ -124,7 +122,8 @@ def fla_attention_mixer(attn: torch.nn.Module, act: Callable[[Tensor | None], Te
 
     qk = getattr(attn, "qk_norm", False)
     return ProjectedAttention(q_proj=linear(attn.q_proj), k_proj=linear(attn.k_proj), v_proj=linear(attn.v_proj),
-                              o_proj=linear(attn.o_proj) if o_proj else (lambda o: o), num_kv_heads=attn.num_kv_heads, head_dim=D, dtype=dtype,
+                              o_proj=linear(attn.o_proj) if o_proj else (lambda o: o),
+                              num_kv_heads=attn.num_kv_heads, head_dim=D, dtype=dtype,
                               device=device, window=attn.window_size,
                               q_norm=norm(attn.q_norm) if qk else None, k_norm=norm(attn.k_norm) if qk else None,
                               rotary=rotary, apply_rotary=apply_rotary)
@@ -134,10 +133,10 @@ def naive_fla_attention(attn: torch.nn.Module, h: Tensor, cache: list[tuple[Tens
                         dtype: torch.dtype) -> Tensor:
     """One token through FLA's ``Attention``, sequentially: the reference the plugins' twins
     (``NaiveGDN``, ``NaiveGLA``) decode hybrids with. Projections, the rotary embedding at the
-    token's position ``len(cache)`` (GPT-NeoX halves, ``base ** (-2i / Dh)``, tables in float32 as
-    FLA's ``RotaryEmbedding`` makes them), softmax over the keys of the last ``window_size``
-    tokens (all without a window), grouped-query heads (query head ``i`` reads key/value head
-    ``i // (H / HKV)``), then ``o_proj``.
+    token's position ``len(cache)`` (GPT-NeoX halves, ``base ** (-2i / Dh)``, the angles in
+    float32 as FLA's ``RotaryEmbedding`` computes them, the rotation in ``dtype``), softmax over
+    the keys of the last ``window_size`` tokens (all without a window), grouped-query heads
+    (query head ``i`` reads key/value head ``i // (H / HKV)``), then ``o_proj``.
 
     Args:
         attn: a ``fla.layers.attn.Attention``. h: ``[hidden]`` the normed input.

@@ -288,7 +288,8 @@ def _no_cyclic_gc():
     """Python's cyclic garbage collector off while a graph is recorded. An automatic collection
     during a capture may free an older decoder's graph that sat in a reference cycle; its
     ``CUDAGraph.reset`` is a CUDA call a capture forbids, which invalidates the capture
-    (``cudaErrorStreamCaptureInvalidated``). The garbage is collected after the capture instead;
+    (``cudaErrorStreamCaptureInvalidated``). Automatic collections resume after the capture (the
+    collector is switched back on if it was on when the first of overlapping records began);
     torch no longer collects before a capture (``torch.compiler.config.force_cudagraph_gc``)."""
     global _gc_holders, _gc_was_enabled
     with _gc_lock:

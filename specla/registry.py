@@ -133,7 +133,7 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
             registered plugin runs its model type (or it has none), or a checkpoint
             directory's ``config.json`` is not a valid JSON object.
     """
-    if not isinstance(model, (str, Path, torch.nn.Module)):
+    if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
         raise UnsupportedModelError(f"a model is a torch.nn.Module (transformers' or FLA's class) or a checkpoint "
                                     f"directory, got {type(model).__name__}")
     model_type = model_type_of(model)
@@ -145,8 +145,11 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
         return matches[0]
     known = {n: a.model_types for n, (a, _) in _architectures().items()}
     if model_type is None:
-        what = "the directory has no config.json" if isinstance(model, (str, Path)) else \
-            f"{type(model).__name__} has no config.model_type"
+        if isinstance(model, torch.nn.Module):
+            what = f"{type(model).__name__} has no config.model_type"
+        else:
+            cfg = Path(model) / "config.json"
+            what = f"{cfg} has no model_type" if cfg.is_file() else f"{model} has no config.json"
         raise UnsupportedModelError(f"no plugin runs model_type None ({what}); name one with plugin=, or pass "
                                     f"a model of a registered plugin: {known}")
     raise UnsupportedModelError(f"no plugin runs model_type {model_type!r}; registered plugins: {known}")

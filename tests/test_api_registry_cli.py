@@ -34,7 +34,7 @@ def test_unknown_plugin_and_drafter_list_the_known_ones():
         specla.run(make_model(), "nope", prompts=[[1]])
 
 
-def test_plugin_autodetection_and_unsupported_models():
+def test_plugin_autodetection_and_unsupported_models(tmp_path):
     model = make_model()
     assert detect_plugin(model).name == "gdn"
     assert detect_plugin(TINY).name == "gdn"
@@ -44,6 +44,9 @@ def test_plugin_autodetection_and_unsupported_models():
         detect_plugin(torch.nn.Linear(2, 2))
     with pytest.raises(UnsupportedModelError, match="a model is a torch.nn.Module .* got NoneType"):
         specla.run(None, prompts=[[1]])
+    (tmp_path / "config.json").write_text('{"hidden_size": 4}')
+    with pytest.raises(UnsupportedModelError, match="config.json has no model_type"):
+        detect_plugin(tmp_path)
     assert SpecConfig(dtype=torch.bfloat16).dtype == "bfloat16"  # a torch.dtype is taken by name
     with pytest.raises(UnsupportedModelError, match="runs fla.models.GatedDeltaNetForCausalLM, got Linear"):
         specla.run(torch.nn.Linear(2, 2), "gdn", prompts=[[1]])

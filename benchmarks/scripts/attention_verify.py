@@ -128,7 +128,7 @@ def main() -> None:
             ref = tree_attention(**check)
             data = inputs(B, T, H, HKV, D, a.capacity, a.filled, parents, torch.bfloat16, a.device)
             P = int(data["depth"].max()) + 1
-            path = torch.arange(P, device=a.device).expand(B, -1).contiguous()  # the root, then a chain
+            path = torch.arange(P, device=a.device).expand(B, -1).contiguous()  # P slots' worth (timing only)
             path_len = torch.full((B,), P, device=a.device)
             rows = {
                 "sdpa_mask": (lambda d: tree_attention(**d), True),
@@ -144,6 +144,7 @@ def main() -> None:
                     ms, err = None, f"{type(e).__name__}: {e}"[:300]
                 print(json.dumps(dict(shape=name, source=source, B=B, nodes=T, capacity=a.capacity, filled=a.filled,
                                       variant=variant, ms=ms, max_abs_err=err)), flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -75,32 +75,29 @@ class GDNAdapter(MixerAdapter):
 
     def _layer(self, blk: torch.nn.Module) -> tuple[_Block, Mixer]:
         act, a = self._act, blk.attn
+        stacked = self.triton_kernels and not self.differentiable
+        # the kernel path stacks the input projections into one GEMM each; the separate weights
+        # are then row views of the stacks (no extra memory)
         mlp = [blk.mlp.gate_proj.weight, blk.mlp.up_proj.weight]
+        I = mlp[0].shape[0]  # noqa: E741
+        w_gu = act(torch.cat(mlp)) if stacked else None
+        w_gate, w_up = (w_gu[:I], w_gu[I:]) if stacked else (act(mlp[0]), act(mlp[1]))
+        block = _Block(attn_norm=act(blk.attn_norm.weight), attn_eps=blk.attn_norm.eps, w_o=act(a.o_proj.weight),
+                       mlp_norm=act(blk.mlp_norm.weight), mlp_eps=blk.mlp_norm.eps, w_gate=w_gate, w_up=w_up,
+                       w_down=act(blk.mlp.down_proj.weight), w_gu=w_gu)
         if is_fla_attention(a):  # a softmax-attention layer of FLA's hybrid configs (config.attn)
-            w_gu = act(torch.cat(mlp)) if self.triton_kernels and not self.differentiable else None
-            I = mlp[0].shape[0]  # noqa: E741
-            block = _Block(attn_norm=act(blk.attn_norm.weight), attn_eps=blk.attn_norm.eps, w_o=act(a.o_proj.weight),
-                           mlp_norm=act(blk.mlp_norm.weight), mlp_eps=blk.mlp_norm.eps,
-                           w_gate=w_gu[:I] if w_gu is not None else act(mlp[0]),
-                           w_up=w_gu[I:] if w_gu is not None else act(mlp[1]),
-                           w_down=act(blk.mlp.down_proj.weight), w_gu=w_gu)
             return block, fla_attention_mixer(a, act, self.dtype, self.device, o_proj=False)
         st = lambda p: (p if self.differentiable else p.detach()).to(self.device, self.state_dtype)  # noqa: E731
         conv = [a.q_conv1d, a.k_conv1d, a.v_conv1d] if a.use_short_conv else None
         ins = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.a_proj.weight, a.b_proj.weight]
         ins += [a.g_proj.weight] if a.use_gate else []
         HV, V, Dc = a.num_v_heads, a.head_v_dim, sum(w.shape[0] for w in ins[:3])
-        I = mlp[0].shape[0]  # noqa: E741
-        # the kernel path stacks the input projections into one GEMM each; the separate weights
-        # are then row views of the stacks (no extra memory)
-        if self.triton_kernels and not self.differentiable:
-            w_in, w_gu = act(torch.cat(ins)), act(torch.cat(mlp))
+        if stacked:
+            w_in = act(torch.cat(ins))
             w_qkv, w_a, w_b, w_g = w_in[:Dc], w_in[Dc:Dc + HV], w_in[Dc + HV:Dc + 2 * HV], w_in[Dc + 2 * HV:]
-            w_gate, w_up = w_gu[:I], w_gu[I:]
         else:
-            w_in = w_gu = None
+            w_in = None
             w_qkv, w_a, w_b, w_g = act(torch.cat(ins[:3])), act(ins[3]), act(ins[4]), act(ins[-1])
-            w_gate, w_up = act(mlp[0]), act(mlp[1])
         w_g = w_g if a.use_gate else None
         o_norm, o_eps, gate_act = act(a.o_norm.weight), a.o_norm.eps, getattr(a.o_norm, "activation", "swish")
 
@@ -128,9 +125,6 @@ class GDNAdapter(MixerAdapter):
                          A_log=st(a.A_log), dt_bias=st(a.dt_bias), H=a.num_heads, HV=HV, K=a.head_k_dim, V=V,
                          beta_scale=2.0 if a.allow_neg_eigval else 1.0, output=output, dtype=self.dtype,
                          state_dtype=self.state_dtype, device=self.device)
-        block = _Block(attn_norm=act(blk.attn_norm.weight), attn_eps=blk.attn_norm.eps, w_o=act(a.o_proj.weight),
-                       mlp_norm=act(blk.mlp_norm.weight), mlp_eps=blk.mlp_norm.eps, w_gate=w_gate, w_up=w_up,
-                       w_down=act(blk.mlp.down_proj.weight), w_gu=w_gu)
         return block, mixer
 
     def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:

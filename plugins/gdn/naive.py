@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specla.fla_attention import naive_fla_attention
+from specla.fla_attention import is_fla_attention, naive_fla_attention
 from specla.ops.naive import naive_rms_norm, root_path
 
 
@@ -79,7 +79,7 @@ class NaiveGDN:
         self.dt = model.lm_head.weight.dtype
         self.ct = torch.float64 if self.dt == torch.float64 else torch.float32
         attns = [blk.attn for blk in model.model.layers]
-        self.states = [torch.zeros(a.num_v_heads, a.head_k_dim, a.head_v_dim, dtype=self.ct) if hasattr(a, "A_log")
+        self.states = [torch.zeros(a.num_v_heads, a.head_k_dim, a.head_v_dim, dtype=self.ct) if not is_fla_attention(a)
                        else None for a in attns]
         self.inputs: list[list[Tensor]] = [[] for _ in attns]  # GDN layers: pre-conv inputs; attention: (k, v)
 

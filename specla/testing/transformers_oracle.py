@@ -17,7 +17,8 @@ import threading
 import torch
 
 _PATCH_LOCK = threading.Lock()
-_PATCHED = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan",
+_PATCHED = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+            "causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan",
             "mamba2_selective_state_update", "mamba2_split_conv1d_scan_combined", "chunk_kimi_delta_attention",
             "recurrent_kimi_delta_attention")
 
