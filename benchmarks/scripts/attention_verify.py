@@ -38,8 +38,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from e2e import replay_ms  # noqa: E402
 from kernels import pruned_tree  # noqa: E402
 
+from specla.graphs import record_graph  # noqa: E402
 from specla.ops.attention import commit_kv, tree_attention, tree_attention_mask  # noqa: E402
 from specla.tree import inclusive_ancestor_mask  # noqa: E402
 
@@ -87,18 +89,7 @@ def flex_tree_attention():
 def timed(fn, dev: str, reps: int) -> float:
     """Median ms of ``fn``: CUDA-graph replays on a GPU, eager calls on a CPU."""
     if dev == "cuda":
-        from specla.graphs import record_graph
-
-        graph = record_graph(fn, dev)
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return replay_ms(record_graph(fn, dev), reps)
     fn()
     times = []
     for _ in range(reps):
