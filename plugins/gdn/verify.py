@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specla.ops.pending import pending_launch, with_pending
+from specla.ops.pending import check_layer_commit, pending_launch, with_pending
 from specla.records import LayerCommit
 
 from .records import GDNFactorRecord
@@ -190,16 +190,7 @@ def _check(q, k, v, g, beta, state, pending) -> None:
 
 def _check_pending(B, H, K, HV, V, pending: LayerCommit) -> None:
     """A pending commit's factor records and path must match the state's shape (ValueError)."""
-    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, GDNFactorRecord):
-        raise ValueError(f"pending must be a LayerCommit of a GDNFactorRecord, got {type(pending).__name__}")
-    rec, path, plen = pending
-    pk, pd, pG = rec.k, rec.delta, rec.G
-    Tp = pk.shape[1]
-    if pk.shape != (B, Tp, H, K) or pd.shape != (B, Tp, HV, V) or pG.shape != (B, Tp, HV) or \
-            pd.dtype != torch.float32 or pG.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B \
-            or plen.shape != (B,) or path.dtype != torch.int64 or plen.dtype != torch.int64:
-        raise ValueError("pending must be a LayerCommit of a GDNFactorRecord (k [B, Tp, H, K], delta [B, Tp, HV, V] "
-                         "f32, G [B, Tp, HV] f32), path [B, P] int64 and path_len [B] int64")
+    check_layer_commit(pending, GDNFactorRecord, B, dict(k=(H, K), delta=(HV, V), G=(HV,)), float32=("delta", "G"))
 
 
 def _pending_kwargs(pending: LayerCommit | None) -> dict:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specla.ops.pending import pending_launch, with_pending
+from specla.ops.pending import check_layer_commit, pending_launch, with_pending
 from specla.records import LayerCommit
 
 from .records import GLAFactorRecord
@@ -109,16 +109,7 @@ def _check(q, k, v, gk, state, pending) -> None:
 
 def _check_pending(B, H, K, V, pending: LayerCommit) -> None:
     """A pending commit's factor records and path must match the state's shape (ValueError)."""
-    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, GLAFactorRecord):
-        raise ValueError(f"pending must be a LayerCommit of a GLAFactorRecord, got {type(pending).__name__}")
-    rec, path, plen = pending
-    pk, pv, pGk = rec.k, rec.v, rec.Gk
-    Tp = pk.shape[1]
-    if pk.shape != (B, Tp, H, K) or pv.shape != (B, Tp, H, V) or pGk.shape != (B, Tp, H, K) or \
-            pGk.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B or plen.shape != (B,) \
-            or path.dtype != torch.int64 or plen.dtype != torch.int64:
-        raise ValueError("pending must be a LayerCommit of a GLAFactorRecord (k [B, Tp, H, K], v [B, Tp, H, V], "
-                         "Gk [B, Tp, H, K] f32), path [B, P] int64 and path_len [B] int64")
+    check_layer_commit(pending, GLAFactorRecord, B, dict(k=(H, K), v=(H, V), Gk=(H, K)), float32=("Gk",))
 
 
 def _pending_kwargs(pending: LayerCommit | None) -> dict:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specla.ops.pending import pending_launch, with_pending
+from specla.ops.pending import check_layer_commit, pending_launch, with_pending
 from specla.records import LayerCommit
 
 from .records import Mamba2FactorRecord
@@ -177,16 +177,7 @@ def _check(x, dt, a, Bm, Cm, D, state, pending) -> None:
 
 def _check_pending(B, H, NG, N, P, pending: LayerCommit) -> None:
     """A pending commit's factor records and path must match the state's shape (ValueError)."""
-    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, Mamba2FactorRecord):
-        raise ValueError(f"pending must be a LayerCommit of a Mamba2FactorRecord, got {type(pending).__name__}")
-    rec, path, plen = pending
-    pB, pu, pG = rec.Bm, rec.u, rec.G
-    Tp = pB.shape[1]
-    if pB.shape != (B, Tp, NG, N) or pu.shape != (B, Tp, H, P) or pG.shape != (B, Tp, H) or \
-            pu.dtype != torch.float32 or pG.dtype != torch.float32 or path.dim() != 2 or path.shape[0] != B \
-            or plen.shape != (B,) or path.dtype != torch.int64 or plen.dtype != torch.int64:
-        raise ValueError("pending must be a LayerCommit of a Mamba2FactorRecord (Bm [B, Tp, NG, N], u [B, Tp, H, P] "
-                         "f32, G [B, Tp, H] f32), path [B, L] int64 and path_len [B] int64")
+    check_layer_commit(pending, Mamba2FactorRecord, B, dict(Bm=(NG, N), u=(H, P), G=(H,)), float32=("u", "G"))
 
 
 def _pending_kwargs(pending: LayerCommit | None) -> dict:

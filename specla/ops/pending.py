@@ -6,6 +6,7 @@ and the kernel's ``HAS_PENDING`` flag, set by :data:`with_pending`, compiles the
 
 from __future__ import annotations
 
+import torch
 import triton
 from torch import Tensor
 
@@ -37,3 +38,32 @@ def pending_launch(pending: LayerCommit | None, fields: dict[str, str], width: s
     first = out[next(iter(fields))]
     return out | {"path": pending.path.contiguous(), "path_len": pending.path_len.contiguous(),
                   width: pending.path.shape[1], length: first.shape[1]}
+
+
+def check_layer_commit(pending: LayerCommit, record_type: type, batch: int, shapes: dict[str, tuple[int, ...]],
+                       float32: tuple[str, ...] = ()) -> None:
+    """Check a verify or commit kernel's pending commit against the state it applies to.
+
+    Args:
+        pending: what the caller passed. record_type: the plugin's factor record class.
+        batch: ``B``. shapes: record field -> its shape after ``[B, Tp]`` (``Tp`` read from the
+            first field). float32: the fields that must be float32.
+    Raises:
+        ValueError: ``pending`` is not a :class:`LayerCommit` of ``record_type``, a field's shape
+            or dtype differs, or the paths are not ``path [B, P]`` and ``path_len [B]`` int64
+            (the message gives the expected layout).
+    """
+    name = record_type.__name__
+    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, record_type):
+        raise ValueError(f"pending must be a LayerCommit of a {name}, got {type(pending).__name__}")
+    rec, path, plen = pending
+    Tp = getattr(rec, next(iter(shapes))).shape[1]
+    fields_ok = all(getattr(rec, f).shape == (batch, Tp, *tail) for f, tail in shapes.items()) and \
+        all(getattr(rec, f).dtype == torch.float32 for f in float32)
+    paths_ok = path.dim() == 2 and path.shape[0] == batch and plen.shape == (batch,) and \
+        path.dtype == torch.int64 and plen.dtype == torch.int64
+    if not (fields_ok and paths_ok):
+        layout = ", ".join(f"{f} [B, Tp, {', '.join(map(str, tail))}]" + (" f32" if f in float32 else "")
+                           for f, tail in shapes.items())
+        raise ValueError(f"pending must be a LayerCommit of a {name} ({layout}) with B = {batch}, path [B, P] "
+                         "int64 and path_len [B] int64")
