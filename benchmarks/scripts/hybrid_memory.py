@@ -19,10 +19,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybrid_study import SHAPES  # noqa: E402  (the published shapes the speed study builds in full)
+
 SMALL = dict(vocab_size=512, intermediate_size=64)
+
+
+def reduced(shape: str, **two_layers) -> tuple[str, str, dict]:
+    """``hybrid_study.SHAPES[shape]``'s plugin, config class and kwargs, with :data:`SMALL`'s
+    vocabulary and MLP and ``two_layers`` overriding the layer layout (one recurrent and one
+    attention layer) and the MoE sizes."""
+    plugin, cfg_name, _, kw = SHAPES[shape]
+    return plugin, cfg_name, {**kw, **SMALL, **two_layers}
+
+
 # name: (plugin, transformers config class, config kwargs for one recurrent + one attention layer,
 #        recurrent layers, attention layers, where the shapes come from)
 MODELS = {
@@ -33,30 +47,22 @@ MODELS = {
         shared_expert_intermediate_size=32, num_experts=2, num_experts_per_tok=1), 36, 12,
         "Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults): GDN 16 key / 32 value heads of 128, "
         "attention 16 / 2 heads of 256"),
-    "nemotron-h-8b": ("mamba2_hybrid", "NemotronHConfig", dict(
-        hidden_size=4096, hybrid_override_pattern="M*", mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128,
-        n_groups=8, conv_kernel=4, num_attention_heads=32, num_key_value_heads=8, head_dim=128), 24, 4,
-        "Nemotron-H-8B: 52 blocks (24 Mamba2, 4 attention, 24 MLP), Mamba2 128 heads of 64, state 128, "
-        "8 groups; attention 32 / 8 heads of 128"),
+    "nemotron-h-8b": (*reduced("nemotron-h-8b", hybrid_override_pattern="M*"), 24, 4,
+                      "Nemotron-H-8B: 52 blocks (24 Mamba2, 4 attention, 24 MLP), Mamba2 128 heads of 64, state "
+                      "128, 8 groups; attention 32 / 8 heads of 128"),
     "bamba-9b": ("mamba2_hybrid", "BambaConfig", dict(
         hidden_size=4096, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=128, mamba_d_head=64,
         mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, num_attention_heads=32,
         num_key_value_heads=8), 29, 3,
         "Bamba-9B: 32 layers (attention at 9, 18, 27), Mamba2 128 heads of 64, state 128, 1 group; "
         "attention 32 / 8 heads of 128"),
-    "granite-4.0-h-tiny": ("mamba2_hybrid", "GraniteMoeHybridConfig", dict(
-        hidden_size=1536, num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=48,
-        mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
-        num_attention_heads=12, num_key_value_heads=4, num_local_experts=2, num_experts_per_tok=1,
-        shared_intermediate_size=32), 36, 4,
-        "Granite-4.0-H-Tiny (its config.json): 40 layers (attention at 5, 15, 25, 35), Mamba2 48 heads of 64, "
-        "state 128, 1 group; attention 12 / 4 heads of 128"),
-    "falcon-h1-1.5b": ("mamba2_hybrid", "FalconH1Config", dict(
-        hidden_size=2048, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-        mamba_d_ssm=3072, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=256, mamba_n_groups=1, mamba_d_conv=4),
-        24, 24,
-        "Falcon-H1-1.5B (its config.json): 24 layers, each with attention (8 / 2 heads of 128) and Mamba2 "
-        "(48 heads of 64, state 256, 1 group) side by side"),
+    "granite-4.0-h-tiny": (*reduced("granite-4.0-h-tiny", num_hidden_layers=2, layer_types=["mamba", "attention"],
+                                    num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=32), 36, 4,
+                           "Granite-4.0-H-Tiny (its config.json): 40 layers (attention at 5, 15, 25, 35), Mamba2 48 "
+                           "heads of 64, state 128, 1 group; attention 12 / 4 heads of 128"),
+    "falcon-h1-1.5b": (*reduced("falcon-h1-1.5b", num_hidden_layers=1), 24, 24,
+                       "Falcon-H1-1.5B (its config.json): 24 layers, each with attention (8 / 2 heads of 128) and "
+                       "Mamba2 (48 heads of 64, state 256, 1 group) side by side"),
     "kimi-linear-48b": ("kimi_linear", "KimiLinearConfig", dict(
         hidden_size=2304, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "dense"], linear_num_heads=32, linear_head_dim=128, linear_conv_kernel_dim=4,
@@ -65,11 +71,9 @@ MODELS = {
         num_experts_per_token=1, num_expert_group=1, topk_group=1, pad_token_id=0, bos_token_id=None, eos_token_id=None), 20, 7,
         "Kimi-Linear-48B-A3B: 27 layers (MLA at 4, 8, 12, 16, 20, 24, 27), KDA 32 heads of 128; MLA 32 "
         "heads, latent 512, q/k 128 + 64 rotary, values 128 (specla caches the latent and the rotary key)"),
-    "lfm2-1.2b": ("lfm2", "Lfm2Config", dict(
-        hidden_size=2048, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3,
-        num_attention_heads=32, num_key_value_heads=8), 10, 6,
-        "LFM2-1.2B: 16 layers (10 gated short convolutions of width 3, 6 attention), attention 32 / 8 "
-        "heads of 64"),
+    "lfm2-1.2b": (*reduced("lfm2-1.2b", num_hidden_layers=2, full_attn_idxs=[1]), 10, 6,
+                  "LFM2-1.2B: 16 layers (10 gated short convolutions of width 3, 6 attention), attention 32 / 8 "
+                  "heads of 64"),
 }
 
 
