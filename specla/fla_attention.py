@@ -62,6 +62,16 @@ def is_fla_attention(module: torch.nn.Module) -> bool:
     return isinstance(module, Attention)
 
 
+@torch.no_grad()
+def spread_attention_biases(attn: torch.nn.Module, std: float = 0.5) -> None:
+    """Draw an FLA ``Attention`` layer's q/k/v biases (where it has them) from ``N(0, std)``, in
+    place: FLA initialises them to zero, which in a tiny test model would hide a bias that is
+    dropped or misapplied."""
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        if proj.bias is not None:
+            proj.bias.normal_(0.0, std)
+
+
 def fla_rotary(inv_freq: Tensor, dtype: torch.dtype) -> tuple[Callable, Callable]:
     """FLA's rotary embedding (``fla.modules.RotaryEmbedding``, not interleaved, float32
     positions) as ``(rotary, apply_rotary)`` for :class:`ProjectedAttention`.

@@ -9,7 +9,7 @@ import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
-from specla.fla_attention import is_fla_attention, without_flash_attn
+from specla.fla_attention import is_fla_attention, spread_attention_biases, without_flash_attn
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -101,10 +101,8 @@ class GLAPlugin(ArchitecturePlugin):
             model = GLAForCausalLM(GLAConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]})).to(dtype).eval()
         with torch.no_grad():
             for blk in model.model.layers:
-                if is_fla_attention(blk.attn):  # a hybrid's attention: biases away from 0 (FLA's are 0)
-                    for proj in (blk.attn.q_proj, blk.attn.k_proj, blk.attn.v_proj):
-                        if proj.bias is not None:
-                            proj.bias.normal_(0.0, 0.5)
+                if is_fla_attention(blk.attn):  # a hybrid's attention
+                    spread_attention_biases(blk.attn)
                 else:
                     blk.attn.gk_proj[1].bias.normal_(0.0, 3.0)
                     blk.attn.gate_logit_normalizer = 4
