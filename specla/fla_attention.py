@@ -124,9 +124,7 @@ def fla_attention_mixer(attn: torch.nn.Module, act: Callable[[Tensor | None], Te
         w, b = act(m.weight), act(m.bias)
         return lambda h: F.linear(h, w, b)
 
-    def norm(m: torch.nn.Module | None) -> Callable[[Tensor], Tensor] | None:
-        if m is None:
-            return None
+    def norm(m: torch.nn.Module) -> Callable[[Tensor], Tensor]:
         w, eps = act(m.weight), m.eps
         return lambda x: rms_norm(x, w, eps).to(x.dtype)
 
