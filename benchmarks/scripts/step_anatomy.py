@@ -6,8 +6,7 @@
 A randomly initialised GDN model of the ``small`` preset's shape (costs in a CUDA graph do not
 depend on acceptance) with a random attention EAGLE head, prompts of 69 tokens (the GSM8K suite's
 median), 128 new tokens, CUDA graphs. Rows: AR (N 0), EAGLE chain (N 6) and tree (N 15, depth 6,
-top-k 4); a row name ending in ``+compiled`` runs the drafter's tree through ``torch.compile``
-(``EagleDrafter.compiled``). For each row and batch, one JSON line with
+top-k 4). For each row and batch, one JSON line with
 
 - the whole call (medians of 5 after a warm-up call that records the graphs): wall ms, prefill
   (prompt passes and the drafter's reset), the first step, the median graph step, the final flush;
@@ -46,7 +45,6 @@ CUDA = True  # set by --device
 
 ROWS = {"ar": dict(num_draft_tokens=0), "eagle-chain": dict(num_draft_tokens=6, max_depth=6, top_k=1),
         "eagle-tree": dict(num_draft_tokens=15, max_depth=6, top_k=4)}
-COMPILED = "+compiled"  # a row name's suffix: the drafter's tree through torch.compile
 
 
 def timed_graph(fn, replays=50, recorded=None):
@@ -174,10 +172,8 @@ def main():
             ms, kernels = fla_graph_step(model, prompts)
             print(json.dumps(dict(batch=B, row="fla-graph", step=[round(ms, 4), kernels])), flush=True)
         for name in a.rows.split(","):
-            tree = ROWS[name.removesuffix(COMPILED)]
+            tree = ROWS[name]
             drafter = EagleDrafter(head) if tree["num_draft_tokens"] else "ngram"
-            if name.endswith(COMPILED):
-                drafter.compiled = True
             dec = SpecDecoder(model, "gdn", drafter=drafter, config=dict(
                 dtype=a.dtype, device=a.device, cuda_graphs="on" if CUDA else "unrecorded", max_new_tokens=128, stop_at_eos=False, budget_policy="fixed", **tree))
             print(json.dumps(dict(batch=B, row=name, call=whole_calls(dec, prompts))), flush=True)

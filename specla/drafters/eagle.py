@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,15 +37,6 @@ from .pruning import build_tree, sample_tree
 
 FORMAT = "specla-eagle-v2"
 FORMATS = ("specla-eagle-v1", FORMAT)  # v1: the attention-free head (num_heads = 0)
-
-
-class _TreeShape(NamedTuple):
-    """The fields of :class:`SpecConfig` that :func:`build_tree` reads (a config ``torch.compile``
-    can trace)."""
-    num_draft_tokens: int
-    max_depth: int
-    top_k: int
-    tau_tree: float
 
 
 class EagleHead(nn.Module):
@@ -257,8 +247,6 @@ class EagleDrafter(Drafter):
         self.capacity = 0  # cache entries per sequence (see reset)
         self.generator: torch.Generator | None = None  # the draws of sampled proposals
         self.kernels = False  # Triton forms of a draft level (decided on bind)
-        self.compiled = False  # the device tree through torch.compile (see propose_on_device)
-        self._compiled_tree = None
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> "EagleDrafter":
@@ -342,10 +330,8 @@ class EagleDrafter(Drafter):
         h = self.head.pair(state[:, :, 0], self.adapter.embed(tokens))
         shape = (B, M, A, max(heads, 1), H // max(heads, 1))
         anc_k, anc_v = state[:, :, 1 : 1 + A].reshape(shape), state[:, :, 1 + A :].reshape(shape)
-        # under torch.compile the PyTorch forms, which inductor fuses; else the Triton forms
-        kernels = self.kernels and not torch.compiler.is_compiling()
         new, keys, values = self.head.step(h, anc_k, anc_v, self.cache_k, self.cache_v, self.cache_len,
-                                           kernels=kernels)
+                                           kernels=self.kernels)
         if not heads:
             return new[:, :, None], new
         return torch.cat([new[:, :, None], keys.flatten(-2), values.flatten(-2)], 2), new
@@ -387,21 +373,8 @@ class EagleDrafter(Drafter):
         """The greedy tree of :meth:`propose`, padded to the budget, left on the device, with no
         host synchronisation (what :class:`specla.graphs.GraphRunner` records)."""
         self.root = roots
-        if not self.compiled:
-            return build_tree(lambda f, t: self._expand(f, t, config.top_k), self._root_state(), roots, config,
-                              fixed_width=True)
-        if self._compiled_tree is None:
-            self._compiled_tree = torch.compile(self._tree_tensors, dynamic=False, fullgraph=True)
-        return DraftTree.trusted(*self._compiled_tree(roots, config.num_draft_tokens, config.max_depth,
-                                                      config.top_k, config.tau_tree))
-
-    @torch.no_grad()
-    def _tree_tensors(self, roots: Tensor, N: int, D: int, k: int, tau: float) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`propose_on_device`'s tree as ``(tokens, parents, num_nodes)`` (what ``torch.compile``
-        traces: plain numbers in, tensors out)."""
-        cfg = _TreeShape(N, D, k, tau)
-        tree = build_tree(lambda f, t: self._expand(f, t, k), self._root_state(), roots, cfg, fixed_width=True)
-        return tree.tokens, tree.parents, tree.num_nodes
+        return build_tree(lambda f, t: self._expand(f, t, config.top_k), self._root_state(), roots, config,
+                          fixed_width=True)
 
     def graph_state(self) -> list[Tensor]:
         """``[feature [B, hidden], root [B], cache keys, cache values [B, L, heads, d],

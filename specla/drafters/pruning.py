@@ -80,8 +80,6 @@ def _level_depths(sizes: tuple[int, ...], device: torch.device) -> Tensor:
     made once per shape and device: a constant, so a recorded step launches nothing for it (the
     first call is never the recorded one: a graph is recorded after a warm-up step)."""
     key = (sizes, str(device))
-    if torch.compiler.is_compiling():  # a constant of the compiled graph (a cache would be a guard)
-        return torch.cat([torch.full((n,), d, dtype=torch.int64, device=device) for d, n in enumerate(sizes, 1)])
     if key not in _DEPTHS:
         _DEPTHS[key] = torch.cat([torch.full((n,), d, dtype=torch.int64) for d, n in enumerate(sizes, 1)]).to(device)
     return _DEPTHS[key]
