@@ -3,12 +3,14 @@ published hybrid shapes: the measurement issue 17 asks for to pick the attention
 commit timing (docs/architecture.md, "AttentionMixer").
 
     python benchmarks/scripts/attention_verify.py [--device cuda] [--shapes all] [--batches 1,8,32]
-        [--nodes 16] [--capacity 1024] [--filled 512] > attention.jsonl
+        [--nodes 16] [--capacity 1024] [--filled 512] [--variants sdpa_mask,commit_kv,flex]
+        [--check-dtype float32] > attention.jsonl
 
 Per shape, batch and variant, one JSON line: device ms per call (median replay of the call
 recorded in a CUDA graph, as a recorded step runs it; on a CPU, the median of eager calls, a check
 of the script only) and the largest absolute difference of its output from ``tree_attention``'s
-(float32 inputs for the check, bfloat16 for the timing). Variants:
+(``--check-dtype`` inputs for the check, bfloat16 for the timing). Each variant runs at every shape
+and batch before the next (``flex``, which compiles, last). Variants:
 
 - ``sdpa_mask``: :func:`specla.ops.attention.tree_attention`, what the mixer runs: the cache and
   the tree's keys concatenated (a copy of the whole cache per call), one SDPA call with a boolean
@@ -108,34 +110,39 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=1024)
     ap.add_argument("--filled", type=int, default=512)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--variants", default="sdpa_mask,commit_kv,flex")
+    ap.add_argument("--check-dtype", default="float32", help="the inputs of the output check")
     a = ap.parse_args()
+    a.check_dtype = getattr(torch, a.check_dtype)
     names = [n for n in SHAPES if n != "tiny"] if a.shapes == "all" else a.shapes.split(",")
     parents = pruned_tree(a.nodes, 4, 6, random.Random(0))
     T, flex = a.nodes + 1, flex_tree_attention()
-    for name in names:
-        H, HKV, D, source = SHAPES[name]
-        for B in (int(b) for b in a.batches.split(",")):
-            check = inputs(B, T, H, HKV, D, a.capacity, a.filled, parents, torch.float32, a.device)
-            ref = tree_attention(**check)
-            data = inputs(B, T, H, HKV, D, a.capacity, a.filled, parents, torch.bfloat16, a.device)
-            P = int(data["depth"].max()) + 1
-            path = torch.arange(P, device=a.device).expand(B, -1).contiguous()  # P slots' worth (timing only)
-            path_len = torch.full((B,), P, device=a.device)
-            rows = {
-                "sdpa_mask": (lambda d: tree_attention(**d), True),
-                "flex": (lambda d: flex(**d), True),
-                "commit_kv": (lambda d: commit_kv(d["k_cache"], d["v_cache"], d["cache_len"], d["k"], d["v"], path,
-                                                  path_len, capacity=a.capacity - T), False),
-            }
-            for variant, (fn, compare) in rows.items():
+    # FlexAttention compiles per shape, which can take minutes (at head dim 256 a float32 compile
+    # ran past 9 minutes on an H200 with Triton 3.6): every SDPA and commit row is measured first
+    variants = [v for v in ("sdpa_mask", "commit_kv", "flex") if v in a.variants.split(",")]
+    for variant in variants:
+        for name in names:
+            H, HKV, D, source = SHAPES[name]
+            for B in (int(b) for b in a.batches.split(",")):
+                data = inputs(B, T, H, HKV, D, a.capacity, a.filled, parents, torch.bfloat16, a.device)
+                if variant == "commit_kv":
+                    P = int(data["depth"].max()) + 1
+                    path = torch.arange(P, device=a.device).expand(B, -1).contiguous()  # P slots' worth (timing only)
+                    path_len = torch.full((B,), P, device=a.device)
+                    fn = lambda k_cache, v_cache, cache_len, k, v, **_: commit_kv(  # noqa: E731
+                        k_cache, v_cache, cache_len, k, v, path, path_len, capacity=a.capacity - T)
+                else:
+                    fn = tree_attention if variant == "sdpa_mask" else flex
                 try:  # a variant that fails (or that a graph cannot record) is reported, not fatal
-                    err = float((fn(check) - ref).abs().max()) if compare else None
-                    ms = timed(lambda: fn(data), a.device, a.reps)
+                    err = None
+                    if variant != "commit_kv":  # checked against tree_attention in float32
+                        check = inputs(B, T, H, HKV, D, a.capacity, a.filled, parents, a.check_dtype, a.device)
+                        err = float((fn(**check).float() - tree_attention(**check).float()).abs().max())
+                    ms = timed(lambda: fn(**data), a.device, a.reps)
                 except Exception as e:
                     ms, err = None, f"{type(e).__name__}: {e}"[:300]
                 print(json.dumps(dict(shape=name, source=source, B=B, nodes=T, capacity=a.capacity, filled=a.filled,
                                       variant=variant, ms=ms, max_abs_err=err)), flush=True)
-
 
 if __name__ == "__main__":
     main()
