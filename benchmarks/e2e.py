@@ -402,11 +402,14 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, skip: int = 0) -> float
     return statistics.median(times[skip:])
 
 
-def graph_time(fn, replays: int = 50, recorded: torch.cuda.CUDAGraph | None = None) -> tuple[float, int]:
+def graph_time(fn, replays: int = 50, recorded: torch.cuda.CUDAGraph | None = None,
+               by_name: dict | None = None) -> tuple[float, int]:
     """``fn`` recorded in a CUDA graph (:func:`specla.graphs.record_graph`; or the ``recorded``
     graph as it is), replayed ``replays`` times: the median device ms per replay
     (:func:`replay_ms`) and the kernels one replay launches (torch profiler). The graph is kept
-    alive here: a later graph may read ``fn``'s outputs."""
+    alive here: a later graph may read ``fn``'s outputs. ``by_name``: filled with each kernel's
+    name (its first 90 characters) -> ``[launches, device µs]`` in the profiled replay, most
+    time first."""
     from torch.profiler import ProfilerActivity, profile
 
     g = recorded
@@ -417,8 +420,13 @@ def graph_time(fn, replays: int = 50, recorded: torch.cuda.CUDAGraph | None = No
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()
-    kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
-    return ms, kernels
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    if by_name is not None:
+        for e in sorted(events, key=lambda e: -e.self_device_time_total):
+            entry = by_name.setdefault(e.key[:90], [0, 0.0])
+            entry[0] += e.count
+            entry[1] = round(entry[1] + e.self_device_time_total, 1)
+    return ms, sum(e.count for e in events)
 
 
 _GRAPHS: list = []  # recorded graphs stay alive: a later graph may read an earlier one's outputs

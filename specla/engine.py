@@ -26,6 +26,13 @@ class RunStats:
         steps: verify passes (one pass serves the whole batch).
         plain_steps: of those, the steps the budget policy ran without drafts
             (:mod:`specla.policy`).
+        budget_switches: times the budget policy changed the budget between two steps (with
+            CUDA graphs each flushes the pending commit and moves the state to the other
+            budget's graphs).
+        switch_s: with CUDA graphs, wall-clock seconds of those switches: the flush and the
+            first step after it.
+        graphs_recorded: CUDA graphs of decoding steps recorded during the call (a batch size's
+            graph is recorded once per budget and kept for later calls).
         sequence_steps: sum over steps of the sequences active in that step.
         generated_tokens: new tokens returned, all sequences.
         accepted_histogram: ``accepted_histogram[a]`` = sequence-steps that accepted ``a`` drafts.
@@ -37,6 +44,9 @@ class RunStats:
 
     steps: int = 0
     plain_steps: int = 0
+    budget_switches: int = 0
+    switch_s: float = 0.0
+    graphs_recorded: int = 0
     sequence_steps: int = 0
     generated_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
@@ -169,6 +179,9 @@ class Engine:
         while True:
             room = [cfg.max_new_tokens - len(run.outputs[s]) - 1 for s in run.shown]
             c = self._choose(len(run.rows))
+            if c != self._current:
+                self._current = c
+                stats.budget_switches += 1
             num, drafted, bonus, (t1, t2, t3) = self._eager_step(run.row_contexts(), room, generator,
                                                                  self.configs[c])
             stats.draft_s += t1 - t
@@ -188,20 +201,29 @@ class Engine:
         """Recorded steps until every sequence is done. Finished rows stay as dead rows until at
         most half the batch is alive, then the live ones are gathered into a smaller graph."""
         first = True
+        recorded = sum(r.recorded for r in self._runners())
         while True:
             c = self._choose(len(run.rows))
-            if c != self._current:  # the other budget's graphs hold other record shapes: start afresh
+            switched = c != self._current
+            t = time.perf_counter()
+            if switched:  # the other budget's graphs hold other record shapes: start afresh
                 self.adapter.flush()
                 for r in self._runners():
                     r.release()
                 self._current = c
-            t = time.perf_counter()
-            num, drafted, bonus = self._graph_runner(c).step(run.row_contexts())  # synchronises
-            self._observe(run, num, None if first else time.perf_counter() - t, c)
+                run.stats.budget_switches += 1
+            runner = self._graph_runner(c)
+            t_step = time.perf_counter()
+            num, drafted, bonus = runner.step(run.row_contexts())  # synchronises
+            done = time.perf_counter()
+            if switched:
+                run.stats.switch_s += done - t
+            self._observe(run, num, None if first else done - t_step, c)
             first = False
             run.absorb(num, drafted, bonus)
             live = run.live()
             if not live:
+                run.stats.graphs_recorded = sum(r.recorded for r in self._runners()) - recorded
                 return
             if len(live) <= len(run.rows) // 2:
                 self._gather(run, live, batch_bucket(len(live)))

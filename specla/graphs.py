@@ -106,6 +106,7 @@ class GraphRunner:
         self.adapter, self.drafter, self.config, self.capture = adapter, drafter, config, capture
         self.depth = step_depth(config)
         self.graphs: dict[int, _Graph] = {}
+        self.recorded = 0  # graphs recorded so far (RunStats.graphs_recorded)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # trees come from the host only for a host drafter with a budget (N = 0: an empty tree)
         self._host_drafts = not drafter.device_proposals and config.num_draft_tokens > 0
@@ -165,6 +166,7 @@ class GraphRunner:
             g.host = self._staging(B, pinned=self.capture)
         if self.capture:
             g.graph = record_graph(lambda: self._record(g), dev, self.pool)
+            self.recorded += 1
             self._load(g, state, drafter_state)
         return g
 

@@ -45,6 +45,10 @@ def test_bench_report_is_side_by_side_and_exact():
         cat = cats["gsm8k" if task.startswith("gsm8k") else "humaneval"][task]
         assert cat["n"] == 3 and cat["speculative"] == cat["autoregressive"]  # exact outputs, same scores
     assert "gsm8k_accuracy" in format_table(report)
+    spent = report["speculative_calls"]  # 3 timed calls of 2 prompts, fixed budget, eager steps
+    steps = sum(sum(c["accepted_histogram"]) for n, c in cats.items() if n != "all")
+    assert steps / 2 <= spent["steps"] <= steps and spent["plain_steps"] == spent["budget_switches"] == 0
+    assert 0 < spent["prefill_s"] < spent["wall_s"]
 
 
 def test_bench_cli(tmp_path):

@@ -79,7 +79,8 @@ def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
     """Steps alternating between the configured tree budget and plain decoding in an irregular
     pattern (pending commits of one budget applied by the other's verify; with graphs, each
     switch flushes and the other budget's graphs take the state), with sequences ending at
-    different steps: outputs equal sequential greedy decoding, and the plain steps are counted."""
+    different steps: outputs equal sequential greedy decoding; the plain steps, the switches and
+    the recorded graphs are counted."""
     arch = get_plugin("gdn")
     model = arch.tiny_model("base", seed=3, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
@@ -95,7 +96,15 @@ def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
     out = dec.generate(prompts)
     assert out.outputs == [r[:e] for r, e in zip(refs, ends)]
     assert 0 < out.stats.plain_steps < out.stats.steps
-    assert dec.generate(prompts).outputs == out.outputs  # the graphs of both budgets are reused
+    script = dec.engine.policy.script
+    choices = [0] + [script[i % len(script)] for i in range(out.stats.steps)]  # the engine starts on budget 0
+    assert out.stats.budget_switches == sum(a != b for a, b in zip(choices, choices[1:]))
+    assert (out.stats.switch_s > 0) == (graphs != "off")  # only graph runs pay for a switch
+    # recorded only on a GPU: each budget's graph per batch size it meets, once
+    assert (out.stats.graphs_recorded >= 2) == (graphs == "on")
+    again = dec.generate(prompts)
+    assert again.outputs == out.outputs
+    assert again.stats.graphs_recorded == 0  # the graphs of both budgets are reused
 
 
 def test_the_policy_defaults_to_fixed_budgets():

@@ -13,7 +13,8 @@ top-k 4). For each row and batch, one JSON line with
 - each part of a step recorded alone in its own CUDA graph and replayed 50 times: the drafter's
   tree (``propose``), ``verify`` with the pending commit fused, ``accept + commit`` (greedy
   acceptance, the pending commit's bookkeeping, the drafter's cache update), and the whole
-  recorded step; device time per replay (ms) and kernels per replay (torch profiler);
+  recorded step; device time per replay (ms) and kernels per replay (torch profiler); with
+  ``--kernel-names``, each part's kernels by name (launches and device µs in one replay);
 - ``fla-graph``: FLA's own ``GatedDeltaNetForCausalLM`` forward of one token with its cache,
   recorded in a CUDA graph (the plain-decoding baseline of the measuring protocol).
 
@@ -42,6 +43,8 @@ import specla.graphs as G  # noqa: E402
 from specla.tree import DraftTree  # noqa: E402
 
 CUDA = True  # set by --device
+NAMES = False  # set by --kernel-names
+KERNEL_NAMES: dict[int, dict] = {}  # per timed graph, in order: kernel name -> [launches, device µs]
 
 ROWS = {"ar": dict(num_draft_tokens=0), "eagle-chain": dict(num_draft_tokens=6, max_depth=6, top_k=1),
         "eagle-tree": dict(num_draft_tokens=15, max_depth=6, top_k=4)}
@@ -55,7 +58,7 @@ def timed_graph(fn, replays=50, recorded=None):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
         return 0.0, sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-    ms, kernels = graph_time(fn, replays, recorded)
+    ms, kernels = graph_time(fn, replays, recorded, KERNEL_NAMES.setdefault(len(KERNEL_NAMES), {}) if NAMES else None)
     return round(ms, 4), kernels
 
 
@@ -105,7 +108,10 @@ def parts(dec, prompts):
     dr.set_graph_state(g.drafter_state)
     out["step"] = timed_graph(lambda: runner._record(g), recorded=g.graph)
     ad.flush()
-    return {k: {"ms": v[0], "kernels": v[1]} for k, v in out.items()}
+    names = list(KERNEL_NAMES.values())
+    KERNEL_NAMES.clear()
+    return {k: {"ms": v[0], "kernels": v[1], **({"by_name": names[i]} if NAMES and CUDA else {})}
+            for i, (k, v) in enumerate(out.items())}
 
 
 def whole_calls(dec, prompts, repeats=5):
@@ -157,9 +163,11 @@ def main():
     p.add_argument("--prompt-len", type=int, default=69)
     p.add_argument("--device", default="cuda", help="cpu: check the script's logic (no timings)")
     p.add_argument("--preset", default="small", help="the model shape: a preset of train_target.py")
+    p.add_argument("--kernel-names", action="store_true",
+                   help="each part's kernels by name: launches and device µs in one profiled replay")
     a = p.parse_args()
-    global CUDA
-    CUDA = a.device == "cuda"
+    global CUDA, NAMES
+    CUDA, NAMES = a.device == "cuda", a.kernel_names
     torch.manual_seed(0)
     dtype = getattr(torch, a.dtype)
     model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS[a.preset]["model"]))
