@@ -1,0 +1,87 @@
+"""The budget policy against fixed budgets and plain decoding at the ``small`` target's shape, per
+batch size (issue 16, target 6: never slower than plain decoding).
+
+    python benchmarks/scripts/policy_probe.py [--batches 1,8,32,64] [--repeats 3] > policy.jsonl
+
+A randomly initialised GDN model of the ``small`` preset's shape, bfloat16, with the embedding trick
+and the oracle drafter of ``benchmarks/e2e.py`` (acceptance drawn from the ``small`` target's
+measured GSM8K profiles, tree and chain each its own; a random EAGLE head of this width drafts a
+full tree every step and its output is discarded, so drafting costs what it costs). Prompts of
+random lengths (16 to 128 tokens), 128 new tokens; sequences finish at different steps, as in a
+suite. Rows per batch: plain decoding (N 0), the tree (N 15, depth 6, top-k 4) and the chain
+(N 6) with fixed budgets, and the tree under ``budget_policy="adaptive"``; CUDA graphs. One JSON
+line per row: tokens/s (median of ``--repeats`` calls after a warm-up call; prefill included),
+its ratio to plain decoding's, and the last timed call's :class:`~specla.engine.RunStats` (steps,
+plain steps, budget switches and their seconds, graphs recorded, prefill). A cost model of the
+policy's choices, not a speed claim for a trained drafter.
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from e2e import CHAIN, TREE, ProfileDrafter, measured_profile  # noqa: E402
+from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
+from train_target import PRESETS  # noqa: E402
+
+from specla import SpecDecoder  # noqa: E402
+from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
+
+PROFILES = "benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-"
+ROWS = {"ar": (dict(num_draft_tokens=0), "fixed"), "tree": (TREE, "fixed"), "chain": (CHAIN, "fixed"),
+        "tree-adaptive": (TREE, "adaptive")}
+STATS = ("steps", "plain_steps", "budget_switches", "switch_s", "graphs_recorded", "prefill_s", "wall_s",
+         "mean_accepted_tokens")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs)")
+    p.add_argument("--preset", default="small", help="the model shape: a preset of train_target.py")
+    a = p.parse_args()
+    cuda = a.device == "cuda"
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS[a.preset]["model"]))
+    model = model.to(a.device, dtype).eval()
+    with torch.no_grad():  # the embedding trick of e2e.py: the greedy token is the input token
+        emb = model.get_input_embeddings().weight
+        emb.mul_(32)
+        if model.lm_head.weight is not emb:  # the preset may tie them already
+            model.lm_head.weight.copy_(emb)
+    head = EagleHead(model.config.hidden_size)
+    profiles = {"tree": measured_profile(PROFILES + "tree"), "chain": measured_profile(PROFILES + "chain")}
+    for B in (int(x) for x in a.batches.split(",")):
+        g = torch.Generator().manual_seed(B)
+        lengths = torch.randint(16, 129, (B,), generator=g).tolist()
+        prompts = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in lengths]
+        base = None
+        for name, (budget, policy) in ROWS.items():
+            drafter = ProfileDrafter(profiles["chain" if name == "chain" else "tree"], EagleDrafter(head))
+            dec = SpecDecoder(model, "gdn", drafter=drafter, config=dict(
+                dtype=str(dtype).removeprefix("torch."), device=a.device, cuda_graphs="on" if cuda else "off",
+                max_new_tokens=128, stop_at_eos=False, budget_policy=policy, **budget))
+            dec.generate(prompts)  # records the graphs
+            rates, r = [], None
+            for _ in range(a.repeats):
+                r = dec.generate(prompts)
+                rates.append(r.stats.tokens_per_s)
+            rate = statistics.median(rates)
+            base = rate if name == "ar" else base
+            stats = {k: round(getattr(r.stats, k), 4) for k in STATS}
+            print(json.dumps(dict(batch=B, row=name, tokens_per_s=round(rate, 1), vs_ar=round(rate / base, 3),
+                                  last_call=stats)), flush=True)
+            del dec
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
