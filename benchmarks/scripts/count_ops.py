@@ -51,15 +51,16 @@ class Count(TorchDispatchMode):
 
 
 def triton_launches():
-    """Counts calls of the Triton forms a draft level uses (one launch each)."""
-    from specla.ops import act_triton, attention_triton, norm_triton
+    """Counts the launches of the Triton forms a draft level uses (the top-k takes two)."""
+    from specla.ops import act_triton, attention_triton, norm_triton, topk_triton
 
     calls = collections.Counter()
-    for mod, name in ((norm_triton, "rms_norm"), (act_triton, "swiglu"), (attention_triton, "draft_attention")):
+    for mod, name, launches in ((norm_triton, "rms_norm", 1), (act_triton, "swiglu", 1),
+                                (attention_triton, "draft_attention", 1), (topk_triton, "log_softmax_topk", 2)):
         fn = getattr(mod, name)
 
-        def counted(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
+        def counted(*a, _fn=fn, _name=name, _n=launches, **k):
+            calls[_name] += _n
             with _PAUSE():  # the interpreter's own tensor traffic is not the kernel's
                 return _fn(*a, **k)
 

@@ -33,6 +33,7 @@ from ..records import Acceptance, path_end
 from ..tree import DraftTree
 from ..acceptance import sampling_probs
 from ..ops.attention import draft_attention
+from ..ops.topk import log_softmax_topk
 from .pruning import build_tree, sample_tree
 
 FORMAT = "specla-eagle-v2"
@@ -204,10 +205,11 @@ def _kernels():
     would fix that choice before a test run or a user sets ``TRITON_INTERPRET``."""
     from types import SimpleNamespace
 
-    from ..ops import act_triton, attention_triton, norm_triton
+    from ..ops import act_triton, attention_triton, norm_triton, topk_triton
 
     return SimpleNamespace(rms_norm=norm_triton.rms_norm, swiglu=act_triton.swiglu,
-                           draft_attention=attention_triton.draft_attention)
+                           draft_attention=attention_triton.draft_attention,
+                           log_softmax_topk=topk_triton.log_softmax_topk)
 
 
 def is_eagle_dir(path: str | Path) -> bool:
@@ -339,9 +341,10 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def _expand(self, state: Tensor, tokens: Tensor, k: int):
         state, new = self._level(state, tokens)
-        logp = torch.log_softmax(self._logits(new).float(), dim=-1)
-        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        return state, top.values, top.indices
+        logits = self._logits(new)
+        topk = _kernels().log_softmax_topk if self.kernels else log_softmax_topk
+        values, ids = topk(logits, min(k, logits.shape[-1]))
+        return state, values, ids
 
     @torch.no_grad()
     def _sample_step(self, state: Tensor, tokens: Tensor, config: SpecConfig):

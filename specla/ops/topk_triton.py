@@ -1,0 +1,125 @@
+"""Triton twin of :mod:`specla.ops.topk`: the top-``k`` log-probabilities of logit rows in two
+launches. In a recorded draft level PyTorch spends about twenty on it: a cast, the log-softmax,
+and ``torch.topk``, whose multi-block radix select over a vocabulary-wide float32 row takes three
+kernels per radix pass over four passes, then scans, counts, a fill and the gather (the ``mbtopk``
+kernels in BENCHMARKS.md section 5's profile); a recorded step is bound by the kernels it
+launches. Each program of the first launch takes one block of one row: its
+maximum, its sum of ``exp(x - max)`` and its ``k`` best entries; the second merges a row's blocks
+(the log-sum-exp of the blocks, then the ``k`` best of their candidates). Ties go to the smaller
+token id, as in the twin.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .norm import compute_dtype
+
+BLOCK = 1024  # vocabulary entries per program of the first launch
+MAX_K = 16  # larger k: the twin (the loops below unroll k times)
+_NONE = 2**31 - 1  # the id of "no entry" (a block with fewer than k entries)
+
+
+@triton.jit
+def _block_topk_kernel(x, pv, pi, pm, ps, V, S, sx, K: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+                       F64: tl.constexpr):
+    """Row ``r``, block ``s``: ``pm, ps [r, s]`` the block's max and sum of ``exp(x - max)``,
+    ``pv, pi [r, s, :K]`` its ``K`` largest entries and their ids (largest first, smaller id first
+    on ties; ``-inf`` and ``_NONE`` past the block's entries)."""
+    r, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    ct = tl.float64 if F64 else tl.float32
+    pos = tl.arange(0, BV)
+    alive = s * BV + pos < V
+    v = tl.load(x + r * sx + s * BV + pos, mask=alive, other=float("-inf")).to(ct)
+    mx = tl.max(v, axis=0)
+    tl.store(pm + r * S + s, mx)
+    shift = tl.where(mx > float("-inf"), mx, 0.0)  # a block of only -inf entries sums to 0, not nan
+    tl.store(ps + r * S + s, tl.sum(tl.exp(v - shift), axis=0))
+    kk = tl.arange(0, KP)
+    vals = tl.full([KP], float("-inf"), ct)
+    ids = tl.full([KP], _NONE, tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(alive, v, float("-inf")), axis=0)
+        p = tl.min(tl.where(alive & (v == best), pos, BV), axis=0)  # the first position holding it
+        found = p < BV
+        vals = tl.where(kk == j, tl.where(found, best, float("-inf")), vals)
+        ids = tl.where(kk == j, tl.where(found, s * BV + p, _NONE), ids)
+        alive = alive & (pos != p)
+    out = (r * S + s) * K + kk
+    tl.store(pv + out, vals, mask=kk < K)
+    tl.store(pi + out, ids, mask=kk < K)
+
+
+@triton.jit
+def _merge_topk_kernel(pv, pi, pm, ps, ov, oi, S, K: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr,
+                       F64: tl.constexpr):
+    """Row ``r``: the log-sum-exp of its ``S`` blocks, then its ``K`` best candidates of the
+    ``S * K`` (largest first, smallest id on ties) as log-probabilities ``ov`` and ids ``oi``."""
+    r = tl.program_id(0).to(tl.int64)
+    ct = tl.float64 if F64 else tl.float32
+    so = tl.arange(0, BS)
+    m = tl.load(pm + r * S + so, mask=so < S, other=float("-inf"))
+    big = tl.max(m, axis=0)
+    shift = tl.where(big > float("-inf"), big, 0.0)
+    lse = shift + tl.log(tl.sum(tl.load(ps + r * S + so, mask=so < S, other=0.0) * tl.exp(m - shift), axis=0))
+    co = tl.arange(0, BC)
+    alive = co < S * K
+    v = tl.load(pv + r * S * K + co, mask=alive, other=float("-inf")).to(ct)
+    ids = tl.load(pi + r * S * K + co, mask=alive, other=_NONE)
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(alive, v, float("-inf")), axis=0)
+        tied = alive & (v == best)
+        tid = tl.min(tl.where(tied, ids, _NONE), axis=0)
+        p = tl.min(tl.where(tied & (ids == tid), co, BC), axis=0)
+        tl.store(ov + r * K + j, best - lse)
+        tl.store(oi + r * K + j, tid.to(tl.int64))
+        alive = alive & (co != p)
+
+
+def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`specla.ops.topk.log_softmax_topk` in two launches (the twin for ``k > MAX_K``).
+
+    Args:
+        logits: ``[..., V]`` float32, bfloat16, float16 or float64 (the last dim is made dense
+            if it is not); k: ``1 <= k <= V``.
+        out: optional preallocated ``(values, ids)`` of the result's shapes and dtypes.
+    Returns:
+        ``(values [..., k]`` float32 log-probabilities (float64 for float64 logits),
+        ``ids [..., k]`` int64), largest first, smaller id first on ties.
+    Raises:
+        ValueError: ``k`` outside ``1..V``.
+    """
+    V = logits.shape[-1]
+    if not 1 <= k <= V:
+        raise ValueError(f"k must be in 1..{V} (the vocabulary), got {k}")
+    if k > MAX_K:
+        from .topk import log_softmax_topk as twin
+
+        values, ids = twin(logits, k)
+        if out is not None:
+            out[0].copy_(values)
+            out[1].copy_(ids)
+            return out
+        return values, ids
+    ct = compute_dtype(logits)
+    rows = logits.reshape(-1, V)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    R, S = rows.shape[0], triton.cdiv(V, BLOCK)
+    values, ids = out if out is not None else (
+        torch.empty(*logits.shape[:-1], k, dtype=ct, device=logits.device),
+        torch.empty(*logits.shape[:-1], k, dtype=torch.int64, device=logits.device))
+    if R:
+        dev, f64 = logits.device, ct == torch.float64
+        pm = torch.empty(R, S, dtype=ct, device=dev)
+        ps = torch.empty_like(pm)
+        pv = torch.empty(R, S, k, dtype=ct, device=dev)
+        pi = torch.empty(R, S, k, dtype=torch.int32, device=dev)
+        _block_topk_kernel[(R, S)](rows, pv, pi, pm, ps, V, S, rows.stride(0), K=k, KP=triton.next_power_of_2(k),
+                                   BV=BLOCK, F64=f64)
+        _merge_topk_kernel[(R,)](pv, pi, pm, ps, values, ids, S, K=k, BS=triton.next_power_of_2(S),
+                                 BC=triton.next_power_of_2(S * k), F64=f64)
+    return values, ids

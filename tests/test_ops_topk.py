@@ -1,0 +1,60 @@
+"""The top-k log-softmax kernel (``specla.ops.topk_triton``) against its PyTorch twin
+(``specla.ops.topk``), on fresh random inputs, with NaN-prefilled outputs (under
+``TRITON_INTERPRET=1`` on the CPU, compiled on a GPU)."""
+
+import pytest
+import torch
+
+from specla.ops import topk, topk_triton
+from trees import DEV
+
+TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-6}
+
+
+def _nan_out(shape, k, dtype):
+    ct = torch.float64 if dtype == torch.float64 else torch.float32
+    return (torch.full((*shape, k), float("nan"), dtype=ct, device=DEV),
+            torch.full((*shape, k), -7, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V, k", [(2500, 4), (1000, 1), (1030, 7), (5, 5)])
+def test_kernel_equals_twin(dtype, V, k):
+    """Rows taken from a wider tensor (strided); V spanning several blocks, one partial block,
+    k = V. Equal ids, values within TOL."""
+    g = torch.Generator().manual_seed(V + k)
+    wide = (torch.randn(3, 5, V + 9, generator=g) * 4).to(dtype).to(DEV)
+    x = wide[..., 9:]
+    out = _nan_out((3, 5), k, dtype)
+    got = topk_triton.log_softmax_topk(x, k, out=out)
+    ref = topk.log_softmax_topk(x, k)
+    assert got[0] is out[0] and got[0].dtype == ref[0].dtype and not got[0].isnan().any()
+    assert torch.equal(got[1], ref[1])
+    assert float((got[0] - ref[0]).abs().max()) < TOL[dtype]
+
+
+def test_ties_go_to_the_smaller_id():
+    """bfloat16 logits drawn from a handful of values (many ties, also across blocks) and
+    ``-inf`` entries, some rows with fewer finite entries than k: the same ids as the twin."""
+    g = torch.Generator().manual_seed(5)
+    V, k = 2100, 6
+    x = torch.randint(0, 4, (4, V), generator=g).to(torch.bfloat16)
+    x[1, :] = float("-inf")
+    x[1, [3, 1500, 7]] = torch.tensor([1.0, 2.0, 1.0], dtype=torch.bfloat16)  # 3 finite entries < k
+    x[2, 1024:] = float("-inf")
+    x = x.to(DEV)
+    got, ref = topk_triton.log_softmax_topk(x, k), topk.log_softmax_topk(x, k)
+    assert torch.equal(got[1], ref[1])
+    assert got[1][1, :3].tolist() == [1500, 3, 7]
+    finite = ref[0].isfinite()
+    assert torch.equal(got[0].isfinite(), finite) and float((got[0] - ref[0])[finite].abs().max()) < 2e-6
+
+
+def test_large_k_takes_the_twin_and_bad_k_is_refused():
+    x = torch.randn(2, 40, device=DEV)
+    k = topk_triton.MAX_K + 1
+    assert all(torch.equal(a, b) for a, b in zip(topk_triton.log_softmax_topk(x, k), topk.log_softmax_topk(x, k)))
+    for bad in (0, 41):
+        for fn in (topk_triton.log_softmax_topk, topk.log_softmax_topk):
+            with pytest.raises(ValueError, match="k must be in 1..40"):
+                fn(x, bad)
