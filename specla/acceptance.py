@@ -9,7 +9,7 @@ from .records import Acceptance
 from .tree import DraftTree
 
 
-def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None) -> Acceptance:
+def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None, kernels: bool = False) -> Acceptance:
     """Greedy tree acceptance with a bonus token.
 
     Walk from the root; at each node follow the first child (lowest index) whose token equals the
@@ -23,6 +23,9 @@ def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None)
             node ``i`` (any float dtype).
         max_depth: a bound on the deepest real node, used as ``D`` instead of reading the trees'
             depth on the host (no synchronisation; CUDA graphs need it). ``None``: measured.
+        kernels: with ``max_depth``, walk in one Triton launch
+            (:func:`specla.ops.accept_triton.greedy_walk`; the same result) instead of the
+            PyTorch form's fifty-odd operations: what a recorded step runs on a GPU.
     Returns:
         :class:`Acceptance` with ``path`` ``[B, D + 1]`` where ``D`` is the deepest real node
         (or ``max_depth``).
@@ -32,7 +35,13 @@ def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None)
     B, N = tree.tokens.shape
     if logits.dim() != 3 or logits.shape[:2] != (B, N + 1):
         raise ValueError(f"logits must be [B={B}, N+1={N + 1}, vocab], got {tuple(logits.shape)}")
-    return _walk(tree, logits.argmax(-1), max_depth)
+    target = logits.argmax(-1)
+    if kernels and max_depth is not None:
+        from .ops.accept_triton import greedy_walk  # on first use: TRITON_INTERPRET is read when kernels are defined
+
+        dev = target.device
+        return greedy_walk(tree.parents.to(dev), tree.tokens.to(dev), tree.num_nodes.to(dev), target, max_depth)
+    return _walk(tree, target, max_depth)
 
 
 def _walk(tree: DraftTree, target: Tensor, max_depth: int | None) -> Acceptance:

@@ -61,7 +61,8 @@ def speculative_step(adapter: TargetAdapter, drafter: Drafter, tree: DraftTree, 
             q = tree.draft_probs
             acceptance = accept_sampling(tree, probs, q, generator, max_depth=depth if q is None else None)
     else:
-        acceptance = accept_greedy(tree, out.logits, max_depth=depth)
+        acceptance = accept_greedy(tree, out.logits, max_depth=depth,
+                                   kernels=bool(getattr(adapter, "triton_kernels", False)))
     if after_accept is not None:
         after_accept()
     adapter._commit(tree, out, acceptance)

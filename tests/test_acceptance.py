@@ -6,6 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specla import DraftTree, accept_greedy
+from specla.records import Acceptance
+from trees import DEV
 
 
 def logits_for(targets, vocab=10):
@@ -80,3 +82,43 @@ def test_matches_sequential_walk(case, max_depth):
         assert acc.path[b, : len(path) + 1].tolist() == [0] + [i + 1 for i in path]
         assert acc.bonus[b] == targets[b][cur + 1]
         assert acc.tokens[b, : len(path)].tolist() == [tokens[i] for i in path]
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees_and_targets(), st.integers(0, 9))
+def test_the_walk_kernel_equals_the_pytorch_walk(case, max_depth):
+    """``kernels=True`` (one Triton launch; interpreted on the CPU) gives the PyTorch form's
+    acceptance exactly, every field, on the same random trees and targets."""
+    rows, targets = case
+    tree = DraftTree.from_lists(rows)
+    logits = logits_for(targets, vocab=4).to(DEV)  # compiled kernels need device tensors on a GPU
+    ref = accept_greedy(tree, logits, max_depth=max_depth)
+    got = accept_greedy(tree, logits, max_depth=max_depth, kernels=True)
+    for name in ("path", "num_accepted", "bonus", "tokens"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+def test_the_walk_kernel_writes_every_output_and_checks_shapes():
+    """Outputs pre-filled with a sentinel are fully overwritten (a wide batch: many programs);
+    mismatched shapes are refused by name."""
+    from specla.ops import accept_triton
+
+    g = torch.Generator().manual_seed(0)
+    B, N = 37, 15
+    parents = torch.tensor([[-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, N)]
+                            for _ in range(B)])
+    tokens = torch.randint(0, 3, (B, N), generator=g)
+    num = torch.randint(0, N + 1, (B,), generator=g)
+    tokens = torch.where(torch.arange(N) < num[:, None], tokens, 0)
+    parents = torch.where(torch.arange(N) < num[:, None], parents, -1)
+    target = torch.randint(0, 3, (B, N + 1), generator=g)
+    tree = DraftTree(tokens, parents, num)
+    ref = accept_greedy(tree, torch.nn.functional.one_hot(target, 3).float(), max_depth=6)
+    parents, tokens, num, target = (x.to(DEV) for x in (parents, tokens, num, target))
+    out = Acceptance(*(torch.full(shape, -7, dtype=torch.int64, device=DEV) for shape in ((B, 7), (B,), (B,), (B, 6))))
+    got = accept_triton.greedy_walk(parents, tokens, num, target, 6, out=out)
+    assert got is out and int(ref.num_accepted.max()) >= 2  # the walk goes deep somewhere
+    for name in ("path", "num_accepted", "bonus", "tokens"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
+    with pytest.raises(ValueError, match=r"target \[37, 16\]"):
+        accept_triton.greedy_walk(parents, tokens, num, target[:, :-1], 6)

@@ -10,7 +10,8 @@ that reaches a backend (``TorchDispatchMode``; views and allocations left out) i
 drafter's tree (``propose_on_device``) with the PyTorch draft levels (``kernels="reference"``)
 and, with ``TRITON_INTERPRET=1``, with the Triton forms (``kernels="triton"``; their launches
 counted apart, the interpreter's own tensor traffic left out), and in greedy acceptance of that
-tree. One JSON object per part. CPU only; FLA installed (it defines the model class).
+tree (with ``kernels="triton"`` its one-launch walk). One JSON object per part. CPU only; FLA
+installed (it defines the model class).
 """
 import collections
 import json
@@ -52,11 +53,12 @@ class Count(TorchDispatchMode):
 
 def triton_launches():
     """Counts the launches of the Triton forms a draft level uses (the top-k takes two)."""
-    from specla.ops import act_triton, attention_triton, norm_triton, topk_triton
+    from specla.ops import accept_triton, act_triton, attention_triton, norm_triton, topk_triton
 
     calls = collections.Counter()
     for mod, name, launches in ((norm_triton, "rms_norm", 1), (act_triton, "swiglu", 1),
-                                (attention_triton, "draft_attention", 1), (topk_triton, "log_softmax_topk", 2)):
+                                (attention_triton, "draft_attention", 1), (topk_triton, "log_softmax_topk", 2),
+                                (accept_triton, "greedy_walk", 1)):
         fn = getattr(mod, name)
 
         def counted(*a, _fn=fn, _name=name, _n=launches, **k):
@@ -109,10 +111,11 @@ def main():
         print(json.dumps(dict(part="propose", kernels=kernels, operators=sum(c.ops.values()),
                               triton_launches=sum(calls.values()), by_name=dict(c.ops.most_common()))), flush=True)
         logits = torch.randn(1, 16, 32000)
+        calls.clear()
         with Count() as c:
-            accept_greedy(tree, logits, max_depth=6)
+            accept_greedy(tree, logits, max_depth=6, kernels=kernels == "triton")
         print(json.dumps(dict(part="accept_greedy", kernels=kernels, operators=sum(c.ops.values()),
-                              by_name=dict(c.ops.most_common()))), flush=True)
+                              triton_launches=sum(calls.values()), by_name=dict(c.ops.most_common()))), flush=True)
         ad.static_shapes = False
 
 
