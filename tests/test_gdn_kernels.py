@@ -133,6 +133,31 @@ def test_tree_verify_equals_naive(kind, heads):
     assert torch.equal(state.cpu(), S0)
 
 
+@pytest.mark.parametrize("kernel", ["serial", "parallel"])
+def test_values_read_in_place_from_a_wider_projection(kernel):
+    """``v`` as the mixer passes it: a slice of each token's wider projection (no copy). Outputs
+    equal those of the same values made contiguous, bit for bit, and the sequential twin's."""
+    B, T, H, HV, K, V = 3, 5, 1, 2, 8, 6
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta, S0 = inputs(B, T, H, HV, K, V, gen)
+    wide = torch.randn(B, T, 3 * HV * V, generator=gen)
+    wide[..., HV * V : 2 * HV * V] = v.flatten(2)
+    strided = wide.to(DEV)[..., HV * V : 2 * HV * V].view(B, T, HV, V)
+    assert not strided.is_contiguous()
+    parents = chain(B, T)
+    outs = []
+    for vv in (strided, v.to(DEV)):
+        args = (*(x.to(DEV) for x in (q, k)), vv, *(x.to(DEV) for x in (g, beta)), S0.clone().to(DEV))
+        if kernel == "serial":
+            outs.append(serial_verify(*args, torch.full((B,), T, device=DEV), K**-0.5, out=nan_out(B, T, HV, V)))
+        else:
+            outs.append(tree_verify(*args, inclusive_ancestor_mask(parents).to(DEV), K**-0.5, out=nan_out(B, T, HV, V)))
+    ro, rd, rG, _ = naive_tree_gdn(q, k, v, g, beta, S0, parents, K**-0.5)
+    for got, same, ref in zip(outs[0], outs[1], (ro, rd, rG)):
+        assert not got.isnan().any() and torch.equal(got, same)
+        assert torch.allclose(got.cpu(), ref.float(), rtol=1e-4, atol=1e-5)
+
+
 def test_tree_verify_with_pending_commit_equals_serial_kernel():
     """The two kernels apply the same fused commit; then verify a 40-node random tree."""
     B, Tp, H, HV, K, V = 3, 5, 1, 2, 8, 4

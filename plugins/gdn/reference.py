@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specla.ops.norm import compute_dtype
 from specla.records import path_end
 
 

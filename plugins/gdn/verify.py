@@ -75,7 +75,7 @@ PENDING_FIELDS = dict(pk="k", pdelta="delta", pG="G")  # kernel parameter -> GDN
 def _serial_verify_kernel(
     q, k, v, g, beta, S, o, delta, G, num_nodes,
     pk, pdelta, pG, path, path_len,
-    scale, T, P, Tp,
+    scale, T, P, Tp, SV,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
 ):
@@ -97,7 +97,7 @@ def _serial_verify_kernel(
         i_t = i_b * T + t
         b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_vv = tl.load(v + (i_t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_vv = tl.load(v + i_t * SV + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(g + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64)).to(tl.float32)
         b_beta = tl.load(beta + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64)).to(tl.float32)
         valid = t < n
@@ -117,12 +117,13 @@ def _serial_verify_kernel(
 def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
+    v, SV = _value_rows(v)
     o, d, G = out
     BK = triton.next_power_of_2(K)
     tune = TUNING["decode" if T == 1 else "serial"]
     BV = min(triton.next_power_of_2(V), tune["BV"])
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        q, k, v, g, beta, state, o, d, G, num_nodes, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        q, k, v, g, beta, state, o, d, G, num_nodes, scale=scale, T=T, SV=SV, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         **_pending_kwargs(pending), num_warps=tune["num_warps"],
     )
 
@@ -162,12 +163,23 @@ def serial_verify(
     if num_nodes.shape != (B,) or num_nodes.dtype != torch.int64 or num_nodes.device != k.device:
         raise ValueError(f"num_nodes must be int64 [{B}] on {k.device}, got {num_nodes.dtype} {list(num_nodes.shape)}")
     HV, V = v.shape[2], v.shape[3]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
     if out is None:
-        out = (torch.empty_like(v), torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
+        out = (torch.empty(v.shape, dtype=v.dtype, device=v.device),
+               torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out)
     return out
+
+
+def _value_rows(v: Tensor) -> tuple[Tensor, int]:
+    """``v [B, T, HV, V]`` as the serial and tree kernels read it, with its token stride: heads and
+    channels dense, one stride per token. The values are a slice of a wider per-token projection
+    (after the short conv), which needs no copy; anything else is made contiguous."""
+    B, T, HV, V = v.shape
+    if v.stride(3) == 1 and v.stride(2) == V and (B <= 1 or v.stride(0) == T * v.stride(1)):
+        return v, v.stride(1)
+    return v.contiguous(), HV * V
 
 
 def _check(q, k, v, g, beta, state, pending) -> None:
@@ -238,7 +250,7 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
 def _tree_verify_kernel(
     q, k, v, beta, mask, Tm, G, S, o, delta,
     pk, pdelta, pG, path, path_len,
-    scale, T, P, Tp,
+    scale, T, P, Tp, SV,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PREC: tl.constexpr,
     BP: tl.constexpr,
@@ -293,7 +305,7 @@ def _tree_verify_kernel(
         b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
         b_kS += tl.dot(b_k, b_S, input_precision=DOT_PREC)
         b_qS += tl.dot(b_q, b_S, input_precision=DOT_PREC)
-    b_v = tl.load(v + ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :],
+    b_v = tl.load(v + (i_b * T + o_t[:, None]) * SV + i_hv * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.load(G + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
@@ -340,8 +352,9 @@ def tree_verify(
     if T > MAX_TREE_NODES:
         raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
     HV, V = v.shape[2], v.shape[3]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    m8 = mask.to(torch.int8).contiguous()
+    q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
+    v, SV = _value_rows(v)
+    m8 = mask.contiguous()  # bool: the kernels load it as int1 (no int8 copy per layer)
     BT = max(16, triton.next_power_of_2(T))
     BKC = max(16, min(triton.next_power_of_2(K), TUNING["tree"]["BKC"]))
     BV = max(16, min(triton.next_power_of_2(V), TUNING["tree"]["BV"]))
@@ -349,7 +362,8 @@ def tree_verify(
     # (their error stays under the bf16 rounding of the outputs)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     if out is None:
-        out = (torch.empty_like(v), torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
+        out = (torch.empty(v.shape, dtype=v.dtype, device=v.device),
+               torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     o, d, G = out
     Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
@@ -357,7 +371,7 @@ def tree_verify(
                                     num_warps=TUNING["prepare"]["num_warps"])
     pend = _pending_kwargs(pending)
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        q, k, v, beta, m8, Tm, G, state, o, d, scale=scale, T=T,
+        q, k, v, beta, m8, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
         H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, BP=max(16, triton.next_power_of_2(pend["P"])),
         **pend, num_warps=TUNING["tree"]["num_warps"],
     )

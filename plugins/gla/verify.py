@@ -255,7 +255,7 @@ def tree_verify(
         raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
     V = v.shape[3]
     q, k, v, gk = (x.contiguous() for x in (q, k, v, gk))
-    m8 = mask.to(torch.int8).contiguous()
+    m8 = mask.contiguous()  # bool: the kernels load it as int1 (no int8 copy per layer)
     BT = max(16, triton.next_power_of_2(T))
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(triton.next_power_of_2(V), 64))

@@ -271,7 +271,7 @@ def tree_verify(
     # node tiles of at least 32: on an H200 at the Mamba2-1.3B shape, 32-node trees (BT = 32) ran
     # 3.4x to 4.2x faster than 8- and 16-node ones with BT = 16 (BENCHMARKS.md section 2)
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
-        *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), mask.to(torch.int8).contiguous(), state, y, u, G,
+        *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), mask.contiguous(), state, y, u, G,
         T=T, H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(T)),
         BN=max(16, triton.next_power_of_2(N)), BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending),
     )
