@@ -414,8 +414,14 @@ class MixerAdapter(LayerwiseAdapter):
         :meth:`LayerwiseAdapter.forward`); each mixer applies its part of ``pending`` first.
         Returns ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records)``, one record
         per mixer."""
-        mask = inclusive_ancestor_mask(parents)
-        tp = TreePass(parents, counts, mask, mask.sum(-1) - 1, records, self._use_kernel(records), self.static_shapes,
+        if self.triton_kernels:  # one launch (a recorded step is bound by its launches)
+            from .ops.tree_triton import ancestor_mask  # on first use: TRITON_INTERPRET is read when kernels are defined
+
+            mask, depth = ancestor_mask(parents)
+        else:
+            mask = inclusive_ancestor_mask(parents)
+            depth = mask.sum(-1) - 1
+        tp = TreePass(parents, counts, mask, depth, records, self._use_kernel(records), self.static_shapes,
                       pending.path if pending is not None else None, pending.path_len if pending is not None else None,
                       lambda pick: self._kernel_choice(pick, parents, counts))
         for m in self.mixers:

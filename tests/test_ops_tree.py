@@ -1,0 +1,36 @@
+"""The ancestor-mask kernel (``specla.ops.tree_triton``) against its PyTorch twin
+(``specla.tree.inclusive_ancestor_mask``) on random trees of every shape (under
+``TRITON_INTERPRET=1`` on the CPU, compiled on a GPU)."""
+
+import random
+
+import pytest
+import torch
+
+from specla.ops import tree_triton
+from specla.tree import inclusive_ancestor_mask
+from trees import DEV, SHAPES, batch_parents
+
+
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("sizes", [[1, 1], [16, 9, 3], [64, 40]])
+def test_kernel_equals_twin(kind, sizes):
+    """Outputs pre-filled (every mask entry True, depths -7) so that an unwritten one fails."""
+    parents = batch_parents(kind, sizes, random.Random(len(kind) + sum(sizes))).to(DEV)
+    B, T = parents.shape
+    out = (torch.ones(B, T, T, dtype=torch.bool, device=DEV), torch.full((B, T), -7, device=DEV))
+    mask, depth = tree_triton.ancestor_mask(parents, out=out)
+    ref = inclusive_ancestor_mask(parents)
+    assert mask is out[0] and depth is out[1]
+    assert torch.equal(mask, ref)
+    assert torch.equal(depth, ref.sum(-1) - 1)
+
+
+def test_root_explicit_trees_and_bad_input():
+    """Trees with the root as node 0 (what a verify pass builds): depth 0 for the root."""
+    parents = torch.tensor([[-1, 0, 1, 1, 0], [-1, 0, 0, 0, 0]], device=DEV)
+    mask, depth = tree_triton.ancestor_mask(parents)
+    assert depth.tolist() == [[0, 1, 2, 2, 1], [0, 1, 1, 1, 1]]
+    assert torch.equal(mask, inclusive_ancestor_mask(parents))
+    with pytest.raises(ValueError, match="parents must be int64"):
+        tree_triton.ancestor_mask(parents.int())
