@@ -1,19 +1,25 @@
-"""Operators dispatched by the parts of a speculative step, counted on the CPU: a proxy for the
-kernels a recorded step launches on a GPU, which bounds its time at small batch (BENCHMARKS.md
+"""Operators and Triton launches of a recorded step, part by part, counted on the CPU: a proxy for
+the kernels the step launches on a GPU, which bounds its time at small batch (BENCHMARKS.md
 section 4, step anatomy).
 
-    TRITON_INTERPRET=1 python benchmarks/scripts/count_ops.py > ops.json
+    TRITON_INTERPRET=1 python benchmarks/scripts/count_ops.py [--preset small] > ops.jsonl
 
-A randomly initialised GDN model of the ``small`` preset's shape with a random attention EAGLE
-head, float32, one 69-token prompt; tree N 15, depth 6, top-k 4. Counted: every PyTorch operator
-that reaches a backend (``TorchDispatchMode``; views and allocations left out) in the EAGLE
-drafter's tree (``propose_on_device``) with the PyTorch draft levels (``kernels="reference"``)
-and, with ``TRITON_INTERPRET=1``, with the Triton forms (``kernels="triton"``; their launches
-counted apart, the interpreter's own tensor traffic left out), and in greedy acceptance of that
-tree (with ``kernels="triton"`` its one-launch walk). One JSON object per part. CPU only; FLA
-installed (it defines the model class).
+A randomly initialised GDN model of a ``train_target.py`` preset's shape with a random attention
+EAGLE head, float32, one 69-token prompt, batch 1; rows AR (N 0) and the EAGLE tree (N 15, depth
+6, top-k 4). After one step, each part of the next step is counted: the drafter's tree
+(``propose_on_device``), ``verify`` (the pending commit fused), greedy acceptance, the commit
+bookkeeping and the drafter's update; then the whole recorded step body (``GraphRunner._record``)
+once more. Counted: every PyTorch operator that reaches a backend (``TorchDispatchMode``; views
+and allocations left out) and, with ``TRITON_INTERPRET=1``, every Triton launch by kernel name
+(the interpreter's own tensor traffic left out); without it, the PyTorch path
+(``kernels="reference"``) alone. One JSON line per row and part. Some PyTorch operators launch
+several kernels on a GPU (``torch.topk`` over a vocabulary-wide row about twenty, a cuBLAS
+split-K product two), so the GPU's counts are higher; the torch profiler's are in
+``step_anatomy.py``. CPU only; FLA installed (it defines the model class).
 """
+import argparse
 import collections
+import inspect
 import json
 import os
 import sys
@@ -35,6 +41,7 @@ NOT_KERNELS = {"view", "_unsafe_view", "expand", "slice", "select", "unsqueeze",
                "transpose", "as_strided", "reshape", "alias", "detach", "split", "chunk", "unbind", "narrow",
                "flatten", "lift_fresh", "_reshape_alias", "split_with_sizes", "empty", "empty_like",
                "empty_strided", "new_empty", "new_empty_strided", "set_", "promote_types", "scalar_tensor"}
+ROWS = {"ar": dict(num_draft_tokens=0), "eagle-tree": dict(num_draft_tokens=15, max_depth=6, top_k=4)}
 
 
 class Count(TorchDispatchMode):
@@ -51,72 +58,79 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def triton_launches():
-    """Counts the launches of the Triton forms a draft level uses (the top-k takes two)."""
-    from specla.ops import accept_triton, act_triton, attention_triton, norm_triton, topk_triton
-
-    calls = collections.Counter()
-    for mod, name, launches in ((norm_triton, "rms_norm", 1), (act_triton, "swiglu", 1),
-                                (attention_triton, "draft_attention", 1), (topk_triton, "log_softmax_topk", 2),
-                                (accept_triton, "greedy_walk", 1)):
-        fn = getattr(mod, name)
-
-        def counted(*a, _fn=fn, _name=name, _n=launches, **k):
-            calls[_name] += _n
-            with _PAUSE():  # the interpreter's own tensor traffic is not the kernel's
-                return _fn(*a, **k)
-
-        setattr(mod, name, counted)
-    return calls
+LAUNCHES: collections.Counter = collections.Counter()
 
 
-class _PAUSE:
-    """Leaves the innermost dispatch mode while the Triton interpreter runs a kernel."""
+def count_launches() -> None:
+    """Counts every interpreted Triton launch by kernel name into :data:`LAUNCHES`, outside the
+    dispatch counting (the interpreter's own tensor traffic is not the kernel's)."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+    from triton.runtime import interpreter
 
-    def __enter__(self):
-        from contextlib import nullcontext
+    run = interpreter.InterpretedFunction.run
 
-        from torch.utils._python_dispatch import _pop_mode_temporarily
+    def counted(self, *args, **kwargs):
+        LAUNCHES[self.fn.__name__] += 1
+        if torch._C._len_torch_dispatch_stack():
+            with _pop_mode_temporarily():
+                return run(self, *args, **kwargs)
+        return run(self, *args, **kwargs)
 
-        self._ctx = _pop_mode_temporarily() if torch._C._len_torch_dispatch_stack() else nullcontext()
-        self._ctx.__enter__()
+    interpreter.InterpretedFunction.run = counted
 
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
+
+def counted(fn):
+    """``fn()`` under the counters: ``(result, operators by name, launches by name)``."""
+    LAUNCHES.clear()
+    with Count() as c:
+        out = fn()
+    return out, dict(c.ops.most_common()), dict(LAUNCHES.most_common())
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small", help="the model shape: a preset of train_target.py")
+    a = p.parse_args()
+    kernels = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+    if kernels == "triton":
+        count_launches()
+    walk = "kernels" in inspect.signature(accept_greedy).parameters  # the one-launch walk, where it exists
     torch.manual_seed(0)
-    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS["small"]["model"])).float().eval()
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS[a.preset]["model"])).float().eval()
     head = EagleHead(model.config.hidden_size)
     prompt = [torch.randint(0, 32000, (69,)).tolist()]
-    kinds = ["reference"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
-    calls = triton_launches() if "triton" in kinds else collections.Counter()
-    dec = SpecDecoder(model, "gdn", drafter=EagleDrafter(head), config=dict(
-        dtype="float32", device="cpu", cuda_graphs="unrecorded", max_new_tokens=16, stop_at_eos=False,
-        num_draft_tokens=15, max_depth=6, top_k=4, budget_policy="fixed", kernels="reference"))
-    ad, dr, cfg = dec.adapter, dec.drafter, dec.config
-    ad.prefill(prompt)
-    dr.reset(prompt)
-    G.GraphRunner(ad, dr, cfg, capture=False).step(prompt)  # leaves the state a recorded step starts from
-    for kernels in kinds:
-        # the target's verify stays on the PyTorch path (the interpreter would take minutes); the
-        # drafter and the LM head's norm take the forms a GPU runs
-        dr.kernels = kernels == "triton"
-        type(ad).triton_kernels = property(lambda self, k=kernels: k == "triton")
+    for row, budget in ROWS.items():
+        dec = SpecDecoder(model, "gdn", drafter=EagleDrafter(head) if budget["num_draft_tokens"] else "ngram",
+                          config=dict(dtype="float32", device="cpu", cuda_graphs="unrecorded", max_new_tokens=16,
+                                      stop_at_eos=False, budget_policy="fixed", kernels=kernels, **budget))
+        ad, dr, cfg = dec.adapter, dec.drafter, dec.config
+        ad.prefill(prompt)
+        dr.reset(prompt)
+        runner = G.GraphRunner(ad, dr, cfg, capture=False)
+        runner.step(prompt)  # leaves the state a recorded step starts from, bound to its buffers
+        graph = runner._bound
+        depth = min(cfg.max_depth, cfg.num_draft_tokens)
+        parts = {}
         ad.static_shapes = True
-        calls.clear()
-        with Count() as c:
-            tree = dr.propose_on_device(ad.roots, cfg)
-        print(json.dumps(dict(part="propose", kernels=kernels, operators=sum(c.ops.values()),
-                              triton_launches=sum(calls.values()), by_name=dict(c.ops.most_common()))), flush=True)
-        logits = torch.randn(1, 16, 32000)
-        calls.clear()
-        with Count() as c:
-            accept_greedy(tree, logits, max_depth=6, kernels=kernels == "triton")
-        print(json.dumps(dict(part="accept_greedy", kernels=kernels, operators=sum(c.ops.values()),
-                              triton_launches=sum(calls.values()), by_name=dict(c.ops.most_common()))), flush=True)
-        ad.static_shapes = False
+        try:
+            if budget["num_draft_tokens"]:
+                tree, *parts["propose"] = counted(lambda: dr.propose_on_device(ad.roots, cfg))
+            else:
+                from specla.tree import DraftTree
+                tree = DraftTree.empty(ad.batch_size, ad.device)
+            out, *parts["verify"] = counted(lambda: ad._verify(tree))
+            kw = dict(kernels=kernels == "triton") if walk else {}
+            acc, *parts["accept"] = counted(lambda: accept_greedy(tree, out.logits, max_depth=depth, **kw))
+            _, *parts["commit"] = counted(lambda: ad._commit(tree, out, acc))
+            _, *parts["drafter_update"] = counted(lambda: dr.on_commit(acc, out))
+        finally:
+            ad.static_shapes = False
+        runner.release()
+        runner.step(prompt)  # rebinds the state to the buffers
+        _, *parts["step"] = counted(lambda: runner._record(graph))
+        for part, (ops, launches) in parts.items():
+            print(json.dumps(dict(row=row, part=part, kernels=kernels, preset=a.preset, operators=sum(ops.values()),
+                                  triton_launches=sum(launches.values()), ops=ops, launches=launches)), flush=True)
 
 
 if __name__ == "__main__":
