@@ -28,7 +28,7 @@ def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None,
             PyTorch form's fifty-odd operations: what a recorded step runs on a GPU.
     Returns:
         :class:`Acceptance` with ``path`` ``[B, D + 1]`` where ``D`` is the deepest real node
-        (or ``max_depth``).
+        (or ``min(max_depth, N)``).
     Raises:
         ValueError: ``logits`` is not ``[B, N + 1, vocab]``.
     """

@@ -122,3 +122,11 @@ def test_the_walk_kernel_writes_every_output_and_checks_shapes():
         assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
     with pytest.raises(ValueError, match=r"target \[37, 16\]"):
         accept_triton.greedy_walk(parents, tokens, num, target[:, :-1], 6)
+    with pytest.raises(ValueError, match="tokens must be"):
+        accept_triton.greedy_walk(parents, tokens[0], num, target, 6)
+    with pytest.raises(ValueError, match="integer tensors"):
+        accept_triton.greedy_walk(parents.float(), tokens, num, target, 6)
+    with pytest.raises(ValueError, match="max_depth must be >= 0"):
+        accept_triton.greedy_walk(parents, tokens, num, target, -1)
+    with pytest.raises(ValueError, match=r"out must be 1 contiguous tensors of shape \(37, 7\)"):
+        accept_triton.greedy_walk(parents, tokens, num, target, 6, out=Acceptance(out.path[:, :3], out.num_accepted, out.bonus, out.tokens))

@@ -58,3 +58,29 @@ def test_large_k_takes_the_twin_and_bad_k_is_refused():
         for fn in (topk_triton.log_softmax_topk, topk.log_softmax_topk):
             with pytest.raises(ValueError, match="k must be in 1..40"):
                 fn(x, bad)
+
+
+def test_large_logits_and_near_ties():
+    """Log-probabilities of large logits keep their precision (the shift comes first: a row of
+    the smallest float32 is uniform, not probability 1 each), and two logits that round to the
+    same log-probability keep their logit order in both forms."""
+    big = torch.full((1, 1025), torch.finfo(torch.float32).min, device=DEV)
+    want = -torch.log(torch.tensor(1025.0))
+    for fn in (topk_triton.log_softmax_topk, topk.log_softmax_topk):
+        assert torch.allclose(fn(big, 2)[0].cpu(), want.expand(1, 2), atol=1e-5)
+    g = torch.Generator().manual_seed(8)
+    for offset in (1e3, -1e6):
+        x = (torch.randn(4, 3000, generator=g) + offset).to(DEV)
+        assert float((topk_triton.log_softmax_topk(x, 4)[0] - topk.log_softmax_topk(x, 4)[0]).abs().max()) < 2e-6
+    near = torch.zeros(1, 1100, device=DEV)
+    near[0, 1] = 1e-8
+    assert topk_triton.log_softmax_topk(near, 3)[1].tolist() == topk.log_softmax_topk(near, 3)[1].tolist() == [[1, 0, 2]]
+
+
+def test_a_wrong_out_is_refused():
+    x = torch.randn(6, 1100, device=DEV)
+    small = (torch.empty(1, 4, device=DEV), torch.empty(1, 4, dtype=torch.int64, device=DEV))
+    strided = (torch.empty(6, 8, device=DEV)[:, ::2], torch.empty(6, 4, dtype=torch.int64, device=DEV))
+    for out in (small, strided):
+        with pytest.raises(ValueError, match=r"out must be 2 contiguous tensors of shape \(6, 4\)"):
+            topk_triton.log_softmax_topk(x, 4, out=out)

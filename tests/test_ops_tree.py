@@ -34,3 +34,12 @@ def test_root_explicit_trees_and_bad_input():
     assert torch.equal(mask, inclusive_ancestor_mask(parents))
     with pytest.raises(ValueError, match="parents must be int64"):
         tree_triton.ancestor_mask(parents.int())
+
+
+def test_trees_past_the_kernel_tile_take_the_twin_and_a_wrong_out_is_refused():
+    parents = torch.arange(-1, tree_triton.MAX_NODES + 9, device=DEV)[None].repeat(2, 1)  # a long chain
+    mask, depth = tree_triton.ancestor_mask(parents)
+    assert torch.equal(mask, inclusive_ancestor_mask(parents)) and depth[0, -1] == parents.shape[1] - 1
+    with pytest.raises(ValueError, match="out must be"):
+        tree_triton.ancestor_mask(parents[:, :5], out=(torch.empty(2, 5, 4, dtype=torch.bool, device=DEV),
+                                                       torch.empty(2, 5, dtype=torch.int64, device=DEV)))

@@ -177,8 +177,11 @@ def _value_rows(v: Tensor) -> tuple[Tensor, int]:
     channels dense, one stride per token. The values are a slice of a wider per-token projection
     (after the short conv), which needs no copy; anything else is made contiguous."""
     B, T, HV, V = v.shape
-    if v.stride(3) == 1 and v.stride(2) == V and (B <= 1 or v.stride(0) == T * v.stride(1)):
-        return v, v.stride(1)
+    if v.stride(3) == 1 and v.stride(2) == V:
+        if T == 1:  # token b is row b: the batch stride (a size-1 dim's stride says nothing)
+            return v, v.stride(0)
+        if B <= 1 or v.stride(0) == T * v.stride(1):
+            return v, v.stride(1)
     return v.contiguous(), HV * V
 
 

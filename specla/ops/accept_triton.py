@@ -57,13 +57,27 @@ def greedy_walk(parents: Tensor, tokens: Tensor, num_nodes: Tensor, target: Tens
     Returns:
         :class:`Acceptance` with ``path [B, min(D, N) + 1]`` and ``tokens [B, min(D, N)]``.
     Raises:
-        ValueError: shapes disagree.
+        ValueError: shapes disagree, a tensor is not of integers, ``max_depth < 0``, or ``out`` is
+            not contiguous int64 tensors of the returned shapes.
     """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [B, N], got {list(tokens.shape)}")
     B, N = tokens.shape
     if parents.shape != (B, N) or num_nodes.shape != (B,) or target.shape != (B, N + 1):
         raise ValueError(f"expected parents [B={B}, N={N}], num_nodes [{B}], target [{B}, {N + 1}]; got "
                          f"{list(parents.shape)}, {list(num_nodes.shape)}, {list(target.shape)}")
+    if any(x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool
+           for x in (parents, tokens, num_nodes, target)):
+        raise ValueError("parents, tokens, num_nodes and target must be integer tensors")
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     D, dev = min(max_depth, N), tokens.device
+    if out is not None:
+        from .topk_triton import _check_out
+
+        _check_out((out.path,), (B, D + 1), (torch.int64,), dev)
+        _check_out((out.tokens,), (B, D), (torch.int64,), dev)
+        _check_out((out.num_accepted, out.bonus), (B,), (torch.int64, torch.int64), dev)
     parents, tokens, target = (x.contiguous() for x in (parents, tokens, target))
     if out is None:
         out = Acceptance(path=torch.empty(B, D + 1, dtype=torch.int64, device=dev),

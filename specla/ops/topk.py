@@ -10,9 +10,11 @@ from .norm import compute_dtype
 
 
 def log_softmax_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The ``k`` largest log-probabilities of each row and their token ids, largest first; equal
-    values in increasing token order (a stable sort, so the choice is defined wherever ``torch.topk``
-    leaves it open, e.g. bfloat16 ties). Twin of :func:`specla.ops.topk_triton.log_softmax_topk`.
+    """The ``k`` largest log-probabilities of each row and their token ids, ranked by logit (in the
+    compute dtype), equal logits in increasing token order: a stable sort, so the choice is
+    defined wherever ``torch.topk`` leaves it open (bfloat16 ties), and two logits that round to
+    the same log-probability keep their logit order. Twin of
+    :func:`specla.ops.topk_triton.log_softmax_topk`.
 
     Args:
         logits: ``[..., V]`` any float dtype; k: ``1 <= k <= V``.
@@ -25,6 +27,6 @@ def log_softmax_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     V = logits.shape[-1]
     if not 1 <= k <= V:
         raise ValueError(f"k must be in 1..{V} (the vocabulary), got {k}")
-    logp = torch.log_softmax(logits.to(compute_dtype(logits)), dim=-1)
-    values, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
-    return values[..., :k], ids[..., :k]
+    x = logits.to(compute_dtype(logits))
+    ids = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.log_softmax(x, dim=-1).gather(-1, ids), ids

@@ -5,8 +5,8 @@ kernels per radix pass over four passes, then scans, counts, a fill and the gath
 kernels in BENCHMARKS.md section 5's profile); a recorded step is bound by the kernels it
 launches. Each program of the first launch takes one block of one row: its
 maximum, its sum of ``exp(x - max)`` and its ``k`` best entries; the second merges a row's blocks
-(the log-sum-exp of the blocks, then the ``k`` best of their candidates). Ties go to the smaller
-token id, as in the twin.
+(the log-sum-exp of the blocks, then the ``k`` best of their candidates). Entries are ranked by
+logit, equal logits by the smaller token id, as in the twin.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def _merge_topk_kernel(pv, pi, pm, ps, ov, oi, S, K: tl.constexpr, BS: tl.conste
     m = tl.load(pm + r * S + so, mask=so < S, other=float("-inf"))
     big = tl.max(m, axis=0)
     shift = tl.where(big > float("-inf"), big, 0.0)
-    lse = shift + tl.log(tl.sum(tl.load(ps + r * S + so, mask=so < S, other=0.0) * tl.exp(m - shift), axis=0))
+    # log-probability = (x - shift) - log(sum exp(x - shift)): the shift first, as log_softmax does
+    # (x - (shift + log sum) cancels two large numbers when the logits are large)
+    log_sum = tl.log(tl.sum(tl.load(ps + r * S + so, mask=so < S, other=0.0) * tl.exp(m - shift), axis=0))
     co = tl.arange(0, BC)
     alive = co < S * K
     v = tl.load(pv + r * S * K + co, mask=alive, other=float("-inf")).to(ct)
@@ -74,7 +76,7 @@ def _merge_topk_kernel(pv, pi, pm, ps, ov, oi, S, K: tl.constexpr, BS: tl.conste
         tied = alive & (v == best)
         tid = tl.min(tl.where(tied, ids, _NONE), axis=0)
         p = tl.min(tl.where(tied & (ids == tid), co, BC), axis=0)
-        tl.store(ov + r * K + j, best - lse)
+        tl.store(ov + r * K + j, (best - shift) - log_sum)
         tl.store(oi + r * K + j, tid.to(tl.int64))
         alive = alive & (co != p)
 
@@ -85,16 +87,21 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
     Args:
         logits: ``[..., V]`` float32, bfloat16, float16 or float64 (the last dim is made dense
             if it is not); k: ``1 <= k <= V``.
-        out: optional preallocated ``(values, ids)`` of the result's shapes and dtypes.
+        out: optional preallocated ``(values, ids)``: contiguous, of the result's shapes and
+            dtypes, on the logits' device.
     Returns:
         ``(values [..., k]`` float32 log-probabilities (float64 for float64 logits),
-        ``ids [..., k]`` int64), largest first, smaller id first on ties.
+        ``ids [..., k]`` int64), largest logit first, smaller id first on equal logits.
     Raises:
-        ValueError: ``k`` outside ``1..V``.
+        ValueError: ``k`` outside ``1..V``; ``out`` not contiguous tensors of those shapes and
+            dtypes.
     """
     V = logits.shape[-1]
     if not 1 <= k <= V:
         raise ValueError(f"k must be in 1..{V} (the vocabulary), got {k}")
+    ct = compute_dtype(logits)
+    if out is not None:
+        _check_out(out, (*logits.shape[:-1], k), (ct, torch.int64), logits.device)
     if k > MAX_K:
         from .topk import log_softmax_topk as twin
 
@@ -104,7 +111,6 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
             out[1].copy_(ids)
             return out
         return values, ids
-    ct = compute_dtype(logits)
     rows = logits.reshape(-1, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -123,3 +129,18 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
         _merge_topk_kernel[(R,)](pv, pi, pm, ps, values, ids, S, K=k, BS=triton.next_power_of_2(S),
                                  BC=triton.next_power_of_2(S * k), F64=f64)
     return values, ids
+
+
+def _check_out(out, shape: tuple, dtypes: tuple, device) -> None:
+    """Preallocated outputs must be what the kernels write: contiguous, of ``shape`` and the given
+    dtypes, on ``device`` (a kernel writing past a smaller buffer corrupts memory).
+
+    Raises:
+        ValueError: naming the expected and the given layout.
+    """
+    if len(out) != len(dtypes) or any(
+            tuple(t.shape) != tuple(shape) or t.dtype != d or not t.is_contiguous() or t.device != torch.device(device)
+            for t, d in zip(out, dtypes)):
+        got = [(tuple(t.shape), t.dtype, t.is_contiguous(), str(t.device)) for t in out]
+        raise ValueError(f"out must be {len(dtypes)} contiguous tensors of shape {tuple(shape)} and dtypes "
+                         f"{[str(d) for d in dtypes]} on {device}; got (shape, dtype, contiguous, device) {got}")

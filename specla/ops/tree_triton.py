@@ -32,8 +32,12 @@ def _ancestor_mask_kernel(parents, mask, depth, T, TP: tl.constexpr):
     tl.store(depth + b * T + i, count, mask=inside)
 
 
+MAX_NODES = 128  # larger trees (no verify or prefill pass builds one): the twin
+
+
 def ancestor_mask(parents: Tensor, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """The inclusive-ancestor mask and the depths of a batch of trees in one launch.
+    """The inclusive-ancestor mask and the depths of a batch of trees in one launch (up to
+    :data:`MAX_NODES` nodes; the twin above).
 
     Args:
         parents: ``[B, T]`` int64, topologically ordered (``parents[b, i] < i``, ``-1`` = a root).
@@ -42,11 +46,26 @@ def ancestor_mask(parents: Tensor, out: tuple[Tensor, Tensor] | None = None) -> 
         ``(mask [B, T, T]`` bool, as :func:`specla.tree.inclusive_ancestor_mask`,
         ``depth [B, T]`` int64, strict ancestors per node: ``mask.sum(-1) - 1``).
     Raises:
-        ValueError: ``parents`` is not a ``[B, T]`` int64 tensor.
+        ValueError: ``parents`` is not a ``[B, T]`` int64 tensor, or ``out`` is not contiguous
+            tensors of the result's shapes and dtypes.
     """
     if parents.dim() != 2 or parents.dtype != torch.int64:
         raise ValueError(f"parents must be int64 [B, T], got {parents.dtype} {list(parents.shape)}")
     B, T = parents.shape
+    if out is not None:
+        from .topk_triton import _check_out
+
+        _check_out(out[:1], (B, T, T), (torch.bool,), parents.device)
+        _check_out(out[1:], (B, T), (torch.int64,), parents.device)
+    if T > MAX_NODES:  # one program holds a [T, T] tile: larger trees take the twin
+        from ..tree import inclusive_ancestor_mask
+
+        ref = inclusive_ancestor_mask(parents)
+        if out is None:
+            return ref, ref.sum(-1) - 1
+        out[0].copy_(ref)
+        torch.sub(ref.sum(-1), 1, out=out[1])
+        return out
     parents = parents.contiguous()
     mask, depth = out if out is not None else (torch.empty(B, T, T, dtype=torch.bool, device=parents.device),
                                                torch.empty(B, T, dtype=torch.int64, device=parents.device))
