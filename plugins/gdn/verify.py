@@ -357,7 +357,7 @@ def tree_verify(
     HV, V = v.shape[2], v.shape[3]
     q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
     v, SV = _value_rows(v)
-    m8 = mask.contiguous()  # bool: the kernels load it as int1 (no int8 copy per layer)
+    mask = mask.contiguous()  # bool: the kernels load it as int1 (no int8 copy per layer)
     BT = max(16, triton.next_power_of_2(T))
     BKC = max(16, min(triton.next_power_of_2(K), TUNING["tree"]["BKC"]))
     BV = max(16, min(triton.next_power_of_2(V), TUNING["tree"]["BV"]))
@@ -370,11 +370,11 @@ def tree_verify(
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     o, d, G = out
     Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
-    _tree_prepare_kernel[(B * HV,)](k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
+    _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
                                     num_warps=TUNING["prepare"]["num_warps"])
     pend = _pending_kwargs(pending)
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        q, k, v, beta, m8, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
+        q, k, v, beta, mask, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
         H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, BP=max(16, triton.next_power_of_2(pend["P"])),
         **pend, num_warps=TUNING["tree"]["num_warps"],
     )

@@ -255,14 +255,14 @@ def tree_verify(
         raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
     V = v.shape[3]
     q, k, v, gk = (x.contiguous() for x in (q, k, v, gk))
-    m8 = mask.contiguous()  # bool: the kernels load it as int1 (no int8 copy per layer)
+    mask = mask.contiguous()  # bool: the kernels load it as int1 (no int8 copy per layer)
     BT = max(16, triton.next_power_of_2(T))
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(triton.next_power_of_2(V), 64))
     o, G = out = _outputs(v, K, out)
-    _tree_decay_kernel[(B * H,)](gk, m8, G, T, H=H, K=K, BT=BT, BK=BK)
+    _tree_decay_kernel[(B * H,)](gk, mask, G, T, H=H, K=K, BT=BT, BK=BK)
     _tree_verify_kernel[(B * H, triton.cdiv(V, BV))](
-        q, k, v, m8, G, state, o, scale=scale, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        q, k, v, mask, G, state, o, scale=scale, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         **_pending_kwargs(pending),
     )
     return out

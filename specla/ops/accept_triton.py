@@ -13,6 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..records import Acceptance
+from . import check_out
 
 
 @triton.jit
@@ -73,11 +74,9 @@ def greedy_walk(parents: Tensor, tokens: Tensor, num_nodes: Tensor, target: Tens
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     D, dev = min(max_depth, N), tokens.device
     if out is not None:
-        from .topk_triton import _check_out
-
-        _check_out((out.path,), (B, D + 1), (torch.int64,), dev)
-        _check_out((out.tokens,), (B, D), (torch.int64,), dev)
-        _check_out((out.num_accepted, out.bonus), (B,), (torch.int64, torch.int64), dev)
+        check_out((out.path,), (B, D + 1), (torch.int64,), dev)
+        check_out((out.tokens,), (B, D), (torch.int64,), dev)
+        check_out((out.num_accepted, out.bonus), (B,), (torch.int64, torch.int64), dev)
     parents, tokens, target = (x.contiguous() for x in (parents, tokens, target))
     if out is None:
         out = Acceptance(path=torch.empty(B, D + 1, dtype=torch.int64, device=dev),

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import check_out
 from .norm import compute_dtype
 
 BLOCK = 1024  # vocabulary entries per program of the first launch
@@ -101,7 +102,7 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
         raise ValueError(f"k must be in 1..{V} (the vocabulary), got {k}")
     ct = compute_dtype(logits)
     if out is not None:
-        _check_out(out, (*logits.shape[:-1], k), (ct, torch.int64), logits.device)
+        check_out(out, (*logits.shape[:-1], k), (ct, torch.int64), logits.device)
     if k > MAX_K:
         from .topk import log_softmax_topk as twin
 
@@ -130,17 +131,3 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
                                  BC=triton.next_power_of_2(S * k), F64=f64)
     return values, ids
 
-
-def _check_out(out, shape: tuple, dtypes: tuple, device) -> None:
-    """Preallocated outputs must be what the kernels write: contiguous, of ``shape`` and the given
-    dtypes, on ``device`` (a kernel writing past a smaller buffer corrupts memory).
-
-    Raises:
-        ValueError: naming the expected and the given layout.
-    """
-    if len(out) != len(dtypes) or any(
-            tuple(t.shape) != tuple(shape) or t.dtype != d or not t.is_contiguous() or t.device != torch.device(device)
-            for t, d in zip(out, dtypes)):
-        got = [(tuple(t.shape), t.dtype, t.is_contiguous(), str(t.device)) for t in out]
-        raise ValueError(f"out must be {len(dtypes)} contiguous tensors of shape {tuple(shape)} and dtypes "
-                         f"{[str(d) for d in dtypes]} on {device}; got (shape, dtype, contiguous, device) {got}")

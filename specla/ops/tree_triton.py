@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import check_out
+
 
 @triton.jit
 def _ancestor_mask_kernel(parents, mask, depth, T, TP: tl.constexpr):
@@ -53,10 +55,8 @@ def ancestor_mask(parents: Tensor, out: tuple[Tensor, Tensor] | None = None) -> 
         raise ValueError(f"parents must be int64 [B, T], got {parents.dtype} {list(parents.shape)}")
     B, T = parents.shape
     if out is not None:
-        from .topk_triton import _check_out
-
-        _check_out(out[:1], (B, T, T), (torch.bool,), parents.device)
-        _check_out(out[1:], (B, T), (torch.int64,), parents.device)
+        check_out(out[:1], (B, T, T), (torch.bool,), parents.device)
+        check_out(out[1:], (B, T), (torch.int64,), parents.device)
     if T > MAX_NODES:  # one program holds a [T, T] tile: larger trees take the twin
         from ..tree import inclusive_ancestor_mask
 
