@@ -21,7 +21,8 @@ from .norm import compute_dtype
 
 BLOCK = 1024  # vocabulary entries per program of the first launch
 MAX_K = 16  # larger k: the twin (the loops below unroll k times)
-_NONE = 2**31 - 1  # the id of "no entry" (a block with fewer than k entries)
+_NONE = tl.constexpr(2**31 - 1)  # the id of "no entry" (a block with fewer than k entries); a
+# Triton kernel reads a global only as a constexpr
 
 
 @triton.jit
