@@ -45,6 +45,11 @@ warnings.filterwarnings("ignore", message=".*ShortConvolution is crucial.*")
 
 from specla.registry import get_plugin  # noqa: E402
 
+from hopper_compile import install as _install_hopper_compile  # noqa: E402
+
+# interpreted kernels are also compiled for sm_90 on their first launch (tests/hopper_compile.py)
+_install_hopper_compile()
+
 
 # the GDN-layer tests read every layer's GDN state; the hybrid variant ("attn": an FLA attention
 # layer among them) has its own tests (test_fla_hybrid.py) and the conformance suite's
