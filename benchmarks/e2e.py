@@ -165,14 +165,19 @@ class ProfileDrafter(Drafter):
         profile: ``P(a)`` for ``a = 0..D`` correct drafts per step (normalised here).
         eagle: an EAGLE drafter whose tree is computed and discarded each step (its cost), or
             ``None``.
+        chain_profile: the profile of the steps whose configuration is a chain (``top_k`` 1:
+            the budget policy's chain candidate); default ``profile``.
     """
 
     name = "oracle-profile"
     device_proposals = True
 
-    def __init__(self, profile: list[float], eagle: EagleDrafter | None = None):
+    def __init__(self, profile: list[float], eagle: EagleDrafter | None = None,
+                 chain_profile: list[float] | None = None):
         self.eagle, self.adapter, self.profile = eagle, None, list(profile)
+        self.chain_profile = None if chain_profile is None else list(chain_profile)
         self.cdf: torch.Tensor | None = None  # [D + 1] cumulative profile on the device, from bind
+        self.chain_cdf: torch.Tensor | None = None  # the same for chain steps, from bind
 
     def set_profile(self, profile: list[float]) -> None:
         """Change the profile in place (recorded graphs read the same tensor)."""
@@ -184,6 +189,9 @@ class ProfileDrafter(Drafter):
         self.adapter = adapter
         self.cdf = torch.zeros(len(self.profile), dtype=torch.float32, device=adapter.device)
         self.set_profile(self.profile)
+        if self.chain_profile is not None:
+            p = torch.tensor(self.chain_profile, dtype=torch.float64)
+            self.chain_cdf = (p / p.sum()).cumsum(0).to(adapter.device, torch.float32)
         if self.eagle is not None:
             self.eagle.bind(adapter)
 
@@ -196,7 +204,8 @@ class ProfileDrafter(Drafter):
             self.eagle.propose_on_device(roots, config)  # counted, then discarded
         B, dev = roots.shape[0], roots.device
         N, D = config.num_draft_tokens, min(config.max_depth, config.num_draft_tokens)
-        a = (torch.rand(B, device=dev)[:, None] > self.cdf[None, :-1]).sum(1)  # correct drafts this step
+        cdf = self.chain_cdf if config.top_k == 1 and self.chain_cdf is not None else self.cdf
+        a = (torch.rand(B, device=dev)[:, None] > cdf[None, :-1]).sum(1)  # correct drafts this step
         depth = torch.arange(D, device=dev)
         V = self.adapter.vocab_size
         chain = torch.where(depth[None, :] < a[:, None], roots[:, None], (roots[:, None] + 1) % V)

@@ -76,10 +76,12 @@ class SpecConfig(BaseModel):
             ``ConfigError`` (also on a CPU, where no graph can be recorded); ``unrecorded``: the
             same fixed-shape step the graphs record, run without recording on any device (how a
             plugin's graph path is tested on a CPU; no faster than eager).
-        budget_policy: ``adaptive``: each step runs the configured budget or plain decoding (no
-            drafts), whichever the measured step times and the drafter's recent acceptance make
-            faster at the current batch size (:class:`specla.policy.BudgetPolicy`), so a run is
-            never much slower than plain decoding; ``fixed``: every step drafts with the
+        budget_policy: ``adaptive``: each step runs the configured budget, for a tree
+            (``top_k > 1``) also its chain (``top_k`` 1, ``num_draft_tokens`` = the tree's
+            depth), or plain decoding (no drafts), whichever the measured step times and the
+            drafter's recent acceptance make faster at the current batch size
+            (:class:`specla.policy.BudgetPolicy`), so a run is never much slower than plain
+            decoding; ``fixed``: every step drafts with the
             configured budget; ``auto`` (default): ``fixed``. On a trained target (BENCHMARKS.md
             section 4, commit ``58d08e2``) ``adaptive`` ran at 0.51x of plain decoding at batch 32
             where ``fixed`` ran at 0.98x, so it stays opt-in until it measures better. A seeded

@@ -26,6 +26,8 @@ class RunStats:
         steps: verify passes (one pass serves the whole batch).
         plain_steps: of those, the steps the budget policy ran without drafts
             (:mod:`specla.policy`).
+        chain_steps: of those, the steps the budget policy ran the configured tree's chain
+            (one child per node, as deep as the tree).
         budget_switches: times the budget policy changed the budget between two steps (with
             CUDA graphs each flushes the pending commit and moves the state to the other
             budget's graphs).
@@ -44,6 +46,7 @@ class RunStats:
 
     steps: int = 0
     plain_steps: int = 0
+    chain_steps: int = 0
     budget_switches: int = 0
     switch_s: float = 0.0
     graphs_recorded: int = 0
@@ -103,12 +106,18 @@ class Engine:
 
     def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig):
         self.adapter, self.drafter, self.config = adapter, drafter, config
-        # the budgets the steps choose from: the configured one, then plain decoding
-        self.configs = [config, config.model_copy(update={"num_draft_tokens": 0})]
+        # the budgets the steps choose from: the configured one; under the adaptive policy, for a
+        # tree, its chain (top-1 children only, as deep as the tree: cheaper to draft and to
+        # verify, which wins at large batches where verify is compute-bound); plain decoding last
+        adaptive = config.budget_policy == "adaptive" and config.num_draft_tokens > 0  # auto: fixed
+        self.configs = [config]
+        if adaptive and config.top_k > 1:
+            depth = min(config.max_depth, config.num_draft_tokens)
+            self.configs.append(config.model_copy(update={"num_draft_tokens": depth, "top_k": 1}))
+        self.configs.append(config.model_copy(update={"num_draft_tokens": 0}))
         # each budget's graph runner, made on first use and kept across calls (its graphs are reused)
         self._graph_runners: list[GraphRunner | None] = [None] * len(self.configs)
-        adaptive = config.budget_policy == "adaptive"  # auto: fixed (see SpecConfig.budget_policy)
-        self.policy = BudgetPolicy([config.num_draft_tokens, 0]) if adaptive and config.num_draft_tokens else None
+        self.policy = BudgetPolicy([c.num_draft_tokens for c in self.configs]) if adaptive else None
         self._current = 0  # the candidate the last step ran
         self._lock = threading.Lock()  # one batch at a time: the state below is the engine's only copy
         # the draws of a sampling run: one generator for the eager steps and every runner, reseeded
@@ -232,13 +241,16 @@ class Engine:
                 first = True
 
     def _choose(self, batch: int) -> int:
-        """The candidate budget of the next step (0: the configured one, 1: plain decoding)."""
+        """The candidate budget of the next step: an index into ``self.configs`` (0: the
+        configured one; the last: plain decoding)."""
         return 0 if self.policy is None else self.policy.choose(batch_bucket(batch))
 
     def _observe(self, run: _Decoding, num: list[int], seconds: float | None, candidate: int) -> None:
         """Tell the policy how the step went: wall time and tokens per live sequence."""
-        if candidate:
+        if candidate == len(self.configs) - 1:
             run.stats.plain_steps += 1
+        elif candidate:
+            run.stats.chain_steps += 1
         if self.policy is None:
             return
         live = [n for n, seq in zip(num, run.rows) if seq is not None]
@@ -274,8 +286,7 @@ class Engine:
         run.shown[:] = [run.shown[i] for i in index]
 
     def _graph_runner(self, candidate: int = 0) -> GraphRunner | None:
-        """The CUDA-graph runner of a candidate budget (0: the configured one, 1: plain
-        decoding) when ``config.cuda_graphs`` asks for graphs, else ``None`` (eager steps)."""
+        """The CUDA-graph runner of a candidate budget (an index into ``self.configs``) when ``config.cuda_graphs`` asks for graphs, else ``None`` (eager steps)."""
         cfg, on_cuda = self.config, self.adapter.device.type == "cuda"
         forced = cfg.cuda_graphs in ("on", "unrecorded")
         if not (forced or (cfg.cuda_graphs == "auto" and on_cuda and not self._graph_problem)):

@@ -5,7 +5,7 @@ step; at large batches a verify pass turns compute-bound and the speculative ste
 plain decoding (vLLM and SGLang both fall below it there). :class:`BudgetPolicy` keeps the run at
 least as fast as plain decoding: per batch size it measures the step time of the configured
 budget and of plain decoding (no drafts), tracks the drafter's recent acceptance, and runs the
-budget with the most tokens per second per sequence, re-measuring the other one now and then.
+budget with the most tokens per second per sequence, re-measuring the others now and then.
 """
 
 from __future__ import annotations
@@ -26,17 +26,18 @@ class _Bucket:
 
 
 class BudgetPolicy:
-    """Chooses, per step and batch size, between the configured draft budget (candidate 0) and
-    plain decoding (candidate 1, no drafts).
+    """Chooses, per step and batch size, among candidate draft budgets: the engine passes the
+    configured one first, for a tree its chain next, and plain decoding (no drafts) last.
 
     Rule: a candidate's rate is ``tokens / seconds``, its mean committed tokens per sequence-step
     (accepted drafts plus the bonus token: exactly 1 for plain decoding; a moving average over
     the steps that ran it, across batch sizes) over its mean step time at this batch size. Every
     candidate is first measured for ``warmup + window`` steps (the first ``warmup`` after a switch
     are not timed: a switch costs an eager step and, with CUDA graphs, may record one); then the
-    faster rate runs, and while plain decoding runs, every ``reprobe`` steps the drafting
-    candidate is measured again for ``warmup + window`` steps, since acceptance changes with the
-    text (a running drafting candidate's acceptance is measured all along).
+    fastest rate runs, and every ``reprobe`` steps the fastest drafting candidate that is not
+    running is measured again for ``warmup + window`` steps, since acceptance changes with the
+    text (a running drafting candidate's acceptance is measured all along; plain decoding's
+    step time moves little and is not re-measured).
 
     Args:
         budgets: the draft budget ``N`` of each candidate, the configured one first (``0``:

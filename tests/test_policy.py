@@ -1,6 +1,8 @@
 """The budget policy (specla.policy): the choice between the configured draft budget and plain
 decoding from measured step times and acceptance, and the engine's switches between them."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -47,6 +49,20 @@ def test_the_other_candidate_is_remeasured_every_reprobe_steps():
     assert chosen[-20:] == [0] * 20
 
 
+def test_the_chain_candidate_wins_where_the_tree_is_too_dear():
+    """Three candidates (tree, its chain, plain): at batch 1 the tree's extra acceptance pays; at
+    batch 32 a compute-bound tree verify costs more than it gains and the chain wins; at batch 64
+    plain decoding does."""
+    p = BudgetPolicy([15, 6, 0], warmup=1, window=2, reprobe=1000)
+    tokens = {0: 5.4, 1: 4.6, 2: 1.0}
+    for batch, seconds, best in ((1, {0: 1.8e-3, 1: 1.7e-3, 2: 0.7e-3}, 0),
+                                 (32, {0: 2.9e-3, 1: 2.0e-3, 2: 0.9e-3}, 1),
+                                 (64, {0: 9.0e-3, 1: 7.0e-3, 2: 1.2e-3}, 2)):
+        chosen = drive(p, batch, seconds, tokens, 30)
+        assert chosen[:9] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # each measured: warm-up + window
+        assert set(chosen[9:]) == {best}, batch
+
+
 def test_untimed_and_warmup_steps_do_not_count():
     p = BudgetPolicy([4, 0], warmup=2, window=1, reprobe=100)
     for seconds in (9.0, 9.0, None, 2e-3):  # two warm-up steps, an untimed one, then one timed
@@ -61,7 +77,7 @@ class _Scripted(BudgetPolicy):
     """Chooses the candidates of a fixed script, over and over (observations are ignored)."""
 
     def __init__(self, script):
-        super().__init__([4, 0])
+        super().__init__([4, 3, 0])
         self.script, self.i = script, 0
 
     def choose(self, batch):
@@ -76,11 +92,11 @@ class _Scripted(BudgetPolicy):
     "on", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("commit", ["factor", "snapshot"])
 def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
-    """Steps alternating between the configured tree budget and plain decoding in an irregular
-    pattern (pending commits of one budget applied by the other's verify; with graphs, each
-    switch flushes and the other budget's graphs take the state), with sequences ending at
-    different steps: outputs equal sequential greedy decoding; the plain steps, the switches and
-    the recorded graphs are counted."""
+    """Steps switching between the configured tree budget, its chain and plain decoding in an
+    irregular pattern (pending commits of one budget applied by another's verify; with graphs,
+    each switch flushes and the other budget's graphs take the state), with sequences ending at
+    different steps: outputs equal sequential greedy decoding; the plain and chain steps, the
+    switches and the recorded graphs are counted."""
     arch = get_plugin("gdn")
     model = arch.tiny_model("base", seed=3, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
@@ -92,12 +108,14 @@ def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
     cfg = dict(num_draft_tokens=4, max_depth=3, top_k=2, max_new_tokens=20, commit=commit, cuda_graphs=graphs,
                stop_token_ids=stops, budget_policy="adaptive", device="cuda" if graphs == "on" else "cpu")
     dec = SpecDecoder(model, config=cfg)
-    dec.engine.policy = _Scripted([0, 0, 1, 0, 1, 1, 1, 0])
+    assert [(c.num_draft_tokens, c.top_k) for c in dec.engine.configs] == [(4, 2), (3, 1), (0, 2)]
+    dec.engine.policy = _Scripted([0, 0, 2, 1, 0, 2, 2, 1, 1, 2, 0])
     out = dec.generate(prompts)
     assert out.outputs == [r[:e] for r, e in zip(refs, ends)]
-    assert 0 < out.stats.plain_steps < out.stats.steps
     script = dec.engine.policy.script
     choices = [0] + [script[i % len(script)] for i in range(out.stats.steps)]  # the engine starts on budget 0
+    assert out.stats.plain_steps == choices[1:].count(2) > 0
+    assert out.stats.chain_steps == choices[1:].count(1) > 0
     assert out.stats.budget_switches == sum(a != b for a, b in zip(choices, choices[1:]))
     assert (out.stats.switch_s > 0) == (graphs != "off")  # only graph runs pay for a switch
     # recorded only on a GPU: each budget's graph per batch size it meets, once
@@ -107,11 +125,36 @@ def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
     assert again.stats.graphs_recorded == 0  # the graphs of both budgets are reused
 
 
+@pytest.mark.parametrize("graphs", ["unrecorded", pytest.param(
+    "on", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_switching_with_the_eagle_drafter_keeps_the_output_exact(graphs):
+    """The trained tiny EAGLE drafter's device trees under a script of tree, chain and plain
+    steps (the drafter's cache follows every committed token, whichever candidate committed it):
+    outputs equal plain decoding's."""
+    assets = Path(__file__).resolve().parents[1] / "plugins" / "gdn" / "assets"
+    prompts = [[5, 17, 3, 9, 12, 40, 2], [8, 8, 30], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    cfg = dict(max_new_tokens=24, device="cuda" if graphs == "on" else "cpu", stop_at_eos=False)
+    ar = SpecDecoder(assets / "tiny", drafter="ngram", config=dict(cfg, num_draft_tokens=0)).generate(prompts)
+    dec = SpecDecoder(assets / "tiny", drafter=str(assets / "tiny-eagle"), config=dict(
+        cfg, num_draft_tokens=6, max_depth=4, top_k=2, budget_policy="adaptive", cuda_graphs=graphs))
+    dec.engine.policy = _Scripted([1, 0, 2, 1, 1, 0, 0, 2])
+    out = dec.generate(prompts)
+    assert out.outputs == ar.outputs
+    assert out.stats.chain_steps > 0 and out.stats.plain_steps > 0
+    assert sum(out.stats.accepted_histogram[1:]) > 0  # the drafter's trees were accepted in part
+
+
 def test_the_policy_defaults_to_fixed_budgets():
     model = get_plugin("gdn").tiny_model("base", seed=3, dtype=torch.float32)
     assert SpecDecoder(model).engine.policy is None
     assert SpecDecoder(model, config=dict(budget_policy="adaptive")).engine.policy is not None
     assert SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=0)).engine.policy is None
+    # a chain's candidates are itself and plain decoding; a tree's add its chain, as deep as the tree
+    chain = SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=6, max_depth=6, top_k=1))
+    assert chain.engine.policy.budgets == [6, 0]
+    tree = SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=15, max_depth=6, top_k=4))
+    assert tree.engine.policy.budgets == [15, 6, 0]
+    assert (tree.engine.configs[1].top_k, tree.engine.configs[1].max_depth) == (1, 6)
     if torch.cuda.is_available():
         assert SpecDecoder(model, config=dict(device="cuda")).engine.policy is None
     out = specla.run(model, prompts=[[1, 2, 3]], config=dict(budget_policy="adaptive", max_new_tokens=30))

@@ -9,10 +9,12 @@ measured GSM8K profiles, tree and chain each its own; a random EAGLE head of thi
 full tree every step and its output is discarded, so drafting costs what it costs). Prompts of
 random lengths (16 to 128 tokens), 128 new tokens; sequences finish at different steps, as in a
 suite. Rows per batch: plain decoding (N 0), the tree (N 15, depth 6, top-k 4) and the chain
-(N 6) with fixed budgets, and the tree under ``budget_policy="adaptive"``; CUDA graphs. One JSON
-line per row: tokens/s (median of ``--repeats`` calls after a warm-up call; prefill included),
-its ratio to plain decoding's, and the last timed call's :class:`~specla.engine.RunStats` (steps,
-plain steps, budget switches and their seconds, graphs recorded, prefill). A cost model of the
+(N 6) with fixed budgets, and the tree under ``budget_policy="adaptive"`` (its candidates: the
+tree, its chain, whose steps draw from the chain profile, and plain decoding); CUDA graphs. One
+JSON line per row: tokens/s (median of ``--repeats`` calls after a warm-up call; prefill
+included), its ratio to plain decoding's, and the last timed call's
+:class:`~specla.engine.RunStats` (steps, plain and chain steps, budget switches and their
+seconds, graphs recorded, prefill). A cost model of the
 policy's choices, not a speed claim for a trained drafter.
 """
 import argparse
@@ -35,7 +37,7 @@ from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
 PROFILES = "benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-"
 ROWS = {"ar": (dict(num_draft_tokens=0), "fixed"), "tree": (TREE, "fixed"), "chain": (CHAIN, "fixed"),
         "tree-adaptive": (TREE, "adaptive")}
-STATS = ("steps", "plain_steps", "budget_switches", "switch_s", "graphs_recorded", "prefill_s", "wall_s",
+STATS = ("steps", "plain_steps", "chain_steps", "budget_switches", "switch_s", "graphs_recorded", "prefill_s", "wall_s",
          "mean_accepted_tokens")
 
 
@@ -64,7 +66,8 @@ def main():
         prompts = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in lengths]
         base = None
         for name, (budget, policy) in ROWS.items():
-            drafter = ProfileDrafter(profiles["chain" if name == "chain" else "tree"], EagleDrafter(head))
+            drafter = ProfileDrafter(profiles["chain" if name == "chain" else "tree"], EagleDrafter(head),
+                                     chain_profile=profiles["chain"])
             dec = SpecDecoder(model, "gdn", drafter=drafter, config=dict(
                 dtype=str(dtype).removeprefix("torch."), device=a.device, cuda_graphs="on" if cuda else "off",
                 max_new_tokens=128, stop_at_eos=False, budget_policy=policy, **budget))
