@@ -367,7 +367,8 @@ class EagleDrafter(Drafter):
             tree = sample_tree(lambda f, t: self._sample_step(f, t, config), root_state, self.root, config,
                                self.generator)
         else:
-            tree = build_tree(lambda f, t: self._expand(f, t, config.top_k), root_state, self.root, config)
+            tree = build_tree(lambda f, t: self._expand(f, t, config.top_k), root_state, self.root, config,
+                              kernels=self.kernels)
         return DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=tree.draft_probs)
 
     device_proposals = True
@@ -377,7 +378,7 @@ class EagleDrafter(Drafter):
         host synchronisation (what :class:`specla.graphs.GraphRunner` records)."""
         self.root = roots
         return build_tree(lambda f, t: self._expand(f, t, config.top_k), self._root_state(), roots, config,
-                          fixed_width=True)
+                          fixed_width=True, kernels=self.kernels)
 
     def graph_state(self) -> list[Tensor]:
         """``[feature [B, hidden], root [B], cache keys, cache values [B, L, heads, d],

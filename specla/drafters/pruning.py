@@ -25,7 +25,7 @@ ExpandFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 
 
 def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: SpecConfig,
-               fixed_width: bool = False) -> DraftTree:
+               fixed_width: bool = False, kernels: bool = False) -> DraftTree:
     """Best-first, confidence-pruned draft tree for a batch.
 
     Args:
@@ -36,6 +36,9 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         config: ``num_draft_tokens`` (N), ``max_depth`` (D), ``top_k``, ``tau_tree`` (nats).
         fixed_width: pad every tree to ``N`` columns (no host read of the widest tree: what a
             CUDA graph needs); else the width is that of the widest tree.
+        kernels: each level's bookkeeping and the selection in one Triton launch each
+            (:mod:`specla.ops.draft_tree_triton`, the same tree) up to its
+            ``MAX_CANDIDATES``; else the PyTorch forms below.
     Returns:
         a :class:`DraftTree` on ``roots.device`` with at most ``N`` nodes per sequence, nodes in
         depth order (so parents come first).
@@ -49,27 +52,69 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
     ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # node ids of the frontier (-1: root)
     fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
     scores, tokens, parents, sizes = [], [], [], []
+    rows = None  # with the kernels: the candidate rows (score, token, parent), written in place
     count = 0
     for d in range(1, D + 1):
         state, logp, child = expand(state, toks)
-        cand = (fscore[..., None] + logp.float()).flatten(1)  # [B, M * k]
         M, k = logp.shape[1], logp.shape[2]  # k < top_k when the vocabulary is smaller
-        scores.append(cand)
-        tokens.append(child.flatten(1))
-        parents.append(ids.repeat_interleave(k, dim=1))
+        if d == 1 and kernels:
+            widths = [min(k, k ** j) * k for j in range(D)]  # candidates per level
+            if sum(widths) <= _kernels().MAX_CANDIDATES:
+                rows = (torch.empty(B, sum(widths), dtype=torch.float32, device=dev),
+                        torch.empty(B, sum(widths), dtype=torch.int64, device=dev),
+                        torch.empty(B, sum(widths), dtype=torch.int64, device=dev))
+        if rows is not None:
+            nxt = _kernels().level(fscore, logp.float(), child, ids, count, d == D, *rows)
+        else:
+            cand, child_ids, nxt = next_frontier(fscore, logp, child, ids, count, d == D)
+            scores.append(cand)
+            tokens.append(child.flatten(1))
+            parents.append(child_ids)
         sizes.append(M * k)
-        if d == D:
-            break
-        best = cand.topk(min(k, M * k), dim=1).indices  # the next frontier: best nodes of this level
-        slot = best // k  # which frontier node produced them
-        state = take_rows(state, slot)
-        toks = child.flatten(1).gather(1, best)
-        ids = best + count  # the chosen nodes' ids: this level's first id plus their rank in it
-        fscore = cand.gather(1, best)
         count += M * k
+        if nxt is None:
+            break
+        slot, toks, ids, fscore = nxt
+        state = take_rows(state, slot)
+    depth = _level_depths(tuple(sizes), dev)
+    if rows is not None:
+        tok, par, num = _kernels().select_nodes(*rows, depth, N, config.tau_tree)
+        width = tok.shape[1] if fixed_width else (int(num.max()) if B else 0)
+        return DraftTree.trusted(tok[:, :width].contiguous(), par[:, :width].contiguous(), num)
     score, token, parent = (torch.cat(x, 1) for x in (scores, tokens, parents))
-    depth = _level_depths(tuple(sizes), dev).expand(B, -1)
-    return select_nodes(score, token, parent, depth, N, config.tau_tree, fixed_width)
+    return select_nodes(score, token, parent, depth.expand(B, -1), N, config.tau_tree, fixed_width)
+
+
+def _kernels():
+    from ..ops import draft_tree_triton
+
+    return draft_tree_triton
+
+
+def next_frontier(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, first_id: int,
+                  last: bool) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor, Tensor] | None]:
+    """One level of :func:`build_tree`: its candidates and the next frontier.
+
+    Args:
+        fscore: ``[B, M]`` float32 path scores of the frontier; logp: ``[B, M, k]`` the
+            children's log-probabilities; child: ``[B, M, k]`` int64 their tokens; ids: ``[B, M]``
+            int64 the frontier's candidate ids (-1: the root).
+        first_id: the id of this level's first candidate (the candidates of the levels before).
+        last: the last level (no next frontier).
+    Returns:
+        ``(scores [B, M * k]`` float32 ``fscore + logp``, ``parents [B, M * k]`` int64 (the
+        producing node's id), ``frontier)``; ``frontier`` is ``None`` when ``last``, else
+        ``(slot, tokens, ids, scores)``, each ``[B, min(k, M * k)]``: the best candidates
+        (higher score first, lower index on ties), the frontier node that produced each, and
+        their ids ``first_id + index``.
+    """
+    M, k = logp.shape[1], logp.shape[2]
+    cand = (fscore[..., None] + logp.float()).flatten(1)  # [B, M * k]
+    parents = ids.repeat_interleave(k, dim=1)
+    if last:
+        return cand, parents, None
+    best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, : min(k, M * k)]
+    return cand, parents, (best // k, child.flatten(1).gather(1, best), best + first_id, cand.gather(1, best))
 
 
 _DEPTHS: dict[tuple, Tensor] = {}

@@ -1,0 +1,106 @@
+"""The draft-tree bookkeeping kernels (``specla.ops.draft_tree_triton``) against their PyTorch
+twins (``specla.drafters.pruning.next_frontier`` and ``select_nodes``), on fresh random inputs
+with many ties (scores drawn from a few values), under ``TRITON_INTERPRET=1`` on the CPU and
+compiled on a GPU."""
+
+import pytest
+import torch
+
+from specla import SpecConfig
+from specla.drafters.pruning import build_tree, next_frontier, select_nodes
+from specla.ops import draft_tree_triton as dt
+from trees import DEV
+
+
+def coarse(shape, g, levels=4):
+    """Random float32 values from ``levels`` distinct negative values (ties are common)."""
+    return -torch.randint(0, levels, shape, generator=g).float().to(DEV) * 0.5
+
+
+@pytest.mark.parametrize("M,k", [(1, 1), (1, 4), (3, 3), (4, 4), (8, 16)])
+@pytest.mark.parametrize("last", [False, True])
+def test_level_equals_twin(M, k, last):
+    """The level's candidates land in their columns (the rest of the rows untouched: pre-filled
+    with NaN / -77) and the next frontier equals the twin's, ties to the lower index."""
+    g = torch.Generator().manual_seed(M * 100 + k)
+    B, off, C = 3, 5, 5 + M * k + 4
+    fscore, logp = coarse((B, M), g), coarse((B, M, k), g)
+    child = torch.randint(0, 1000, (B, M, k), generator=g).to(DEV)
+    ids = torch.randint(-1, 50, (B, M), generator=g).to(DEV)
+    rows = (torch.full((B, C), float("nan"), device=DEV), torch.full((B, C), -77, dtype=torch.int64, device=DEV),
+            torch.full((B, C), -77, dtype=torch.int64, device=DEV))
+    nxt = dt.level(fscore, logp, child, ids, off, last, *rows)
+    cand, parents, ref = next_frontier(fscore, logp, child, ids, off, last)
+    cols = slice(off, off + M * k)
+    assert torch.equal(rows[0][:, cols], cand)
+    assert torch.equal(rows[1][:, cols], child.flatten(1)) and torch.equal(rows[2][:, cols], parents)
+    assert rows[0][:, :off].isnan().all() and rows[0][:, off + M * k:].isnan().all()
+    assert (rows[1][:, :off] == -77).all() and (rows[2][:, off + M * k:] == -77).all()
+    if last:
+        assert nxt is None and ref is None
+    else:
+        for a, b in zip(nxt, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("budget,tau", [(1, float("inf")), (7, float("inf")), (15, 1.0), (40, 0.0), (200, 2.5)])
+def test_select_equals_twin(budget, tau):
+    """Random candidate rows with tied scores and depths; some rows all ``-inf``."""
+    g = torch.Generator().manual_seed(budget)
+    B, C = 5, 84
+    score = coarse((B, C), g, levels=6)
+    score[1] = float("-inf")
+    depth = torch.sort(torch.randint(1, 7, (C,), generator=g)).values.to(DEV)
+    parent = torch.stack([torch.randint(-1, max(i, 1), (B,), generator=g) for i in range(C)], 1).to(DEV)
+    token = torch.randint(0, 1000, (B, C), generator=g).to(DEV)
+    tok, par, num = dt.select_nodes(score, token, parent, depth, budget, tau)
+    ref = select_nodes(score, token, parent, depth.expand(B, -1), budget, tau, fixed_width=True)
+    assert torch.equal(num, ref.num_nodes)
+    assert torch.equal(tok, ref.tokens) and torch.equal(par, ref.parents)
+
+
+def table_expand(seed, V=40):
+    """A drafter that predicts from the last token only, with coarse (tied) log-probabilities."""
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(torch.randint(0, 5, (V, V), generator=g).float(), -1).to(DEV)
+
+    def expand(state, tokens):
+        top = logp[tokens].topk(min(k_of[0], V), dim=-1, sorted=True)
+        return state, top.values, top.indices
+
+    k_of = [1]
+    return expand, k_of
+
+
+@pytest.mark.parametrize("N,D,k,tau", [(15, 6, 4, float("inf")), (6, 6, 1, float("inf")), (20, 4, 3, 1.0),
+                                       (8, 3, 8, float("inf")), (63, 8, 4, 0.5)])
+@pytest.mark.parametrize("fixed_width", [False, True])
+def test_build_tree_with_kernels_is_the_same_tree(N, D, k, tau, fixed_width):
+    """Whole trees, kernels against PyTorch forms (k 8, depth 3: 136 candidates, past the kernels'
+    tile: every level takes the twins)."""
+    expand, k_of = table_expand(N + k)
+    k_of[0] = k
+    roots = torch.tensor([0, 3, 3, 17, 39], device=DEV)
+    state = torch.zeros(5, 2, device=DEV)
+    cfg = SpecConfig(num_draft_tokens=N, max_depth=D, top_k=k, tau_tree=tau)
+    a = build_tree(expand, state, roots, cfg, fixed_width=fixed_width, kernels=True)
+    b = build_tree(expand, state, roots, cfg, fixed_width=fixed_width, kernels=False)
+    assert torch.equal(a.num_nodes, b.num_nodes)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
+def test_bad_buffers_and_too_many_candidates_are_refused():
+    B, M, k = 2, 2, 3
+    args = (torch.zeros(B, M, device=DEV), torch.zeros(B, M, k, device=DEV),
+            torch.zeros(B, M, k, dtype=torch.int64, device=DEV), torch.zeros(B, M, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match="out must be"):
+        dt.level(*args, 0, False, torch.empty(B, 8, device=DEV), torch.empty(B, 8, device=DEV),
+                 torch.empty(B, 8, dtype=torch.int64, device=DEV))
+    rows = (torch.empty(B, 5, device=DEV), *(torch.empty(B, 5, dtype=torch.int64, device=DEV) for _ in range(2)))
+    with pytest.raises(ValueError, match="do not fit"):
+        dt.level(*args, 0, False, *rows)
+    C = dt.MAX_CANDIDATES + 1
+    with pytest.raises(ValueError, match="more than the kernel"):
+        dt.select_nodes(torch.zeros(1, C, device=DEV), torch.zeros(1, C, dtype=torch.int64, device=DEV),
+                        torch.zeros(1, C, dtype=torch.int64, device=DEV), torch.ones(C, dtype=torch.int64, device=DEV),
+                        4, 1.0)
