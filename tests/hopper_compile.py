@@ -1,15 +1,18 @@
 """Compile every project kernel the CPU tests launch for a Hopper GPU (sm_90), on the CPU.
 
 Triton's interpreter runs a kernel as Python: it accepts code that the compiler rejects (a global
-that is not a ``constexpr``, a ``tl.dot`` under 16 wide, some casts), so a kernel can pass every
-interpreted test and fail to compile on the GPU. :func:`install` wraps the interpreter's launch:
+that is not a ``constexpr``, a ``tl.arange`` of a length that is not a power of two), so a kernel
+can pass every interpreted test and fail to compile on the GPU. :func:`install` wraps the interpreter's launch:
 the first launch of each project kernel with a given signature (argument types and ``constexpr``
 values) also compiles it with Triton's CUDA backend for ``sm_90`` (Triton's front end, LLVM and
 ``ptxas``; no GPU needed), and a kernel that does not compile fails the test that launched it with
 the compiler's message. The compiles run in one worker process per test process (this file run as
-a script), because under ``TRITON_INTERPRET=1`` Triton's own library functions (``tl.max``, ...)
-are interpreted ones that the compiler cannot take. FLA's kernels (interpreted by the oracle
-tests) are not ours and are not compiled. ``SPECLA_HOPPER_COMPILE=0`` turns it off.
+a script, on the test process's ``sys.path``, so that it compiles the code under test), because
+under ``TRITON_INTERPRET=1`` Triton's own library functions (``tl.max``, ...) are interpreted ones
+that the compiler cannot take. Integer arguments equal to 1 are specialised to constants as
+Triton's launcher does; the divisibility hints it adds are not (they change code generation, not
+what compiles). A kernel must be a module attribute under its own name (the worker imports it).
+FLA's kernels (interpreted by the oracle tests) are not ours and are not compiled. ``SPECLA_HOPPER_COMPILE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -76,7 +79,9 @@ def _request(fn, args, kwargs) -> dict:
             signature[p.name] = "constexpr"
             constexprs[p.name] = _encode(v)
         else:
-            signature[p.name] = mangle_type(v)
+            signature[p.name] = mangle_type(v, True)  # an int equal to 1 becomes a constant, as launched
+            if signature[p.name] == "constexpr":
+                constexprs[p.name] = _encode(v)
     return {"module": fn.__module__, "name": fn.__name__, "signature": signature,
             "constexprs": constexprs, "options": options}
 
@@ -90,6 +95,7 @@ def _compile(req: dict) -> str | None:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    sys.path[:0] = [p for p in req.get("path", ()) if p not in sys.path]  # the test process's, now
     try:
         fn = getattr(importlib.import_module(req["module"]), req["name"])
         while not isinstance(fn, JITFunction):  # @triton.heuristics / @triton.autotune wrap it
@@ -105,13 +111,20 @@ def _compile(req: dict) -> str | None:
 def _ask_worker(req: dict) -> str | None:
     global _worker
     if _worker is None or _worker.poll() is not None:
-        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        # the test process's import path: the worker compiles the code under test, not another
+        # installed copy
+        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
         _worker = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    text=True, env=env)
-    _worker.stdin.write(json.dumps(req) + "\n")
-    _worker.stdin.flush()
-    line = _worker.stdout.readline()
+    try:
+        _worker.stdin.write(json.dumps(req) + "\n")
+        _worker.stdin.flush()
+        line = _worker.stdout.readline()
+    except OSError:
+        line = ""
     if not line:
+        _worker.kill()
+        _worker = None  # the next request starts a new one
         raise RuntimeError("the sm_90 compile worker (tests/hopper_compile.py) exited")
     return json.loads(line)["error"]
 
@@ -127,7 +140,7 @@ def compile_for_hopper(fn, args, kwargs) -> None:
     key = json.dumps(req, sort_keys=True)
     with _lock:
         if key not in _seen:
-            _seen[key] = _ask_worker(req)
+            _seen[key] = _ask_worker({**req, "path": [p or os.getcwd() for p in sys.path]})
         err = _seen[key]
     if err is not None:
         raise KernelDoesNotCompile(f"{req['module']}.{req['name']} does not compile for sm_90 (signature "
