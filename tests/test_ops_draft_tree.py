@@ -59,6 +59,32 @@ def test_select_equals_twin(budget, tau):
     assert torch.equal(tok, ref.tokens) and torch.equal(par, ref.parents)
 
 
+def test_nan_scores_rank_last_in_both_forms():
+    """A NaN log-probability (an overflowed logit) ranks below every number, in the level and in
+    the selection, in the kernels as in the twins (a NaN once gave two candidates one rank and
+    the kernel a frontier slot past the level)."""
+    g = torch.Generator().manual_seed(5)
+    B, M, k = 2, 2, 3
+    fscore, logp = coarse((B, M), g), coarse((B, M, k), g)
+    logp[0, 0, 1] = logp[0, 1, 2] = logp[1, :, :] = float("nan")
+    logp[1, 1, 0] = -1.0
+    child = torch.randint(0, 1000, (B, M, k), generator=g).to(DEV)
+    ids = torch.tensor([[0, 1], [2, 3]], device=DEV)
+    rows = tuple(torch.empty(B, M * k, dtype=t, device=DEV) for t in (torch.float32, torch.int64, torch.int64))
+    nxt = dt.level(fscore, logp, child, ids, 0, False, *rows)
+    cand, _, ref = next_frontier(fscore, logp, child, ids, 0, False)
+    assert not cand.isnan().any() and torch.equal(rows[0], cand)
+    assert all(torch.equal(a, b) for a, b in zip(nxt, ref))
+    assert (nxt[0] < M).all() and nxt[0][1, 0] == 1  # the one number of row 1 comes first
+    score = coarse((B, 12), g)
+    score[0, 3] = score[1, :] = float("nan")
+    depth, parent = torch.arange(1, 13, device=DEV), torch.arange(-1, 11, device=DEV).expand(B, -1).contiguous()
+    token = torch.arange(100, 112, device=DEV).expand(B, -1).contiguous()
+    tok, par, num = dt.select_nodes(score, token, parent, depth, 5, 1.0)
+    ref = select_nodes(score, token, parent, depth.expand(B, -1), 5, 1.0, fixed_width=True)
+    assert torch.equal(num, ref.num_nodes) and torch.equal(tok, ref.tokens) and torch.equal(par, ref.parents)
+
+
 def table_expand(seed, V=40):
     """A drafter that predicts from the last token only, with coarse (tied) log-probabilities."""
     g = torch.Generator().manual_seed(seed)

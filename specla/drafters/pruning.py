@@ -11,6 +11,7 @@ path, so the best ``N`` (ties broken by depth) are ancestor-closed. ``top_k = 1`
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -102,7 +103,8 @@ def next_frontier(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, firs
         first_id: the id of this level's first candidate (the candidates of the levels before).
         last: the last level (no next frontier).
     Returns:
-        ``(scores [B, M * k]`` float32 ``fscore + logp``, ``parents [B, M * k]`` int64 (the
+        ``(scores [B, M * k]`` float32 ``fscore + logp`` (NaN as ``-inf``: the candidate
+        ranks last), ``parents [B, M * k]`` int64 (the
         producing node's id), ``frontier)``; ``frontier`` is ``None`` when ``last``, else
         ``(slot, tokens, ids, scores)``, each ``[B, min(k, M * k)]``: the best candidates
         (higher score first, lower index on ties), the frontier node that produced each, and
@@ -110,6 +112,7 @@ def next_frontier(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, firs
     """
     M, k = logp.shape[1], logp.shape[2]
     cand = (fscore[..., None] + logp.float()).flatten(1)  # [B, M * k]
+    cand = cand.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     parents = ids.repeat_interleave(k, dim=1)
     if last:
         return cand, parents, None
@@ -137,7 +140,8 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
     that loop cost one synchronisation per node).
 
     Args:
-        score: ``[B, C]`` float32 path scores of the candidates; token: ``[B, C]`` int64;
+        score: ``[B, C]`` float32 path scores of the candidates (NaN counts as ``-inf``);
+            token: ``[B, C]`` int64;
             parent: ``[B, C]`` int64 candidate index of the parent (``-1``: the root);
             depth: ``[B, C]`` int64, ``>= 1``. Scores never increase along a path.
         budget: ``N``, the most nodes per sequence; tau: the threshold in nats.
@@ -148,6 +152,7 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
         host-side checks (:meth:`DraftTree.trusted`): the structure holds by construction.
     """
     B, C = score.shape
+    score = score.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)  # NaN (an overflowed logit): last
     keep = score >= score.max(1, keepdim=True).values - tau
     order = sorted_nodes(torch.where(keep, score, float("-inf")), depth)[:, :budget]  # kept ones first
     valid = keep.gather(1, order)

@@ -34,6 +34,7 @@ def _level_kernel(fscore, logp, child, ids, score_all, token_all, parent_all, ns
     live = i < MK
     m = i // K
     cand = tl.load(fscore + b * M + m, mask=live, other=0.0) + tl.load(logp + b * MK + i, mask=live, other=0.0)
+    cand = tl.where(cand == cand, cand, float("-inf"))  # NaN ranks last (and ranks stay distinct)
     tok = tl.load(child + b * MK + i, mask=live, other=0)
     par = tl.load(ids + b * M + m, mask=live, other=0)
     tl.store(score_all + b * C + off + i, cand, mask=live)
@@ -51,8 +52,7 @@ def _level_kernel(fscore, logp, child, ids, score_all, token_all, parent_all, ns
         tl.store(nslot + b * KN + r, (best // K).to(tl.int64), mask=out)
         tl.store(ntok + b * KN + r, tl.load(child + b * MK + best, mask=out), mask=out)
         tl.store(nids + b * KN + r, (best + off).to(tl.int64), mask=out)
-        tl.store(nscore + b * KN + r, tl.load(fscore + b * M + best // K, mask=out)
-                 + tl.load(logp + b * MK + best, mask=out), mask=out)
+        tl.store(nscore + b * KN + r, tl.sum(tl.where(hit, cand[None, :], 0.0), axis=1), mask=out)
 
 
 @triton.jit
@@ -65,6 +65,7 @@ def _select_kernel(score, token, parent, depth, tok_out, par_out, num_out, C, n,
     i = tl.arange(0, CP)
     live = i < C
     s = tl.load(score + b * C + i, mask=live, other=float("-inf"))
+    s = tl.where(s == s, s, float("-inf"))  # NaN: as -inf, as in the twin
     d = tl.load(depth + i, mask=live, other=0)
     best = tl.max(s, axis=0)
     keep = (s >= best - tau) & live
@@ -105,15 +106,20 @@ def level(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, off: int, la
         ``None`` when ``last``, else the next frontier ``(slot, tokens, ids, scores)``, each
         ``[B, min(k, M * k)]`` (slot: which frontier node produced it), best first.
     Raises:
-        ValueError: more than :data:`MAX_CANDIDATES` candidates in the level, or buffers of the
-            wrong shape or dtype.
+        ValueError: more than :data:`MAX_CANDIDATES` candidates in the level, inputs or buffers
+            of the wrong shape or dtype, or columns outside the buffers.
     """
     B, M, k = logp.shape
     MK, C = M * k, score_all.shape[1]
     if MK > MAX_CANDIDATES:
         raise ValueError(f"a level of {MK} candidates is more than the kernel's {MAX_CANDIDATES}")
+    if (tuple(fscore.shape), tuple(ids.shape), tuple(child.shape)) != ((B, M), (B, M), (B, M, k)):
+        raise ValueError(f"fscore and ids must be [B, M] = {[B, M]} and child [B, M, k] = {[B, M, k]}; got "
+                         f"{list(fscore.shape)}, {list(ids.shape)}, {list(child.shape)}")
+    if (logp.dtype, fscore.dtype, child.dtype, ids.dtype) != (torch.float32, torch.float32, torch.int64, torch.int64):
+        raise ValueError("logp and fscore must be float32, child and ids int64")
     check_out((score_all, token_all, parent_all), (B, C), (torch.float32, torch.int64, torch.int64), logp.device)
-    if off + MK > C:
+    if off < 0 or off + MK > C:
         raise ValueError(f"columns {off}..{off + MK} do not fit {C} candidate columns")
     KN = min(k, MK)
     dev = logp.device
@@ -131,17 +137,21 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
     """:func:`specla.drafters.pruning.select_nodes` with a fixed width, in one launch.
 
     Args:
-        score: ``[B, C]`` float32; token, parent: ``[B, C]`` int64 (parent: candidate index, -1
-            the root); depth: ``[C]`` int64, the same for every sequence; all contiguous.
+        score: ``[B, C]`` float32 (NaN counts as ``-inf``); token, parent: ``[B, C]`` int64
+            (parent: a candidate index below ``C``, or -1: the root; not checked, it would need
+            a host read); depth: ``[C]`` int64, the same for every sequence.
         budget: ``N``; tau: the threshold in nats.
     Returns:
         ``(tokens, parents, num_nodes)``: ``[B, min(N, C)]`` int64 twice and ``[B]`` int64.
     Raises:
-        ValueError: more than :data:`MAX_CANDIDATES` candidates.
+        ValueError: more than :data:`MAX_CANDIDATES` candidates, or shapes that do not match.
     """
     B, C = score.shape
     if C > MAX_CANDIDATES:
         raise ValueError(f"{C} candidates is more than the kernel's {MAX_CANDIDATES}")
+    if tuple(token.shape) != (B, C) or tuple(parent.shape) != (B, C) or tuple(depth.shape) != (C,):
+        raise ValueError(f"token and parent must be [B, C] = {[B, C]} and depth [C]; got {list(token.shape)}, "
+                         f"{list(parent.shape)}, {list(depth.shape)}")
     n, dev = min(budget, C), score.device
     tok = torch.empty(B, n, dtype=torch.int64, device=dev)
     par = torch.empty(B, n, dtype=torch.int64, device=dev)
