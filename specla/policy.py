@@ -19,6 +19,8 @@ class _Bucket:
 
     seconds: list[float | None]  # per candidate: moving average of a step's wall time (s)
     timed: list[int]  # per candidate: steps timed since the candidate was last (re)measured
+    measured: list[int]  # per candidate: ``steps`` when its last measuring run began
+    steps: int = 0  # steps observed at this batch size
     current: int = 0  # the candidate the last choice ran
     run_left: int = 0  # steps the current measuring run still has to go
     since_switch: int = 0  # steps since the current candidate took over
@@ -34,9 +36,9 @@ class BudgetPolicy:
     the steps that ran it, across batch sizes) over its mean step time at this batch size. Every
     candidate is first measured for ``warmup + window`` steps (the first ``warmup`` after a switch
     are not timed: a switch costs an eager step and, with CUDA graphs, may record one); then the
-    fastest rate runs, and every ``reprobe`` steps the fastest drafting candidate that is not
-    running is measured again for ``warmup + window`` steps, since acceptance changes with the
-    text (a running drafting candidate's acceptance is measured all along; plain decoding's
+    fastest rate runs, and every ``reprobe`` steps one drafting candidate that is not running
+    (the one measured longest ago) is measured again for ``warmup + window`` steps, since
+    acceptance changes with the text (a running drafting candidate's acceptance is measured all along; plain decoding's
     step time moves little and is not re-measured).
 
     Args:
@@ -61,7 +63,7 @@ class BudgetPolicy:
 
     def _bucket(self, batch: int) -> _Bucket:
         n = len(self.budgets)
-        return self.buckets.setdefault(batch, _Bucket(seconds=[None] * n, timed=[0] * n))
+        return self.buckets.setdefault(batch, _Bucket(seconds=[None] * n, timed=[0] * n, measured=[0] * n))
 
     def rate(self, batch: int, candidate: int) -> float | None:
         """Measured tokens per second per sequence of ``candidate`` at ``batch`` (``None``: not
@@ -84,7 +86,7 @@ class BudgetPolicy:
         drafting = [c for c in range(n) if c != best and self.budgets[c] > 0]
         if drafting and s.since_probe >= self.reprobe:  # their acceptance moves with the text
             s.since_probe = 0
-            other = max(drafting, key=lambda c: self.rate(batch, c))
+            other = min(drafting, key=lambda c: s.measured[c])  # in turn: none is left unmeasured
             s.timed[other] = 0  # measured afresh
             return self._run(s, other, measuring=True)
         return self._run(s, best, measuring=False)
@@ -94,6 +96,7 @@ class BudgetPolicy:
             s.current, s.since_switch = candidate, 0
         if measuring:
             s.run_left = self.warmup + self.window if s.since_switch == 0 else self.window
+            s.measured[candidate] = s.steps
         return candidate
 
     def observe(self, batch: int, seconds: float | None, tokens: float) -> None:
@@ -103,6 +106,7 @@ class BudgetPolicy:
         s = self._bucket(batch)
         c, a = s.current, self.smoothing
         s.run_left = max(s.run_left - 1, 0)
+        s.steps += 1
         s.since_switch += 1
         s.since_probe += 1
         if self.budgets[c] > 0:

@@ -63,6 +63,18 @@ def test_the_chain_candidate_wins_where_the_tree_is_too_dear():
         assert set(chosen[9:]) == {best}, batch
 
 
+def test_every_drafting_candidate_is_remeasured_in_turn():
+    """Plain decoding runs while the tree (0.9x) and the chain (0.75x) lose to it; then the text
+    turns easy for the chain (2x): the reprobes take the drafting candidates in turn, so the chain
+    is measured again and takes over, though the tree ranked above it."""
+    p = BudgetPolicy([15, 6, 0], warmup=1, window=2, reprobe=20)
+    seconds, tokens = {0: 3e-3, 1: 2e-3, 2: 1e-3}, {0: 2.7, 1: 1.5, 2: 1.0}
+    assert set(drive(p, 32, seconds, tokens, 60)[9:]) >= {2}
+    tokens[1] = 4.0
+    tail = drive(p, 32, seconds, tokens, 100)[-60:]
+    assert tail.count(1) >= 50 and 2 not in tail  # the chain runs, the tree is reprobed now and then
+
+
 def test_untimed_and_warmup_steps_do_not_count():
     p = BudgetPolicy([4, 0], warmup=2, window=1, reprobe=100)
     for seconds in (9.0, 9.0, None, 2e-3):  # two warm-up steps, an untimed one, then one timed
