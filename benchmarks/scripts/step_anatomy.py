@@ -87,7 +87,8 @@ def parts(dec, prompts):
         box["out"] = ad._verify(box["tree"])
 
     def accept_commit():
-        acc = accept_greedy(box["tree"], box["out"].logits, max_depth=depth)
+        acc = accept_greedy(box["tree"], box["out"].logits, max_depth=depth,
+                            kernels=bool(getattr(ad, "triton_kernels", False)))  # as the recorded step does
         ad._commit(box["tree"], box["out"], acc)
         dr.on_commit(acc, box["out"])
 
