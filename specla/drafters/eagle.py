@@ -29,7 +29,7 @@ from ..config import SpecConfig
 from ..errors import DrafterError
 from ..graphs import cache_capacity
 from ..interfaces import Drafter, TargetAdapter, VerifyOutput
-from ..records import Acceptance, path_end
+from ..records import Acceptance
 from ..tree import DraftTree
 from ..acceptance import sampling_probs
 from ..ops.attention import draft_attention
@@ -409,7 +409,8 @@ class EagleDrafter(Drafter):
             self.cache_k[rows[:, None], pos] = k
             self.cache_v[rows[:, None], pos] = v
             self.cache_len.copy_((self.cache_len + acceptance.num_accepted.to(dev) + 1).clamp(max=L))
-        end = path_end(acceptance.path, acceptance.num_accepted + 1).to(dev)
+        # the path's last node: the root (0) plus num_accepted nodes, so it is never empty
+        end = acceptance.path.gather(1, acceptance.num_accepted[:, None]).squeeze(1).to(dev)
         self.feature = self._features(hidden[rows, end])
         self.root = acceptance.bonus.to(dev)
 
