@@ -169,8 +169,8 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     ar.generate([r["prompt"] for r in batches[0]])
     started, done = time.perf_counter(), 0
     # where the speculative calls' time went, summed over the timed calls (RunStats fields)
-    spent = dict.fromkeys(("steps", "plain_steps", "chain_steps", "budget_switches", "switch_s", "graphs_recorded", "prefill_s",
-                           "wall_s"), 0)
+    spent = dict.fromkeys(("steps", "plain_steps", "chain_steps", "budget_switches", "switch_s", "graphs_recorded",
+                           "prefill_s", "wall_s"), 0)
     for batch in tqdm(batches, desc="bench", unit="batch"):
         if done and time_limit_s is not None and time.perf_counter() - started > time_limit_s:
             break

@@ -286,7 +286,8 @@ class Engine:
         run.shown[:] = [run.shown[i] for i in index]
 
     def _graph_runner(self, candidate: int = 0) -> GraphRunner | None:
-        """The CUDA-graph runner of a candidate budget (an index into ``self.configs``) when ``config.cuda_graphs`` asks for graphs, else ``None`` (eager steps)."""
+        """The CUDA-graph runner of a candidate budget (an index into ``self.configs``) when
+        ``config.cuda_graphs`` asks for graphs, else ``None`` (eager steps)."""
         cfg, on_cuda = self.config, self.adapter.device.type == "cuda"
         forced = cfg.cuda_graphs in ("on", "unrecorded")
         if not (forced or (cfg.cuda_graphs == "auto" and on_cuda and not self._graph_problem)):

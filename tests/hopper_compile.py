@@ -12,7 +12,8 @@ under ``TRITON_INTERPRET=1`` Triton's own library functions (``tl.max``, ...) ar
 that the compiler cannot take. Integer arguments equal to 1 are specialised to constants as
 Triton's launcher does; the divisibility hints it adds are not (they change code generation, not
 what compiles). A kernel must be a module attribute under its own name (the worker imports it).
-FLA's kernels (interpreted by the oracle tests) are not ours and are not compiled. ``SPECLA_HOPPER_COMPILE=0`` turns it off.
+FLA's kernels (interpreted by the oracle tests) are not ours and are not compiled.
+``SPECLA_HOPPER_COMPILE=0`` turns it off.
 """
 
 from __future__ import annotations

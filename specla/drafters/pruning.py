@@ -104,8 +104,8 @@ def next_frontier(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, firs
         last: the last level (no next frontier).
     Returns:
         ``(scores [B, M * k]`` float32 ``fscore + logp`` (NaN as ``-inf``: the candidate
-        ranks last), ``parents [B, M * k]`` int64 (the
-        producing node's id), ``frontier)``; ``frontier`` is ``None`` when ``last``, else
+        ranks last), ``parents [B, M * k]`` int64 (the producing node's id), ``frontier)``;
+        ``frontier`` is ``None`` when ``last``, else
         ``(slot, tokens, ids, scores)``, each ``[B, min(k, M * k)]``: the best candidates
         (higher score first, lower index on ties), the frontier node that produced each, and
         their ids ``first_id + index``.
@@ -152,7 +152,7 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
         host-side checks (:meth:`DraftTree.trusted`): the structure holds by construction.
     """
     B, C = score.shape
-    score = score.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)  # NaN (an overflowed logit): last
+    score = score.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)  # NaN (overflow) ranks last
     keep = score >= score.max(1, keepdim=True).values - tau
     order = sorted_nodes(torch.where(keep, score, float("-inf")), depth)[:, :budget]  # kept ones first
     valid = keep.gather(1, order)
