@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
-# Issue 16's speed rows on the trained `small` target in one command (BENCHMARKS.md section 4):
-# rebuild the target and its EAGLE drafter by the recipe of benchmarks/small_target.sh (about 6
-# minutes on an H200), then `specla bench` rows, AR (specla's graph step) side by side in each.
+# Speed rows of the trained `small` target in one command (BENCHMARKS.md section 4): rebuild the
+# target and its EAGLE drafter by the recipe of benchmarks/small_target.sh (about 6 minutes on an
+# H200), then one `specla bench` per row, plain decoding (specla's graph step) side by side in
+# each. Run from the repository root with the environment where specla is installed (`python` is
+# called as found on PATH: activate the venv first).
 #
-#   bash benchmarks/scripts/small_target_bench.sh OUT_DIR [DATA_DIR] [ROW ...]
+#   bash benchmarks/scripts/small_target_bench.sh OUT_DIR [DATA_DIR [ROW ...]]
 #
-# A ROW is SUITE:SHAPE:BATCH[:POLICY], SUITE gsm8k (gsm8k_test.jsonl) or mixed
+# DATA_DIR (default ../shared/data) holds corpus/, prompts/ and tokenizer/; to give rows, give it
+# too. A ROW is SUITE:SHAPE:BATCH[:POLICY]: SUITE gsm8k (gsm8k_test.jsonl) or mixed
 # (specbench_like.jsonl), SHAPE tree (N 15, depth 6, top-k 4) or chain (N 6), POLICY fixed
 # (default) or adaptive. Default rows: gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1.
-# LIMIT (prompts per row, default 64), ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS
-# (default 128) and DEVICE (default cuda; with OUT_DIR/small and OUT_DIR/eagle present, cpu
-# checks the script) can be set in the environment. Writes OUT_DIR/bench-ROW.json (the `specla bench`
-# report, ':' as '-') and OUT_DIR/bench.log; the models stay in OUT_DIR/small and OUT_DIR/eagle.
+# Rows are checked before anything runs. Environment: LIMIT (prompts per row, default 64),
+# ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS (the target's
+# training steps, default 434), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
+# already holds small/ and eagle/, e.g. copies of plugins/gdn/assets/tiny and tiny-eagle: a check
+# of the script). Writes OUT_DIR/bench-ROW.json (the `specla bench` report, ':' as '-') and
+# OUT_DIR/bench.log; the models stay in OUT_DIR/small and OUT_DIR/eagle.
 set -uo pipefail
-out=${1:?usage: bash benchmarks/scripts/small_target_bench.sh OUT_DIR [DATA_DIR] [ROW ...]}
+if [ $# -lt 1 ]; then
+  echo "usage: bash benchmarks/scripts/small_target_bench.sh OUT_DIR [DATA_DIR [ROW ...]]" >&2
+  exit 2
+fi
+out=$1
 data=${2:-../shared/data}
 shift $(( $# >= 2 ? 2 : $# ))
 rows=("$@")
 [ ${#rows[@]} -eq 0 ] && rows=(gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1)
+for row in "${rows[@]}"; do  # all rows checked before the training
+  if ! [[ $row =~ ^(gsm8k|mixed):(tree|chain):[1-9][0-9]*(:(fixed|adaptive))?$ ]]; then
+    echo "bad row '$row': expected SUITE:SHAPE:BATCH[:POLICY], SUITE gsm8k|mixed, SHAPE tree|chain," \
+         "BATCH a positive integer, POLICY fixed|adaptive" >&2
+    exit 2
+  fi
+done
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 if [ ! -d "$out/small" ] || [ ! -d "$out/eagle" ]; then
