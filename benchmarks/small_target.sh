@@ -6,7 +6,7 @@
 #   bash benchmarks/small_target.sh OUT_DIR [DATA_DIR] [RUNS]
 #
 # DATA_DIR (default ../shared/data) holds corpus/, prompts/ and tokenizer/. RUNS is a comma-separated
-# subset of acceptance.py's runs (default: all). TIME_PER_RUN (seconds, default 90: with CUDA graphs enough for a whole suite per greedy run at batch 32 on an H200), BATCH_SIZE
+# subset of acceptance.py's runs (default: all; `none`: stop after the training). TIME_PER_RUN (seconds, default 90: with CUDA graphs enough for a whole suite per greedy run at batch 32 on an H200), BATCH_SIZE
 # (default 32) and STEPS (target steps, default 434: what a 220 s throughput probe chose on an
 # H200) can be set in the environment. Writes OUT_DIR/{small,eagle,acceptance.json,*.log}.
 set -euo pipefail
@@ -20,6 +20,7 @@ python "$here/targets/train_target.py" --preset small --corpus "$data/corpus" --
 python -m specla.cli train-drafter --model "$out/small" --data "$data"/corpus/*.xz --out "$out/eagle" \
     --steps 3000 --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 --ce-weight 1.0 \
     --unroll 3 --device cuda --overwrite 2>&1 | tee "$out/drafter.log"
+[ "$runs" = none ] && exit 0
 python "$here/acceptance.py" --model "$out/small" --drafter "$out/eagle" --prompts "$data/prompts" \
     --out "$out/acceptance.json" --time-per-run "${TIME_PER_RUN:-90}" --batch-size "${BATCH_SIZE:-32}" \
     --max-new-tokens 128 ${runs:+--runs "$runs"} 2>&1 | tee "$out/acceptance.log"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Speed rows of the trained `small` target in one command (BENCHMARKS.md section 4): rebuild the
-# target and its EAGLE drafter by the recipe of benchmarks/small_target.sh (about 6 minutes on an
-# H200), then one `specla bench` per row, plain decoding (specla's graph step) side by side in
-# each. Run from the repository root with the environment where specla is installed (`python` is
-# called as found on PATH: activate the venv first).
+# target and its EAGLE drafter with benchmarks/small_target.sh (its recipe without the acceptance
+# runs, about 6 minutes on an H200), then one `specla bench` per row, plain decoding (specla's
+# graph step) side by side in each. Run from the repository root with the environment where
+# specla is installed (`python` is called as found on PATH: activate the venv first).
 #
 #   bash benchmarks/scripts/small_target_bench.sh OUT_DIR [DATA_DIR [ROW ...]]
 #
@@ -12,11 +12,12 @@
 # (specbench_like.jsonl), SHAPE tree (N 15, depth 6, top-k 4) or chain (N 6), POLICY fixed
 # (default) or adaptive. Default rows: gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1.
 # Rows are checked before anything runs. Environment: LIMIT (prompts per row, default 64),
-# ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS (the target's
-# training steps, default 434), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
+# ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS (passed to
+# small_target.sh: the target's training steps, default 434), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
 # already holds small/ and eagle/, e.g. copies of plugins/gdn/assets/tiny and tiny-eagle: a check
 # of the script). Writes OUT_DIR/bench-ROW.json (the `specla bench` report, ':' as '-') and
-# OUT_DIR/bench.log; the models stay in OUT_DIR/small and OUT_DIR/eagle.
+# OUT_DIR/bench.log; the models stay in OUT_DIR/small and OUT_DIR/eagle, small_target.sh's logs
+# beside them.
 set -uo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: bash benchmarks/scripts/small_target_bench.sh OUT_DIR [DATA_DIR [ROW ...]]" >&2
@@ -36,13 +37,9 @@ for row in "${rows[@]}"; do  # all rows checked before the training
 done
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
-if [ ! -d "$out/small" ] || [ ! -d "$out/eagle" ]; then
-  python "$here/targets/train_target.py" --preset small --corpus "$data/corpus" --tokenizer "$data/tokenizer" \
-      --out "$out/small" --steps "${STEPS:-434}" > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
+if [ ! -d "$out/small" ] || [ ! -d "$out/eagle" ]; then  # the recipe, without its acceptance runs
+  bash "$here/small_target.sh" "$out" "$data" none > "$out/recipe.log" 2>&1 || { tail -20 "$out/recipe.log"; exit 1; }
   grep "held-out" "$out/train.log"
-  python -m specla.cli train-drafter --model "$out/small" --data "$data"/corpus/*.xz --out "$out/eagle" \
-      --steps 3000 --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 --ce-weight 1.0 \
-      --unroll 3 --device cuda --overwrite > "$out/drafter.log" 2>&1 || { tail -20 "$out/drafter.log"; exit 1; }
 fi
 declare -A suite=([gsm8k]=gsm8k_test.jsonl [mixed]=specbench_like.jsonl)
 declare -A shape=([tree]='"num_draft_tokens":15,"max_depth":6,"top_k":4' [chain]='"num_draft_tokens":6,"max_depth":6,"top_k":1')
