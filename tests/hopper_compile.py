@@ -112,11 +112,8 @@ def _compile(req: dict) -> str | None:
 def _ask_worker(req: dict) -> str | None:
     global _worker
     if _worker is None or _worker.poll() is not None:
-        # the test process's import path: the worker compiles the code under test, not another
-        # installed copy
-        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
         _worker = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True, env=env)
+                                   text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
     try:
         _worker.stdin.write(json.dumps(req) + "\n")
         _worker.stdin.flush()
@@ -141,6 +138,8 @@ def compile_for_hopper(fn, args, kwargs) -> None:
     key = json.dumps(req, sort_keys=True)
     with _lock:
         if key not in _seen:
+            # with the test process's import path: the worker compiles the code under test, not
+            # another installed copy
             _seen[key] = _ask_worker({**req, "path": [p or os.getcwd() for p in sys.path]})
         err = _seen[key]
     if err is not None:
