@@ -38,8 +38,8 @@ class BudgetPolicy:
     are not timed: a switch costs an eager step and, with CUDA graphs, may record one); then the
     fastest rate runs, and every ``reprobe`` steps one drafting candidate that is not running
     (the one measured longest ago) is measured again for ``warmup + window`` steps, since
-    acceptance changes with the text (a running drafting candidate's acceptance is measured all along; plain decoding's
-    step time moves little and is not re-measured).
+    acceptance changes with the text (a running drafting candidate's acceptance is measured all
+    along; plain decoding's step time moves little and is not re-measured).
 
     Args:
         budgets: the draft budget ``N`` of each candidate, the configured one first (``0``:

@@ -85,17 +85,17 @@ def test_nan_scores_rank_last_in_both_forms():
     assert torch.equal(num, ref.num_nodes) and torch.equal(tok, ref.tokens) and torch.equal(par, ref.parents)
 
 
-def table_expand(seed, V=40):
-    """A drafter that predicts from the last token only, with coarse (tied) log-probabilities."""
+def table_expand(seed, k, V=40):
+    """A drafter that predicts from the last token only, with coarse (tied) log-probabilities,
+    expanding each node into its ``k`` best children."""
     g = torch.Generator().manual_seed(seed)
     logp = torch.log_softmax(torch.randint(0, 5, (V, V), generator=g).float(), -1).to(DEV)
 
     def expand(state, tokens):
-        top = logp[tokens].topk(min(k_of[0], V), dim=-1, sorted=True)
+        top = logp[tokens].topk(min(k, V), dim=-1, sorted=True)
         return state, top.values, top.indices
 
-    k_of = [1]
-    return expand, k_of
+    return expand
 
 
 @pytest.mark.parametrize("N,D,k,tau", [(15, 6, 4, float("inf")), (6, 6, 1, float("inf")), (20, 4, 3, 1.0),
@@ -104,8 +104,7 @@ def table_expand(seed, V=40):
 def test_build_tree_with_kernels_is_the_same_tree(N, D, k, tau, fixed_width):
     """Whole trees, kernels against PyTorch forms (k 8, depth 3: 136 candidates, past the kernels'
     tile: every level takes the twins)."""
-    expand, k_of = table_expand(N + k)
-    k_of[0] = k
+    expand = table_expand(N + k, k)
     roots = torch.tensor([0, 3, 3, 17, 39], device=DEV)
     state = torch.zeros(5, 2, device=DEV)
     cfg = SpecConfig(num_draft_tokens=N, max_depth=D, top_k=k, tau_tree=tau)

@@ -20,4 +20,3 @@ def check_out(out, shape: tuple, dtypes: tuple, device) -> None:
         got = [(tuple(t.shape), t.dtype, t.is_contiguous(), str(t.device)) for t in out]
         raise ValueError(f"out must be {len(dtypes)} contiguous tensors of shape {tuple(shape)} and dtypes "
                          f"{[str(d) for d in dtypes]} on {device}; got (shape, dtype, contiguous, device) {got}")
-

@@ -131,4 +131,3 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
         _merge_topk_kernel[(R,)](pv, pi, pm, ps, values, ids, S, K=k, BS=triton.next_power_of_2(S),
                                  BC=triton.next_power_of_2(S * k), F64=f64)
     return values, ids
-
