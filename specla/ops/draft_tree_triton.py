@@ -5,7 +5,8 @@ a top-k, floor division, three gathers) and the selection about twenty-five (two
 argsort, a scatter, gathers, masks); a recorded draft step at batch 1 is bound by the kernels it
 launches (BENCHMARKS.md section 4). Each program takes one sequence and ranks its candidates by
 pairwise comparison (a ``[C, C]`` tile), so the kernels take up to :data:`MAX_CANDIDATES`
-candidates per sequence; the callers run the twins beyond.
+candidates per sequence; the callers run the twins beyond. :func:`pair_rows` gathers a level's
+inputs from its parents' rows (a gather and a concatenation in PyTorch).
 """
 
 from __future__ import annotations
@@ -56,17 +57,20 @@ def _level_kernel(fscore, logp, child, ids, score_all, token_all, parent_all, ns
 
 
 @triton.jit
-def _select_kernel(score, token, parent, depth, tok_out, par_out, num_out, C, n, tau, CP: tl.constexpr):
+def _select_kernel(score, token, parent, depth, tok_out, par_out, num_out, place_buf, C, n, tau,
+                   CP: tl.constexpr):
     """Sequence ``b``: keep the candidates within ``tau`` of the best score, rank all by (kept
     score descending, depth, index), take the first ``n``; of those, the kept ones are the tree,
     placed by (depth, rank); parents remapped to their places (``-1``: the root); padding after
-    ``num`` nodes is token 0, parent -1."""
+    ``num`` nodes is token 0, parent -1. Two ``[CP, CP]`` comparison tiles (rank, place) in
+    int32; the outputs are scattered to their places and the parents' places read back through
+    ``place_buf`` (``[B, CP]`` int32 scratch), so no tile is spent on gathers."""
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, CP)
     live = i < C
     s = tl.load(score + b * C + i, mask=live, other=float("-inf"))
     s = tl.where(s == s, s, float("-inf"))  # NaN: as -inf, as in the twin
-    d = tl.load(depth + i, mask=live, other=0)
+    d = tl.load(depth + i, mask=live, other=0).to(tl.int32)
     best = tl.max(s, axis=0)
     keep = (s >= best - tau) & live
     s = tl.where(keep, s, float("-inf"))
@@ -79,14 +83,64 @@ def _select_kernel(score, token, parent, depth, tok_out, par_out, num_out, C, n,
     ri, rj = rank[:, None], rank[None, :]
     ahead = sel[None, :] & ((dj < di) | ((dj == di) & (rj < ri)))
     place = tl.sum(ahead.to(tl.int32), axis=1)  # [CP]: a selected candidate's place in the tree
-    p = tl.load(parent + b * C + i, mask=live, other=-1)
-    is_parent = (jj == p[:, None]) & sel[None, :]
-    par_place = tl.max(tl.where(is_parent, place[None, :], -1), axis=1)  # -1: the root
-    tok = tl.load(token + b * C + i, mask=live, other=0)
-    at = (place[None, :] == ii) & sel[None, :]  # [slot, candidate]: the candidate in that slot
-    tl.store(tok_out + b * n + i, tl.sum(tl.where(at, tok[None, :], 0), axis=1), mask=i < n)
-    tl.store(par_out + b * n + i, tl.max(tl.where(at, par_place[None, :], -1), axis=1).to(tl.int64), mask=i < n)
-    tl.store(num_out + b, tl.sum(sel.to(tl.int64), axis=0))
+    num = tl.sum(sel.to(tl.int32), axis=0)
+    tl.store(place_buf + b * CP + i, tl.where(sel, place, -1))  # an unselected parent: the root's -1
+    tl.debug_barrier()  # the places are read back by other threads of this program
+    p = tl.load(parent + b * C + i, mask=sel, other=-1)
+    par_place = tl.load(place_buf + b * CP + p, mask=sel & (p >= 0), other=-1)
+    tok = tl.load(token + b * C + i, mask=sel, other=0)
+    pad = (i >= num) & (i < n)  # the slots no candidate takes (disjoint from the places written)
+    tl.store(tok_out + b * n + i, tl.zeros_like(tok), mask=pad)
+    tl.store(par_out + b * n + i, tl.full([CP], -1, tl.int64), mask=pad)
+    tl.store(tok_out + b * n + place, tok, mask=sel)
+    tl.store(par_out + b * n + place, par_place.to(tl.int64), mask=sel)
+    tl.store(num_out + b, num.to(tl.int64))
+
+
+@triton.jit
+def _pair_rows_kernel(feats, slot, emb, out, P, M, H, HAS_SLOT: tl.constexpr, BH: tl.constexpr):
+    """Row ``(b, m)``: ``[feats[b, slot[b, m]] ; emb[b, m]]`` (row ``m`` without ``HAS_SLOT``)."""
+    i = tl.program_id(0).to(tl.int64)
+    b, m = i // M, i % M
+    if HAS_SLOT:
+        r = tl.load(slot + i)
+    else:
+        r = m
+    for start in range(0, H, BH):
+        c = start + tl.arange(0, BH)
+        ok = c < H
+        tl.store(out + i * 2 * H + c, tl.load(feats + (b * P + r) * H + c, mask=ok), mask=ok)
+        tl.store(out + i * 2 * H + H + c, tl.load(emb + i * H + c, mask=ok), mask=ok)
+
+
+def pair_rows(feats: Tensor, slot: Tensor | None, emb: Tensor, out: Tensor | None = None) -> Tensor:
+    """:func:`specla.drafters.pruning.pair_rows` in one launch: a draft level's pairs (parent
+    feature, token embedding) gathered and concatenated.
+
+    Args:
+        feats: ``[B, P, H]`` the previous level's features; slot: ``[B, M]`` int64 rows below
+            ``P`` (not checked: a host read), or ``None`` (``P == M``); emb: ``[B, M, H]`` in
+            ``feats``' dtype; out: an optional preallocated result.
+    Returns:
+        ``[B, M, 2H]`` contiguous.
+    Raises:
+        ValueError: shapes or dtypes that do not match, or ``out`` of another layout.
+    """
+    B, M, H = emb.shape
+    P = feats.shape[1]
+    if (feats.shape != (B, P, H) or feats.dtype != emb.dtype or (slot is None and P != M)
+            or (slot is not None and (slot.shape != (B, M) or slot.dtype != torch.int64))):
+        raise ValueError(f"pair_rows: feats {list(feats.shape)} {feats.dtype}, emb {list(emb.shape)} {emb.dtype}, "
+                         f"slot {None if slot is None else (list(slot.shape), slot.dtype)}: expected [B, P, H] and "
+                         "[B, M, H] of one dtype, int64 [B, M] slots (or None with P == M)")
+    if out is None:
+        out = torch.empty(B, M, 2 * H, dtype=emb.dtype, device=emb.device)
+    check_out((out,), (B, M, 2 * H), (emb.dtype,), emb.device)
+    if B * M:
+        _pair_rows_kernel[(B * M,)](feats.contiguous(), emb if slot is None else slot.contiguous(), emb.contiguous(),
+                                    out, P, M, H, HAS_SLOT=slot is not None,
+                                    BH=min(triton.next_power_of_2(H), 1024))
+    return out
 
 
 def level(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, off: int, last: bool,
@@ -156,7 +210,9 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
     tok = torch.empty(B, n, dtype=torch.int64, device=dev)
     par = torch.empty(B, n, dtype=torch.int64, device=dev)
     num = torch.empty(B, dtype=torch.int64, device=dev)
+    CP = max(triton.next_power_of_2(C), 2)
     if B:
         _select_kernel[(B,)](score.contiguous(), token.contiguous(), parent.contiguous(), depth.contiguous(),
-                             tok, par, num, C, n, float(tau), CP=max(triton.next_power_of_2(C), 2), num_warps=8)
+                             tok, par, num, torch.empty(B, CP, dtype=torch.int32, device=dev), C, n, float(tau),
+                             CP=CP, num_warps=4)
     return tok, par, num
