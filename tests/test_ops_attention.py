@@ -139,6 +139,39 @@ def test_draft_attention_kernel_equals_its_pytorch_twin(dtype, M, A, lens):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("P,M,A,gather", [(1, 1, 0, False), (3, 4, 2, True), (2, 2, 5, False), (4, 3, 1, True)])
+def test_draft_level_attention_kernel_equals_its_pytorch_twin(dtype, P, M, A, gather):
+    """A draft level read from the previous level's keys and values through the parents' rows
+    (``slot``, repeated and out of order) and the nodes' own keys as strided views of one fused
+    projection: the one-launch kernel against the PyTorch twin on fresh random inputs, with the
+    outputs pre-filled with NaN. The children's keys and values are copies, so they match
+    exactly; the attention to float32 rounding (bf16: the cache products in bf16)."""
+    from specla.ops import attention_triton
+    from specla.ops.attention import draft_level_attention
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(P * 100 + M * 10 + A)
+    B, L, Hh, Dh = 2, 70, 3, 12
+    qkv = torch.randn(B, M, 3 * Hh * Dh, generator=g).to(dev, dtype)
+    q, k, v = (x.view(B, M, Hh, Dh) for x in qkv.chunk(3, -1))
+    ck, cv = (torch.randn(B, L, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
+    n = torch.tensor([0, 57], device=dev)
+    rows = P if gather else M
+    anc_k, anc_v = (torch.randn(B, rows, A, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
+    slot = torch.randint(0, P, (B, M), generator=g).to(dev) if gather else None
+    out = (torch.full((B, M, Hh, Dh), float("nan"), device=dev),
+           *(torch.full((B, M, A + 1, Hh, Dh), float("nan"), dtype=dtype, device=dev) for _ in range(2)))
+    got = attention_triton.draft_level_attention(q, k, v, ck, cv, n, anc_k, anc_v, slot, out=out)
+    assert all(a is b for a, b in zip(got, out)) and not any(x.isnan().any() for x in got)
+    want = draft_level_attention(q.double(), k.double(), v.double(), ck.double(), cv.double(), n, anc_k.double(),
+                                 anc_v.double(), slot)
+    assert torch.equal(got[1].double(), want[1]) and torch.equal(got[2].double(), want[2])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got[0].double() - want[0]).abs().max() < tol
+
+
+@needs_triton
 def test_draft_attention_kernel_refuses_what_it_cannot_run():
     from specla.ops import attention_triton
 
@@ -152,3 +185,12 @@ def test_draft_attention_kernel_refuses_what_it_cannot_run():
         attention_triton.draft_attention(q.double(), ck.double(), ck.double(), n, keys.double(), keys.double())
     with pytest.raises(ValueError, match="dense"):
         attention_triton.draft_attention(q.transpose(2, 3).contiguous().transpose(2, 3), ck, ck, n, keys, keys)
+    anc = torch.randn(1, 3, 1, 2, 8)  # a level's form: 3 parents' rows for 2 nodes
+    with pytest.raises(ValueError, match=r"or None with P == M"):
+        attention_triton.draft_level_attention(q, q, q, ck, ck, n, anc, anc)  # no slot
+    with pytest.raises(ValueError, match=r"or None with P == M"):
+        attention_triton.draft_level_attention(q, q, q, ck, ck, n, anc, anc, torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must be"):
+        attention_triton.draft_level_attention(q, q, q, ck, ck, n, anc, anc, torch.zeros(1, 2, dtype=torch.int64),
+                                               out=(torch.empty(1, 2, 2, 8), torch.empty(1, 2, 1, 2, 8),
+                                                    torch.empty(1, 2, 2, 2, 8)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specla import SpecConfig
-from specla.drafters.pruning import build_tree, next_frontier, select_nodes
+from specla.drafters.pruning import build_tree, next_frontier, pair_rows, select_nodes
 from specla.ops import draft_tree_triton as dt
 from trees import DEV
 
@@ -85,13 +85,29 @@ def test_nan_scores_rank_last_in_both_forms():
     assert torch.equal(num, ref.num_nodes) and torch.equal(tok, ref.tokens) and torch.equal(par, ref.parents)
 
 
+@pytest.mark.parametrize("P,M,H,gather", [(1, 1, 24, False), (4, 4, 40, True), (3, 2, 1100, True)])
+def test_pair_rows_equals_twin(P, M, H, gather):
+    """A level's (parent feature, embedding) pairs: parents' rows repeated and out of order, a
+    width past one block (1100), the output pre-filled with NaN; copies, so exactly equal."""
+    g = torch.Generator().manual_seed(P + M + H)
+    B = 3
+    feats = torch.randn(B, P if gather else M, H, generator=g).to(DEV)
+    emb = torch.randn(B, M, H, generator=g).to(DEV)
+    slot = torch.randint(0, P, (B, M), generator=g).to(DEV) if gather else None
+    out = torch.full((B, M, 2 * H), float("nan"), device=DEV)
+    got = dt.pair_rows(feats, slot, emb, out=out)
+    assert got is out and torch.equal(got, pair_rows(feats, slot, emb))
+    with pytest.raises(ValueError, match="pair_rows: feats"):
+        dt.pair_rows(feats.double(), slot, emb)
+
+
 def table_expand(seed, k, V=40):
     """A drafter that predicts from the last token only, with coarse (tied) log-probabilities,
     expanding each node into its ``k`` best children."""
     g = torch.Generator().manual_seed(seed)
     logp = torch.log_softmax(torch.randint(0, 5, (V, V), generator=g).float(), -1).to(DEV)
 
-    def expand(state, tokens):
+    def expand(state, slot, tokens):
         top = logp[tokens].topk(min(k, V), dim=-1, sorted=True)
         return state, top.values, top.indices
 

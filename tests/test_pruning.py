@@ -20,11 +20,17 @@ def table(seed=0):
 def expand_with(logp_table, k):
     calls = []
 
-    def expand(state, tokens):
+    def expand(state, slot, tokens):
+        """The state is the previous call's child tokens: each new node's token must be one of
+        its parent's (row ``slot``) children."""
         calls.append(tokens.shape[1])
+        if slot is None:
+            assert state.shape[0] == tokens.shape[0] and tokens.shape[1] == 1
+        else:
+            assert (state.gather(1, slot[..., None].expand(-1, -1, state.shape[2])) == tokens[..., None]).any(-1).all()
         lp = logp_table[tokens]  # [B, M, V]
         top = lp.topk(k, dim=-1)
-        return state, top.values, top.indices
+        return top.indices, top.values, top.indices
 
     return expand, calls
 
@@ -166,7 +172,7 @@ def test_sampled_tree_draws_children_from_q_and_keeps_its_shape_fixed():
 
     q_table = torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(3)), -1)
 
-    def step(state, tokens):
+    def step(state, slot, tokens):
         return state, q_table[tokens]
 
     cfg = SpecConfig(num_draft_tokens=11, max_depth=4, top_k=3)

@@ -222,7 +222,7 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, tmp_pa
     ad.prefill([prompt])
     dr.reset([prompt])
     with torch.no_grad():
-        _, top_logp, top_tok = dr._expand(dr._root_state()[:, None], dr.root[:, None], 3)
+        _, top_logp, top_tok = dr._expand(dr._root_state(), None, dr.root[:, None], 3)
         text, head = dr.head.text, written  # the oracle: the layer as written, not as specla loaded it
         ids = torch.tensor([prompt])
         with torch_path(model):  # transformers' PyTorch path on a CPU

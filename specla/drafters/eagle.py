@@ -32,9 +32,9 @@ from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance
 from ..tree import DraftTree
 from ..acceptance import sampling_probs
-from ..ops.attention import draft_attention
+from ..ops.attention import draft_level_attention
 from ..ops.topk import log_softmax_topk
-from .pruning import build_tree, sample_tree
+from .pruning import build_tree, pair_rows, sample_tree
 
 FORMAT = "specla-eagle-v2"
 FORMATS = ("specla-eagle-v1", FORMAT)  # v1: the attention-free head (num_heads = 0)
@@ -141,16 +141,20 @@ class EagleHead(nn.Module):
         return self.finish(h, F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2))
 
     def step(self, h: Tensor, anc_k: Tensor, anc_v: Tensor, cache_k: Tensor, cache_v: Tensor,
-             cache_len: Tensor, kernels: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+             cache_len: Tensor, kernels: bool = False, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """One draft level: pairs ``h [B, M, hidden]`` attend to their sequence's cache and to
-        their own tree ancestors and themselves (:func:`specla.ops.attention.draft_attention`).
+        their own tree ancestors and themselves
+        (:func:`specla.ops.attention.draft_level_attention`).
 
         Args:
-            anc_k, anc_v: ``[B, M, A, heads, d]`` the ancestors' keys and values (``A`` may be 0).
+            anc_k, anc_v: ``[B, P, A, heads, d]`` the ancestors' keys and values (``A`` may be 0)
+                of the previous level's ``P`` nodes; slot: ``[B, M]`` int64, the row each pair
+                hangs from (``None``: row ``m``, ``P == M``).
             cache_k, cache_v: ``[B, L, heads, d]`` the accepted prefix; ``cache_len [B]`` int64
                 entries valid per sequence.
-            kernels: the Triton forms (one launch for the attention, the norms and SwiGLU;
-                float32 or bfloat16 inputs, no autograd): what a recorded step runs on a GPU.
+            kernels: the Triton forms (one launch for the attention with its gathers, the norms
+                and SwiGLU; float32 or bfloat16 inputs, no autograd): what a recorded step runs
+                on a GPU.
         Returns:
             ``(f_next [B, M, hidden], keys, values [B, M, A + 1, heads, d])`` (the ancestors
             with the pairs themselves appended: what their children attend to).
@@ -158,11 +162,9 @@ class EagleHead(nn.Module):
         if not self.num_heads:
             return self.finish(h, None, kernels), anc_k, anc_v
         q, k, v = self.qkv_heads(h, kernels)
-        keys, values = torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)
-        if kernels:
-            out = _kernels().draft_attention(q, cache_k, cache_v, cache_len, keys, values, out_dtype=h.dtype)
-        else:
-            out = draft_attention(q, cache_k, cache_v, cache_len, keys, values)
+        level = _kernels().draft_level_attention if kernels else draft_level_attention
+        kw = dict(out_dtype=h.dtype) if kernels else {}
+        out, keys, values = level(q, k, v, cache_k, cache_v, cache_len, anc_k, anc_v, slot, **kw)
         return self.finish(h, out, kernels), keys, values
 
     def save(self, directory: str | Path, **meta) -> None:
@@ -205,11 +207,11 @@ def _kernels():
     would fix that choice before a test run or a user sets ``TRITON_INTERPRET``."""
     from types import SimpleNamespace
 
-    from ..ops import act_triton, attention_triton, norm_triton, topk_triton
+    from ..ops import act_triton, attention_triton, draft_tree_triton, norm_triton, topk_triton
 
     return SimpleNamespace(rms_norm=norm_triton.rms_norm, swiglu=act_triton.swiglu,
-                           draft_attention=attention_triton.draft_attention,
-                           log_softmax_topk=topk_triton.log_softmax_topk)
+                           draft_level_attention=attention_triton.draft_level_attention,
+                           log_softmax_topk=topk_triton.log_softmax_topk, pair_rows=draft_tree_triton.pair_rows)
 
 
 def is_eagle_dir(path: str | Path) -> bool:
@@ -313,42 +315,42 @@ class EagleDrafter(Drafter):
         _, k, v = self.head.qkv_heads(self.head.pair(feats, self.adapter.embed(tokens)), self.kernels)
         return k, v
 
-    def _root_state(self) -> Tensor:
-        """The state the roots are expanded from (:meth:`_level`'s layout): ``[B, 1, hidden]``,
-        the feature alone."""
-        return self.feature[:, None]
+    def _root_state(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The state the roots are expanded from (:meth:`_level`'s layout): the feature ``[B, 1,
+        hidden]`` and no ancestors."""
+        heads, d = self._cache_heads()
+        none = self.feature.new_empty(self.feature.shape[0], 1, 0, max(heads, 1), d)
+        return self.feature[:, None], none, none
 
     def _logits(self, feature: Tensor) -> Tensor:
         """Logits ``[..., vocab]`` of predicted features: the target's final norm and LM head."""
         return self.adapter.lm_logits(feature)
 
-    def _level(self, state: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """One draft level. ``state [B, M, 1 + 2A, hidden]``: the parents' (predicted) features,
-        then the keys and values of their ``A`` ancestors (flattened heads). Returns the
-        children's state (``A + 1``) and their features ``[B, M, hidden]``."""
-        B, M, S, H = state.shape
-        heads = self.head.num_heads
-        A = (S - 1) // 2
-        h = self.head.pair(state[:, :, 0], self.adapter.embed(tokens))
-        shape = (B, M, A, max(heads, 1), H // max(heads, 1))
-        anc_k, anc_v = state[:, :, 1 : 1 + A].reshape(shape), state[:, :, 1 + A :].reshape(shape)
+    def _level(self, state: tuple[Tensor, Tensor, Tensor], slot: Tensor | None,
+               tokens: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
+        """One draft level (see :data:`specla.drafters.pruning.ExpandFn`). ``state``: the
+        previous level's ``P`` nodes' (predicted) features ``[B, P, hidden]`` and the keys and
+        values of their ``A`` ancestors and themselves ``[B, P, A, heads, d]``; ``slot [B, M]``:
+        the node each of the ``M`` new pairs hangs from. Returns the new nodes' state (``A + 1``)
+        and their features ``[B, M, hidden]``."""
+        feats, anc_k, anc_v = state
+        rows = _kernels().pair_rows if self.kernels else pair_rows  # the gather and the concatenation in one
+        h = self.head.fc(rows(feats, slot, self.adapter.embed(tokens)))
         new, keys, values = self.head.step(h, anc_k, anc_v, self.cache_k, self.cache_v, self.cache_len,
-                                           kernels=self.kernels)
-        if not heads:
-            return new[:, :, None], new
-        return torch.cat([new[:, :, None], keys.flatten(-2), values.flatten(-2)], 2), new
+                                           kernels=self.kernels, slot=slot)
+        return (new, keys, values), new
 
     @torch.no_grad()
-    def _expand(self, state: Tensor, tokens: Tensor, k: int):
-        state, new = self._level(state, tokens)
+    def _expand(self, state, slot: Tensor | None, tokens: Tensor, k: int):
+        state, new = self._level(state, slot, tokens)
         logits = self._logits(new)
         topk = _kernels().log_softmax_topk if self.kernels else log_softmax_topk
         values, ids = topk(logits, min(k, logits.shape[-1]))
         return state, values, ids
 
     @torch.no_grad()
-    def _sample_step(self, state: Tensor, tokens: Tensor, config: SpecConfig):
-        state, new = self._level(state, tokens)
+    def _sample_step(self, state, slot: Tensor | None, tokens: Tensor, config: SpecConfig):
+        state, new = self._level(state, slot, tokens)
         return state, sampling_probs(self._logits(new), config.temperature, config.sampling_top_k, config.top_p)
 
     def propose(self, contexts: list[list[int]], config: SpecConfig) -> DraftTree:
@@ -364,10 +366,10 @@ class EagleDrafter(Drafter):
             if self.generator is None:
                 self.generator = torch.Generator(device=self.adapter.device)
                 self.generator.manual_seed(config.seed + 1) if config.seed is not None else self.generator.seed()
-            tree = sample_tree(lambda f, t: self._sample_step(f, t, config), root_state, self.root, config,
+            tree = sample_tree(lambda f, s, t: self._sample_step(f, s, t, config), root_state, self.root, config,
                                self.generator)
         else:
-            tree = build_tree(lambda f, t: self._expand(f, t, config.top_k), root_state, self.root, config,
+            tree = build_tree(lambda f, s, t: self._expand(f, s, t, config.top_k), root_state, self.root, config,
                               kernels=self.kernels)
         return DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=tree.draft_probs)
 
@@ -377,7 +379,7 @@ class EagleDrafter(Drafter):
         """The greedy tree of :meth:`propose`, padded to the budget, left on the device, with no
         host synchronisation (what :class:`specla.graphs.GraphRunner` records)."""
         self.root = roots
-        return build_tree(lambda f, t: self._expand(f, t, config.top_k), self._root_state(), roots, config,
+        return build_tree(lambda f, s, t: self._expand(f, s, t, config.top_k), self._root_state(), roots, config,
                           fixed_width=True, kernels=self.kernels)
 
     def graph_state(self) -> list[Tensor]:

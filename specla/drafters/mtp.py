@@ -28,6 +28,7 @@ from ..errors import DrafterError
 from ..interfaces import TargetAdapter
 from ..ops.attention import draft_attention
 from .eagle import EagleDrafter
+from .pruning import take_rows
 
 
 def mtp_tensors(directory: str | Path) -> dict[str, Tensor]:
@@ -202,7 +203,7 @@ class MTPDrafter(EagleDrafter):
         return self.head.attention.HKV, self.head.attention.Dh
 
     def _root_state(self) -> Tensor:
-        return self.feature
+        return self.feature[:, None]
 
     def _features(self, hidden: Tensor) -> Tensor:
         return self.head.features(hidden)
@@ -215,10 +216,14 @@ class MTPDrafter(EagleDrafter):
     def _logits(self, feature: Tensor) -> Tensor:
         return self.head.logits(feature)
 
-    def _level(self, state: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """One draft level. ``state [B, M, hidden + 2 A kv]``: the parents' features, then the
-        keys and values of their ``A`` ancestors (``kv = HKV Dh``, flattened). Nodes sit at
-        position ``cache_len + A`` (the pair of a feature at position ``p`` is at ``p``)."""
+    def _level(self, state: Tensor, slot: Tensor | None, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft level. ``state [B, P, hidden + 2 A kv]``: the previous level's features,
+        then the keys and values of their ``A`` ancestors and themselves (``kv = HKV Dh``,
+        flattened); ``slot [B, M]``: the row each new node hangs from (``None``: row ``m``).
+        Nodes sit at position ``cache_len + A`` (the pair of a feature at position ``p`` is at
+        ``p``)."""
+        if slot is not None:
+            state = take_rows(state, slot)
         B, M, S = state.shape[:3]
         H = self.feature.shape[-1]
         HKV, Dh = self._cache_heads()

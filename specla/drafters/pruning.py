@@ -20,9 +20,12 @@ from torch import Tensor
 from ..config import SpecConfig
 from ..tree import DraftTree
 
-# expand(parent_state [B, M, ...], tokens [B, M]) -> (state [B, M, ...], logp [B, M, top_k],
-# child_tokens [B, M, top_k]): the drafter's step for M frontier nodes per sequence.
-ExpandFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+# expand(state, slot [B, M] | None, tokens [B, M]) -> (state, logp [B, M, top_k], child_tokens
+# [B, M, top_k]): the drafter's step for M frontier nodes per sequence, node m hanging from row
+# slot[b, m] of the state the previous call returned (None: the first call, on the root state,
+# M = 1); the returned state is the M nodes'. The drafter gathers its own state (its layout is
+# its own: a kernel may read the parents' rows directly).
+ExpandFn = Callable[[object, Tensor | None, Tensor], tuple[object, Tensor, Tensor]]
 
 
 def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: SpecConfig,
@@ -31,8 +34,8 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
 
     Args:
         expand: the drafter step (see ``ExpandFn``); called ``D`` times with ``M <= top_k``.
-        root_state: ``[B, ...]`` the drafter state the roots are read with (for the EAGLE drafter:
-            the target feature at the last accepted node, ``[B, hidden]``).
+        root_state: the drafter state the roots are read with, passed to the first ``expand``
+            call as it is (for the EAGLE drafter: the target feature at the last accepted node).
         roots: ``[B]`` int64, the roots' tokens (the last committed tokens).
         config: ``num_draft_tokens`` (N), ``max_depth`` (D), ``top_k``, ``tau_tree`` (nats).
         fixed_width: pad every tree to ``N`` columns (no host read of the widest tree: what a
@@ -49,14 +52,14 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
     B, dev = roots.shape[0], roots.device
     if N == 0:
         return DraftTree.empty(B, dev)
-    state, toks = root_state[:, None], roots[:, None]  # frontier: [B, M, ...], [B, M]
+    state, slot, toks = root_state, None, roots[:, None]  # frontier: its parents' rows and tokens [B, M]
     ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # node ids of the frontier (-1: root)
     fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
     scores, tokens, parents, sizes = [], [], [], []
     rows = None  # with the kernels: the candidate rows (score, token, parent), written in place
     count = 0
     for d in range(1, D + 1):
-        state, logp, child = expand(state, toks)
+        state, logp, child = expand(state, slot, toks)
         M, k = logp.shape[1], logp.shape[2]  # k < top_k when the vocabulary is smaller
         if d == 1 and kernels:
             widths = [min(k, k ** j) * k for j in range(D)]  # candidates per level
@@ -76,7 +79,6 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         if nxt is None:
             break
         slot, toks, ids, fscore = nxt
-        state = take_rows(state, slot)
     depth = _level_depths(tuple(sizes), dev)
     if rows is not None:
         tok, par, num = _kernels().select_nodes(*rows, depth, N, config.tau_tree)
@@ -177,6 +179,14 @@ def take_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
 
 
+def pair_rows(feats: Tensor, slot: Tensor | None, emb: Tensor) -> Tensor:
+    """``[feats[b, slot[b, m]] ; emb[b, m]]``: a draft level's pairs of parent feature ``[B, P,
+    H]`` (row ``slot [B, M]`` int64, or row ``m`` when ``None``) and token embedding ``[B, M,
+    H]``, as ``[B, M, 2H]`` (EAGLE's drafter input). Twin of
+    :func:`specla.ops.draft_tree_triton.pair_rows`."""
+    return torch.cat([feats if slot is None else take_rows(feats, slot), emb], -1)
+
+
 def sorted_nodes(score: Tensor, depth: Tensor) -> Tensor:
     """Node indices ``[B, M]`` by decreasing score, shallower first on ties (stable)."""
     by_depth = torch.argsort(depth, dim=1, stable=True)
@@ -184,9 +194,9 @@ def sorted_nodes(score: Tensor, depth: Tensor) -> Tensor:
     return by_depth.gather(1, by_score)
 
 
-# step(parent_state [B, M, ...], tokens [B, M]) -> (state [B, M, ...], q [B, M, vocab]): the
-# drafter's step for M frontier nodes, returning its sampling distribution at each.
-SampleStepFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+# step(state, slot [B, M] | None, tokens [B, M]) -> (state, q [B, M, vocab]): the drafter's step
+# for M frontier nodes (as ExpandFn), returning its sampling distribution at each.
+SampleStepFn = Callable[[object, Tensor | None, Tensor], tuple[object, Tensor]]
 
 
 def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: SpecConfig,
@@ -206,7 +216,7 @@ def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: S
 
     Args:
         step: the drafter step (see ``SampleStepFn``).
-        root_state: ``[B, ...]`` the drafter state at the roots; roots: ``[B]`` int64.
+        root_state: the drafter state at the roots (the first ``step`` call's); roots: ``[B]`` int64.
         config: ``num_draft_tokens`` (N), ``max_depth`` (D), ``top_k``.
         generator: the random source of the draws.
     Returns:
@@ -219,13 +229,13 @@ def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: S
     if N == 0:
         return DraftTree.empty(B, dev)
     per_level = -(-N // D)
-    state, toks = root_state[:, None], roots[:, None]
+    state, frontier, toks = root_state, None, roots[:, None]
     ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
     fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
     tokens, parents, probs = [], [], []
     count = 0
     for _ in range(D):
-        state, q = step(state, toks)
+        state, q = step(state, frontier, toks)
         q, M = q.float(), q.shape[1]
         # the best frontier nodes come first, so they get children first; a level takes at most
         # ceil(N / D) nodes so that the tree reaches depth D (all N at depth 1 or 2 would cap
@@ -243,7 +253,7 @@ def sample_tree(step: SampleStepFn, root_state: Tensor, roots: Tensor, config: S
         if count >= N:
             break
         best = score.topk(min(k, width), dim=1).indices  # sorted: best first
-        state = take_rows(state, slot.gather(1, best))
+        frontier = slot.gather(1, best)
         toks, ids, fscore = child.gather(1, best), level_ids.gather(1, best), score.gather(1, best)
     tok, par, q = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(probs, 1)
     return DraftTree(tok, par, torch.full((B,), count, dtype=torch.int64, device=dev), q)

@@ -163,3 +163,28 @@ def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tens
     out = torch.einsum("bmkgl,blkd->bmkgd", p[..., :L].to(cache_v.dtype), cache_v).to(acc)
     out = out + torch.einsum("bmkga,bmakd->bmkgd", p[..., L:], values.to(acc))
     return out.reshape(B, M, H, Dh)
+
+
+def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor,
+                          anc_k: Tensor, anc_v: Tensor, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """A draft level's attention from the previous level's state: node ``(b, m)`` hangs from
+    row ``slot[b, m]`` of the previous level, whose keys and values (its ancestors and itself,
+    ``A`` of them) it attends to, with its own key and the cache (:func:`draft_attention`); the
+    node's ancestors and itself are what its own children attend to. Twin of
+    :func:`specla.ops.attention_triton.draft_level_attention` (one launch, no gathers).
+
+    Args:
+        q: ``[B, M, H, Dh]``; k, v: ``[B, M, HKV, Dh]`` the nodes' own keys and values;
+            cache_k, cache_v, cache_len: as :func:`draft_attention`; anc_k, anc_v: ``[B, P,
+            A, HKV, Dh]``, ``A >= 0``; slot: ``[B, M]`` int64 below ``P``, or ``None`` (row ``m``:
+            ``P == M``).
+    Returns:
+        ``(out [B, M, H, Dh]`` as :func:`draft_attention`, ``keys, values [B, M, A + 1, HKV,
+        Dh])`` the ancestors' followed by the nodes' own.
+    Source: EAGLE-2's tree drafting (Li et al. 2024): each node attends to its root path.
+    """
+    if slot is not None:
+        index = slot.view(*slot.shape, 1, 1, 1).expand(-1, -1, *anc_k.shape[2:])
+        anc_k, anc_v = anc_k.gather(1, index), anc_v.gather(1, index)
+    keys, values = torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)
+    return draft_attention(q, cache_k, cache_v, cache_len, keys, values), keys, values

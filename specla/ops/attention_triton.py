@@ -1,9 +1,11 @@
-"""Triton twin of :func:`specla.ops.attention.draft_attention`: a draft level's attention in one
-launch. The PyTorch form takes about twenty kernels per level (casts, four batched products, the
-cache mask, concatenations, softmax), and the EAGLE drafter runs one level per tree depth inside
-the recorded step, which is bound by the number of kernels it launches (BENCHMARKS.md section 4,
-the step anatomy). One program per (node, head) walks the valid part of its cache in blocks and
-then its ancestors with an online softmax (Milakov and Gimelshein 2018), in float32.
+"""Triton twins of :func:`specla.ops.attention.draft_attention` and
+:func:`~specla.ops.attention.draft_level_attention`: a draft level's attention in one launch. The
+PyTorch forms take about twenty kernels per level (casts, four batched products, the cache mask,
+concatenations, gathers, softmax), and the EAGLE drafter runs one level per tree depth inside the
+recorded step, which is bound by the number of kernels it launches (BENCHMARKS.md section 4, the
+step anatomy). One program per (node, head) walks the valid part of its cache in blocks and then
+its ancestors (read through the parent's row) and itself with an online softmax (Milakov and
+Gimelshein 2018), in float32, and writes the keys and values its children attend to.
 """
 
 from __future__ import annotations
@@ -13,14 +15,23 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import check_out
+
 
 @triton.jit
-def _draft_attention_kernel(q, ck, cv, clen, ak, av, o, M, A, D, scale,
+def _draft_attention_kernel(q, ck, cv, clen, ak, av, slot, sk, sv, o, nk, nv, M, A, D, scale,
                             sqb, sqm, sqh, sckb, sckl, sckh, scvb, scvl, scvh,
-                            sakb, sakm, saka, sakh, savb, savm, sava, savh, sob, som, soh,
-                            BD: tl.constexpr, BL: tl.constexpr, BA: tl.constexpr):
+                            sakb, sakm, saka, sakh, savb, savm, sava, savh,
+                            sskb, sskm, sskh, ssvb, ssvm, ssvh, sob, som, soh,
+                            BD: tl.constexpr, BL: tl.constexpr, BA: tl.constexpr,
+                            HAS_SLOT: tl.constexpr, WRITE: tl.constexpr):
+    """Node ``(b, m)``, head ``h``: the cache's valid entries, then the ``A`` ancestors of row
+    ``slot[b, m]`` (``m`` without ``HAS_SLOT``) of ``ak``/``av``, then the node's own key
+    ``sk[b, m]``; with ``WRITE`` those ``A + 1`` keys and values are also stored as the node's
+    row of ``nk``/``nv`` (contiguous ``[B, M, A + 1, H, D]``), what its children attend to."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    H = tl.num_programs(1)
     b, m = i // M, i % M
     d = tl.arange(0, BD)
     dm = d < D
@@ -44,19 +55,54 @@ def _draft_attention_kernel(q, ck, cv, clen, ak, av, o, M, A, D, scale,
         acc = acc * alpha + tl.sum(p[:, None] * vb, 0)
         den = den * alpha + tl.sum(p, 0)
         mx = new
+    if HAS_SLOT:
+        r = tl.load(slot + b * M + m)  # the parent's row of the previous level
+    else:
+        r = m
     a = tl.arange(0, BA)
-    oka = a < A
-    kb = tl.load(ak + b * sakb + m * sakm + a[:, None] * saka + h * sakh + d[None, :],
-                 mask=oka[:, None] & dm[None, :], other=0.0).to(tl.float32)
-    s = tl.where(oka, tl.sum(kb * qv[None, :], 1), float("-inf"))
+    anc = (a < A)[:, None] & dm[None, :]
+    me = (a == A)[:, None]
+    kb = tl.load(ak + b * sakb + r * sakm + a[:, None] * saka + h * sakh + d[None, :], mask=anc, other=0.0)
+    ks = tl.load(sk + b * sskb + m * sskm + h * sskh + d, mask=dm, other=0.0)
+    kb = tl.where(me, ks[None, :], kb).to(tl.float32)
+    vb = tl.load(av + b * savb + r * savm + a[:, None] * sava + h * savh + d[None, :], mask=anc, other=0.0)
+    vs = tl.load(sv + b * ssvb + m * ssvm + h * ssvh + d, mask=dm, other=0.0)
+    vb = tl.where(me, vs[None, :], vb).to(tl.float32)
+    s = tl.where(a <= A, tl.sum(kb * qv[None, :], 1), float("-inf"))
     new = tl.maximum(mx, tl.max(s, 0))
     alpha = tl.exp(mx - new)
     p = tl.exp(s - new)
-    vb = tl.load(av + b * savb + m * savm + a[:, None] * sava + h * savh + d[None, :],
-                 mask=oka[:, None] & dm[None, :], other=0.0).to(tl.float32)
     acc = acc * alpha + tl.sum(p[:, None] * vb, 0)
     den = den * alpha + tl.sum(p, 0)
     tl.store(o + b * sob + m * som + h * soh + d, (acc / den).to(o.dtype.element_ty), mask=dm)
+    if WRITE:
+        row = ((i * (A + 1) + a[:, None]) * H + h) * D + d[None, :]
+        ok = (a <= A)[:, None] & dm[None, :]
+        tl.store(nk + row, kb.to(nk.dtype.element_ty), mask=ok)
+        tl.store(nv + row, vb.to(nv.dtype.element_ty), mask=ok)
+
+
+def _launch(q, cache_k, cache_v, cache_len, anc_k, anc_v, slot, k, v, out, nk, nv):
+    """One launch of :func:`_draft_attention_kernel` (arguments checked by the callers)."""
+    B, M, H, Dh = q.shape
+    A = anc_k.shape[2]
+    if B * M:
+        _draft_attention_kernel[(B * M, H)](
+            q, cache_k, cache_v, cache_len, anc_k, anc_v, slot if slot is not None else cache_len, k, v, out,
+            nk if nk is not None else out, nv if nv is not None else out, M, A, Dh, Dh ** -0.5,
+            q.stride(0), q.stride(1), q.stride(2), *cache_k.stride()[:3], *cache_v.stride()[:3],
+            *anc_k.stride()[:4], *anc_v.stride()[:4], *k.stride()[:3], *v.stride()[:3],
+            out.stride(0), out.stride(1), out.stride(2),
+            BD=triton.next_power_of_2(Dh), BL=64, BA=triton.next_power_of_2(A + 1), HAS_SLOT=slot is not None,
+            WRITE=nk is not None)
+
+
+def _check(q, cache_k, cache_v, cache_len, dense):
+    if torch.float64 in (q.dtype, cache_k.dtype, *(x.dtype for x in dense)):
+        raise ValueError("draft_attention's kernel computes in float32; use specla.ops.attention.draft_attention "
+                         "for float64")
+    if any(x.stride(-1) != 1 for x in (q, cache_k, cache_v, *dense)):
+        raise ValueError("draft_attention: every input's last dim must be dense")
 
 
 def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, keys: Tensor,
@@ -81,17 +127,54 @@ def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tens
         raise ValueError(f"draft_attention: q {list(q.shape)}, cache {list(cache_k.shape)}/{list(cache_v.shape)}, "
                          f"keys {list(keys.shape)}/{list(values.shape)}, cache_len {list(cache_len.shape)}: expected "
                          "[B, M, H, Dh], [B, L, H, Dh], [B, M, A >= 1, H, Dh] and [B]")
-    if torch.float64 in (q.dtype, cache_k.dtype, keys.dtype):
-        raise ValueError("draft_attention's kernel computes in float32; use specla.ops.attention.draft_attention "
-                         "for float64")
-    if any(x.stride(-1) != 1 for x in (q, cache_k, cache_v, keys, values)):
-        raise ValueError("draft_attention: every input's last dim must be dense")
+    _check(q, cache_k, cache_v, cache_len, (keys, values))
     if out is None:
         out = torch.empty(B, M, H, Dh, dtype=out_dtype, device=q.device)
-    if B * M:
-        _draft_attention_kernel[(B * M, H)](
-            q, cache_k, cache_v, cache_len, keys, values, out, M, A, Dh, Dh ** -0.5,
-            q.stride(0), q.stride(1), q.stride(2), *cache_k.stride()[:3], *cache_v.stride()[:3],
-            *keys.stride()[:4], *values.stride()[:4], out.stride(0), out.stride(1), out.stride(2),
-            BD=triton.next_power_of_2(Dh), BL=64, BA=triton.next_power_of_2(A))
+    _launch(q, cache_k, cache_v, cache_len, keys[:, :, : A - 1], values[:, :, : A - 1], None, keys[:, :, A - 1],
+            values[:, :, A - 1], out, None, None)
     return out
+
+
+def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor,
+                          anc_k: Tensor, anc_v: Tensor, slot: Tensor | None = None,
+                          out_dtype: torch.dtype = torch.float32,
+                          out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """One launch of :func:`specla.ops.attention.draft_level_attention` (same arguments and
+    results): the parents' ancestors are read through ``slot`` and the children's keys and
+    values written by the same program, so a draft level gathers and concatenates nothing.
+
+    Args:
+        q, k, v: ``[B, M, H, Dh]`` (strided views of a fused projection are fine); cache_k,
+            cache_v: ``[B, L, H, Dh]``; cache_len: ``[B]`` int64; anc_k, anc_v: ``[B, P, A, H,
+            Dh]``, ``A >= 0``; slot: ``[B, M]`` int64 rows of ``anc_*`` below ``P`` (not checked:
+            a host read), or ``None`` (``P == M``). Every last dim dense.
+        out_dtype: the output's dtype (computed in float32, rounded once when stored).
+        out: optional preallocated results (contiguous, the shapes and dtypes returned).
+    Returns:
+        ``(out [B, M, H, Dh]`` in ``out_dtype``, ``keys, values [B, M, A + 1, H, Dh])`` in
+        ``k``'s and ``v``'s dtypes.
+    Raises:
+        ValueError: shapes disagree, float64 inputs, a last dim that is not dense, or ``out``
+            of another layout.
+    """
+    B, M, H, Dh = q.shape
+    L, (P, A) = cache_k.shape[1], anc_k.shape[1:3]
+    if (k.shape != q.shape or v.shape != q.shape or cache_k.shape != (B, L, H, Dh) or cache_v.shape != cache_k.shape
+            or anc_k.shape != (B, P, A, H, Dh) or anc_v.shape != anc_k.shape or cache_len.shape != (B,)
+            or (slot is None and P != M) or (slot is not None and (slot.shape != (B, M) or slot.dtype != torch.int64))):
+        raise ValueError(f"draft_level_attention: q/k/v {list(q.shape)}/{list(k.shape)}/{list(v.shape)}, cache "
+                         f"{list(cache_k.shape)}/{list(cache_v.shape)}, ancestors {list(anc_k.shape)}/"
+                         f"{list(anc_v.shape)}, cache_len {list(cache_len.shape)}, slot "
+                         f"{None if slot is None else (list(slot.shape), slot.dtype)}: expected [B, M, H, Dh], "
+                         "[B, L, H, Dh], [B, P, A, H, Dh], [B] and int64 [B, M] (or None with P == M)")
+    _check(q, cache_k, cache_v, cache_len, (k, v, anc_k, anc_v))
+    if out is None:
+        out = (torch.empty(B, M, H, Dh, dtype=out_dtype, device=q.device),
+               torch.empty(B, M, A + 1, H, Dh, dtype=k.dtype, device=q.device),
+               torch.empty(B, M, A + 1, H, Dh, dtype=v.dtype, device=q.device))
+    check_out(out[:1], (B, M, H, Dh), (out[0].dtype,), q.device)
+    check_out(out[1:], (B, M, A + 1, H, Dh), (k.dtype, v.dtype), q.device)
+    out, keys, values = out
+    _launch(q, cache_k, cache_v, cache_len, anc_k, anc_v, None if slot is None else slot.contiguous(), k, v, out,
+            keys, values)
+    return out, keys, values
