@@ -39,7 +39,11 @@ class BudgetPolicy:
     fastest rate runs, and every ``reprobe`` steps one drafting candidate that is not running
     (the one measured longest ago) is measured again for ``warmup + window`` steps, since
     acceptance changes with the text (a running drafting candidate's acceptance is measured all
-    along; plain decoding's step time moves little and is not re-measured).
+    along; plain decoding's step time moves little and is not re-measured). A batch size met
+    after another was measured (rows finishing shrink the batch) first runs the choice of the
+    nearest measured batch size, and measures its own unmeasured candidates one per ``reprobe``
+    steps: a short tail of a run is not spent measuring (each switch flushes the pending commit
+    and moves the state into the other budget's graphs).
 
     Args:
         budgets: the draft budget ``N`` of each candidate, the configured one first (``0``:
@@ -50,7 +54,7 @@ class BudgetPolicy:
         ValueError: no candidate, or a count below 1 (``warmup`` below 0).
     """
 
-    def __init__(self, budgets: list[int], *, warmup: int = 2, window: int = 4, reprobe: int = 64,
+    def __init__(self, budgets: list[int], *, warmup: int = 2, window: int = 4, reprobe: int = 256,
                  smoothing: float = 0.25):
         if not budgets or window < 1 or reprobe < 1 or warmup < 0 or not 0 < smoothing <= 1:
             raise ValueError(f"need budgets, window >= 1, reprobe >= 1, warmup >= 0, 0 < smoothing <= 1; got "
@@ -81,6 +85,10 @@ class BudgetPolicy:
         n = len(self.budgets)
         unmeasured = [c for c in range(n) if self.rate(batch, c) is None]
         if unmeasured:
+            prior = self._nearest_choice(batch)
+            if prior is not None and s.since_probe < self.reprobe:
+                return self._run(s, prior, measuring=False)
+            s.since_probe = 0
             return self._run(s, unmeasured[0], measuring=True)
         best = max(range(n), key=lambda c: self.rate(batch, c))
         drafting = [c for c in range(n) if c != best and self.budgets[c] > 0]
@@ -90,6 +98,16 @@ class BudgetPolicy:
             s.timed[other] = 0  # measured afresh
             return self._run(s, other, measuring=True)
         return self._run(s, best, measuring=False)
+
+    def _nearest_choice(self, batch: int) -> int | None:
+        """The fastest candidate at the measured batch size nearest ``batch`` (by ratio; ``None``:
+        no batch size has every candidate measured)."""
+        n = len(self.budgets)
+        done = [b for b in self.buckets if b != batch and all(self.rate(b, c) is not None for c in range(n))]
+        if not done:
+            return None
+        near = min(done, key=lambda b: (max(b, batch) / min(b, batch), b))
+        return max(range(n), key=lambda c: self.rate(near, c))
 
     def _run(self, s: _Bucket, candidate: int, measuring: bool) -> int:
         if candidate != s.current:

@@ -31,9 +31,22 @@ def test_each_candidate_is_measured_then_the_faster_rate_runs():
     assert set(chosen[12:]) == {0}
     assert p.rate(1, 0) == pytest.approx(3 / 2.5e-3) and p.rate(1, 1) == pytest.approx(1 / 1e-3)
     # at batch 64 the verify is compute-bound: 3 tokens in 4 ms lose to 1 token in 1.2 ms
-    chosen = drive(p, 64, {0: 4e-3, 1: 1.2e-3}, {0: 3.0, 1: 1.0}, 40)
+    chosen = drive(BudgetPolicy([8, 0], warmup=2, window=4, reprobe=1000), 64, {0: 4e-3, 1: 1.2e-3},
+                   {0: 3.0, 1: 1.0}, 40)
     assert set(chosen[12:]) == {1}
-    assert set(drive(p, 1, {0: 2.5e-3, 1: 1e-3}, {0: 3.0, 1: 1.0}, 10)) == {0}  # batch sizes kept apart
+
+
+def test_a_new_batch_size_runs_the_nearest_choice_then_measures_its_own():
+    """Rows finishing shrink the batch: the new batch size runs the choice of the nearest measured
+    one, measures the candidate it runs as it goes, and the others one per ``reprobe`` steps;
+    then its own fastest rate runs. Batch sizes are kept apart."""
+    p = BudgetPolicy([8, 0], warmup=1, window=2, reprobe=20)
+    fast, slow = ({0: 2.5e-3, 1: 1e-3}, {0: 3.0, 1: 1.0}), ({0: 4e-3, 1: 1.2e-3}, {0: 3.0, 1: 1.0})
+    assert drive(p, 32, *slow, 20) == [0] * 3 + [1] * 17  # nothing measured yet: measured at once
+    chosen = drive(p, 16, *fast, 40)  # at 16 speculation wins, but 16 starts with 32's choice
+    assert chosen[:20] == [1] * 20 and chosen[20:] == [0] * 20
+    assert p.rate(16, 0) == pytest.approx(3 / 2.5e-3) and p.rate(16, 1) == pytest.approx(1 / 1e-3)
+    assert drive(p, 1, *fast, 5) == [0] * 5  # 16 is nearer to 1 than 32
 
 
 def test_the_other_candidate_is_remeasured_every_reprobe_steps():
@@ -53,12 +66,11 @@ def test_the_chain_candidate_wins_where_the_tree_is_too_dear():
     """Three candidates (tree, its chain, plain): at batch 1 the tree's extra acceptance pays; at
     batch 32 a compute-bound tree verify costs more than it gains and the chain wins; at batch 64
     plain decoding does."""
-    p = BudgetPolicy([15, 6, 0], warmup=1, window=2, reprobe=1000)
     tokens = {0: 5.4, 1: 4.6, 2: 1.0}
     for batch, seconds, best in ((1, {0: 1.8e-3, 1: 1.7e-3, 2: 0.7e-3}, 0),
                                  (32, {0: 2.9e-3, 1: 2.0e-3, 2: 0.9e-3}, 1),
                                  (64, {0: 9.0e-3, 1: 7.0e-3, 2: 1.2e-3}, 2)):
-        chosen = drive(p, batch, seconds, tokens, 30)
+        chosen = drive(BudgetPolicy([15, 6, 0], warmup=1, window=2, reprobe=1000), batch, seconds, tokens, 30)
         assert chosen[:9] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # each measured: warm-up + window
         assert set(chosen[9:]) == {best}, batch
 
@@ -132,9 +144,10 @@ def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
     assert (out.stats.switch_s > 0) == (graphs != "off")  # only graph runs pay for a switch
     # recorded only on a GPU: each budget's graph per batch size it meets, once
     assert (out.stats.graphs_recorded >= 2) == (graphs == "on")
+    dec.engine.policy.i = 0  # the same choices again, so the same budgets meet the same batch sizes
     again = dec.generate(prompts)
     assert again.outputs == out.outputs
-    assert again.stats.graphs_recorded == 0  # the graphs of both budgets are reused
+    assert again.stats.graphs_recorded == 0  # the graphs of every budget are reused
 
 
 @pytest.mark.parametrize("graphs", ["unrecorded", pytest.param(

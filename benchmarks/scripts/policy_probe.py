@@ -14,7 +14,8 @@ tree, its chain, whose steps draw from the chain profile, and plain decoding); C
 JSON line per row: tokens/s (median of ``--repeats`` calls after a warm-up call; prefill
 included), its ratio to plain decoding's, and the last timed call's
 :class:`~specla.engine.RunStats` (steps, plain and chain steps, budget switches and their
-seconds, graphs recorded, prefill). A cost model of the
+seconds, graphs recorded, prefill), and for the adaptive row what its policy measured (tokens
+per sequence-step and step milliseconds per batch bucket, per candidate). A cost model of the
 policy's choices, not a speed claim for a trained drafter.
 """
 import argparse
@@ -79,8 +80,14 @@ def main():
             rate = statistics.median(rates)
             base = rate if name == "ar" else base
             stats = {k: round(getattr(r.stats, k), 4) for k in STATS}
+            pol = dec.engine.policy
+            seen = {} if pol is None else {  # what the policy measured: per budget N and batch bucket
+                f"N{n}": dict(tokens=None if pol.tokens[c] is None else round(pol.tokens[c], 3),
+                              step_ms={bb: None if s.seconds[c] is None else round(s.seconds[c] * 1e3, 3)
+                                       for bb, s in pol.buckets.items()})
+                for c, n in enumerate(pol.budgets)}
             print(json.dumps(dict(batch=B, row=name, tokens_per_s=round(rate, 1), vs_ar=round(rate / base, 3),
-                                  last_call=stats)), flush=True)
+                                  last_call=stats, **({"policy": seen} if seen else {}))), flush=True)
             del dec
             if cuda:
                 torch.cuda.empty_cache()
