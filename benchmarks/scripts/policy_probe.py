@@ -11,8 +11,8 @@ random lengths (16 to 128 tokens), 128 new tokens; sequences finish at different
 suite. Rows per batch: plain decoding (N 0), the tree (N 15, depth 6, top-k 4) and the chain
 (N 6) with fixed budgets, and the tree under ``budget_policy="adaptive"`` (its candidates: the
 tree, its chain, whose steps draw from the chain profile, and plain decoding); CUDA graphs. One
-JSON line per row: tokens/s (median of ``--repeats`` calls after a warm-up call; prefill
-included), its ratio to plain decoding's, and the last timed call's
+JSON line per row: tokens/s (median of ``--repeats`` calls after warm-up calls, until one records no
+graph: steady state; prefill included) and each call's, its ratio to plain decoding's, and the last timed call's
 :class:`~specla.engine.RunStats` (steps, plain and chain steps, budget switches and their
 seconds, graphs recorded, prefill), and for the adaptive row what its policy measured (tokens
 per sequence-step and step milliseconds per batch bucket, per candidate). A cost model of the
@@ -46,6 +46,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-warmup", type=int, default=8, help="warm-up calls at most (until one records no graph)")
     p.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs)")
     p.add_argument("--preset", default="small", help="the model shape: a preset of train_target.py")
     a = p.parse_args()
@@ -72,7 +73,9 @@ def main():
             dec = SpecDecoder(model, "gdn", drafter=drafter, config=dict(
                 dtype=str(dtype).removeprefix("torch."), device=a.device, cuda_graphs="on" if cuda else "off",
                 max_new_tokens=128, stop_at_eos=False, budget_policy=policy, **budget))
-            dec.generate(prompts)  # records the graphs
+            warm = 1  # warm-up calls until one records no graph: the rows finish at other steps
+            while dec.generate(prompts).stats.graphs_recorded and warm < a.max_warmup:  # in each call, so
+                warm += 1  # the batch sizes (and the policy's budgets) that get a graph vary
             rates, r = [], None
             for _ in range(a.repeats):
                 r = dec.generate(prompts)
@@ -87,7 +90,8 @@ def main():
                                        for bb, s in pol.buckets.items()})
                 for c, n in enumerate(pol.budgets)}
             print(json.dumps(dict(batch=B, row=name, tokens_per_s=round(rate, 1), vs_ar=round(rate / base, 3),
-                                  last_call=stats, **({"policy": seen} if seen else {}))), flush=True)
+                                  calls=[round(x, 1) for x in rates], warmup_calls=warm, last_call=stats,
+                                  **({"policy": seen} if seen else {}))), flush=True)
             del dec
             if cuda:
                 torch.cuda.empty_cache()
