@@ -37,9 +37,10 @@ from .records import GDNFactorRecord
 # sweep): the tree kernel on 4 warps (16 nodes: 139 vs 208 us at batch 64, 23.7 vs 31.1 at batch
 # 8, 14.5 vs 15.2 at batch 1, against 8), one-token passes on 16-column tiles (141 vs 178 us at
 # batch 64, 9.1 vs 13.3 at batch 8, 3.7 vs 3.9 at batch 1, against 8 columns).
-# The tree's prepare kernel (one program per sequence and head, a serial forward substitution):
-# 2 warps, measured against 1, 4 and 8 (BENCHMARKS.md section 5: 7.2 vs 8.6 us at 17 nodes and
-# batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
+# The tree's prepare kernel (one program per sequence and head): 2 warps, measured against 1, 4
+# and 8 when it inverted I + A by forward substitution (BENCHMARKS.md section 5: 7.2 vs 8.6 us at
+# 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps); not re-measured for the
+# Neumann product it runs now.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 16, "num_warps": 1},
           "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4},
           "prepare": {"num_warps": 2}}
