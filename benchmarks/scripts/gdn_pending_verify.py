@@ -73,8 +73,7 @@ def kernel_table():
             G = torch.empty(B, T, HV, device="cuda")
             for w in (1, 2, 4, 8):
                 res[f"w{w}"] = us(lambda: vk._tree_prepare_kernel[(B * HV,)](
-                    k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=64, DOT_PREC="tf32",
-                    LOG_BT=BT.bit_length() - 1, num_warps=w))
+                    k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=64, DOT_PREC="tf32", num_warps=w))
             cols = ("serial", "parallel", "nopend", "w1", "w2", "w4", "w8")
             print(f"| {B} | {T} | {P} | " + " | ".join(f"{res[c]:.1f}" for c in cols) + " |", flush=True)
 

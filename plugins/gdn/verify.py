@@ -37,10 +37,10 @@ from .records import GDNFactorRecord
 # sweep): the tree kernel on 4 warps (16 nodes: 139 vs 208 us at batch 64, 23.7 vs 31.1 at batch
 # 8, 14.5 vs 15.2 at batch 1, against 8), one-token passes on 16-column tiles (141 vs 178 us at
 # batch 64, 9.1 vs 13.3 at batch 8, 3.7 vs 3.9 at batch 1, against 8 columns).
-# The tree's prepare kernel (one program per sequence and head): 2 warps, measured against 1, 4
-# and 8 when it inverted I + A by forward substitution (BENCHMARKS.md section 5: 7.2 vs 8.6 us at
-# 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps); not re-measured for the
-# Neumann product it runs now.
+# The tree's prepare kernel (one program per sequence and head, a serial forward substitution,
+# which stays accurate where a Neumann product of powers of A cancels catastrophically on deep
+# chains of correlated keys): 2 warps, measured against 1, 4 and 8 (BENCHMARKS.md section 5:
+# 7.2 vs 8.6 us at 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 16, "num_warps": 1},
           "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4},
           "prepare": {"num_warps": 2}}
@@ -216,7 +216,7 @@ def _pending_kwargs(pending: LayerCommit | None) -> dict:
 
 @triton.jit
 def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         BT: tl.constexpr, BKC: tl.constexpr, DOT_PREC: tl.constexpr, LOG_BT: tl.constexpr):
+                         BT: tl.constexpr, BKC: tl.constexpr, DOT_PREC: tl.constexpr):
     """Per (sequence, value head): G = M_incl @ g and T = (I + A)^{-1}, shared by all V tiles.
     ``k k^T`` accumulates over K in blocks of ``BKC`` (a whole [BT, 256] tile would spill)."""
     i_bh = tl.program_id(0).to(tl.int64)
@@ -239,14 +239,12 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
     diff = tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)  # masked before exp
     strict = b_M & (o_t[:, None] != o_t[None, :])
     b_A = tl.where(strict, b_beta[:, None] * b_kk * tl.exp(diff), 0.0)
-    # T = (I + A)^{-1} = (I - A)(I + A^2)(I + A^4)...(I + A^(BT / 2)): A is strictly lower
-    # triangular, so A^BT = 0 and the Neumann series ends; log2(BT) - 1 squarings, each a small
-    # float32 product, where forward substitution takes T - 1 dependent row steps
-    b_T = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0) - b_A
-    b_P = b_A
-    for _ in tl.static_range(LOG_BT - 1):
-        b_P = tl.dot(b_P, b_P, input_precision="ieee")
-        b_T += tl.dot(b_T, b_P, input_precision="ieee")
+    # T = (I + A)^{-1} by forward substitution, row by row (A is strictly lower triangular)
+    b_T = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for i in range(1, T):
+        a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.0), 0)  # row i of A
+        row = tl.where(o_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * b_T, 0)
+        b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
     tl.store(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :], b_T)
     tl.store(G + (i_b * T + o_t) * HV + i_hv, b_G, mask=m_t)
 
@@ -374,7 +372,7 @@ def tree_verify(
     o, d, G = out
     Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
-                                    LOG_BT=BT.bit_length() - 1, num_warps=TUNING["prepare"]["num_warps"])
+                                    num_warps=TUNING["prepare"]["num_warps"])
     pend = _pending_kwargs(pending)
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, beta, mask, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
