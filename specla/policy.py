@@ -40,10 +40,10 @@ class BudgetPolicy:
     (the one measured longest ago) is measured again for ``warmup + window`` steps, since
     acceptance changes with the text (a running drafting candidate's acceptance is measured all
     along; plain decoding's step time moves little and is not re-measured). A batch size met
-    after another was measured (rows finishing shrink the batch) first runs the choice of the
-    nearest measured batch size, and measures its own unmeasured candidates one per ``reprobe``
-    steps: a short tail of a run is not spent measuring (each switch flushes the pending commit
-    and moves the state into the other budget's graphs).
+    next to one that was measured (half or twice it: rows finishing shrink the batch) first runs
+    that one's choice, or its own fastest measured candidate once it beats it, and measures its
+    other candidates one per ``reprobe`` steps: a short tail of a run is not spent measuring (each
+    switch flushes the pending commit and moves the state into the other budget's graphs).
 
     Args:
         budgets: the draft budget ``N`` of each candidate, the configured one first (``0``:
@@ -75,7 +75,7 @@ class BudgetPolicy:
         s, tokens = self._bucket(batch), self.tokens[candidate]
         if s.seconds[candidate] is None or tokens is None or s.timed[candidate] < self.window:
             return None
-        return tokens / s.seconds[candidate]
+        return tokens / max(s.seconds[candidate], 1e-9)  # a zero time (a coarse clock) is not a division error
 
     def choose(self, batch: int) -> int:
         """The candidate the next step at ``batch`` sequences runs."""
@@ -87,6 +87,9 @@ class BudgetPolicy:
         if unmeasured:
             prior = self._nearest_choice(batch)
             if prior is not None and s.since_probe < self.reprobe:
+                known = [c for c in range(n) if c not in unmeasured]  # measured at this batch size
+                if prior in known:
+                    prior = max(known, key=lambda c: self.rate(batch, c))
                 return self._run(s, prior, measuring=False)
             s.since_probe = 0
             return self._run(s, unmeasured[0], measuring=True)
@@ -100,10 +103,11 @@ class BudgetPolicy:
         return self._run(s, best, measuring=False)
 
     def _nearest_choice(self, batch: int) -> int | None:
-        """The fastest candidate at the measured batch size nearest ``batch`` (by ratio; ``None``:
-        no batch size has every candidate measured)."""
+        """The fastest candidate at a batch size half or twice ``batch`` with every candidate
+        measured (``None``: neither is)."""
         n = len(self.budgets)
-        done = [b for b in self.buckets if b != batch and all(self.rate(b, c) is not None for c in range(n))]
+        done = [b for b in self.buckets if b != batch and max(b, batch) <= 2 * min(b, batch)
+                and all(self.rate(b, c) is not None for c in range(n))]
         if not done:
             return None
         near = min(done, key=lambda b: (max(b, batch) / min(b, batch), b))

@@ -46,7 +46,18 @@ def test_a_new_batch_size_runs_the_nearest_choice_then_measures_its_own():
     chosen = drive(p, 16, *fast, 40)  # at 16 speculation wins, but 16 starts with 32's choice
     assert chosen[:20] == [1] * 20 and chosen[20:] == [0] * 20
     assert p.rate(16, 0) == pytest.approx(3 / 2.5e-3) and p.rate(16, 1) == pytest.approx(1 / 1e-3)
-    assert drive(p, 1, *fast, 5) == [0] * 5  # 16 is nearer to 1 than 32
+    assert drive(p, 4, *fast, 6) == [0] * 3 + [1] * 3  # no measured neighbour (2 or 8): measured at once
+
+
+def test_a_borrowed_choice_gives_way_to_a_faster_own_measurement():
+    """Batch 16 starts with batch 32's choice (plain decoding) while the tree is its fastest: once a
+    reprobe has measured the tree at 16, the tree runs there, before the chain is measured."""
+    p = BudgetPolicy([15, 6, 0], warmup=1, window=2, reprobe=20)
+    tokens = {0: 5.0, 1: 4.0, 2: 1.0}
+    drive(p, 32, {0: 9e-3, 1: 7e-3, 2: 1.2e-3}, tokens, 15)  # plain wins at 32
+    chosen = drive(p, 16, {0: 1.8e-3, 1: 1.7e-3, 2: 0.7e-3}, tokens, 40)
+    assert chosen[:20] == [2] * 20 and chosen[20:23] == [0] * 3 and chosen[23:40] == [0] * 17
+    assert p.rate(16, 1) is None  # the chain waits for the next reprobe
 
 
 def test_the_other_candidate_is_remeasured_every_reprobe_steps():
