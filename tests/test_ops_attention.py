@@ -156,7 +156,7 @@ def test_draft_level_attention_kernel_equals_its_pytorch_twin(dtype, P, M, A, ga
     qkv = torch.randn(B, M, 3 * Hh * Dh, generator=g).to(dev, dtype)
     q, k, v = (x.view(B, M, Hh, Dh) for x in qkv.chunk(3, -1))
     ck, cv = (torch.randn(B, L, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
-    n = torch.tensor([0, 57], device=dev)
+    n = torch.tensor([0, 99, 57, 99], device=dev)[::2]  # strided lengths: read as [0, 57]
     rows = P if gather else M
     anc_k, anc_v = (torch.randn(B, rows, A, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
     slot = torch.randint(0, P, (B, M), generator=g).to(dev) if gather else None

@@ -85,10 +85,11 @@ def _draft_attention_kernel(q, ck, cv, clen, ak, av, slot, sk, sv, o, nk, nv, M,
 def _launch(q, cache_k, cache_v, cache_len, anc_k, anc_v, slot, k, v, out, nk, nv):
     """One launch of :func:`_draft_attention_kernel` (arguments checked by the callers)."""
     B, M, H, Dh = q.shape
-    A = anc_k.shape[2]
+    A = anc_k.shape[2]  # (the kernel reads cache_len and slot densely: they are made contiguous)
     if B * M:
         _draft_attention_kernel[(B * M, H)](
-            q, cache_k, cache_v, cache_len, anc_k, anc_v, slot if slot is not None else cache_len, k, v, out,
+            q, cache_k, cache_v, cache_len.contiguous(), anc_k, anc_v, slot if slot is not None else cache_len,
+            k, v, out,
             nk if nk is not None else out, nv if nv is not None else out, M, A, Dh, Dh ** -0.5,
             q.stride(0), q.stride(1), q.stride(2), *cache_k.stride()[:3], *cache_v.stride()[:3],
             *anc_k.stride()[:4], *anc_v.stride()[:4], *k.stride()[:3], *v.stride()[:3],
