@@ -111,52 +111,29 @@ needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and __import__("
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M,A,lens", [(1, 1, (0, 70)), (4, 3, (131, 1)), (3, 6, (64, 128))])
-def test_draft_attention_kernel_equals_its_pytorch_twin(dtype, M, A, lens):
-    """The EAGLE level's attention over cache and ancestors: the one-launch kernel against the
-    PyTorch form on fresh random inputs, caches whose slots past ``cache_len`` hold large
-    garbage, an empty cache, a full one (``cache_len == L``), block edges (64, 128), a head dim
-    that is not a power of two, and the output pre-filled with NaN."""
-    from specla.ops import attention_triton
-    from specla.ops.attention import draft_attention
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(M * 10 + A)
-    B, L, Hh, Dh = len(lens), 131, 3, 12
-    q = torch.randn(B, M, Hh, Dh, generator=g).to(dev, dtype)
-    ck, cv = (torch.randn(B, L, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
-    n = torch.tensor(lens, device=dev)
-    for b, length in enumerate(lens):
-        ck[b, length:] = 1e4  # garbage past the valid entries must not be read
-        cv[b, length:] = float("nan")
-    keys, values = (torch.randn(B, M, A, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
-    out = torch.full((B, M, Hh, Dh), float("nan"), device=dev)
-    got = attention_triton.draft_attention(q, ck, cv, n, keys, values, out=out)
-    assert got is out and not got.isnan().any()
-    want = draft_attention(q.double(), ck.double(), torch.nan_to_num(cv.double()), n, keys.double(), values.double())
-    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: q rounded for the cache products
-    assert (got.double() - want).abs().max() < tol
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("P,M,A,gather", [(1, 1, 0, False), (3, 4, 2, True), (2, 2, 5, False), (4, 3, 1, True)])
-def test_draft_level_attention_kernel_equals_its_pytorch_twin(dtype, P, M, A, gather):
+@pytest.mark.parametrize("P,M,A,gather,lens", [(1, 1, 0, False, (0, 70)), (3, 4, 2, True, (131, 1)),
+                                               (2, 2, 5, False, (64, 128)), (4, 3, 1, True, (0, 57))])
+def test_draft_level_attention_kernel_equals_its_pytorch_twin(dtype, P, M, A, gather, lens):
     """A draft level read from the previous level's keys and values through the parents' rows
     (``slot``, repeated and out of order) and the nodes' own keys as strided views of one fused
-    projection: the one-launch kernel against the PyTorch twin on fresh random inputs, with the
+    projection: the one-launch kernel against the PyTorch twin on fresh random inputs, caches
+    whose slots past ``cache_len`` hold large garbage, an empty cache, a full one (``cache_len ==
+    L``), block edges (64, 128), strided lengths, a head dim that is not a power of two, and the
     outputs pre-filled with NaN. The children's keys and values are copies, so they match
-    exactly; the attention to float32 rounding (bf16: the cache products in bf16)."""
+    exactly; the attention to float32 rounding (bf16: q rounded for the cache products)."""
     from specla.ops import attention_triton
     from specla.ops.attention import draft_level_attention
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(P * 100 + M * 10 + A)
-    B, L, Hh, Dh = 2, 70, 3, 12
+    B, L, Hh, Dh = len(lens), 131, 3, 12
     qkv = torch.randn(B, M, 3 * Hh * Dh, generator=g).to(dev, dtype)
     q, k, v = (x.view(B, M, Hh, Dh) for x in qkv.chunk(3, -1))
     ck, cv = (torch.randn(B, L, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
-    n = torch.tensor([0, 99, 57, 99], device=dev)[::2]  # strided lengths: read as [0, 57]
+    for b, length in enumerate(lens):
+        ck[b, length:] = 1e4  # garbage past the valid entries must not be read
+        cv[b, length:] = float("nan")
+    n = torch.tensor([x for length in lens for x in (length, 99)], device=dev)[::2]  # strided lengths
     rows = P if gather else M
     anc_k, anc_v = (torch.randn(B, rows, A, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
     slot = torch.randint(0, P, (B, M), generator=g).to(dev) if gather else None
@@ -164,15 +141,15 @@ def test_draft_level_attention_kernel_equals_its_pytorch_twin(dtype, P, M, A, ga
            *(torch.full((B, M, A + 1, Hh, Dh), float("nan"), dtype=dtype, device=dev) for _ in range(2)))
     got = attention_triton.draft_level_attention(q, k, v, ck, cv, n, anc_k, anc_v, slot, out=out)
     assert all(a is b for a, b in zip(got, out)) and not any(x.isnan().any() for x in got)
-    want = draft_level_attention(q.double(), k.double(), v.double(), ck.double(), cv.double(), n, anc_k.double(),
-                                 anc_v.double(), slot)
+    want = draft_level_attention(q.double(), k.double(), v.double(), ck.double(), torch.nan_to_num(cv.double()), n,
+                                 anc_k.double(), anc_v.double(), slot)
     assert torch.equal(got[1].double(), want[1]) and torch.equal(got[2].double(), want[2])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got[0].double() - want[0]).abs().max() < tol
 
 
 @needs_triton
-def test_draft_attention_kernel_refuses_what_it_cannot_run():
+def test_draft_level_attention_kernel_refuses_what_it_cannot_run():
     from specla.ops import attention_triton
 
     q = torch.randn(1, 2, 2, 8)
@@ -180,11 +157,13 @@ def test_draft_attention_kernel_refuses_what_it_cannot_run():
     keys = torch.randn(1, 2, 1, 2, 8)
     n = torch.tensor([3])
     with pytest.raises(ValueError, match=r"expected \[B, M, H, Dh\]"):
-        attention_triton.draft_attention(q, ck, ck, n, keys[:, :, :0], keys[:, :, :0])
+        attention_triton.draft_level_attention(q, q, q, ck, ck, n, keys[:, :, :, :1], keys[:, :, :, :1])
     with pytest.raises(ValueError, match="float64"):
-        attention_triton.draft_attention(q.double(), ck.double(), ck.double(), n, keys.double(), keys.double())
+        attention_triton.draft_level_attention(*(x.double() for x in (q, q, q, ck, ck)), n, keys.double(),
+                                               keys.double())
     with pytest.raises(ValueError, match="dense"):
-        attention_triton.draft_attention(q.transpose(2, 3).contiguous().transpose(2, 3), ck, ck, n, keys, keys)
+        attention_triton.draft_level_attention(q.transpose(2, 3).contiguous().transpose(2, 3), q, q, ck, ck, n, keys,
+                                               keys)
     anc = torch.randn(1, 3, 1, 2, 8)  # a level's form: 3 parents' rows for 2 nodes
     with pytest.raises(ValueError, match=r"or None with P == M"):
         attention_triton.draft_level_attention(q, q, q, ck, ck, n, anc, anc)  # no slot

@@ -138,8 +138,8 @@ def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tens
     drafter's level, :meth:`specla.drafters.eagle.EagleHead.step`): node ``(b, m)`` attends to
     ``cache[b, :cache_len[b]]`` and to ``keys[b, m]`` (its ancestors and itself), one softmax
     over both. Scores and softmax in at least float32; the cache is read in its own dtype, its
-    products rounded to it (upcasting the cache would copy all of it every level). Twin of
-    :func:`specla.ops.attention_triton.draft_attention` (one launch).
+    products rounded to it (upcasting the cache would copy all of it every level). Its one-launch
+    form is :func:`specla.ops.attention_triton.draft_level_attention`.
 
     Args:
         q: ``[B, M, H, Dh]``; cache_k, cache_v: ``[B, L, HKV, Dh]``; cache_len: ``[B]`` int64,

@@ -1,5 +1,5 @@
-"""Triton twins of :func:`specla.ops.attention.draft_attention` and
-:func:`~specla.ops.attention.draft_level_attention`: a draft level's attention in one launch. The
+"""Triton twin of :func:`specla.ops.attention.draft_level_attention`: a draft level's attention
+(:func:`~specla.ops.attention.draft_attention` with the parents' rows) in one launch. The
 PyTorch forms take about twenty kernels per level (casts, four batched products, the cache mask,
 concatenations, gathers, softmax), and the EAGLE drafter runs one level per tree depth inside the
 recorded step, which is bound by the number of kernels it launches (BENCHMARKS.md section 4, the
@@ -24,10 +24,10 @@ def _draft_attention_kernel(q, ck, cv, clen, ak, av, slot, sk, sv, o, nk, nv, M,
                             sakb, sakm, saka, sakh, savb, savm, sava, savh,
                             sskb, sskm, sskh, ssvb, ssvm, ssvh, sob, som, soh,
                             BD: tl.constexpr, BL: tl.constexpr, BA: tl.constexpr,
-                            HAS_SLOT: tl.constexpr, WRITE: tl.constexpr):
+                            HAS_SLOT: tl.constexpr):
     """Node ``(b, m)``, head ``h``: the cache's valid entries, then the ``A`` ancestors of row
     ``slot[b, m]`` (``m`` without ``HAS_SLOT``) of ``ak``/``av``, then the node's own key
-    ``sk[b, m]``; with ``WRITE`` those ``A + 1`` keys and values are also stored as the node's
+    ``sk[b, m]``; those ``A + 1`` keys and values are also stored as the node's
     row of ``nk``/``nv`` (contiguous ``[B, M, A + 1, H, D]``), what its children attend to."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -75,65 +75,10 @@ def _draft_attention_kernel(q, ck, cv, clen, ak, av, slot, sk, sv, o, nk, nv, M,
     acc = acc * alpha + tl.sum(p[:, None] * vb, 0)
     den = den * alpha + tl.sum(p, 0)
     tl.store(o + b * sob + m * som + h * soh + d, (acc / den).to(o.dtype.element_ty), mask=dm)
-    if WRITE:
-        row = ((i * (A + 1) + a[:, None]) * H + h) * D + d[None, :]
-        ok = (a <= A)[:, None] & dm[None, :]
-        tl.store(nk + row, kb.to(nk.dtype.element_ty), mask=ok)
-        tl.store(nv + row, vb.to(nv.dtype.element_ty), mask=ok)
-
-
-def _launch(q, cache_k, cache_v, cache_len, anc_k, anc_v, slot, k, v, out, nk, nv):
-    """One launch of :func:`_draft_attention_kernel` (arguments checked by the callers)."""
-    B, M, H, Dh = q.shape
-    A = anc_k.shape[2]  # (the kernel reads cache_len and slot densely: they are made contiguous)
-    if B * M:
-        _draft_attention_kernel[(B * M, H)](
-            q, cache_k, cache_v, cache_len.contiguous(), anc_k, anc_v, slot if slot is not None else cache_len,
-            k, v, out,
-            nk if nk is not None else out, nv if nv is not None else out, M, A, Dh, Dh ** -0.5,
-            q.stride(0), q.stride(1), q.stride(2), *cache_k.stride()[:3], *cache_v.stride()[:3],
-            *anc_k.stride()[:4], *anc_v.stride()[:4], *k.stride()[:3], *v.stride()[:3],
-            out.stride(0), out.stride(1), out.stride(2),
-            BD=triton.next_power_of_2(Dh), BL=64, BA=triton.next_power_of_2(A + 1), HAS_SLOT=slot is not None,
-            WRITE=nk is not None)
-
-
-def _check(q, cache_k, cache_v, cache_len, dense):
-    if torch.float64 in (q.dtype, cache_k.dtype, *(x.dtype for x in dense)):
-        raise ValueError("draft_attention's kernel computes in float32; use specla.ops.attention.draft_attention "
-                         "for float64")
-    if any(x.stride(-1) != 1 for x in (q, cache_k, cache_v, *dense)):
-        raise ValueError("draft_attention: every input's last dim must be dense")
-
-
-def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, keys: Tensor,
-                    values: Tensor, out: Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """One launch of :func:`specla.ops.attention.draft_attention` (same arguments and result;
-    float32 result; float64 inputs are not supported: use the PyTorch form).
-
-    Args:
-        q: ``[B, M, H, Dh]``; cache_k, cache_v: ``[B, L, H, Dh]``; cache_len: ``[B]`` int64;
-            keys, values: ``[B, M, A, H, Dh]``, ``A >= 1``. Every last dim must be dense.
-        out: optional ``[B, M, H, Dh]`` result; out_dtype: the result's dtype when ``out`` is
-            not given (computed in float32, rounded once when stored).
-    Returns:
-        ``[B, M, H, Dh]`` (float32 by default).
-    Raises:
-        ValueError: shapes disagree, ``A < 1``, float64 inputs, or a last dim that is not dense.
-    """
-    B, M, H, Dh = q.shape
-    L, A = cache_k.shape[1], keys.shape[2]
-    if (cache_k.shape != (B, L, H, Dh) or cache_v.shape != cache_k.shape or keys.shape != (B, M, A, H, Dh)
-            or values.shape != keys.shape or cache_len.shape != (B,) or A < 1):
-        raise ValueError(f"draft_attention: q {list(q.shape)}, cache {list(cache_k.shape)}/{list(cache_v.shape)}, "
-                         f"keys {list(keys.shape)}/{list(values.shape)}, cache_len {list(cache_len.shape)}: expected "
-                         "[B, M, H, Dh], [B, L, H, Dh], [B, M, A >= 1, H, Dh] and [B]")
-    _check(q, cache_k, cache_v, cache_len, (keys, values))
-    if out is None:
-        out = torch.empty(B, M, H, Dh, dtype=out_dtype, device=q.device)
-    _launch(q, cache_k, cache_v, cache_len, keys[:, :, : A - 1], values[:, :, : A - 1], None, keys[:, :, A - 1],
-            values[:, :, A - 1], out, None, None)
-    return out
+    row = ((i * (A + 1) + a[:, None]) * H + h) * D + d[None, :]
+    ok = (a <= A)[:, None] & dm[None, :]
+    tl.store(nk + row, kb.to(nk.dtype.element_ty), mask=ok)
+    tl.store(nv + row, vb.to(nv.dtype.element_ty), mask=ok)
 
 
 def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor,
@@ -168,7 +113,11 @@ def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cach
                          f"{list(anc_v.shape)}, cache_len {list(cache_len.shape)}, slot "
                          f"{None if slot is None else (list(slot.shape), slot.dtype)}: expected [B, M, H, Dh], "
                          "[B, L, H, Dh], [B, P, A, H, Dh], [B] and int64 [B, M] (or None with P == M)")
-    _check(q, cache_k, cache_v, cache_len, (k, v, anc_k, anc_v))
+    if torch.float64 in (q.dtype, k.dtype, v.dtype, cache_k.dtype, anc_k.dtype):
+        raise ValueError("draft_level_attention's kernel computes in float32; use "
+                         "specla.ops.attention.draft_level_attention for float64")
+    if any(x.stride(-1) != 1 for x in (q, k, v, cache_k, cache_v, anc_k, anc_v)):
+        raise ValueError("draft_level_attention: every input's last dim must be dense")
     if out is None:
         out = (torch.empty(B, M, H, Dh, dtype=out_dtype, device=q.device),
                torch.empty(B, M, A + 1, H, Dh, dtype=k.dtype, device=q.device),
@@ -176,6 +125,12 @@ def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cach
     check_out(out[:1], (B, M, H, Dh), (out[0].dtype,), q.device)
     check_out(out[1:], (B, M, A + 1, H, Dh), (k.dtype, v.dtype), q.device)
     out, keys, values = out
-    _launch(q, cache_k, cache_v, cache_len, anc_k, anc_v, None if slot is None else slot.contiguous(), k, v, out,
-            keys, values)
+    if B * M:  # cache_len and slot are read densely
+        _draft_attention_kernel[(B * M, H)](
+            q, cache_k, cache_v, cache_len.contiguous(), anc_k, anc_v,
+            cache_len if slot is None else slot.contiguous(), k, v, out, keys, values, M, A, Dh, Dh ** -0.5,
+            q.stride(0), q.stride(1), q.stride(2), *cache_k.stride()[:3], *cache_v.stride()[:3],
+            *anc_k.stride()[:4], *anc_v.stride()[:4], *k.stride()[:3], *v.stride()[:3],
+            out.stride(0), out.stride(1), out.stride(2),
+            BD=triton.next_power_of_2(Dh), BL=64, BA=triton.next_power_of_2(A + 1), HAS_SLOT=slot is not None)
     return out, keys, values
