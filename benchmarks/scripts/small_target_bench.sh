@@ -8,9 +8,10 @@
 #   bash benchmarks/scripts/small_target_bench.sh OUT_DIR [DATA_DIR [ROW ...]]
 #
 # DATA_DIR (default ../shared/data) holds corpus/, prompts/ and tokenizer/; to give rows, give it
-# too. A ROW is SUITE:SHAPE:BATCH[:POLICY]: SUITE gsm8k (gsm8k_test.jsonl) or mixed
+# too. A ROW is SUITE:SHAPE:BATCH[:POLICY[:T]]: SUITE gsm8k (gsm8k_test.jsonl) or mixed
 # (specbench_like.jsonl), SHAPE tree (N 15, depth 6, top-k 4) or chain (N 6), POLICY fixed
-# (default) or adaptive. Default rows: gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1.
+# (default) or adaptive, T the sampling temperature (default 0, greedy; a sampled row has seed 0
+# and its exact-match rate is not expected to be 1). Default rows: gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1.
 # Rows are checked before anything runs. Environment: LIMIT (prompts per row, default 64),
 # ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS (passed to
 # small_target.sh: the target's training steps, default 434), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
@@ -29,9 +30,9 @@ shift $(( $# >= 2 ? 2 : $# ))
 rows=("$@")
 [ ${#rows[@]} -eq 0 ] && rows=(gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1)
 for row in "${rows[@]}"; do  # all rows checked before the training
-  if ! [[ $row =~ ^(gsm8k|mixed):(tree|chain):[1-9][0-9]*(:(fixed|adaptive))?$ ]]; then
-    echo "bad row '$row': expected SUITE:SHAPE:BATCH[:POLICY], SUITE gsm8k|mixed, SHAPE tree|chain," \
-         "BATCH a positive integer, POLICY fixed|adaptive" >&2
+  if ! [[ $row =~ ^(gsm8k|mixed):(tree|chain):[1-9][0-9]*(:(fixed|adaptive)(:[0-9]+(\.[0-9]+)?)?)?$ ]]; then
+    echo "bad row '$row': expected SUITE:SHAPE:BATCH[:POLICY[:T]], SUITE gsm8k|mixed, SHAPE tree|chain," \
+         "BATCH a positive integer, POLICY fixed|adaptive, T a temperature such as 0.7" >&2
     exit 2
   fi
 done
@@ -44,8 +45,8 @@ fi
 declare -A suite=([gsm8k]=gsm8k_test.jsonl [mixed]=specbench_like.jsonl)
 declare -A shape=([tree]='"num_draft_tokens":15,"max_depth":6,"top_k":4' [chain]='"num_draft_tokens":6,"max_depth":6,"top_k":1')
 for row in "${rows[@]}"; do
-  IFS=: read -r s t b p <<< "$row"
-  config="{${shape[$t]},\"dtype\":\"bfloat16\",\"budget_policy\":\"${p:-fixed}\"}"
+  IFS=: read -r s t b p temp <<< "$row"
+  config="{${shape[$t]},\"dtype\":\"bfloat16\",\"budget_policy\":\"${p:-fixed}\",\"temperature\":${temp:-0},\"seed\":0}"
   name=${row//:/-}
   timeout "${ROW_TIMEOUT:-100}" python -m specla.cli bench --model "$out/small" --drafter "$out/eagle" \
       --prompts "$data/prompts/${suite[$s]}" --limit "${LIMIT:-64}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
