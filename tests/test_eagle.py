@@ -240,7 +240,7 @@ needs_triton = pytest.mark.skipif(DEV == "cpu" and __import__("os").environ.get(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_draft_level_on_the_kernels_equals_the_pytorch_level(dtype):
     """``EagleHead.step`` with ``kernels=True`` (one launch each for the attention, the norms and
-    SwiGLU, residuals inside the GEMMs) against the PyTorch level on fresh random inputs: same
+    SwiGLU, residuals inside the GEMMs, into the pairs' own buffer) against the PyTorch level on fresh random inputs: same
     features, keys and values (float32: to rounding; bfloat16: to a few bf16 ulps of the
     features' scale), with a ragged cache (one row empty) and two ancestors per node."""
     dev = DEV
@@ -257,7 +257,9 @@ def test_a_draft_level_on_the_kernels_equals_the_pytorch_level(dtype):
     n = torch.tensor([0, 57], device=dev)
     with torch.no_grad():
         want = head.step(h, anc_k, anc_v, ck, cv, n)
-        got = head.step(h, anc_k, anc_v, ck, cv, n, kernels=True)
+        buffer = h.clone()
+        got = head.step(buffer, anc_k, anc_v, ck, cv, n, kernels=True)
+    assert got[0].data_ptr() == buffer.data_ptr()  # the residual GEMMs write in place: no copy of h
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -294,8 +296,8 @@ def test_the_kernel_level_follows_weights_changed_in_place():
     head = EagleHead(64, num_heads=1).eval().to(DEV)
     h, attended = torch.randn(2, 3, 64, device=DEV), torch.randn(2, 3, 1, 64, device=DEV)
     with torch.no_grad():
-        torch.testing.assert_close(head.finish(h, attended, kernels=True), head.finish(h, attended))
+        torch.testing.assert_close(head.finish(h.clone(), attended, kernels=True), head.finish(h, attended))
         buffer = head._gate_up()
         head.load_state_dict(EagleHead(64, num_heads=1).state_dict())
-        torch.testing.assert_close(head.finish(h, attended, kernels=True), head.finish(h, attended))
+        torch.testing.assert_close(head.finish(h.clone(), attended, kernels=True), head.finish(h, attended))
         assert head._gate_up() is buffer

@@ -93,7 +93,9 @@ class EagleHead(nn.Module):
     def finish(self, h: Tensor, attended: Tensor | None, kernels: bool = False) -> Tensor:
         """``f_next`` from the pair ``h [..., hidden]`` and its attention output
         ``[..., heads, hidden / heads]`` (``None`` without attention). ``kernels``: the norm and
-        SwiGLU in one Triton launch each, the residual adds inside the output GEMMs (no autograd)."""
+        SwiGLU in one Triton launch each, the residual adds inside the output GEMMs, which write
+        into ``h``'s buffer (in-place ``addmm_``: an out-of-place ``addmm`` first copies ``h``, one
+        more launch each; no autograd): the result is ``h`` itself when ``h`` is contiguous."""
         if not kernels:
             if attended is not None:
                 h = h + self.o(attended.flatten(-2).to(h.dtype))
@@ -102,9 +104,9 @@ class EagleHead(nn.Module):
         shape, H = h.shape, h.shape[-1]
         h = h.reshape(-1, H)
         if attended is not None:
-            h = torch.addmm(h, attended.reshape(-1, H).to(h.dtype), self.o.weight.T)
+            h.addmm_(attended.reshape(-1, H).to(h.dtype), self.o.weight.T)
         gu = _kernels().rms_norm(h, self.norm.weight, self.config["eps"]) @ self._gate_up().T
-        return torch.addmm(h, _kernels().swiglu(gu, self.gate.weight.shape[0]), self.down.weight.T).view(shape)
+        return h.addmm_(_kernels().swiglu(gu, self.gate.weight.shape[0]), self.down.weight.T).view(shape)
 
     def _gate_up(self) -> Tensor:
         """``[W_gate ; W_up]`` stacked (one GEMM), refreshed when the weights are replaced or
@@ -154,7 +156,7 @@ class EagleHead(nn.Module):
                 entries valid per sequence.
             kernels: the Triton forms (one launch for the attention with its gathers, the norms
                 and SwiGLU; float32 or bfloat16 inputs, no autograd): what a recorded step runs
-                on a GPU.
+                on a GPU. ``h``'s buffer then holds ``f_next`` (see :meth:`finish`).
         Returns:
             ``(f_next [B, M, hidden], keys, values [B, M, A + 1, heads, d])`` (the ancestors
             with the pairs themselves appended: what their children attend to).
