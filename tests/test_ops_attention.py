@@ -173,3 +173,36 @@ def test_draft_level_attention_kernel_refuses_what_it_cannot_run():
         attention_triton.draft_level_attention(q, q, q, ck, ck, n, anc, anc, torch.zeros(1, 2, dtype=torch.int64),
                                                out=(torch.empty(1, 2, 2, 8), torch.empty(1, 2, 1, 2, 8),
                                                     torch.empty(1, 2, 2, 2, 8)))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W,E", [(1, 12), (7, 36), (3, 1100)])
+def test_append_kv_kernel_equals_its_pytorch_twin(dtype, W, E):
+    """A step's pairs appended to a drafter's cache: rows at lengths 0, mid-cache, one short of
+    full (its overflow lands in the last slot, the last pair last) and full; a width past one
+    block (1100 = 4 x 275); every other slot untouched (pre-filled with NaN, compared bit for
+    bit with ``equal_nan``); lengths updated in place."""
+    from specla.ops import attention_triton
+    from specla.ops.attention import append_kv
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(W * 1000 + E)
+    L, H = 9, 4 if E % 4 == 0 else 1
+    lens = torch.tensor([0, 4, L - 1, L], device=dev)
+    B = len(lens)
+    k, v = (torch.randn(B, W, H, E // H, generator=g).to(dev, dtype) for _ in range(2))
+    num = torch.randint(0, W, (B,), generator=g).to(dev)
+    caches = [torch.full((B, L, H, E // H), float("nan"), dtype=dtype, device=dev) for _ in range(2)]
+    want = [c.clone() for c in caches] + [lens.clone()]
+    got = caches + [lens.clone()]
+    attention_triton.append_kv(got[0], got[1], got[2], k, v, num)
+    append_kv(want[0], want[1], want[2], k, v, num)
+    assert torch.equal(got[2], want[2]) and got[2].tolist() == [min(n + a + 1, L) for n, a in
+                                                                zip(lens.tolist(), num.tolist())]
+    for a, b in zip(got[:2], want[:2]):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert torch.equal(got[0][1, 4 : 4 + W if 4 + W < L else L - 1], k[1, : min(W, L - 5)])
+    assert torch.equal(got[0][3, L - 1], k[3, W - 1])  # a full row: its last slot holds the last pair
+    with pytest.raises(ValueError, match="append_kv: caches"):
+        attention_triton.append_kv(got[0], got[1], got[2].int(), k, v, num)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specla import SpecConfig
-from specla.drafters.pruning import build_tree, next_frontier, pair_rows, select_nodes
+from specla.drafters.pruning import accepted_rows, build_tree, next_frontier, pair_rows, select_nodes
 from specla.ops import draft_tree_triton as dt
 from trees import DEV
 
@@ -99,6 +99,34 @@ def test_pair_rows_equals_twin(P, M, H, gather):
     assert got is out and torch.equal(got, pair_rows(feats, slot, emb))
     with pytest.raises(ValueError, match="pair_rows: feats"):
         dt.pair_rows(feats.double(), slot, emb)
+
+
+@pytest.mark.parametrize("D,H", [(1, 24), (4, 40), (6, 1100)])
+def test_accepted_rows_equals_twin(D, H):
+    """A step's accepted pairs and new feature: paths of every length (0 to D accepted, -1
+    padding after), a width past one block (1100), the outputs pre-filled with NaN / -77;
+    copies, so exactly equal."""
+    g = torch.Generator().manual_seed(D * 10 + H)
+    B, T = 4, D + 3
+    feature, hidden = torch.randn(B, H, generator=g).to(DEV), torch.randn(B, T, H, generator=g).to(DEV)
+    num = torch.tensor([0, D, min(1, D), D // 2]).to(DEV)
+    path = torch.full((B, D + 1), -1, dtype=torch.int64)
+    tokens = torch.full((B, D), -1, dtype=torch.int64)
+    for b, n in enumerate(num.tolist()):
+        path[b, : n + 1] = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randperm(T - 1, generator=g)[:n] + 1])
+        tokens[b, :n] = torch.randint(0, 500, (n,), generator=g)
+    path, tokens = path.to(DEV), tokens.to(DEV)
+    root = torch.randint(0, 500, (B,), generator=g).to(DEV)
+    out = (torch.full((B, D + 1, H), float("nan"), device=DEV), torch.full((B, D + 1), -77, device=DEV),
+           torch.full((B, H), float("nan"), device=DEV))
+    got = dt.accepted_rows(feature, hidden, path, num, root, tokens, out=out)
+    want = accepted_rows(feature, hidden, path, num, root, tokens)
+    assert all(a is b for a, b in zip(got, out))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(got[2][1], hidden[1, path[1, D]]) and torch.equal(got[0][:, 0], feature)
+    with pytest.raises(ValueError, match="accepted_rows: feature"):
+        dt.accepted_rows(feature.double(), hidden, path, num, root, tokens)
 
 
 def table_expand(seed, k, V=40):

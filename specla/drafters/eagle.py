@@ -32,9 +32,9 @@ from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance
 from ..tree import DraftTree
 from ..acceptance import sampling_probs
-from ..ops.attention import draft_level_attention
+from ..ops.attention import append_kv, draft_level_attention
 from ..ops.topk import log_softmax_topk
-from .pruning import build_tree, pair_rows, sample_tree
+from .pruning import accepted_rows, build_tree, pair_rows, sample_tree
 
 FORMAT = "specla-eagle-v2"
 FORMATS = ("specla-eagle-v1", FORMAT)  # v1: the attention-free head (num_heads = 0)
@@ -213,7 +213,8 @@ def _kernels():
 
     return SimpleNamespace(rms_norm=norm_triton.rms_norm, swiglu=act_triton.swiglu,
                            draft_level_attention=attention_triton.draft_level_attention,
-                           log_softmax_topk=topk_triton.log_softmax_topk, pair_rows=draft_tree_triton.pair_rows)
+                           append_kv=attention_triton.append_kv, log_softmax_topk=topk_triton.log_softmax_topk,
+                           pair_rows=draft_tree_triton.pair_rows, accepted_rows=draft_tree_triton.accepted_rows)
 
 
 def is_eagle_dir(path: str | Path) -> bool:
@@ -247,7 +248,9 @@ class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead):
         self.head = head
         self.adapter: TargetAdapter | None = None
-        self.feature: Tensor | None = None  # [B, hidden] target feature at the end of the accepted path
+        # [B, hidden] the target's last-layer feature at the end of the accepted path (before
+        # _features: the pairs of a step are gathered from verify's features in one launch)
+        self.feature: Tensor | None = None
         self.root: Tensor | None = None  # [B] the token the next tree hangs from
         self.cache_k = self.cache_v = self.cache_len = None
         self.capacity = 0  # cache entries per sequence (see reset)
@@ -278,7 +281,7 @@ class EagleDrafter(Drafter):
         starts the cache empty)."""
         ad, cfg = self.adapter, self.adapter.config
         B, dev = len(prompts), ad.device
-        self.feature = self._features(ad.last_hidden)
+        self.feature = ad.last_hidden
         self.root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
         self.generator = None  # created at the first sampled proposal, from config.seed
         heads, d = self._cache_heads()
@@ -296,7 +299,7 @@ class EagleDrafter(Drafter):
         if heads and T and hidden is not None:
             toks = torch.tensor([p[1 : 1 + T] + [0] * (T - len(p[1 : 1 + T])) for p in prompts], device=dev)
             k, v = self._pair_kv(self._features(hidden[:, :T].to(ad.dtype)), toks,
-                                 torch.arange(T, device=dev).expand(B, T))
+                                 torch.zeros(B, dtype=torch.int64, device=dev))
             self.cache_k[:, :T], self.cache_v[:, :T] = k, v
             self.cache_len = torch.tensor(lengths, dtype=torch.int64, device=dev)
 
@@ -311,9 +314,10 @@ class EagleDrafter(Drafter):
         themselves)."""
         return hidden
 
-    def _pair_kv(self, feats: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def _pair_kv(self, feats: Tensor, tokens: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
         """Cache keys and values ``[B, W, heads, d]`` of the pairs (feature ``[B, W, hidden]``,
-        next token ``[B, W]``) at ``positions [B, W]`` (EAGLE has no positional encoding)."""
+        next token ``[B, W]``) at positions ``start [B] + 0 .. W - 1`` (EAGLE has no positional
+        encoding)."""
         _, k, v = self.head.qkv_heads(self.head.pair(feats, self.adapter.embed(tokens)), self.kernels)
         return k, v
 
@@ -322,7 +326,7 @@ class EagleDrafter(Drafter):
         hidden]`` and no ancestors."""
         heads, d = self._cache_heads()
         none = self.feature.new_empty(self.feature.shape[0], 1, 0, max(heads, 1), d)
-        return self.feature[:, None], none, none
+        return self._features(self.feature)[:, None], none, none
 
     def _logits(self, feature: Tensor) -> Tensor:
         """Logits ``[..., vocab]`` of predicted features: the target's final norm and LM head."""
@@ -400,22 +404,15 @@ class EagleDrafter(Drafter):
         bonus token. Rows whose cache is full (finished rows kept in a graph's batch) stop
         growing; their drafts are discarded anyway."""
         hidden, dev = out.hidden, out.hidden.device
-        rows = torch.arange(hidden.shape[0], device=dev)
+        num = acceptance.num_accepted.to(dev)
+        gather = _kernels().accepted_rows if self.kernels else accepted_rows
+        feats, toks, last = gather(self.feature, hidden, acceptance.path.to(dev), num, self.root,
+                                   acceptance.tokens.to(dev))
         if self._cache_heads()[0]:
-            W = acceptance.tokens.shape[1] + 1
-            parents = acceptance.path[:, : W - 1].to(dev)
-            feats = torch.cat([self.feature[:, None], self._features(hidden[rows[:, None], parents])], 1)
-            toks = torch.cat([self.root[:, None], acceptance.tokens.to(dev).clamp(min=0)], 1)
-            L = self.cache_k.shape[1]
-            at = self.cache_len[:, None] + torch.arange(W, device=dev)
-            k, v = self._pair_kv(feats, toks, at)
-            pos = at.clamp(max=L - 1)
-            self.cache_k[rows[:, None], pos] = k
-            self.cache_v[rows[:, None], pos] = v
-            self.cache_len.copy_((self.cache_len + acceptance.num_accepted.to(dev) + 1).clamp(max=L))
-        # the path's last node: the root (0) plus num_accepted nodes, so it is never empty
-        end = acceptance.path.gather(1, acceptance.num_accepted[:, None]).squeeze(1).to(dev)
-        self.feature = self._features(hidden[rows, end])
+            k, v = self._pair_kv(self._features(feats), toks, self.cache_len)
+            (_kernels().append_kv if self.kernels else append_kv)(self.cache_k, self.cache_v, self.cache_len, k, v,
+                                                                  num)
+        self.feature = last  # the path's last node: the root plus num_accepted nodes, never empty
         self.root = acceptance.bonus.to(dev)
 
     def select(self, index: Tensor) -> None:

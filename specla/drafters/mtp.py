@@ -203,13 +203,14 @@ class MTPDrafter(EagleDrafter):
         return self.head.attention.HKV, self.head.attention.Dh
 
     def _root_state(self) -> Tensor:
-        return self.feature[:, None]
+        return self._features(self.feature)[:, None]
 
     def _features(self, hidden: Tensor) -> Tensor:
         return self.head.features(hidden)
 
-    def _pair_kv(self, feats: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def _pair_kv(self, feats: Tensor, tokens: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
         h = self.head.pair(feats, self.adapter.embed(tokens))
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         _, k, v, _ = self.head.attention.project(self.head.attention_input(h), positions)
         return k, v
 

@@ -187,6 +187,32 @@ def pair_rows(feats: Tensor, slot: Tensor | None, emb: Tensor) -> Tensor:
     return torch.cat([feats if slot is None else take_rows(feats, slot), emb], -1)
 
 
+def accepted_rows(feature: Tensor, hidden: Tensor, path: Tensor, num_accepted: Tensor, root: Tensor,
+                  tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The pairs a step's accepted path adds to a feature drafter's cache, and its new feature.
+    Twin of :func:`specla.ops.draft_tree_triton.accepted_rows`.
+
+    Pair ``0`` is the root token with the feature it was drafted from; pair ``j >= 1`` is the
+    ``j``-th accepted token with the feature verify computed at its parent (path node ``j - 1``).
+
+    Args:
+        feature: ``[B, H]`` the feature the step's tree was drafted from; hidden: ``[B, T, H]``
+            verify's last-layer features (root-explicit: node 0 is the root), same dtype.
+        path: ``[B, D + 1]`` int64 accepted nodes from the root, ``-1`` padding (read as node
+            0); num_accepted: ``[B]`` int64 in ``0..D``; root: ``[B]`` int64 the step's roots;
+            tokens: ``[B, D]`` int64 accepted tokens, ``-1`` padding (read as token 0).
+    Returns:
+        ``(feats [B, D + 1, H], toks [B, D + 1]`` int64, ``last [B, H])``: the pairs (those
+        past ``num_accepted`` are padding the caller leaves outside the cache's length) and
+        the feature at the path's end, ``hidden[b, path[b, num_accepted[b]]]``.
+    """
+    B, W = tokens.shape[0], tokens.shape[1] + 1
+    rows = torch.arange(B, device=hidden.device)
+    feats = torch.cat([feature[:, None], hidden[rows[:, None], path[:, : W - 1].clamp(min=0)]], 1)
+    toks = torch.cat([root[:, None], tokens.clamp(min=0)], 1)
+    return feats, toks, hidden[rows, path.gather(1, num_accepted[:, None])[:, 0]]
+
+
 def sorted_nodes(score: Tensor, depth: Tensor) -> Tensor:
     """Node indices ``[B, M]`` by decreasing score, shallower first on ties (stable)."""
     by_depth = torch.argsort(depth, dim=1, stable=True)

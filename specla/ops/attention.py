@@ -132,6 +132,27 @@ def commit_kv(k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, k: Tensor, v:
     return (cache_len + path_len).clamp(max=capacity)
 
 
+def append_kv(cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, k: Tensor, v: Tensor,
+              num_accepted: Tensor) -> None:
+    """Append a step's pairs to a drafter's key/value cache, in place, with fixed shapes (a CUDA
+    graph records it): ``k[b, j]`` and ``v[b, j]`` go to slot ``min(cache_len[b] + j, L - 1)``
+    for every ``j`` (pairs past the accepted ones land past the new length, where nothing reads
+    them), then ``cache_len`` becomes ``min(cache_len + num_accepted + 1, L)``. A full row (a
+    finished sequence kept in a graph's batch) writes its last slot, later ``j`` last. Twin of
+    :func:`specla.ops.attention_triton.append_kv`.
+
+    Args:
+        cache_k, cache_v: ``[B, L, H, Dh]``; cache_len: ``[B]`` int64 ``<= L``; k, v: ``[B, W,
+        H, Dh]`` in the cache's dtype; num_accepted: ``[B]`` int64 ``< W``.
+    """
+    B, W, L = k.shape[0], k.shape[1], cache_k.shape[1]
+    rows = torch.arange(B, device=k.device)[:, None]
+    pos = (cache_len[:, None] + torch.arange(W, device=k.device)).clamp(max=L - 1)
+    cache_k[rows, pos] = k
+    cache_v[rows, pos] = v
+    cache_len.copy_((cache_len + num_accepted + 1).clamp(max=L))
+
+
 def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, keys: Tensor,
                     values: Tensor) -> Tensor:
     """Attention of draft nodes over their sequence's cache and their own ancestors (the EAGLE

@@ -5,7 +5,9 @@ concatenations, gathers, softmax), and the EAGLE drafter runs one level per tree
 recorded step, which is bound by the number of kernels it launches (BENCHMARKS.md section 4, the
 step anatomy). One program per (node, head) walks the valid part of its cache in blocks and then
 its ancestors (read through the parent's row) and itself with an online softmax (Milakov and
-Gimelshein 2018), in float32, and writes the keys and values its children attend to.
+Gimelshein 2018), in float32, and writes the keys and values its children attend to. Twin of
+:func:`specla.ops.attention.append_kv` too: the accepted pairs into the drafter's cache and its
+new length in one launch (seven in PyTorch).
 """
 
 from __future__ import annotations
@@ -134,3 +136,45 @@ def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cach
             out.stride(0), out.stride(1), out.stride(2),
             BD=triton.next_power_of_2(Dh), BL=64, BA=triton.next_power_of_2(A + 1), HAS_SLOT=slot is not None)
     return out, keys, values
+
+
+@triton.jit
+def _append_kv_kernel(ck, cv, clen, k, v, num_acc, L, W, E, BE: tl.constexpr):
+    """Program ``b``: the row's ``W`` pairs in order (a full row's last pair lands last), then
+    its new length. ``E`` elements per pair (heads times head dim), every tensor dense."""
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.load(clen + b)
+    for j in range(0, W):
+        pos = tl.minimum(n + j, L - 1)
+        for start in range(0, E, BE):
+            c = start + tl.arange(0, BE)
+            ok = c < E
+            tl.store(ck + (b * L + pos) * E + c, tl.load(k + (b * W + j) * E + c, mask=ok), mask=ok)
+            tl.store(cv + (b * L + pos) * E + c, tl.load(v + (b * W + j) * E + c, mask=ok), mask=ok)
+    tl.store(clen + b, tl.minimum(n + tl.load(num_acc + b) + 1, L))
+
+
+def append_kv(cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, k: Tensor, v: Tensor,
+              num_accepted: Tensor) -> None:
+    """:func:`specla.ops.attention.append_kv` in one launch (same arguments, in place).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match, or a cache, ``cache_len`` or
+            ``num_accepted`` that is not contiguous (written or read in place).
+    """
+    B, L, H, Dh = cache_k.shape
+    W = k.shape[1] if k.dim() == 4 else -1
+    if (cache_v.shape != cache_k.shape or k.shape != (B, W, H, Dh) or v.shape != k.shape
+            or cache_len.shape != (B,) or num_accepted.shape != (B,)
+            or {cache_k.dtype, cache_v.dtype, k.dtype, v.dtype} != {cache_k.dtype}
+            or cache_len.dtype != torch.int64 or num_accepted.dtype != torch.int64
+            or len({x.device for x in (cache_k, cache_v, cache_len, k, v, num_accepted)}) != 1
+            or not all(x.is_contiguous() for x in (cache_k, cache_v, cache_len, num_accepted))):
+        raise ValueError(f"append_kv: caches {list(cache_k.shape)}/{list(cache_v.shape)}, k/v {list(k.shape)}/"
+                         f"{list(v.shape)}, cache_len {list(cache_len.shape)} {cache_len.dtype}, num_accepted "
+                         f"{list(num_accepted.shape)} {num_accepted.dtype}: expected contiguous [B, L, H, Dh] "
+                         "caches, [B, W, H, Dh] pairs of their dtype, contiguous int64 [B] lengths and counts, "
+                         "one device")
+    if B and W:
+        _append_kv_kernel[(B,)](cache_k, cache_v, cache_len, k.contiguous(), v.contiguous(), num_accepted, L, W,
+                                H * Dh, BE=min(triton.next_power_of_2(H * Dh), 1024))

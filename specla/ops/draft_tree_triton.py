@@ -6,7 +6,8 @@ argsort, a scatter, gathers, masks); a recorded draft step at batch 1 is bound b
 launches (BENCHMARKS.md section 4). Each program takes one sequence and ranks its candidates by
 pairwise comparison (a ``[C, C]`` tile), so the kernels take up to :data:`MAX_CANDIDATES`
 candidates per sequence; the callers run the twins beyond. :func:`pair_rows` gathers a level's
-inputs from its parents' rows (a gather and a concatenation in PyTorch).
+inputs from its parents' rows (a gather and a concatenation in PyTorch), :func:`accepted_rows` the
+accepted path's pairs and new feature after verify (two concatenations, a clamp, three gathers).
 """
 
 from __future__ import annotations
@@ -216,3 +217,63 @@ def select_nodes(score: Tensor, token: Tensor, parent: Tensor, depth: Tensor, bu
                              tok, par, num, torch.empty(B, CP, dtype=torch.int32, device=dev), C, n, float(tau),
                              CP=CP, num_warps=4)
     return tok, par, num
+
+
+@triton.jit
+def _accepted_rows_kernel(feature, hidden, path, num_acc, root, tokens, feats, toks, last, T, W, H,
+                          BH: tl.constexpr):
+    """Program ``(b, j)``: pair ``j < W`` (feature and token) or, for ``j == W``, the feature at
+    the path's end."""
+    b, j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    if j == W:
+        node = tl.load(path + b * W + tl.load(num_acc + b))
+        src = hidden + (b * T + node) * H
+        dst = last + b * H
+    elif j == 0:
+        src = feature + b * H
+        dst = feats + b * W * H
+        tl.store(toks + b * W, tl.load(root + b))
+    else:
+        node = tl.maximum(tl.load(path + b * W + j - 1), 0)
+        src = hidden + (b * T + node) * H
+        dst = feats + (b * W + j) * H
+        tl.store(toks + b * W + j, tl.maximum(tl.load(tokens + b * (W - 1) + j - 1), 0))
+    for start in range(0, H, BH):
+        c = start + tl.arange(0, BH)
+        ok = c < H
+        tl.store(dst + c, tl.load(src + c, mask=ok), mask=ok)
+
+
+def accepted_rows(feature: Tensor, hidden: Tensor, path: Tensor, num_accepted: Tensor, root: Tensor,
+                  tokens: Tensor, out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`specla.drafters.pruning.accepted_rows` in one launch (same arguments and results;
+    ``out``: optional preallocated results, contiguous).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match, or ``out`` of another layout
+            (``num_accepted`` is not checked against ``D``: a host read).
+    """
+    B, T, H = hidden.shape
+    W = tokens.shape[1] + 1 if tokens.dim() == 2 else -1
+    ints = (path, num_accepted, root, tokens)
+    if (feature.shape != (B, H) or feature.dtype != hidden.dtype or path.shape != (B, W)
+            or num_accepted.shape != (B,) or root.shape != (B,) or tokens.shape != (B, W - 1)
+            or any(x.dtype != torch.int64 or x.device != hidden.device for x in ints)
+            or feature.device != hidden.device):
+        raise ValueError(f"accepted_rows: feature {list(feature.shape)} {feature.dtype}, hidden {list(hidden.shape)} "
+                         f"{hidden.dtype}, path/num_accepted/root/tokens {[(list(x.shape), x.dtype) for x in ints]}: "
+                         "expected [B, H] and [B, T, H] of one dtype, int64 [B, D + 1], [B], [B] and [B, D] "
+                         "on one device")
+    if out is None:
+        out = (torch.empty(B, W, H, dtype=hidden.dtype, device=hidden.device),
+               torch.empty(B, W, dtype=torch.int64, device=hidden.device),
+               torch.empty(B, H, dtype=hidden.dtype, device=hidden.device))
+    check_out(out[:1], (B, W, H), (hidden.dtype,), hidden.device)
+    check_out(out[1:2], (B, W), (torch.int64,), hidden.device)
+    check_out(out[2:], (B, H), (hidden.dtype,), hidden.device)
+    feats, toks, last = out
+    if B:
+        _accepted_rows_kernel[(B, W + 1)](feature.contiguous(), hidden.contiguous(), path.contiguous(),
+                                          num_accepted.contiguous(), root.contiguous(), tokens.contiguous(),
+                                          feats, toks, last, T, W, H, BH=min(triton.next_power_of_2(H), 1024))
+    return feats, toks, last
