@@ -146,10 +146,11 @@ def append_kv(cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, k: Tensor, v:
         H, Dh]`` in the cache's dtype; num_accepted: ``[B]`` int64 ``< W``.
     """
     B, W, L = k.shape[0], k.shape[1], cache_k.shape[1]
-    rows = torch.arange(B, device=k.device)[:, None]
-    pos = (cache_len[:, None] + torch.arange(W, device=k.device)).clamp(max=L - 1)
-    cache_k[rows, pos] = k
-    cache_v[rows, pos] = v
+    rows = torch.arange(B, device=k.device)
+    for j in range(W):  # pair by pair: one write per slot and row (a GPU's index_put picks any of duplicates)
+        pos = (cache_len + j).clamp(max=L - 1)
+        cache_k[rows, pos] = k[:, j]
+        cache_v[rows, pos] = v[:, j]
     cache_len.copy_((cache_len + num_accepted + 1).clamp(max=L))
 
 
