@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .config import SpecConfig
+from .errors import ConfigError
 from .interfaces import Drafter, TargetAdapter
 from .step import host_proposal, read_outcome, speculative_step, step_depth
 from .tree import DraftTree
@@ -60,6 +61,34 @@ def cache_capacity(current: int, longest_prompt: int, config) -> int:
     """
     need = longest_prompt + config.max_new_tokens + step_depth(config) + 2
     return max(current, 1 << max(need - 1, 255).bit_length())
+
+
+def check_cache_memory(new_bytes: int, held_bytes: int, device: torch.device, what: str, config) -> None:
+    """Refuse, before allocating, caches that cannot fit: a large ``max_new_tokens`` (left to an
+    EOS to end the run) sizes caches that no allocator can give, and on a CPU the process would
+    be killed, not told.
+
+    Args:
+        new_bytes: what the caches about to be allocated take; held_bytes: what the caches they
+            replace take (freed with them). device: where they live. what: their name, for the
+            message. config: the run's :class:`~specla.config.SpecConfig`.
+    Raises:
+        ConfigError: ``new_bytes`` exceeds the device's free memory plus ``held_bytes`` (CUDA:
+            ``torch.cuda.mem_get_info``; Linux: ``MemAvailable``; elsewhere nothing is checked).
+    """
+    device = torch.device(device)
+    free = None
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    elif device.type == "cpu":
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open("/proc/meminfo") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    if free is not None and new_bytes > free + held_bytes:
+        raise ConfigError(f"{what} would take {new_bytes / 2**30:.2f} GiB for max_new_tokens="
+                          f"{config.max_new_tokens} (they are sized for the longest prompt + max_new_tokens before "
+                          f"decoding); {(free + held_bytes) / 2**30:.2f} GiB of {device.type} memory is available: "
+                          "lower max_new_tokens or the batch")
 
 
 def batch_bucket(n: int) -> int:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .errors import SpecError
-from .graphs import cache_capacity
+from .graphs import cache_capacity, check_cache_memory
 from .layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
 from .ops.attention import commit_kv, tree_attention
 from .records import PendingCommit, Record
@@ -90,6 +90,11 @@ class Mixer(ABC):
     @abstractmethod
     def empty_state(self, B: int, capacity: int) -> None:
         """Zero state for ``B`` sequences; ``capacity``: the tokens a growing cache must hold."""
+
+    def cache_bytes(self, B: int, capacity: int) -> int:
+        """Bytes of :meth:`empty_state` that grow with ``capacity`` (a KV cache; 0 for a state
+        of fixed size): what a prefill checks against free memory before sizing the caches."""
+        return 0
 
     @abstractmethod
     def state(self) -> list[Tensor]:
@@ -210,6 +215,10 @@ class AttentionMixer(Mixer):
         self.k_cache = torch.zeros(B, slots, self.HKV, self.Dh, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.cache_len = torch.zeros(B, dtype=torch.int64, device=self.device)
+
+    def cache_bytes(self, B: int, capacity: int) -> int:
+        slots = capacity + PREFILL_CHUNK + 1
+        return 2 * B * slots * self.HKV * self.Dh * torch.empty((), dtype=self.dtype).element_size()
 
     def state(self) -> list[Tensor]:
         return [self.k_cache, self.v_cache, self.cache_len]
@@ -400,12 +409,21 @@ class MixerAdapter(LayerwiseAdapter):
         if self.pending is not None:
             self.pending = self.pending.select(index)
 
+    def _size_caches(self, B: int, longest: int) -> None:
+        """Set :attr:`capacity` for ``B`` sequences of up to ``longest`` prompt tokens, refusing
+        (:class:`ConfigError`, nothing changed) caches the device cannot hold."""
+        capacity = cache_capacity(self.capacity, longest, self.config)
+        held = sum(m.cache_bytes(m.state()[0].shape[0], self.capacity) for m in self.mixers if m.state())
+        check_cache_memory(sum(m.cache_bytes(B, capacity) for m in self.mixers), held, self.device,
+                           "the attention layers' KV caches", self.config)
+        self.capacity = capacity
+
     def _prefill(self, prompts: list[list[int]]) -> None:
-        self.capacity = cache_capacity(self.capacity, max(len(p) for p in prompts), self.config)
+        self._size_caches(len(prompts), max(len(p) for p in prompts))
         super()._prefill(prompts)
 
     def score(self, tokens: Tensor, return_hidden: bool = False):
-        self.capacity = cache_capacity(self.capacity, tokens.shape[1], self.config)
+        self._size_caches(tokens.shape[0], tokens.shape[1])
         return super().score(tokens, return_hidden)
 
     def forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool = True,

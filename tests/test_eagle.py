@@ -213,6 +213,26 @@ def test_cache_capacity_is_a_power_of_two_that_only_grows():
         assert int(dr.cache_len[0]) == prompt_len - 2
 
 
+def test_a_drafter_cache_too_large_for_memory_is_refused_with_its_size():
+    """The EAGLE drafter's pair cache sized for a ``max_new_tokens`` no memory holds: a
+    ConfigError naming the cache before it is allocated, the drafter's state unchanged and the
+    decoder exact afterwards."""
+    cfg = dict(dtype="float32", max_new_tokens=6, num_draft_tokens=4, max_depth=3)
+    dec = SpecDecoder(TINY, None, drafter=str(TINY_EAGLE), config=cfg)
+    prompt = [[7, 8, 9, 10, 11]]
+    first = dec.generate(prompt).outputs
+    dr = dec.drafter
+    before = (dr.capacity, dr.cache_k)
+    with pytest.raises(specla.ConfigError, match=r"the EAGLE drafter's key/value cache would take [0-9.]+ GiB"):
+        dr.adapter.config = dr.adapter.config.model_copy(update=dict(max_new_tokens=10**13))
+        dr.reset(prompt)
+    dr.adapter.config = dr.adapter.config.model_copy(update=dict(max_new_tokens=6))
+    assert (dr.capacity, dr.cache_k) == before
+    assert dec.generate(prompt).outputs == first
+    with pytest.raises(specla.ConfigError, match="drafter's key/value cache"):
+        specla.run(TINY, prompts=prompt, drafter=str(TINY_EAGLE), config=dict(cfg, max_new_tokens=10**13))
+
+
 def test_train_drafter_checks_its_options_before_reading_data(tmp_path):
     """Bad heads or stop_at fail before any data is read (the data file here does not exist),
     and --resume refuses a checkpoint written under other options, naming them."""

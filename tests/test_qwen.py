@@ -91,6 +91,25 @@ def test_a_run_longer_than_the_cache_is_refused_and_leaves_the_state_untouched()
     assert torch.equal(ad.verify(empty).logits, twin.verify(empty).logits)
 
 
+def test_caches_too_large_for_memory_are_refused_before_anything_changes():
+    """A ``max_new_tokens`` no memory can hold (an EOS left to end the run) sizes KV caches of
+    terabytes: refused with a ConfigError naming the size before anything is allocated (on a
+    CPU the process would otherwise be killed), the decoder usable afterwards with the same
+    output as a decoder that never tried."""
+    model = ARCH.tiny_model("base", seed=6, dtype=torch.float32)
+    prompt = [5, 17, 33, 9, 44]
+    dec = SpecDecoder(model, None, config=dict(max_new_tokens=4, dtype="float32"))
+    first = dec.generate([prompt]).outputs
+    big = SpecDecoder(model, None, config=dict(max_new_tokens=10**12, dtype="float32"))
+    capacity = big.adapter.capacity
+    for _ in range(2):
+        with pytest.raises(specla.ConfigError, match=r"the attention layers' KV caches would take [0-9.]+ GiB for "
+                                                     r"max_new_tokens=1000000000000 .* lower max_new_tokens"):
+            big.generate([prompt])
+    assert big.adapter.capacity == capacity
+    assert dec.generate([prompt]).outputs == first == [ARCH.reference_decode(model, prompt, 4)]
+
+
 def test_bad_checkpoints_and_models_are_refused_by_name(tmp_path):
     from specla.errors import UnsupportedModelError
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..config import SpecConfig
 from ..errors import DrafterError
-from ..graphs import cache_capacity
+from ..graphs import cache_capacity, check_cache_memory
 from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance
 from ..tree import DraftTree
@@ -278,18 +278,26 @@ class EagleDrafter(Drafter):
     def reset(self, prompts: list[list[int]]) -> None:
         """Start from prefill: the last prompt feature, and every earlier prompt pair
         ``(f_p, x_{p+1})`` in the cache (from ``adapter.prompt_hidden``; an adapter without it
-        starts the cache empty)."""
+        starts the cache empty).
+
+        Raises:
+            ConfigError: the cache, sized for the longest prompt + ``max_new_tokens``, would not
+                fit in the device's free memory (nothing changed).
+        """
         ad, cfg = self.adapter, self.adapter.config
         B, dev = len(prompts), ad.device
-        self.feature = ad.last_hidden
-        self.root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
-        self.generator = None  # created at the first sampled proposal, from config.seed
         heads, d = self._cache_heads()
         # sized from the adapter's config, the run's (an Engine given a larger max_new_tokens
         # would fill the cache: later pairs then overwrite its last slot, which costs acceptance,
         # never exactness)
-        self.capacity = cache_capacity(self.capacity, max(len(p) for p in prompts), cfg) if heads else 0
-        cap = self.capacity
+        cap = cache_capacity(self.capacity, max(len(p) for p in prompts), cfg) if heads else 0
+        size = torch.empty((), dtype=ad.dtype).element_size() * max(heads, 1) * d * 2
+        held = 0 if self.cache_k is None else self.cache_k.shape[0] * self.cache_k.shape[1] * size
+        check_cache_memory(B * cap * size, held, dev, "the EAGLE drafter's key/value cache", cfg)
+        self.capacity = cap
+        self.feature = ad.last_hidden
+        self.root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
+        self.generator = None  # created at the first sampled proposal, from config.seed
         self.cache_k = torch.zeros(B, cap, max(heads, 1), d, dtype=ad.dtype, device=dev)
         self.cache_v = torch.zeros_like(self.cache_k)
         lengths = [max(len(p) - 2, 0) for p in prompts]
