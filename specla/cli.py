@@ -86,14 +86,15 @@ def _generate(args: argparse.Namespace) -> int:
              "device": args.device, "temperature": args.temperature, "top_p": args.top_p,
              "sampling_top_k": args.top_k, "seed": args.seed}
     overrides = read_config_option(args.config)
-    config = _spec_config({"device": _auto_device()}, overrides, flags)  # options fail before any load
+    temperature = args.temperature if args.temperature is not None else overrides.get("temperature", 0)
     sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
-    if sampling_only and config.temperature == 0:
+    if sampling_only and temperature == 0:  # before SpecConfig's own refusal, to name the flags
         # greedy decoding ignores them; --top-k is easily meant as the tree's --tree-top-k
         verbs, it = (("filter sampling and need", "them") if len(sampling_only) > 1
                      else ("filters sampling and needs", "it"))
         raise ValueError(f"{' and '.join(sampling_only)} {verbs} --temperature > 0 (greedy decoding ignores "
                          f"{it}); the draft tree's children per node is --tree-top-k")
+    config = _spec_config({"device": _auto_device()}, overrides, flags)  # options fail before any load
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
     if args.stop_token_id is not None or args.stop is not None:

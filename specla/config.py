@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
 
 CommitStrategy = Literal["factor", "snapshot", "replay"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
@@ -46,6 +46,7 @@ class SpecConfig(BaseModel):
             too but accepts less from a drafter that samples its tree).
         sampling_top_k: with sampling, keep only the most likely ``k`` tokens (``0``: all).
         top_p: with sampling, keep the smallest set of most likely tokens whose mass reaches it.
+            Either one set with ``temperature == 0`` is refused (greedy decoding ignores them).
         seed: with sampling, seeds the run's generator so that it repeats exactly (``None``: a
             fresh random seed); ``0 <= seed < 2**64`` (what ``torch.Generator.manual_seed`` takes).
         max_new_tokens: generated tokens per prompt, bonus tokens included.
@@ -89,21 +90,22 @@ class SpecConfig(BaseModel):
             Greedy output is the same either way; sampled output follows the target's
             distribution either way.
     Raises:
-        pydantic.ValidationError: on any out-of-range or unknown field.
+        pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
+            another type (``True``, ``"8"``, ``8.0``), or sampling filters without sampling.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_draft_tokens: int = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
-    max_depth: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
-    top_k: int = Field(1, ge=1, le=64)
+    num_draft_tokens: StrictInt = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
+    max_depth: StrictInt = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
+    top_k: StrictInt = Field(1, ge=1, le=64)
     tau_tree: float = Field(math.inf, ge=0.0)
     commit: CommitStrategy = "factor"
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    sampling_top_k: int = Field(0, ge=0)
+    sampling_top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, lt=2**64)
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: StrictInt = Field(64, ge=1)
     stop_token_ids: tuple[StrictInt, ...] = ()
     stop_at_eos: bool = True
     dtype: DType | None = None
@@ -117,6 +119,15 @@ class SpecConfig(BaseModel):
     def _finite_json(self, value: float) -> float | str:
         # strict JSON has no Infinity; "inf" reads back through validation
         return "inf" if math.isinf(value) else value
+
+    @model_validator(mode="after")
+    def _sampling_filters_need_sampling(self) -> "SpecConfig":
+        # greedy decoding would ignore them silently (the CLI refuses its flags the same way)
+        if self.temperature == 0 and (self.top_p != 1.0 or self.sampling_top_k != 0):
+            raise ValueError(f"top_p ({self.top_p}) and sampling_top_k ({self.sampling_top_k}) filter sampling: "
+                             "greedy decoding (temperature 0) would ignore them; set temperature > 0 or leave them "
+                             "at 1.0 and 0")
+        return self
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -76,6 +76,14 @@ def test_config_validation():
             SpecConfig(**bad)
     with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
         SpecConfig(tempature=0.0)
+    for field in ("num_draft_tokens", "max_depth", "top_k", "sampling_top_k", "max_new_tokens"):
+        for bad in (True, "8", 8.0):  # no silent coercion of integer fields
+            with pytest.raises(pydantic.ValidationError, match=f"{field}\n  Input should be a valid integer"):
+                SpecConfig(**{field: bad, "temperature": 0.5})
+    for bad in ({"top_p": 0.5}, {"sampling_top_k": 5}):  # greedy decoding would ignore them
+        with pytest.raises(pydantic.ValidationError, match="filter sampling: greedy decoding"):
+            SpecConfig(**bad)
+        assert SpecConfig(temperature=0.5, **bad).temperature == 0.5
     with pytest.raises(pydantic.ValidationError, match="commit"):
         SpecConfig(commit="truncate")
     with pytest.raises(pydantic.ValidationError, match="stop_token_ids must be non-negative"):
