@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+import operator
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_serializer, field_validator,
+                      model_validator)
 
 CommitStrategy = Literal["factor", "snapshot", "replay"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
 
+
+def _integer(value):
+    """An integer as given (``int`` or anything with ``__index__``, such as a NumPy integer):
+    pydantic's lax mode would take ``True``, ``"8"`` and ``8.0`` as well."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}")
+    return operator.index(value)
+
+
+Count = Annotated[int, BeforeValidator(_integer)]
 
 MAX_DRAFT_TOKENS = 64
 """The largest draft budget ``N`` and depth ``D`` a run accepts. Trees up to 63 drafts (64 nodes
@@ -96,16 +108,16 @@ class SpecConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_draft_tokens: StrictInt = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
-    max_depth: StrictInt = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
-    top_k: StrictInt = Field(1, ge=1, le=64)
+    num_draft_tokens: Count = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
+    max_depth: Count = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
+    top_k: Count = Field(1, ge=1, le=64)
     tau_tree: float = Field(math.inf, ge=0.0)
     commit: CommitStrategy = "factor"
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    sampling_top_k: StrictInt = Field(0, ge=0)
+    sampling_top_k: Count = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, lt=2**64)
-    max_new_tokens: StrictInt = Field(64, ge=1)
+    max_new_tokens: Count = Field(64, ge=1)
     stop_token_ids: tuple[StrictInt, ...] = ()
     stop_at_eos: bool = True
     dtype: DType | None = None

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pydantic
+import numpy
 import pytest
 import torch
 
@@ -78,8 +79,9 @@ def test_config_validation():
         SpecConfig(tempature=0.0)
     for field in ("num_draft_tokens", "max_depth", "top_k", "sampling_top_k", "max_new_tokens"):
         for bad in (True, "8", 8.0):  # no silent coercion of integer fields
-            with pytest.raises(pydantic.ValidationError, match=f"{field}\n  Input should be a valid integer"):
+            with pytest.raises(pydantic.ValidationError, match=f"{field}\n  Value error, expected an integer"):
                 SpecConfig(**{field: bad, "temperature": 0.5})
+        assert type(getattr(SpecConfig(**{field: numpy.int64(3), "temperature": 0.5}), field)) is int  # NumPy ints
     for bad in ({"top_p": 0.5}, {"sampling_top_k": 5}):  # greedy decoding would ignore them
         with pytest.raises(pydantic.ValidationError, match="filter sampling: greedy decoding"):
             SpecConfig(**bad)
