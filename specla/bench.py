@@ -164,9 +164,12 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     if time_limit_s is not None and time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
     # warm-up outside the timing, at the batch size measured: Triton compiles a kernel for each
-    # new shape class on first use (seconds each), which would otherwise land in the first batches
-    spec.generate([r["prompt"] for r in batches[0]])
-    ar.generate([r["prompt"] for r in batches[0]])
+    # new shape class on first use (seconds each), which would otherwise land in the first batches;
+    # with the suite's longest prompt, so that the caches sized for prompt + max_new_tokens (and
+    # the CUDA graphs recorded on them) are sized once, as a server sizes them, not again mid-run
+    warm = max(batches, key=lambda b: max(len(ids) for ids in spec.encode([r["prompt"] for r in b])))
+    spec.generate([r["prompt"] for r in warm])
+    ar.generate([r["prompt"] for r in warm])
     started, done = time.perf_counter(), 0
     # where the speculative calls' time went, summed over the timed calls (RunStats fields)
     spent = dict.fromkeys(("steps", "plain_steps", "chain_steps", "budget_switches", "switch_s", "graphs_recorded",

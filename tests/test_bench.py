@@ -95,6 +95,33 @@ def test_batches_do_not_mix_categories(tmp_path):
     assert together["humaneval"]["accepted_histogram"] == alone["humaneval"]["accepted_histogram"]
 
 
+def test_the_warm_up_sizes_the_caches_for_the_longest_prompt(tmp_path, monkeypatch):
+    """The untimed warm-up decodes the batch holding the suite's longest prompt (in tokens), so a
+    drafter cache sized for prompt + max_new_tokens, and the CUDA graphs recorded on it, are not
+    resized inside the timed run: the EAGLE drafter's capacity after the warm-up is the largest
+    the run reaches."""
+    import specla.bench
+
+    rows = [{"prompt": "Q: 1 + 1?", "category": "gsm8k"},
+            {"prompt": "Q: " + "count the apples and the pears again, " * 30, "category": "gsm8k"},
+            {"prompt": "Q: 2 + 2?", "category": "gsm8k"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    calls, generate = [], specla.bench.SpecDecoder.generate
+
+    def spy(self, prompts):
+        out = generate(self, prompts)
+        if self.drafter is not None and hasattr(self.drafter, "capacity"):
+            calls.append((prompts, self.drafter.capacity))
+        return out
+
+    monkeypatch.setattr(specla.bench.SpecDecoder, "generate", spy)
+    cfg = SpecConfig(max_new_tokens=8, dtype="float32", num_draft_tokens=4, max_depth=3)
+    run_bench(TINY, str(TINY.parent / "tiny-eagle"), path, config=cfg, batch_size=1)
+    assert calls[0][0] == [rows[1]["prompt"]] and len(calls) == 4
+    assert calls[0][1] == max(c for _, c in calls) > 256  # the long prompt needs a larger cache
+
+
 def test_limit_takes_categories_round_robin():
     rows = load_prompts(DATA)
     picked = load_prompts(DATA, limit=3)
