@@ -74,6 +74,8 @@ def test_train_drafter_cli_and_use(tmp_path):
          "--device", "cpu"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
+    vocab = SpecDecoder(TINY, None, config=dict(dtype="float32")).adapter.vocab_size
+    assert json.loads((out / "config.json").read_text())["target_vocab_size"] == vocab  # checked on bind
     r = specla.run(TINY, None, prompts=["def f(x):"], drafter=str(out), config=dict(max_new_tokens=8, dtype="float32"))
     ar = specla.run(TINY, None, prompts=["def f(x):"], config=dict(max_new_tokens=8, dtype="float32", num_draft_tokens=0))
     assert r.outputs == ar.outputs
@@ -94,6 +96,21 @@ def test_bad_drafter_directories_raise_drafter_errors(tmp_path):
     with pytest.raises(DrafterError, match="no training window"):
         train_drafter(dec.adapter, dec.tokenizer, [DATA], tmp_path / "x", DrafterTrainConfig(window=100000),
                       log=lambda *_: None)
+
+
+def test_a_drafter_trained_for_another_vocabulary_is_refused(tmp_path):
+    """``train-drafter`` records the target's vocabulary size; a drafter of the right hidden size
+    bound to a target of another vocabulary is refused by name (a directory without the record,
+    as the bundled drafter's, binds as before)."""
+    from specla import DrafterError
+
+    head = EagleHead.load(TINY_EAGLE)
+    vocab = SpecDecoder(TINY, None, config=dict(dtype="float32")).adapter.vocab_size
+    head.save(tmp_path / "other", target_vocab_size=vocab + 1)
+    with pytest.raises(DrafterError, match=f"vocabulary of {vocab + 1} tokens, this one has {vocab}"):
+        SpecDecoder(TINY, None, drafter=str(tmp_path / "other"), config=dict(dtype="float32"))
+    head.save(tmp_path / "same", target_vocab_size=vocab)
+    assert SpecDecoder(TINY, None, drafter=str(tmp_path / "same"), config=dict(dtype="float32")).drafter is not None
 
 
 def test_training_config_is_validated():

@@ -195,6 +195,7 @@ class EagleHead(nn.Module):
             heads = cfg["num_heads"] if cfg["format"] == FORMAT else 0
             head = cls(cfg["hidden_size"], cfg["intermediate_size"], heads, cfg["eps"])
             head.load_state_dict(load_file(str(d / "model.safetensors")))
+            head.target_vocab_size = cfg.get("target_vocab_size")  # written by train-drafter
         except (KeyError, ValueError, OSError, RuntimeError) as err:
             if isinstance(err, DrafterError):
                 raise
@@ -240,7 +241,8 @@ class EagleDrafter(Drafter):
         head: the trained head (moved to the target's device and dtype on :meth:`bind`).
 
     Raises:
-        DrafterError: on :meth:`bind`, when the head's hidden size differs from the target's.
+        DrafterError: on :meth:`bind`, when the head's hidden size differs from the target's, or
+            the vocabulary size of the target it was trained for (``train-drafter`` records it) does.
     """
 
     name = "eagle"
@@ -267,6 +269,10 @@ class EagleDrafter(Drafter):
         if width != self.head.config["hidden_size"]:
             raise DrafterError(f"drafter hidden size {self.head.config['hidden_size']} != target hidden size {width}: "
                                "it was trained for another target")
+        vocab = getattr(self.head, "target_vocab_size", None)
+        if vocab is not None and vocab != adapter.vocab_size:
+            raise DrafterError(f"the drafter was trained for a target with a vocabulary of {vocab} tokens, this one "
+                               f"has {adapter.vocab_size}: it was trained for another target")
         self.adapter = adapter
         self.head = self.head.to(adapter.device, adapter.dtype).eval()
         # the Triton forms of a draft level where the target runs its kernels (a GPU, or the

@@ -371,7 +371,7 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
             if stopping and step + 1 < cfg.steps:
                 log(f"stopped at step {step + 1}; continue with --resume")
                 return {"config": asdict(cfg), "windows": len(tokens), "stopped_at": step + 1, "log": history}
-    head.save(out, trained_steps=cfg.steps)
+    head.save(out, trained_steps=cfg.steps, target_vocab_size=adapter.vocab_size)
     summary = {"config": asdict(cfg), "windows": len(tokens), "self_distilled": len(prompts), "log": history}
     (out / "training.json").write_text(json.dumps(summary, indent=1))
     return summary
