@@ -163,13 +163,15 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
                            for same in _by_category(rows)])
     if time_limit_s is not None and time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
-    # warm-up outside the timing, at the batch size measured: Triton compiles a kernel for each
-    # new shape class on first use (seconds each), which would otherwise land in the first batches;
-    # with the suite's longest prompt, so that the caches sized for prompt + max_new_tokens (and
-    # the CUDA graphs recorded on them) are sized once, as a server sizes them, not again mid-run
-    warm = max(batches, key=lambda b: max(len(ids) for ids in spec.encode([r["prompt"] for r in b])))
-    spec.generate([r["prompt"] for r in warm])
-    ar.generate([r["prompt"] for r in warm])
+    # warm-up outside the timing, at every batch size measured: Triton compiles a kernel for each
+    # new shape class on first use (seconds each) and a CUDA graph is recorded per batch size,
+    # which would otherwise land in the timed batches; with the suite's longest prompt, so that
+    # the caches sized for prompt + max_new_tokens (and the graphs recorded on them) are sized
+    # once, as a server sizes them, not again mid-run
+    longest = max((r["prompt"] for r in rows), key=lambda p: len(spec.encode([p])[0]))
+    for size in sorted({len(b) for b in batches}, reverse=True):
+        spec.generate([longest] * size)
+        ar.generate([longest] * size)
     started, done = time.perf_counter(), 0
     # where the speculative calls' time went, summed over the timed calls (RunStats fields)
     spent = dict.fromkeys(("steps", "plain_steps", "chain_steps", "budget_switches", "switch_s", "graphs_recorded",

@@ -6,8 +6,7 @@ import math
 import operator
 from typing import Annotated, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_serializer, field_validator,
-                      model_validator)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 CommitStrategy = Literal["factor", "snapshot", "replay"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
@@ -16,9 +15,12 @@ DType = Literal["float32", "float64", "bfloat16", "float16"]
 def _integer(value):
     """An integer as given (``int`` or anything with ``__index__``, such as a NumPy integer):
     pydantic's lax mode would take ``True``, ``"8"`` and ``8.0`` as well."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}")
-    return operator.index(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # TypeError for floats, strings, arrays of several values
+    except TypeError:
+        raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}") from None
 
 
 Count = Annotated[int, BeforeValidator(_integer)]
@@ -116,9 +118,9 @@ class SpecConfig(BaseModel):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     sampling_top_k: Count = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: StrictInt | None = Field(None, ge=0, lt=2**64)
+    seed: Count | None = Field(None, ge=0, lt=2**64)
     max_new_tokens: Count = Field(64, ge=1)
-    stop_token_ids: tuple[StrictInt, ...] = ()
+    stop_token_ids: tuple[Count, ...] = ()
     stop_at_eos: bool = True
     dtype: DType | None = None
     device: str | None = None

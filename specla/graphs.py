@@ -74,12 +74,18 @@ def check_cache_memory(new_bytes: int, held_bytes: int, device: torch.device, wh
             message. config: the run's :class:`~specla.config.SpecConfig`.
     Raises:
         ConfigError: ``new_bytes`` exceeds the device's free memory plus ``held_bytes`` (CUDA:
-            ``torch.cuda.mem_get_info``; Linux: ``MemAvailable``; elsewhere nothing is checked).
+            ``torch.cuda.mem_get_info`` plus the allocator's reserved but unused memory; Linux:
+            ``MemAvailable``; elsewhere nothing is checked).
+
+    A guard against sizes no run can hold, not an exact budget: CUDA graphs keep their own copy
+    of the state per recorded batch size, so on a GPU caches that pass can still run out of
+    memory later (``torch.OutOfMemoryError``, an exception, where a CPU process is killed).
     """
     device = torch.device(device)
     free = None
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # free on the device + what torch's allocator holds unused
+        free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
     elif device.type == "cpu":
         with contextlib.suppress(OSError, ValueError, IndexError):
             with open("/proc/meminfo") as f:

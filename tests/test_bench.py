@@ -96,10 +96,10 @@ def test_batches_do_not_mix_categories(tmp_path):
 
 
 def test_the_warm_up_sizes_the_caches_for_the_longest_prompt(tmp_path, monkeypatch):
-    """The untimed warm-up decodes the batch holding the suite's longest prompt (in tokens), so a
-    drafter cache sized for prompt + max_new_tokens, and the CUDA graphs recorded on it, are not
-    resized inside the timed run: the EAGLE drafter's capacity after the warm-up is the largest
-    the run reaches."""
+    """The untimed warm-up decodes the suite's longest prompt (in tokens) at every batch size the
+    run measures, so a drafter cache sized for prompt + max_new_tokens, and the CUDA graphs
+    recorded on it, are not resized or recorded inside the timed run: the EAGLE drafter's
+    capacity after the warm-up is the largest the run reaches."""
     import specla.bench
 
     rows = [{"prompt": "Q: 1 + 1?", "category": "gsm8k"},
@@ -120,6 +120,9 @@ def test_the_warm_up_sizes_the_caches_for_the_longest_prompt(tmp_path, monkeypat
     run_bench(TINY, str(TINY.parent / "tiny-eagle"), path, config=cfg, batch_size=1)
     assert calls[0][0] == [rows[1]["prompt"]] and len(calls) == 4
     assert calls[0][1] == max(c for _, c in calls) > 256  # the long prompt needs a larger cache
+    calls.clear()  # batches of 2 and 1: both sizes warmed, the full one first, with the longest prompt
+    run_bench(TINY, str(TINY.parent / "tiny-eagle"), path, config=cfg, batch_size=2)
+    assert [c[0] for c in calls[:2]] == [[rows[1]["prompt"]] * 2, [rows[1]["prompt"]]] and len(calls) == 4
 
 
 def test_limit_takes_categories_round_robin():
