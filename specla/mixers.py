@@ -169,7 +169,7 @@ class KVRecord(Record):
     path's into the cache; the strategies (factor, snapshot, replay) coincide for a KV cache."""
 
     k: Tensor  # [B, T, HKV, Dh] cache dtype, rotary embedding applied
-    v: Tensor  # [B, T, HKV, Dh] cache dtype
+    v: Tensor  # [B, T, HKV, Dh] cache dtype (``k`` itself for a mixer with ``shared_kv``)
 
 
 class AttentionMixer(Mixer):
@@ -193,6 +193,10 @@ class AttentionMixer(Mixer):
     """
 
     recurrent = False
+    shared_kv = False
+    """Whether the values are the keys themselves (multi-head latent attention in its absorbed
+    form, where :meth:`output` reads the part of the attention output it needs): one cache
+    serves both, ``v_cache`` is ``k_cache`` and the state holds it once."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
                  scale: float | None = None, window: int | None = None):
@@ -213,22 +217,27 @@ class AttentionMixer(Mixer):
         self.capacity = capacity
         slots = capacity + PREFILL_CHUNK + 1  # the widest path a commit writes: a prefill chunk
         self.k_cache = torch.zeros(B, slots, self.HKV, self.Dh, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        self.v_cache = self.k_cache if self.shared_kv else torch.zeros_like(self.k_cache)
         self.cache_len = torch.zeros(B, dtype=torch.int64, device=self.device)
 
     def cache_bytes(self, B: int, capacity: int) -> int:
         slots = capacity + PREFILL_CHUNK + 1
-        return 2 * B * slots * self.HKV * self.Dh * torch.empty((), dtype=self.dtype).element_size()
+        caches = 1 if self.shared_kv else 2
+        return caches * B * slots * self.HKV * self.Dh * torch.empty((), dtype=self.dtype).element_size()
 
     def state(self) -> list[Tensor]:
+        if self.shared_kv:
+            return [self.k_cache, self.cache_len]
         return [self.k_cache, self.v_cache, self.cache_len]
 
     def empty_record(self, B: int, T: int) -> KVRecord:
         k = torch.zeros(B, T, self.HKV, self.Dh, dtype=self.dtype, device=self.device)
-        return KVRecord(k, torch.zeros_like(k))
+        return KVRecord(k, k if self.shared_kv else torch.zeros_like(k))
 
     def set_state(self, tensors: Iterator[Tensor]) -> None:
-        self.k_cache, self.v_cache, self.cache_len = next(tensors), next(tensors), next(tensors)
+        self.k_cache = next(tensors)
+        self.v_cache = self.k_cache if self.shared_kv else next(tensors)
+        self.cache_len = next(tensors)
 
     def check(self, tp: TreePass) -> None:
         """Raises :class:`SpecError` when the pending commit and the longest path of this tree
@@ -250,7 +259,8 @@ class AttentionMixer(Mixer):
         if pending is not None:
             self.commit(pending, tp.path, tp.path_len, tp.kernels)
         q, k, v, gate = self.project(h, self.cache_len[:, None] + tp.depth)
-        k, v = k.to(self.dtype), v.to(self.dtype)
+        k = k.to(self.dtype)
+        v = k if self.shared_kv else v.to(self.dtype)
         # outside a recorded graph, attend over the filled slots only (read once per pass by
         # check), so a step costs the cache length, not the capacity; a graph reads them all
         filled = tp.memo.get("attention-filled", (0,))[0]
@@ -260,8 +270,9 @@ class AttentionMixer(Mixer):
         return self.output(o, gate), KVRecord(k=k, v=v)
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool = False) -> None:
-        self.cache_len = commit_kv(self.k_cache, self.v_cache, self.cache_len, record.k, record.v, path, path_len,
-                                   capacity=self.capacity)
+        # a shared cache is written once: the keys are the values
+        self.cache_len = commit_kv(self.k_cache, None if self.shared_kv else self.v_cache, self.cache_len, record.k,
+                                   None if self.shared_kv else record.v, path, path_len, capacity=self.capacity)
 
 
 class ProjectedAttention(AttentionMixer):

@@ -31,8 +31,10 @@ class Record:
         return [x for x in (getattr(self, f.name) for f in fields(self)) if isinstance(x, Tensor)]
 
     def nbytes_per_sequence(self) -> int:
-        """Bytes this record holds per sequence (all fields; used for memory reports)."""
-        return sum(x.numel() * x.element_size() // x.shape[0] for x in self.tensors() if x.numel())
+        """Bytes this record holds per sequence (all fields, a tensor held by two fields once;
+        used for memory reports)."""
+        held = {id(x): x for x in self.tensors() if x.numel()}
+        return sum(x.numel() * x.element_size() // x.shape[0] for x in held.values())
 
 
 def _take(x, index: Tensor):

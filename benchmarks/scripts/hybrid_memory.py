@@ -101,7 +101,7 @@ def measure(name: str, nodes: int, dtype: str) -> list[dict]:
         assert isinstance(attn, AttentionMixer) and not isinstance(rec, AttentionMixer), name
         records = ad.verify(tree).records
         state = sum(t[0].numel() * t.element_size() for t in rec.state())
-        kv_per_token = 2 * attn.HKV * attn.Dh * attn.k_cache.element_size()
+        kv_per_token = (1 if attn.shared_kv else 2) * attn.HKV * attn.Dh * attn.k_cache.element_size()
         rec_bytes, attn_bytes = records[rec_i].nbytes_per_sequence(), records[attn_i].nbytes_per_sequence()
         rows.append(dict(model=name, source=source, commit=commit, nodes=nodes, dtype=dtype,
                          recurrent_layers=n_rec, attention_layers=n_attn, state_bytes=state,

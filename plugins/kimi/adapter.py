@@ -19,7 +19,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specla.config import SpecConfig
@@ -133,7 +132,8 @@ class MLAMixer(AttentionMixer):
     """Kimi Linear's multi-head latent attention (``KimiLinearAttention``, no positional
     encoding) under draft trees, in the latent space (DeepSeek-V2's absorbed form): the KV cache
     holds per token only the normalised latent ``c`` (``kv_lora_rank``) and the key part shared
-    by all heads ``k_rot``, as one key head ``[c ; k_rot]`` (values ``[c ; 0]``). Each head's
+    by all heads ``k_rot``, as one key head ``[c ; k_rot]``, which also serves as the values
+    (``shared_kv``: one cache; :meth:`output` reads only the latent part, ``sum_i p_i c_i``). Each head's
     query enters the latent space through its key up-projection, ``q' = [W_kb^T q_nope ;
     q_rot]``, and its attention output leaves through its value up-projection, ``o = W_vb
     o'[:kv_lora_rank]``; exact, since ``q_nope . (W_kb c) = (W_kb^T q_nope) . c`` and ``sum_i
@@ -142,6 +142,8 @@ class MLAMixer(AttentionMixer):
     Args:
         attn: the layer's ``KimiLinearAttention`` module. dtype, device: the cache's.
     """
+
+    shared_kv = True
 
     def __init__(self, attn: torch.nn.Module, dtype: torch.dtype, device: torch.device):
         self.attn = attn
@@ -157,7 +159,8 @@ class MLAMixer(AttentionMixer):
         c, k_rot = a.kv_a_proj_with_mqa(h).split([self.R, self.Dr], dim=-1)
         c = a.kv_a_layernorm(c)
         q = torch.cat([torch.einsum("bthd,hdr->bthr", q_nope, self.W_kb), q_rot], -1)
-        return q, torch.cat([c, k_rot], -1)[:, :, None], F.pad(c, (0, self.Dr))[:, :, None], None
+        kv = torch.cat([c, k_rot], -1)[:, :, None]
+        return q, kv, kv, None
 
     def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
         o = torch.einsum("bthr,hdr->bthd", o[..., : self.R], self.W_vb)

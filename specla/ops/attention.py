@@ -92,7 +92,7 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
     return out.transpose(1, 2).to(q.dtype)
 
 
-def commit_kv(k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, k: Tensor, v: Tensor, path: Tensor,
+def commit_kv(k_cache: Tensor, v_cache: Tensor | None, cache_len: Tensor, k: Tensor, v: Tensor | None, path: Tensor,
               path_len: Tensor, *, capacity: int) -> Tensor:
     """Write the accepted path's keys and values (root first) into the cache at
     ``cache_len .. cache_len + path_len - 1``, in place, with fixed shapes and no host reads (a
@@ -105,9 +105,11 @@ def commit_kv(k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, k: Tensor, v:
     ``capacity`` so that live sequences never get there.
 
     Args:
-        k_cache, v_cache: ``[B, S, HKV, Dh]`` with ``S >= capacity + P``, written in place.
+        k_cache, v_cache: ``[B, S, HKV, Dh]`` with ``S >= capacity + P``, written in place
+            (``v_cache`` ``None``: a cache of keys only, whose values are the keys).
         cache_len: ``[B]`` int64 committed tokens before the commit (``<= capacity``).
-        k, v: ``[B, T, HKV, Dh]`` the tree's keys and values (root-explicit).
+        k, v: ``[B, T, HKV, Dh]`` the tree's keys and values (root-explicit; ``v`` ``None``
+            with ``v_cache``).
         path: ``[B, P]`` int64 accepted node indices from the root (``-1`` padding).
         path_len: ``[B]`` int64 valid entries of ``path``.
         capacity: the tokens a row's cache holds.
@@ -124,7 +126,7 @@ def commit_kv(k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, k: Tensor, v:
     slot = cache_len.clamp(max=capacity)[:, None] + offs  # [B, P]: distinct, in bounds
     keep = offs[None, :] < path_len[:, None]
     node = path.clamp(min=0)
-    for cache, new in ((k_cache, k), (v_cache, v)):
+    for cache, new in ((k_cache, k), (v_cache, v))[: 1 if v_cache is None else 2]:
         index = slot[:, :, None, None].expand(B, P, *cache.shape[2:])
         fresh = new.gather(1, node[:, :, None, None].expand(B, P, *new.shape[2:])).to(cache.dtype)
         old = cache.gather(1, index)
