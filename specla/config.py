@@ -4,26 +4,27 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
 
 CommitStrategy = Literal["factor", "snapshot", "replay"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
 
 
-def _integer(value):
-    """An integer as given (``int`` or anything with ``__index__``, such as a NumPy integer):
-    pydantic's lax mode would take ``True``, ``"8"`` and ``8.0`` as well."""
+def _as_int(value):
+    """A NumPy (or other ``__index__``) integer as an ``int``; anything else as given, for the
+    strict integer fields to accept or refuse (pydantic's lax mode would take ``True``, ``"8"``
+    and ``8.0``)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return value
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)  # TypeError for floats, strings, arrays of several values
-    except TypeError:
-        raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}") from None
+        return operator.index(value)
+    except TypeError:  # an array that is not one integer
+        return value
 
 
-Count = Annotated[int, BeforeValidator(_integer)]
+_INTEGER_FIELDS = ("num_draft_tokens", "max_depth", "top_k", "sampling_top_k", "seed", "max_new_tokens")
 
 MAX_DRAFT_TOKENS = 64
 """The largest draft budget ``N`` and depth ``D`` a run accepts. Trees up to 63 drafts (64 nodes
@@ -110,17 +111,17 @@ class SpecConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_draft_tokens: Count = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
-    max_depth: Count = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
-    top_k: Count = Field(1, ge=1, le=64)
+    num_draft_tokens: StrictInt = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
+    max_depth: StrictInt = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
+    top_k: StrictInt = Field(1, ge=1, le=64)
     tau_tree: float = Field(math.inf, ge=0.0)
     commit: CommitStrategy = "factor"
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    sampling_top_k: Count = Field(0, ge=0)
+    sampling_top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: Count | None = Field(None, ge=0, lt=2**64)
-    max_new_tokens: Count = Field(64, ge=1)
-    stop_token_ids: tuple[Count, ...] = ()
+    seed: StrictInt | None = Field(None, ge=0, lt=2**64)
+    max_new_tokens: StrictInt = Field(64, ge=1)
+    stop_token_ids: tuple[StrictInt, ...] = ()
     stop_at_eos: bool = True
     dtype: DType | None = None
     device: str | None = None
@@ -133,6 +134,16 @@ class SpecConfig(BaseModel):
     def _finite_json(self, value: float) -> float | str:
         # strict JSON has no Infinity; "inf" reads back through validation
         return "inf" if math.isinf(value) else value
+
+    @field_validator(*_INTEGER_FIELDS, mode="before")
+    @classmethod
+    def _integers(cls, value):
+        return _as_int(value)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _integer_ids(cls, value):
+        return tuple(_as_int(v) for v in value) if isinstance(value, (list, tuple)) else value
 
     @model_validator(mode="after")
     def _sampling_filters_need_sampling(self) -> "SpecConfig":
