@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from importlib import resources
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -14,6 +15,7 @@ from tqdm.auto import tqdm
 from . import registry
 from .api import SpecDecoder
 from .config import SpecConfig
+from .errors import UnknownPluginError
 
 
 def demo_prompts() -> list[dict]:
@@ -79,6 +81,9 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
         drafter: ``ngram`` (the default: on the tiny target it accepts more than the shipped
             EAGLE drafter, docs/targets.md), ``eagle`` (the drafter shipped with the demo
             target), or a drafter directory.
+    Raises:
+        UnknownPluginError: another drafter name or a path that is not a directory, before the
+            target is loaded.
         echo: where lines go, one call per line (``None``: stdout, flushed at each line).
         progress: show a progress bar on stderr (loading, warm-up, then one update per prompt).
     Returns:
@@ -90,10 +95,15 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
     echo = echo or _stdout_line
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows = demo_prompts()
+    plugin, path = default_checkpoint()
+    shipped = registry.get_plugin(plugin).demo_drafters
+    if drafter != "ngram" and drafter not in shipped and not Path(drafter).expanduser().is_dir():
+        # before the target loads and the progress bar starts
+        raise UnknownPluginError(f"unknown demo drafter {drafter!r}: use {', '.join(['ngram', *sorted(shipped)])} "
+                                 "or a directory saved by `specla train-drafter`")
+    drafter_arg = shipped.get(drafter, drafter)
     bar = tqdm(total=len(rows), desc="demo: loading the target", unit="prompt", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
-    plugin, path = default_checkpoint()
-    drafter_arg = registry.get_plugin(plugin).demo_drafters.get(drafter, drafter)
     cfg = SpecConfig(num_draft_tokens=8, max_depth=6, top_k=2, max_new_tokens=max_new_tokens,
                      dtype="float32", device=device)
     spec = SpecDecoder(path, plugin, drafter=str(drafter_arg), config=cfg)

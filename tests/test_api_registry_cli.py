@@ -181,6 +181,17 @@ def test_demo_is_exact_and_reports_figures():
     assert summary["speedup"] == pytest.approx(summary["tokens_per_s"] / summary["ar_tokens_per_s"])
 
 
+def test_demo_refuses_an_unknown_drafter_before_loading_anything(monkeypatch):
+    """``specla demo --drafter bogus`` names the choices (the shipped ``eagle`` included) and
+    fails before the target loads (nothing is decoded, no progress bar is left open)."""
+    import specla.demo
+
+    monkeypatch.setattr(specla.demo, "SpecDecoder", lambda *a, **k: pytest.fail("the target was loaded"))
+    with pytest.raises(specla.UnknownPluginError, match=r"unknown demo drafter 'bogus': use ngram, eagle or a "
+                                                        r"directory saved by `specla train-drafter`"):
+        specla.demo.run_demo(device="cpu", drafter="bogus")
+
+
 def test_input_robustness():
     model = make_model()
     with pytest.raises(specla.InvalidTokenError, match="no prompts given"):
