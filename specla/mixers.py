@@ -223,7 +223,7 @@ class AttentionMixer(Mixer):
     def cache_bytes(self, B: int, capacity: int) -> int:
         slots = capacity + PREFILL_CHUNK + 1
         caches = 1 if self.shared_kv else 2
-        return caches * B * slots * self.HKV * self.Dh * torch.empty((), dtype=self.dtype).element_size()
+        return caches * B * slots * self.HKV * self.Dh * self.dtype.itemsize
 
     def state(self) -> list[Tensor]:
         if self.shared_kv:

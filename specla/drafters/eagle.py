@@ -297,7 +297,7 @@ class EagleDrafter(Drafter):
         # would fill the cache: later pairs then overwrite its last slot, which costs acceptance,
         # never exactness)
         cap = cache_capacity(self.capacity, max(len(p) for p in prompts), cfg) if heads else 0
-        size = torch.empty((), dtype=ad.dtype).element_size() * max(heads, 1) * d * 2
+        size = ad.dtype.itemsize * max(heads, 1) * d * 2
         held = 0 if self.cache_k is None else self.cache_k.shape[0] * self.cache_k.shape[1] * size
         check_cache_memory(B * cap * size, held, dev, "the EAGLE drafter's key/value cache", cfg)
         self.capacity = cap
