@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from .api import SpecDecoder
 from .config import SpecConfig
+from .graphs import batch_bucket
 from .step import step_depth
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -163,15 +164,21 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
                            for same in _by_category(rows)])
     if time_limit_s is not None and time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
-    # warm-up outside the timing, at every batch size measured: Triton compiles a kernel for each
-    # new shape class on first use (seconds each) and a CUDA graph is recorded per batch size,
-    # which would otherwise land in the timed batches; with the suite's longest prompt, so that
-    # the caches sized for prompt + max_new_tokens (and the graphs recorded on them) are sized
-    # once, as a server sizes them, not again mid-run
+    # warm-up outside the timing, as a server warms up before it serves: Triton compiles a kernel
+    # for each new shape class on first use (seconds each) and a CUDA graph is recorded per graph
+    # batch, which would otherwise land in the timed batches. First the suite's longest prompt at
+    # every batch size measured, largest first, so that the caches sized for prompt +
+    # max_new_tokens (and the graphs recorded on them) are sized once, not again mid-run; then
+    # every smaller graph batch (a batch's tail gathers its live rows into them as rows finish);
+    # then each size's first batch as timed (ragged prompts: the prefill's own shape classes)
     longest = max((r["prompt"] for r in rows), key=lambda p: len(spec.encode([p])[0]))
-    for size in sorted({len(b) for b in batches}, reverse=True):
-        spec.generate([longest] * size)
-        ar.generate([longest] * size)
+    sizes = sorted({len(b) for b in batches}, reverse=True)
+    graph_batches = {1 << i for i in range(batch_bucket(sizes[0]).bit_length())}
+    tails = sorted(graph_batches - {batch_bucket(size) for size in sizes}, reverse=True)
+    firsts = [next(b for b in batches if len(b) == size) for size in sizes]
+    for prompts in [[longest] * size for size in sizes + tails] + [[r["prompt"] for r in b] for b in firsts]:
+        spec.generate(prompts)
+        ar.generate(prompts)
     started, done = time.perf_counter(), 0
     # where the speculative calls' time went, summed over the timed calls (RunStats fields)
     spent = dict.fromkeys(("steps", "plain_steps", "chain_steps", "budget_switches", "switch_s", "graphs_recorded",

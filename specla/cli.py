@@ -388,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompts decoded together (batches never mix categories)")
     bench.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="S",
                        help="seconds: start no new batch after this (the first batch always runs; the untimed "
-                            "warm-up on the batch with the longest prompt comes on top; the report counts the "
-                            "prompts decoded; default: no limit)")
+                            "warm-up (the longest prompt at every graph batch, each size's first batch) comes on top; "
+                            "the report counts the prompts decoded; default: no limit)")
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     bench.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
     bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here (default: none)")

@@ -95,11 +95,13 @@ def test_batches_do_not_mix_categories(tmp_path):
     assert together["humaneval"]["accepted_histogram"] == alone["humaneval"]["accepted_histogram"]
 
 
-def test_the_warm_up_sizes_the_caches_for_the_longest_prompt(tmp_path, monkeypatch):
+def test_the_warm_up_covers_cache_sizes_graph_batches_and_ragged_prefill(tmp_path, monkeypatch):
     """The untimed warm-up decodes the suite's longest prompt (in tokens) at every batch size the
-    run measures, so a drafter cache sized for prompt + max_new_tokens, and the CUDA graphs
-    recorded on it, are not resized or recorded inside the timed run: the EAGLE drafter's
-    capacity after the warm-up is the largest the run reaches."""
+    run measures, largest first, so a drafter cache sized for prompt + max_new_tokens, and the
+    CUDA graphs recorded on it, are not resized or recorded inside the timed run (the EAGLE
+    drafter's capacity after the first warm-up call is the largest the run reaches); then at every
+    smaller power-of-two graph batch a batch's tail gathers into; then each size's first batch
+    as it is timed (its ragged prefill)."""
     import specla.bench
 
     rows = [{"prompt": "Q: 1 + 1?", "category": "gsm8k"},
@@ -117,12 +119,16 @@ def test_the_warm_up_sizes_the_caches_for_the_longest_prompt(tmp_path, monkeypat
 
     monkeypatch.setattr(specla.bench.SpecDecoder, "generate", spy)
     cfg = SpecConfig(max_new_tokens=8, dtype="float32", num_draft_tokens=4, max_depth=3)
+    long, p = rows[1]["prompt"], [r["prompt"] for r in rows]
     run_bench(TINY, str(TINY.parent / "tiny-eagle"), path, config=cfg, batch_size=1)
-    assert calls[0][0] == [rows[1]["prompt"]] and len(calls) == 4
+    assert [c[0] for c in calls] == [[long], [p[0]], [p[0]], [p[1]], [p[2]]]  # warm-up, then timed
     assert calls[0][1] == max(c for _, c in calls) > 256  # the long prompt needs a larger cache
-    calls.clear()  # batches of 2 and 1: both sizes warmed, the full one first, with the longest prompt
+    calls.clear()  # batches of 2 and 1: both sizes warmed, the full one first, then their first batches
     run_bench(TINY, str(TINY.parent / "tiny-eagle"), path, config=cfg, batch_size=2)
-    assert [c[0] for c in calls[:2]] == [[rows[1]["prompt"]] * 2, [rows[1]["prompt"]]] and len(calls) == 4
+    assert [c[0] for c in calls] == [[long] * 2, [long], p[:2], [p[2]], p[:2], [p[2]]]
+    calls.clear()  # one batch of 3 (graph batch 4): the graph batches 2 and 1 of its tail warmed too
+    run_bench(TINY, str(TINY.parent / "tiny-eagle"), path, config=cfg, batch_size=4)
+    assert [c[0] for c in calls] == [[long] * 3, [long] * 2, [long], p, p]
 
 
 def test_limit_takes_categories_round_robin():
