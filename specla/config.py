@@ -104,6 +104,12 @@ class SpecConfig(BaseModel):
             sampling run repeats only under ``fixed`` (its schedule of budgets is timing-free).
             Greedy output is the same either way; sampled output follows the target's
             distribution either way.
+        prefill: how prompts reach the state: ``chain`` (every plugin: the prompt as chains of
+            64 tokens through the verify pass and a commit, recorded in CUDA graphs up to batch
+            8), ``chunked`` (one pass over whole prompts where every mixer of the model has a
+            whole-sequence kernel and the Triton kernels run: GDN layers through FLA's chunked
+            gated delta rule, ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``; elsewhere
+            ``chain``), ``auto`` (default): ``chain``, until ``chunked`` is measured on a GPU.
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
             another type (``True``, ``"8"``, ``8.0``), or sampling filters without sampling.
@@ -129,6 +135,7 @@ class SpecConfig(BaseModel):
     verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
     cuda_graphs: Literal["auto", "on", "off", "unrecorded"] = "auto"
     budget_policy: Literal["auto", "adaptive", "fixed"] = "auto"
+    prefill: Literal["auto", "chunked", "chain"] = "auto"
 
     @field_serializer("tau_tree", when_used="json")
     def _finite_json(self, value: float) -> float | str:

@@ -328,7 +328,9 @@ class LayerwiseAdapter(TargetAdapter):
             tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
             lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
             mode = self._prefill_mode(len(prompts))
-            if mode is None:
+            if mode == "whole":
+                hidden = self._run_whole(tokens, lengths)
+            elif mode is None:
                 _, hidden = self._run_chunks(tokens, lengths)
             else:
                 hidden = self._run_chunks_static(tokens, lengths, record=mode == "record")
@@ -337,13 +339,27 @@ class LayerwiseAdapter(TargetAdapter):
             self.prompt_hidden = hidden
         self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
 
+    def _whole_prefill(self) -> bool:
+        """Whether prompts run as one pass over whole sequences (``SpecConfig.prefill``
+        ``chunked``) rather than as 64-token chains; ``False`` unless a subclass implements
+        :meth:`_run_whole`."""
+        return False
+
+    def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """The whole-prompt pass (see :meth:`_whole_prefill`): ``tokens [B, T]`` int64
+        (right-padded), ``lengths [B]`` int64, from the empty state; returns ``[B, T, hidden]``."""
+        raise NotImplementedError
+
     def _prefill_mode(self, B: int) -> str | None:
-        """How this prefill runs its passes: ``"record"`` (one CUDA graph per batch size,
+        """How this prefill runs its passes: ``"whole"`` (one pass over whole prompts,
+        :meth:`_whole_prefill`), ``"record"`` (one CUDA graph per batch size,
         replayed per 64-token chunk: the plugin's kernels on a GPU with ``cuda_graphs`` on or
         auto), ``"unrecorded"`` (the same fixed-shape pass run eagerly: ``cuda_graphs=
         "unrecorded"``, how the CPU tests check it) or ``None`` (eager passes of the chunk's own
         width)."""
         cfg = self.config
+        if self._whole_prefill():
+            return "whole"
         if B > PREFILL_GRAPH_MAX_BATCH or self.differentiable or self.graph_problem():
             return None
         if cfg.cuda_graphs == "unrecorded":

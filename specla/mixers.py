@@ -41,8 +41,9 @@ class TreePass:
     Attributes:
         parents: ``[B, T]`` int64 root-explicit parents (``-1``: child of the committed state).
         counts: ``[B]`` int64 real nodes per row (the rest is padding).
-        mask: ``[B, T, T]`` bool inclusive-ancestor mask.
-        depth: ``[B, T]`` int64 node depth (the root 0).
+        mask: ``[B, T, T]`` bool inclusive-ancestor mask (``None`` in a whole-prompt prefill,
+            :meth:`Mixer.prefill`, where the tree is a chain of ``counts`` tokens).
+        depth: ``[B, T]`` int64 node depth (the root 0; ``None`` in a whole-prompt prefill).
         records: the record kind this pass builds (``factor``, ``snapshot``, ``replay``).
         kernels: whether the plugin's Triton kernels run (:meth:`LayerwiseAdapter._use_kernel`).
         static_shapes: a CUDA graph is being recorded: nothing may be read on the host.
@@ -57,8 +58,8 @@ class TreePass:
 
     parents: Tensor
     counts: Tensor
-    mask: Tensor
-    depth: Tensor
+    mask: Tensor | None
+    depth: Tensor | None
     records: str
     kernels: bool
     static_shapes: bool
@@ -127,6 +128,25 @@ class Mixer(ABC):
             ``(y [B, T, hidden], record)``: the mixer's output (before the layer's residual add)
             and the record :meth:`commit` takes.
         """
+
+    def prefills_whole(self, kernels: bool) -> bool:
+        """Whether :meth:`prefill` runs whole prompts in this pass (``kernels``: the plugin's
+        Triton kernels run); ``False`` by default: the model's prompts then run as 64-token
+        chains through :meth:`verify` and :meth:`commit`."""
+        return False
+
+    def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
+        """Whole prompts ``h [B, T, hidden]`` (the layer's normalised input; row ``b`` holds
+        ``tp.counts[b]`` tokens, right-padded) from the empty state: returns the mixer's output
+        ``[B, T, hidden]`` and leaves the state each row reaches after its ``counts`` tokens, as a
+        verify of that chain followed by its commit would, with no record. ``tp.parents`` is the
+        chain, ``tp.mask`` and ``tp.depth`` are ``None``. Called only where
+        :meth:`prefills_whole` says so.
+
+        Raises:
+            NotImplementedError: the mixer has no whole-prompt path.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no whole-prompt prefill")
 
     @abstractmethod
     def empty_record(self, B: int, T: int) -> Record:
@@ -432,6 +452,24 @@ class MixerAdapter(LayerwiseAdapter):
     def _prefill(self, prompts: list[list[int]]) -> None:
         self._size_caches(len(prompts), max(len(p) for p in prompts))
         super()._prefill(prompts)
+
+    def _whole_prefill(self) -> bool:
+        kernels = self._use_kernel("factor")
+        return self.config.prefill == "chunked" and all(m.prefills_whole(kernels) for m in self.mixers)
+
+    def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        B, T = tokens.shape
+        parents = torch.arange(-1, T - 1, device=self.device).expand(B, T)
+        tp = TreePass(parents, lengths, None, None, "factor", True, False)
+        order = iter(self.mixers)  # the layers call their mixers in self.mixers order
+
+        def mix(h: Tensor) -> Tensor:
+            return next(order).prefill(h, tp)
+
+        x = self.embed(tokens)
+        for li in range(self.num_layers):
+            x = self._block(li, x, mix, True)
+        return x.to(self.dtype)
 
     def score(self, tokens: Tensor, return_hidden: bool = False):
         self._size_caches(tokens.shape[0], tokens.shape[1])

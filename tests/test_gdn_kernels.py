@@ -487,3 +487,58 @@ def test_interpreter_set_after_the_kernels_loaded_is_refused_clearly():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "ConfigError: kernels='triton' on cpu: TRITON_INTERPRET=1 was set after specla's Triton kernels were " \
            "loaded as compiled kernels" in out.stdout, out.stdout + out.stderr
+
+
+from fla_oracle import enable_fla_interpreter  # noqa: E402
+from specla_gdn.mixer import GDNMixer  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["gva", "odd_nogate"])
+def test_chunked_prefill_equals_chain_prefill(name, monkeypatch):
+    """``prefill="chunked"`` (whole prompts through FLA's chunked gated delta rule, padding rows
+    with ``g = beta = 0``) leaves the states, conv windows and prompt features that the 64-token
+    chain passes leave, for ragged prompts on both sides of FLA's and the chain's 64-token chunks,
+    and decoding after it is token-identical to sequential decoding; on the reference path the
+    option falls back to the chain passes."""
+    from fla.ops import gated_delta_rule
+
+    if DEV == "cpu":  # FLA's kernels interpreted (its autotuner patched), which the product does not do
+        enable_fla_interpreter()
+        monkeypatch.setattr(GDNMixer, "prefills_whole", lambda self, kernels: kernels)
+    calls = []
+    chunk = gated_delta_rule.chunk_gated_delta_rule
+    monkeypatch.setattr(gated_delta_rule, "chunk_gated_delta_rule",
+                        lambda *a, **kw: calls.append(a[0].shape) or chunk(*a, **kw))
+    model = make_model(name, dtype=torch.float32, seed=3)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 70, 9)]
+    refs = [naive_greedy_decode(model, p, 8) for p in prompts]
+    seen = {}
+    for prefill, kernels in (("chain", "triton"), ("chunked", "triton"), ("chunked", "reference")):
+        cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, kernels=kernels, device=DEV,
+                         cuda_graphs="off", prefill=prefill)
+        dec = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg)
+        calls.clear()
+        dec.adapter.prefill(prompts)
+        assert len(calls) == (model.config.num_hidden_layers if (prefill, kernels) == ("chunked", "triton") else 0)
+        ad = dec.adapter
+        seen[prefill, kernels] = ([t.clone() for t in ad._state_list()], ad.last_hidden.clone(),
+                                  [ad.prompt_hidden[i, : len(p) - 1].clone() for i, p in enumerate(prompts)])
+        if (prefill, kernels) != ("chunked", "triton"):
+            continue
+        out = dec.generate(prompts).outputs
+        if DEV == "cpu":
+            assert out == refs
+        else:  # FLA's chunk kernels multiply float32 in TF32 on a GPU: near-ties may differ from the
+            # sequential float32 decode, never between speculative and plain decoding
+            plain = specla.SpecDecoder(model, "gdn", config=cfg.model_copy(update={"num_draft_tokens": 0}))
+            assert out == plain.generate(prompts).outputs
+    tol = dict(rtol=1e-4, atol=1e-5) if DEV == "cpu" else dict(rtol=1e-2, atol=2e-3)  # TF32 on a GPU
+    for other in (("chunked", "triton"), ("chunked", "reference")):
+        (s1, h1, f1), (s2, h2, f2) = seen["chain", "triton"], seen[other]
+        for a, b in zip(s1, s2):  # recurrent states and conv windows
+            torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(h1, h2, **tol)
+        for a, b in zip(f1, f2):
+            torch.testing.assert_close(a, b, **tol)

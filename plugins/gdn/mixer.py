@@ -203,6 +203,36 @@ class GDNMixer(RecurrentMixer):
                            self.state_dtype)
         return self.output(o, z, kernel), rec
 
+    def prefills_whole(self, kernels: bool) -> bool:
+        # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
+        return kernels and self.device.type == "cuda"
+
+    def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
+        """Whole prompts (:meth:`specla.mixers.Mixer.prefill`) on the kernel path: the tree
+        short-conv kernel along the chain and its window commit at ``tp.counts``, then FLA's
+        chunked gated delta rule (``chunk_gated_delta_rule``, the same recurrence in its WY form,
+        64-token chunks) from the empty state to the state after each row's tokens. Padding rows
+        get ``g = 0`` and ``beta = 0``, which leave the state as it is (the delta rule's update
+        is ``S <- exp(g) S + beta k (v - S^T k)^T``), so one right-padded batch serves ragged
+        prompts."""
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        proj, a, b, z = self.project(h, True)
+        B, T = proj.shape[:2]
+        steps = torch.arange(T, device=h.device)
+        if self.C:
+            qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
+            self.conv = conv_kernels.conv_commit(proj, self.conv, steps.expand(B, T), tp.counts)
+        else:
+            qkv = F.silu(proj)
+        q, k, v, g, beta = self.inputs(qkv, a, b, True)
+        pad = (steps[None] >= tp.counts[:, None])[..., None]
+        g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
+        o, S = chunk_gated_delta_rule(q, k, v, g, beta, scale=self.K**-0.5, initial_state=self.S,
+                                      output_final_state=True)
+        self.S = S.to(self.state_dtype)
+        return self.output(o, z, True)
+
     def sequence(self, h: Tensor, chunk: int) -> Tensor:
         """The layer over whole sequences ``h [B, T, hidden]`` from an empty state, teacher-forced
         (scoring and training): causal short conv and the chunked gated delta rule
