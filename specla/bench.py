@@ -130,7 +130,8 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
               tokenizer=None) -> dict:
     """Decode a suite speculatively and autoregressively; return the report (see module doc;
     ``speculative_calls`` sums the timed speculative calls' :class:`~specla.engine.RunStats`
-    steps, budget-policy figures, recorded graphs, prefill and wall seconds).
+    steps, budget-policy figures, recorded graphs, prefill and wall seconds; ``plain_calls`` the
+    plain-decoding calls' steps, recorded graphs, prefill and wall seconds).
 
     Args:
         model: checkpoint directory or loaded model; drafter: ``ngram`` or a drafter directory.
@@ -183,6 +184,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     # where the speculative calls' time went, summed over the timed calls (RunStats fields)
     spent = dict.fromkeys(("steps", "plain_steps", "chain_steps", "budget_switches", "switch_s", "graphs_recorded",
                            "prefill_s", "wall_s"), 0)
+    plain = dict.fromkeys(("steps", "graphs_recorded", "prefill_s", "wall_s"), 0)
     for batch in tqdm(batches, desc="bench", unit="batch"):
         if done and time_limit_s is not None and time.perf_counter() - started > time_limit_s:
             break
@@ -195,6 +197,8 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
         ar_s = time.perf_counter() - t
         for k in spent:
             spent[k] += getattr(s.stats, k)
+        for k in plain:
+            plain[k] += getattr(a.stats, k)
         for j, row in enumerate(batch):
             c = per[row["category"]]
             share = len(s.outputs[j]) / max(s.stats.generated_tokens, 1)  # batch time split by tokens
@@ -235,7 +239,8 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     return {"prompts_file": str(prompts_file), "drafter": str(drafter), "batch_size": batch_size,
             "prompts_total": len(rows), "prompts_decoded": done, "stopped_early": done < len(rows),
             "config": config.model_dump(mode="json"), "device": str(spec.adapter.device),
-            "dtype": str(spec.adapter.dtype), "categories": cats, "speculative_calls": spent, "samples": samples}
+            "dtype": str(spec.adapter.dtype), "categories": cats, "speculative_calls": spent, "plain_calls": plain,
+            "samples": samples}
 
 
 def _total(per: dict) -> dict:

@@ -49,6 +49,8 @@ def test_bench_report_is_side_by_side_and_exact():
     steps = sum(sum(c["accepted_histogram"]) for n, c in cats.items() if n != "all")
     assert steps / 2 <= spent["steps"] <= steps and spent["plain_steps"] == spent["budget_switches"] == 0
     assert 0 < spent["prefill_s"] < spent["wall_s"]
+    plain = report["plain_calls"]  # the same prompts, one token per step
+    assert plain["steps"] >= spent["steps"] and 0 < plain["prefill_s"] < plain["wall_s"]
 
 
 def test_bench_cli(tmp_path):

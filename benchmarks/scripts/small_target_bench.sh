@@ -12,7 +12,8 @@
 # (specbench_like.jsonl), SHAPE tree (N 15, depth 6, top-k 4) or chain (N 6), POLICY fixed
 # (default) or adaptive, T the sampling temperature (default 0, greedy; a sampled row has seed 0
 # and its exact-match rate is not expected to be 1). Default rows: gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1.
-# Rows are checked before anything runs. Environment: LIMIT (prompts per row, default 64),
+# Rows are checked before anything runs. Environment: CONFIG (extra SpecConfig fields appended to
+# every row's JSON, e.g. CONFIG='"prefill":"chunked"'; default none), LIMIT (prompts per row, default 64),
 # ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS (passed to
 # small_target.sh: the target's training steps, default 434), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
 # already holds small/ and eagle/, e.g. copies of plugins/gdn/assets/tiny and tiny-eagle: a check
@@ -46,8 +47,8 @@ declare -A suite=([gsm8k]=gsm8k_test.jsonl [mixed]=specbench_like.jsonl)
 declare -A shape=([tree]='"num_draft_tokens":15,"max_depth":6,"top_k":4' [chain]='"num_draft_tokens":6,"max_depth":6,"top_k":1')
 for row in "${rows[@]}"; do
   IFS=: read -r s t b p temp <<< "$row"
-  config="{${shape[$t]},\"dtype\":\"bfloat16\",\"budget_policy\":\"${p:-fixed}\",\"temperature\":${temp:-0},\"seed\":0}"
-  name=${row//:/-}
+  config="{${shape[$t]},\"dtype\":\"bfloat16\",\"budget_policy\":\"${p:-fixed}\",\"temperature\":${temp:-0},\"seed\":0${CONFIG:+,$CONFIG}}"
+  name=${row//:/-}${CONFIG:+-$(tr -dc 'a-z0-9' <<< "${CONFIG//:/-}")}
   timeout "${ROW_TIMEOUT:-100}" python -m specla.cli bench --model "$out/small" --drafter "$out/eagle" \
       --prompts "$data/prompts/${suite[$s]}" --limit "${LIMIT:-64}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
       --batch-size "$b" --device "${DEVICE:-cuda}" --config "$config" --out "$out/bench-$name.json" > "$out/bench-$name.log" 2>&1
