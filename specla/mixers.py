@@ -289,6 +289,32 @@ class AttentionMixer(Mixer):
                            tp.depth, scale=self.scale, window=self.window)
         return self.output(o, gate), KVRecord(k=k, v=v)
 
+    def prefills_whole(self, kernels: bool) -> bool:
+        return True
+
+    def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
+        """Whole prompts from the empty cache (:meth:`Mixer.prefill`): causal attention over
+        each prompt in one SDPA call (with the sliding window as a mask where the layer has
+        one; right padding comes after every real token, so no real query sees it) and the keys
+        and values written to slots ``0 .. T - 1``, the cache length set to ``tp.counts`` (the
+        padding's slots lie past it, never read)."""
+        B, T = h.shape[:2]
+        steps = torch.arange(T, device=h.device)
+        q, k, v, gate = self.project(h, steps.expand(B, T))
+        k = k.to(self.dtype)
+        v = k if self.shared_kv else v.to(self.dtype)
+        self.k_cache[:, :T] = k
+        if not self.shared_kv:
+            self.v_cache[:, :T] = v
+        self.cache_len = tp.counts.clone()
+        mask = None
+        if self.window is not None:  # key s is seen from query t when t - window < s <= t
+            mask = (steps[None, :] <= steps[:, None]) & (steps[None, :] > steps[:, None] - self.window)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2).to(self.dtype), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=q.shape[2] != self.HKV)
+        return self.output(o.transpose(1, 2).to(q.dtype), gate)
+
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool = False) -> None:
         # a shared cache is written once: the keys are the values
         self.cache_len = commit_kv(self.k_cache, None if self.shared_kv else self.v_cache, self.cache_len, record.k,

@@ -186,3 +186,22 @@ def fla_greedy_generate(model, input_ids, max_new_tokens: int, *, chunk: bool = 
         out.append(nxt)
         ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
     return out
+
+
+def whole_prompt_prefill_calls(monkeypatch) -> list:
+    """Let ``prefill="chunked"`` run in this test and record FLA's chunked kernel calls: on a CPU,
+    FLA's kernels are interpreted (:func:`enable_fla_interpreter`) and ``GDNMixer``'s
+    whole-prompt path, which the product takes on a GPU only, is allowed. Returns the list each
+    ``chunk_gated_delta_rule`` call appends its query shape to."""
+    import torch
+    from fla.ops import gated_delta_rule
+    from specla_gdn.mixer import GDNMixer
+
+    if not torch.cuda.is_available():
+        enable_fla_interpreter()
+        monkeypatch.setattr(GDNMixer, "prefills_whole", lambda self, kernels: kernels)
+    calls = []
+    chunk = gated_delta_rule.chunk_gated_delta_rule
+    monkeypatch.setattr(gated_delta_rule, "chunk_gated_delta_rule",
+                        lambda *a, **kw: calls.append(a[0].shape) or chunk(*a, **kw))
+    return calls

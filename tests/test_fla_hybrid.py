@@ -74,6 +74,27 @@ def test_sliding_window_hybrid_equals_sequential_decoding_past_the_window(plugin
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="FLA's and the gdn plugin's Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("window", [None, 5])
+def test_whole_prompt_prefill_of_a_gdn_hybrid_equals_sequential_decoding(window, monkeypatch):
+    """``prefill="chunked"`` on FLA's GDN hybrid: the GDN layers through FLA's chunked kernel, the
+    attention layers causal over whole prompts (the sliding window as a mask), prompts around the
+    prefill chunk and past the window, tree drafts accepted: outputs equal the sequential twin's
+    greedy decoding (which equals FLA's own forward, above)."""
+    from fla_oracle import whole_prompt_prefill_calls
+
+    calls = whole_prompt_prefill_calls(monkeypatch)
+    arch, model = get_plugin("gdn"), hybrid_model("gdn", window, seed=6)
+    prompts = transformers_checks.prompts_around_the_prefill_chunk(3, 61, (2, 66, 9))
+    refs = [arch.reference_decode(model, p, 8) for p in prompts]
+    out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", 61),
+                     config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2, kernels="triton",
+                                 cuda_graphs="off", prefill="chunked",
+                                 device="cuda" if torch.cuda.is_available() else "cpu"))
+    assert calls and out.outputs == refs and out.stats.mean_accepted_tokens > 1
+
+
 @pytest.mark.parametrize("plugin", PLUGINS)
 def test_a_hybrid_checkpoint_directory_runs_unchanged_without_flash_attn(plugin, tmp_path):
     """``save_pretrained`` of a hybrid and ``specla.run`` on the directory with ``plugin=None``:

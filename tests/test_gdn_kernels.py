@@ -489,10 +489,6 @@ def test_interpreter_set_after_the_kernels_loaded_is_refused_clearly():
            "loaded as compiled kernels" in out.stdout, out.stdout + out.stderr
 
 
-from fla_oracle import enable_fla_interpreter  # noqa: E402
-from specla_gdn.mixer import GDNMixer  # noqa: E402
-
-
 @pytest.mark.parametrize("name", ["gva", "odd_nogate"])
 def test_chunked_prefill_equals_chain_prefill(name, monkeypatch):
     """``prefill="chunked"`` (whole prompts through FLA's chunked gated delta rule, padding rows
@@ -500,15 +496,9 @@ def test_chunked_prefill_equals_chain_prefill(name, monkeypatch):
     chain passes leave, for ragged prompts on both sides of FLA's and the chain's 64-token chunks,
     and decoding after it is token-identical to sequential decoding; on the reference path the
     option falls back to the chain passes."""
-    from fla.ops import gated_delta_rule
+    from fla_oracle import whole_prompt_prefill_calls
 
-    if DEV == "cpu":  # FLA's kernels interpreted (its autotuner patched), which the product does not do
-        enable_fla_interpreter()
-        monkeypatch.setattr(GDNMixer, "prefills_whole", lambda self, kernels: kernels)
-    calls = []
-    chunk = gated_delta_rule.chunk_gated_delta_rule
-    monkeypatch.setattr(gated_delta_rule, "chunk_gated_delta_rule",
-                        lambda *a, **kw: calls.append(a[0].shape) or chunk(*a, **kw))
+    calls = whole_prompt_prefill_calls(monkeypatch)
     model = make_model(name, dtype=torch.float32, seed=3)
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(2)
