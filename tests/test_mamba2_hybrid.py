@@ -108,6 +108,16 @@ def test_the_mamba2_kernels_in_hybrid_layers_equal_transformers_greedy(variant, 
     check_kernels_equal_reference(ARCH, variant, graphs, V)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="FLA's and the mamba2 plugin's Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+def test_whole_prompt_prefill_equals_transformers_greedy(variant, monkeypatch):
+    """``prefill="chunked"``: the Mamba2 layers through FLA's chunked simple GLA (SSD's scalar
+    decay per head), attention layers causal over the prompt, in one pass for a ragged batch,
+    then tree drafts: outputs equal transformers' greedy decoding, for every family."""
+    transformers_checks.check_whole_prompt_prefill_equals_transformers(ARCH, variant, V, monkeypatch)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", ARCH.tiny_variants)
 def test_cuda_kernels_and_graphs_equal_transformers_greedy(variant):

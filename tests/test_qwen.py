@@ -329,15 +329,4 @@ def test_whole_prompt_prefill_equals_transformers_greedy(variant, monkeypatch):
     """``prefill="chunked"``: every prompt of a ragged batch in one pass (the GDN layers through
     FLA's chunked kernel, the attention layers causal over the prompt and written to the cache at
     once), then decoding with accepted tree drafts: outputs equal transformers' greedy decoding."""
-    from fla_oracle import whole_prompt_prefill_calls
-
-    calls = whole_prompt_prefill_calls(monkeypatch)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = ARCH.tiny_model(variant, seed=4, dtype=torch.float32).to(dev)
-    prompts = transformers_checks.prompts_around_the_prefill_chunk(5, V, lengths=(1, 66, 9))
-    refs = [ARCH.reference_decode(model, p, 8) for p in prompts]
-    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
-                      config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2, kernels="triton",
-                                  cuda_graphs="off", prefill="chunked"))
-    out = dec.generate(prompts)
-    assert calls and out.outputs == refs and out.stats.mean_accepted_tokens > 1
+    transformers_checks.check_whole_prompt_prefill_equals_transformers(ARCH, variant, V, monkeypatch)

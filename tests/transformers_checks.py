@@ -98,3 +98,23 @@ def check_checkpoint_directory(arch, variant: str, directory) -> None:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     out = specla.run(str(directory), prompts=[prompt], config=dict(max_new_tokens=8))
     assert out.outputs == [arch.reference_decode(model, prompt, 8)]
+
+
+def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: int | None, monkeypatch) -> None:
+    """``prefill="chunked"``, ``kernels="triton"`` (FLA's kernels interpreted on a CPU): every
+    prompt of a ragged batch (lengths 1, 66, 9: both sides of the 64-token chunks) in one pass,
+    then decoding with accepted tree drafts: outputs equal transformers' greedy decoding, and
+    FLA's chunked kernels ran (``vocab``: the model's own when ``None``)."""
+    from fla_oracle import whole_prompt_prefill_calls
+
+    calls = whole_prompt_prefill_calls(monkeypatch)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = arch.tiny_model(variant, seed=4, dtype=torch.float32).to(dev)
+    vocab = vocab or model.config.vocab_size
+    prompts = prompts_around_the_prefill_chunk(5, vocab, lengths=(1, 66, 9))
+    refs = [arch.reference_decode(model, p, 8) for p in prompts]
+    dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
+                      config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2, kernels="triton",
+                                  cuda_graphs="off", prefill="chunked"))
+    out = dec.generate(prompts)
+    assert calls and out.outputs == refs and out.stats.mean_accepted_tokens > 1

@@ -22,7 +22,7 @@ from specla.records import LayerCommit, Record, take_accepted
 
 from .commit import flush_commit
 from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
-from .reference import discretize, node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
+from .reference import discretize, expand_groups, node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 from .verify import pick_verify_kernel, serial_verify, tree_verify
 
 
@@ -105,6 +105,38 @@ class Mamba2Mixer(RecurrentMixer):
         else:
             rec = Mamba2ReplayRecord(Bm=Bm, u=u, a=a.to(self.state_dtype), conv_x=xbc_in)
         return self.output(y.reshape(B, T, H * P), z), rec
+
+    def prefills_whole(self, kernels: bool) -> bool:
+        # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
+        return kernels and self.device.type == "cuda"
+
+    def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
+        """Whole prompts (:meth:`specla.mixers.Mixer.prefill`) on the kernel path: the tree
+        short-conv kernel along the chain and its window commit at ``tp.counts``, then SSD as
+        FLA's chunked simple GLA (``chunk_simple_gla``: per-head scalar decay ``g = a``, keys
+        ``Bm``, queries ``Cm``, values ``u = dt * x``, scale 1; the state ``[N, P]`` is its
+        ``[K, V]``), in float32, from the empty state; then the ``D`` skip. Padding rows get
+        ``a = 0`` and ``u = 0``, which leave the state as it is (``S <- exp(a) S + Bm u^T``)."""
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        B, T = h.shape[:2]
+        H, P, N, G = self.H, self.P, self.N, self.G
+        steps = torch.arange(T, device=h.device)
+        z, xbc_in, dt_raw = self.project(h)
+        xbc = conv_kernels.tree_conv(xbc_in, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
+        self.conv = conv_kernels.conv_commit(xbc_in, self.conv, steps.expand(B, T), tp.counts)
+        xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
+        xs = xs.reshape(B, T, H, P).to(self.state_dtype)
+        Bm, Cm = (expand_groups(m.reshape(B, T, G, N), H).to(self.state_dtype) for m in (Bm, Cm))
+        dt, a = discretize(dt_raw, self.dt_bias, self.A_log, self.dt_limit)
+        pad = steps[None] >= tp.counts[:, None]
+        a = a.to(self.state_dtype).masked_fill(pad[..., None], 0.0)
+        u = (dt.to(self.state_dtype)[..., None] * xs).masked_fill(pad[..., None, None], 0.0)
+        y, S = chunk_simple_gla(Cm, Bm, u, g=a, scale=1.0, initial_state=self.S, output_final_state=True)
+        self.S = S.to(self.state_dtype)
+        D = self.D.to(self.state_dtype)
+        y = y + (D[:, None] if D.dim() == 1 else D) * xs
+        return self.output(y.reshape(B, T, H * P), z)
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         if isinstance(record, Mamba2SnapshotRecord):
