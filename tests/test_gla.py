@@ -636,3 +636,17 @@ def test_kernels_at_gla13b_layer_shape_bf16(kernel):
     assert state.dtype == torch.float32
     assert rel_err(state.double(), committed) < 1e-5
     assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="FLA's and the plugin's Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("variant", ["conv_gqa", "clamp_nogate", "attn"])
+def test_whole_prompt_prefill_of_flas_gla_equals_sequential_decoding(variant, monkeypatch):
+    """``prefill="chunked"`` on FLA's GLA class (with and without short conv, grouped key/value
+    heads, the decay clamp, the hybrid with attention layers): each ragged prompt through FLA's
+    chunked GLA in one pass, then tree drafts: outputs equal the sequential twin's greedy
+    decoding (which the conformance suite checks against FLA's own forward)."""
+    import transformers_checks
+
+    transformers_checks.check_whole_prompt_prefill_equals_transformers(get_plugin("gla"), variant, None,
+                                                                       monkeypatch)

@@ -116,6 +116,32 @@ class GLAMixer(RecurrentMixer):
             rec = GLAReplayRecord(k=k, v=v, gk=gk, conv_x=conv_x)
         return self.output(o, gate), rec
 
+    def prefills_whole(self, kernels: bool) -> bool:
+        # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
+        return kernels and self.device.type == "cuda"
+
+    def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
+        """Whole prompts (:meth:`specla.mixers.Mixer.prefill`) on the kernel path: the tree
+        short-conv kernel along the chain and its window commit at ``tp.counts`` (where the layer
+        has a short conv), then FLA's chunked GLA (``chunk_gla``, per-key-channel decay) in float32
+        from the empty state. Padding rows get ``gk = 0`` and ``v = 0``, which leave the state as
+        it is (``S <- exp(gk) * S + k v^T``)."""
+        from fla.ops.gla import chunk_gla
+
+        proj, gk_raw, gate = self.project(h)
+        B, T = proj.shape[:2]
+        steps = torch.arange(T, device=h.device)
+        qkv = proj
+        if self.C:
+            qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
+            self.conv = conv_kernels.conv_commit(proj, self.conv, steps.expand(B, T), tp.counts)
+        q, k, v, gk = self._inputs(qkv, gk_raw)
+        pad = (steps[None] >= tp.counts[:, None])[..., None, None]
+        gk, v = gk.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        o, S = chunk_gla(q, k, v, gk, scale=self.K**-0.5, initial_state=self.S, output_final_state=True)
+        self.S = S.to(self.state_dtype)
+        return self.output(o, gate)
+
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         S0 = self.S
         if isinstance(record, GLAFactorRecord) and kernels:
