@@ -486,7 +486,7 @@ class MixerAdapter(LayerwiseAdapter):
     def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         B, T = tokens.shape
         parents = torch.arange(-1, T - 1, device=self.device).expand(B, T)
-        tp = TreePass(parents, lengths, None, None, "factor", True, False)
+        tp = TreePass(parents, lengths, None, None, "factor", self._use_kernel("factor"), False)
         order = iter(self.mixers)  # the layers call their mixers in self.mixers order
 
         def mix(h: Tensor) -> Tensor:

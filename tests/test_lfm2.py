@@ -67,3 +67,11 @@ def test_cuda_recorded_steps_equal_transformers_greedy(variant):
     """On a GPU, recorded CUDA-graph steps (PyTorch mixers), float32, accepted tree drafts, a
     ragged batch: every output equals transformers' greedy decoding."""
     transformers_checks.check_cuda_graphs_equal_transformers(ARCH, variant, V, kernels=False)
+
+
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+def test_whole_prompt_prefill_equals_transformers_greedy(variant, monkeypatch):
+    """``prefill="chunked"``: the gated short convolutions and the attention layers over whole
+    prompts in one pass (any device: no kernel needed), a ragged batch, then tree drafts: outputs
+    equal transformers' greedy decoding."""
+    transformers_checks.check_whole_prompt_prefill_equals_transformers(ARCH, variant, V, monkeypatch, fla=False)

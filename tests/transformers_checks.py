@@ -100,11 +100,13 @@ def check_checkpoint_directory(arch, variant: str, directory) -> None:
     assert out.outputs == [arch.reference_decode(model, prompt, 8)]
 
 
-def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: int | None, monkeypatch) -> None:
+def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: int | None, monkeypatch,
+                                                    fla: bool = True) -> None:
     """``prefill="chunked"``, ``kernels="triton"`` (FLA's kernels interpreted on a CPU): every
     prompt of a ragged batch (lengths 1, 66, 9: both sides of the 64-token chunks) in one pass,
     then decoding with accepted tree drafts: outputs equal transformers' greedy decoding, and
-    FLA's chunked kernels ran (``vocab``: the model's own when ``None``)."""
+    the whole-prompt pass ran, through FLA's chunked kernels where ``fla`` (``vocab``: the
+    model's own when ``None``)."""
     from fla_oracle import whole_prompt_prefill_calls
 
     calls = whole_prompt_prefill_calls(monkeypatch)
@@ -117,4 +119,5 @@ def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: in
                       config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2, kernels="triton",
                                   cuda_graphs="off", prefill="chunked"))
     out = dec.generate(prompts)
-    assert calls and out.outputs == refs and out.stats.mean_accepted_tokens > 1
+    assert dec.adapter._prefill_mode(len(prompts)) == "whole" and bool(calls) == fla
+    assert out.outputs == refs and out.stats.mean_accepted_tokens > 1

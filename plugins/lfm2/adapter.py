@@ -89,6 +89,20 @@ class ShortConvMixer(Mixer):
             rec = ConvRecord(conv_x=bx)
         return self.module.out_proj(y), rec
 
+    def prefills_whole(self, kernels: bool) -> bool:
+        return True
+
+    def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
+        """Whole prompts from the empty window (:meth:`specla.mixers.Mixer.prefill`): the
+        convolution along each prompt (the same operator on the chain) and the window after each
+        row's ``tp.counts`` inputs."""
+        B, T = h.shape[:2]
+        Bg, Cg, x = self.module.in_proj(h).chunk(3, dim=-1)
+        bx = Bg * x
+        y = Cg * tree_conv(bx, self.conv, self.weight, self.bias, conv_ancestors(tp.parents, self.L), silu=False)
+        self.conv = conv_window_after(bx, self.conv, torch.arange(T, device=h.device).expand(B, T), tp.counts)
+        return self.module.out_proj(y)
+
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         if isinstance(record, ConvSnapshotRecord):
             self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
