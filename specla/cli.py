@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -151,8 +152,21 @@ def _bench(args: argparse.Namespace) -> int:
 
     config = _spec_config({"max_new_tokens": 256, "device": _auto_device()}, read_config_option(args.config),
                           {"max_new_tokens": args.max_new_tokens, "device": args.device})
-    if args.out and not Path(args.out).resolve().parent.is_dir():  # found before decoding, not after
-        raise ValueError(f"--out {args.out}: directory {Path(args.out).resolve().parent} does not exist")
+    if not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
+    if args.out:  # found before decoding, not after
+        out = Path(args.out).resolve()
+        if not out.parent.is_dir():
+            raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
+        if out.is_dir():
+            raise ValueError(f"--out {args.out}: is a directory; name the report's file")
+        try:  # a real write: permission bits do not tell root, or a read-only file system, apart
+            if out.exists():
+                out.open("a").close()
+            else:
+                tempfile.TemporaryFile(dir=out.parent).close()
+        except OSError as e:
+            raise ValueError(f"--out {args.out}: not writable ({e.strerror})") from None
     report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
                        batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit)
     print(format_table(report))
@@ -378,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (transformers format)")
     bench.add_argument("--drafter", default="ngram", help="ngram or a drafter directory (specla train-drafter)")
     bench.add_argument("--prompts", required=True, metavar="FILE",
-                       help="JSONL with id, category, prompt (+ answer / test)")
+                       help="JSONL, a row per prompt: prompt; optional: id (kept in the report's samples), "
+                            "category, answer (GSM8K: scored), test and entry_point (HumanEval: run)")
     bench.add_argument("--limit", type=_positive, default=None, metavar="N",
                        help="decode only this many prompts, taken round-robin over the categories (default: all)")
     bench.add_argument("--config", default=None, metavar="JSON|FILE", help=config_help)

@@ -109,9 +109,9 @@ class SpecConfig(BaseModel):
             8), ``chunked`` (one pass over whole prompts where every mixer of the model has a
             whole-sequence kernel and the Triton kernels run: GDN layers through FLA's chunked
             gated delta rule, ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, GLA and
-            Mamba2 layers through its ``chunk_gla`` and ``chunk_simple_gla``, attention layers
-            causal over the prompt; elsewhere ``chain``), ``auto`` (default): ``chain``, until
-            ``chunked`` is measured on a GPU.
+            Mamba2 layers through its ``chunk_gla`` and ``chunk_simple_gla``, KDA through its
+            ``chunk_kda``, attention layers causal over the prompt; elsewhere ``chain``),
+            ``auto`` (default): ``chain``, until ``chunked`` is measured on a GPU.
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
             another type (``True``, ``"8"``, ``8.0``), or sampling filters without sampling.

@@ -191,23 +191,25 @@ def fla_greedy_generate(model, input_ids, max_new_tokens: int, *, chunk: bool = 
 def whole_prompt_prefill_calls(monkeypatch) -> list:
     """Let ``prefill="chunked"`` run in this test and record FLA's chunked kernel calls
     (``chunk_gated_delta_rule`` for GDN layers, ``chunk_gla`` for GLA layers, ``chunk_simple_gla``
-    for Mamba2 layers): on a CPU,
+    for Mamba2 layers, ``chunk_kda`` for KDA layers): on a CPU,
     FLA's kernels are interpreted (:func:`enable_fla_interpreter`) and the mixers' whole-prompt
     paths, which the product takes on a GPU only, are allowed. Returns the list each call appends
     its query shape to."""
     import torch
-    from fla.ops import gated_delta_rule, gla, simple_gla
+    from fla.ops import gated_delta_rule, gla, kda, simple_gla
     from specla_gdn.mixer import GDNMixer
     from specla_gla.mixer import GLAMixer
+    from specla_kimi.adapter import KDAMixer
     from specla_mamba2.mixer import Mamba2Mixer
 
     if not torch.cuda.is_available():
         enable_fla_interpreter()
         for mixer in (GDNMixer, GLAMixer, Mamba2Mixer):
             monkeypatch.setattr(mixer, "prefills_whole", lambda self, kernels: kernels)
+        monkeypatch.setattr(KDAMixer, "prefills_whole", lambda self, kernels: True)
     calls = []
     for module, name in ((gated_delta_rule, "chunk_gated_delta_rule"), (simple_gla, "chunk_simple_gla"),
-                         (gla, "chunk_gla")):
+                         (gla, "chunk_gla"), (kda, "chunk_kda")):
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, fn=fn, **kw: calls.append(a[0].shape) or fn(*a, **kw))
     return calls

@@ -59,7 +59,9 @@ def test_bench_cli(tmp_path):
                            "--limit", "2", "--max-new-tokens", "8", "--device", "cpu", "--out", str(out),
                            "--config", '{"dtype": "float32"}'], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert "speedup" in proc.stdout and json.loads(out.read_text())["categories"]["all"]["prompts"] == 2
+    report = json.loads(out.read_text())
+    assert "speedup" in proc.stdout and report["categories"]["all"]["prompts"] == 2
+    assert report["dtype"] == report["config"]["dtype"] == "float32"  # the run's dtype, by name
 
 
 def _cli(*args):
@@ -176,7 +178,14 @@ def test_every_row_is_checked_before_decoding(tmp_path, row, match):
     (["--time-limit", "0"], "positive finite number of seconds"),
     (["--limit", "abc"], "not an integer: 'abc'"),
     (["--out", "/nonexistent-dir/r.json"], "does not exist"),
+    (["--out", "/tmp"], "--out /tmp: is a directory"),
+    (["--out", "/proc/r.json"], "--out /proc/r.json: not writable"),
 ])
 def test_bench_flags_are_checked_before_decoding(args, match):
     proc = _cli("bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", *args)
     assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_missing_prompts_file_is_named():
+    proc = _cli("bench", "--model", str(TINY), "--prompts", "/nonexistent.jsonl", "--device", "cpu")
+    assert proc.returncode == 2 and "--prompts /nonexistent.jsonl: no such file" in proc.stderr

@@ -136,3 +136,13 @@ def test_cuda_recorded_steps_equal_transformers_greedy(variant):
     ``batched_mm``), float32, accepted tree drafts, a ragged batch: every output equals
     transformers' greedy decoding of the same model on the GPU."""
     transformers_checks.check_cuda_graphs_equal_transformers(ARCH, variant, V, 12, kernels=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="FLA's Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("variant", ARCH.tiny_variants)
+def test_whole_prompt_prefill_equals_transformers_greedy(variant, monkeypatch):
+    """``prefill="chunked"``: the KDA layers through FLA's chunked KDA, the MLA layers causal over
+    the prompt in the latent space, in one pass for a ragged batch, then tree drafts: outputs
+    equal transformers' greedy decoding."""
+    transformers_checks.check_whole_prompt_prefill_equals_transformers(ARCH, variant, V, monkeypatch)

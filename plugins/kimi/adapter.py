@@ -116,6 +116,35 @@ class KDAMixer(RecurrentMixer):
         gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
         return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1)), rec
 
+    def prefills_whole(self, kernels: bool) -> bool:
+        # FLA's chunk kernels run on a GPU (their autotuner needs a driver); the layer's own
+        # steps run on PyTorch either way (no specla kernel for KDA)
+        return self.device.type == "cuda"
+
+    def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
+        """Whole prompts from the empty state (:meth:`specla.mixers.Mixer.prefill`): the short
+        convolution along each prompt and its window at ``tp.counts``, then FLA's chunked KDA
+        (``chunk_kda``, the per-channel gated delta rule; q already scaled, so scale 1) in
+        float32. Padding rows get ``g = 0`` and ``beta = 0``, which leave the state as it is."""
+        from fla.ops.kda import chunk_kda
+
+        m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
+        steps = torch.arange(T, device=h.device)
+        mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
+        q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C)).split(
+            H * D, dim=-1)
+        self.conv = conv_window_after(mixed, self.conv, steps.expand(B, T), tp.counts)
+        q = self.l2norm(q.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6) * D**-0.5
+        k = self.l2norm(k.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6)
+        v = v.reshape(B, T, H, D).to(st)
+        pad = steps[None] >= tp.counts[:, None]
+        g = m.forget_gate(h).to(st).masked_fill(pad[..., None, None], 0.0)
+        beta = torch.sigmoid(m.b_proj(h)).to(st).masked_fill(pad[..., None], 0.0)
+        o, S = chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=self.S, output_final_state=True)
+        self.S = S.to(st)
+        gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
+        return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1))
+
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         if isinstance(record, KDASnapshotRecord):
             self.S = take_accepted(record.states, self.S, path, path_len)
