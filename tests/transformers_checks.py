@@ -104,11 +104,12 @@ def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: in
                                                     fla: bool = True) -> None:
     """``prefill="chunked"``, ``kernels="triton"`` (FLA's kernels interpreted on a CPU): every
     prompt of a ragged batch (lengths 1, 66, 9: both sides of the 64-token chunks) in one pass,
-    then decoding with accepted tree drafts: outputs equal transformers' greedy decoding (on a
-    GPU, where FLA's chunked kernels multiply float32 in TF32 and near-ties may differ from it:
-    plain decoding's with the same prefill), the recurrent states after the prefill equal the
-    64-token chain passes' (1e-4 on a CPU; TF32 tolerance on a GPU), and the whole-prompt pass
-    ran, through FLA's chunked kernels where ``fla`` (``vocab``: the model's own when ``None``)."""
+    then decoding with accepted tree drafts: outputs equal transformers' greedy decoding, and the
+    whole-prompt pass ran, through FLA's chunked kernels where ``fla`` (``vocab``: the model's own
+    when ``None``). On a GPU, where FLA's chunked kernels multiply float32 in TF32 and near-ties
+    may differ from transformers', outputs equal plain decoding's with the same prefill and the
+    recurrent states after the prefill equal the 64-token chain passes' within TF32 tolerance
+    (on a CPU the GDN kernel tests compare those states at 1e-4)."""
     from fla_oracle import whole_prompt_prefill_calls
 
     calls = whole_prompt_prefill_calls(monkeypatch)
@@ -125,14 +126,13 @@ def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: in
     assert out.stats.mean_accepted_tokens > 1
     if dev == "cpu":
         assert out.outputs == refs
-    else:
-        plain = SpecDecoder(model, config=dict(max_new_tokens=8, num_draft_tokens=0, prefill="chunked"))
-        assert out.outputs == plain.generate(prompts).outputs
+        return
+    plain = SpecDecoder(model, config=dict(max_new_tokens=8, num_draft_tokens=0, prefill="chunked"))
+    assert out.outputs == plain.generate(prompts).outputs
     states = []
     for prefill in ("chunked", "chain"):
         ad = SpecDecoder(model, config=dict(kernels="triton", cuda_graphs="off", prefill=prefill)).adapter
         ad.prefill(prompts)
         states.append(ad.recurrent_states())
-    tol = dict(rtol=1e-4, atol=1e-5) if dev == "cpu" else dict(rtol=1e-2, atol=2e-3)
     for a, b in zip(*states):
-        torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=2e-3)
