@@ -239,8 +239,8 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     return {"prompts_file": str(prompts_file), "drafter": str(drafter), "batch_size": batch_size,
             "prompts_total": len(rows), "prompts_decoded": done, "stopped_early": done < len(rows),
             "config": config.model_dump(mode="json"), "device": str(spec.adapter.device),
-            "dtype": str(spec.adapter.dtype).removeprefix("torch."), "categories": cats, "speculative_calls": spent, "plain_calls": plain,
-            "samples": samples}
+            "dtype": str(spec.adapter.dtype).removeprefix("torch."), "categories": cats, "speculative_calls": spent,
+            "plain_calls": plain, "samples": samples}
 
 
 def _total(per: dict) -> dict:

@@ -74,6 +74,18 @@ class TreePass:
             self.memo[key] = make()
         return self.memo[key]
 
+    def chain(self) -> tuple[Tensor, Tensor]:
+        """In a whole-prompt prefill (:meth:`Mixer.prefill`): ``(path [B, T] int64, pad [B, T]
+        bool)``, each row's chain of node indices (the path that commits a whole prompt, with
+        ``counts`` as its length; also its positions) and where the right padding lies; made once
+        per pass for every mixer."""
+        def make():
+            B, T = self.parents.shape
+            steps = torch.arange(T, device=self.parents.device)
+            return steps.expand(B, T), steps[None] >= self.counts[:, None]
+
+        return self.shared("chain", make)
+
 
 class Mixer(ABC):
     """One sequence mixer of one layer: its per-sequence state, tree verify and commit.
@@ -298,17 +310,18 @@ class AttentionMixer(Mixer):
         one; right padding comes after every real token, so no real query sees it) and the keys
         and values written to slots ``0 .. T - 1``, the cache length set to ``tp.counts`` (the
         padding's slots lie past it, never read)."""
-        B, T = h.shape[:2]
-        steps = torch.arange(T, device=h.device)
-        q, k, v, gate = self.project(h, steps.expand(B, T))
+        path, _ = tp.chain()
+        q, k, v, gate = self.project(h, path)
         k = k.to(self.dtype)
         v = k if self.shared_kv else v.to(self.dtype)
+        T = h.shape[1]
         self.k_cache[:, :T] = k
         if not self.shared_kv:
             self.v_cache[:, :T] = v
         self.cache_len = tp.counts.clone()
         mask = None
         if self.window is not None:  # key s is seen from query t when t - window < s <= t
+            steps = path[0]
             mask = (steps[None, :] <= steps[:, None]) & (steps[None, :] > steps[:, None] - self.window)
         o = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2).to(self.dtype), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
@@ -494,7 +507,7 @@ class MixerAdapter(LayerwiseAdapter):
 
         x = self.embed(tokens)
         for li in range(self.num_layers):
-            x = self._block(li, x, mix, True)
+            x = self._block(li, x, mix, tp.kernels)
         return x.to(self.dtype)
 
     def score(self, tokens: Tensor, return_hidden: bool = False):

@@ -218,16 +218,14 @@ class GDNMixer(RecurrentMixer):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         proj, a, b, z = self.project(h, True)
-        B, T = proj.shape[:2]
-        steps = torch.arange(T, device=h.device)
+        path, pad = tp.chain()
         if self.C:
             qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
-            self.conv = conv_kernels.conv_commit(proj, self.conv, steps.expand(B, T), tp.counts)
+            self.conv = conv_kernels.conv_commit(proj, self.conv, path, tp.counts)
         else:
             qkv = F.silu(proj)
         q, k, v, g, beta = self.inputs(qkv, a, b, True)
-        pad = (steps[None] >= tp.counts[:, None])[..., None]
-        g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
+        g, beta = g.masked_fill(pad[..., None], 0.0), beta.masked_fill(pad[..., None], 0.0)
         o, S = chunk_gated_delta_rule(q, k, v, g, beta, scale=self.K**-0.5, initial_state=self.S,
                                       output_final_state=True)
         self.S = S.to(self.state_dtype)

@@ -129,15 +129,13 @@ class GLAMixer(RecurrentMixer):
         from fla.ops.gla import chunk_gla
 
         proj, gk_raw, gate = self.project(h)
-        B, T = proj.shape[:2]
-        steps = torch.arange(T, device=h.device)
+        path, pad = tp.chain()
         qkv = proj
         if self.C:
             qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
-            self.conv = conv_kernels.conv_commit(proj, self.conv, steps.expand(B, T), tp.counts)
+            self.conv = conv_kernels.conv_commit(proj, self.conv, path, tp.counts)
         q, k, v, gk = self._inputs(qkv, gk_raw)
-        pad = (steps[None] >= tp.counts[:, None])[..., None, None]
-        gk, v = gk.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        gk, v = gk.masked_fill(pad[..., None, None], 0.0), v.masked_fill(pad[..., None, None], 0.0)
         o, S = chunk_gla(q, k, v, gk, scale=self.K**-0.5, initial_state=self.S, output_final_state=True)
         self.S = S.to(self.state_dtype)
         return self.output(o, gate)

@@ -129,15 +129,14 @@ class KDAMixer(RecurrentMixer):
         from fla.ops.kda import chunk_kda
 
         m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
-        steps = torch.arange(T, device=h.device)
+        path, pad = tp.chain()
         mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
         q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C)).split(
             H * D, dim=-1)
-        self.conv = conv_window_after(mixed, self.conv, steps.expand(B, T), tp.counts)
+        self.conv = conv_window_after(mixed, self.conv, path, tp.counts)
         q = self.l2norm(q.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6) * D**-0.5
         k = self.l2norm(k.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6)
         v = v.reshape(B, T, H, D).to(st)
-        pad = steps[None] >= tp.counts[:, None]
         g = m.forget_gate(h).to(st).masked_fill(pad[..., None, None], 0.0)
         beta = torch.sigmoid(m.b_proj(h)).to(st).masked_fill(pad[..., None], 0.0)
         o, S = chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=self.S, output_final_state=True)

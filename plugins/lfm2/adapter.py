@@ -96,11 +96,10 @@ class ShortConvMixer(Mixer):
         """Whole prompts from the empty window (:meth:`specla.mixers.Mixer.prefill`): the
         convolution along each prompt (the same operator on the chain) and the window after each
         row's ``tp.counts`` inputs."""
-        B, T = h.shape[:2]
         Bg, Cg, x = self.module.in_proj(h).chunk(3, dim=-1)
         bx = Bg * x
         y = Cg * tree_conv(bx, self.conv, self.weight, self.bias, conv_ancestors(tp.parents, self.L), silu=False)
-        self.conv = conv_window_after(bx, self.conv, torch.arange(T, device=h.device).expand(B, T), tp.counts)
+        self.conv = conv_window_after(bx, self.conv, tp.chain()[0], tp.counts)
         return self.module.out_proj(y)
 
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:

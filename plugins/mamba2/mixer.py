@@ -121,15 +121,14 @@ class Mamba2Mixer(RecurrentMixer):
 
         B, T = h.shape[:2]
         H, P, N, G = self.H, self.P, self.N, self.G
-        steps = torch.arange(T, device=h.device)
+        path, pad = tp.chain()
         z, xbc_in, dt_raw = self.project(h)
         xbc = conv_kernels.tree_conv(xbc_in, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
-        self.conv = conv_kernels.conv_commit(xbc_in, self.conv, steps.expand(B, T), tp.counts)
+        self.conv = conv_kernels.conv_commit(xbc_in, self.conv, path, tp.counts)
         xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, H, P).to(self.state_dtype)
         Bm, Cm = (expand_groups(m.reshape(B, T, G, N), H).to(self.state_dtype) for m in (Bm, Cm))
         dt, a = discretize(dt_raw, self.dt_bias, self.A_log, self.dt_limit)
-        pad = steps[None] >= tp.counts[:, None]
         a = a.to(self.state_dtype).masked_fill(pad[..., None], 0.0)
         u = (dt.to(self.state_dtype)[..., None] * xs).masked_fill(pad[..., None, None], 0.0)
         y, S = chunk_simple_gla(Cm, Bm, u, g=a, scale=1.0, initial_state=self.S, output_final_state=True)
