@@ -114,10 +114,11 @@ def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: in
 
     calls = whole_prompt_prefill_calls(monkeypatch)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = arch.tiny_model(variant, seed=4, dtype=torch.float32).to(dev)
+    model = arch.tiny_model(variant, seed=4, dtype=torch.float32)
     vocab = vocab or model.config.vocab_size
     prompts = prompts_around_the_prefill_chunk(5, vocab, lengths=(1, 66, 9))
-    refs = [arch.reference_decode(model, p, 8) for p in prompts]
+    refs = [arch.reference_decode(model, p, 8) for p in prompts]  # on the CPU: the references' torch path
+    model.to(dev)
     dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
                       config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2, kernels="triton",
                                   cuda_graphs="off", prefill="chunked"))

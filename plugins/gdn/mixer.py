@@ -226,6 +226,8 @@ class GDNMixer(RecurrentMixer):
             qkv = F.silu(proj)
         q, k, v, g, beta = self.inputs(qkv, a, b, True)
         g, beta = g.masked_fill(pad[..., None], 0.0), beta.masked_fill(pad[..., None], 0.0)
+        # FLA's kernels multiply k, v and beta in one dtype (its own layer's: the activations')
+        q, k, beta = q.to(v.dtype), k.to(v.dtype), beta.to(v.dtype)
         o, S = chunk_gated_delta_rule(q, k, v, g, beta, scale=self.K**-0.5, initial_state=self.S,
                                       output_final_state=True)
         self.S = S.to(self.state_dtype)
