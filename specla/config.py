@@ -98,10 +98,10 @@ class SpecConfig(BaseModel):
             drafter's recent acceptance make faster at the current batch size
             (:class:`specla.policy.BudgetPolicy`), so a run is never much slower than plain
             decoding; ``fixed``: every step drafts with the
-            configured budget; ``auto`` (default): ``fixed``. On a trained target (BENCHMARKS.md
-            section 4, commit ``58d08e2``) ``adaptive`` ran at 0.51x of plain decoding at batch 32
-            where ``fixed`` ran at 0.98x, so it stays opt-in until it measures better. A seeded
-            sampling run repeats only under ``fixed`` (its schedule of budgets is timing-free).
+            configured budget; ``auto`` (default): ``adaptive`` where the steps run in recorded
+            CUDA graphs, ``fixed`` for eager steps and seeded sampling
+            (:func:`specla.policy.resolve_budget_policy` says why, with the measurements). A
+            seeded sampling run repeats only under ``fixed`` (its schedule of budgets is timing-free).
             Greedy output is the same either way; sampled output follows the target's
             distribution either way.
         prefill: how prompts reach the state: ``chain`` (every plugin: the prompt as chains of
@@ -111,7 +111,9 @@ class SpecConfig(BaseModel):
             gated delta rule, ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, GLA and
             Mamba2 layers through its ``chunk_gla`` and ``chunk_simple_gla``, KDA through its
             ``chunk_kda``, attention layers causal over the prompt; elsewhere ``chain``),
-            ``auto`` (default): ``chain``, until ``chunked`` is measured on a GPU.
+            ``auto`` (default): ``chain``. On the trained ``small`` target in bfloat16 on an
+            H200 (BENCHMARKS.md section 4, commit ``1967c00``) ``chunked`` took 2.2x the chain
+            passes' prefill time at batch 1 (1.99 s against 0.92 s for 64 prompts).
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
             another type (``True``, ``"8"``, ``8.0``), or sampling filters without sampling.

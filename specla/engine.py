@@ -13,7 +13,7 @@ from .config import SpecConfig
 from .errors import ConfigError
 from .graphs import GraphRunner, batch_bucket, graph_problem
 from .interfaces import Drafter, TargetAdapter
-from .policy import BudgetPolicy
+from .policy import BudgetPolicy, resolve_budget_policy
 from .step import host_proposal, read_outcome, speculative_step, step_depth
 from .tree import DraftTree
 
@@ -109,7 +109,11 @@ class Engine:
         # the budgets the steps choose from: the configured one; under the adaptive policy, for a
         # tree, its chain (top-1 children only, as deep as the tree: cheaper to draft and to
         # verify, which wins at large batches where verify is compute-bound); plain decoding last
-        adaptive = config.budget_policy == "adaptive" and config.num_draft_tokens > 0  # auto: fixed
+        # why graphs cannot run here (None: they can), decided once
+        self._graph_problem = graph_problem(adapter, config) if config.cuda_graphs != "off" else None
+        recorded = (adapter.device.type == "cuda" and not self._graph_problem
+                    and config.cuda_graphs in ("auto", "on"))
+        adaptive = resolve_budget_policy(config, recorded) == "adaptive"
         self.configs = [config]
         if adaptive and config.top_k > 1:
             depth = min(config.max_depth, config.num_draft_tokens)
@@ -123,8 +127,6 @@ class Engine:
         # the draws of a sampling run: one generator for the eager steps and every runner, reseeded
         # by each generate call (separate generators seeded alike would repeat each other's draws)
         self._sampler = torch.Generator(device=adapter.device) if config.temperature > 0 else None
-        # why graphs cannot run here (None: they can), decided once
-        self._graph_problem = graph_problem(adapter, config) if config.cuda_graphs != "off" else None
         if config.cuda_graphs == "on" and adapter.device.type != "cuda":
             raise ConfigError(f"cuda_graphs='on' needs a CUDA device; the model runs on {adapter.device} "
                               "(cuda_graphs='unrecorded' runs the same fixed-shape step without recording)")

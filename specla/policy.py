@@ -11,6 +11,35 @@ budget with the most tokens per second per sequence, re-measuring the others now
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import SpecConfig
+
+
+def resolve_budget_policy(config: SpecConfig, recorded: bool) -> str:
+    """What ``config.budget_policy`` means for one engine: ``"adaptive"`` or ``"fixed"``.
+
+    ``auto`` is ``adaptive`` where the steps are recorded in CUDA graphs, which is where it was
+    measured (BENCHMARKS.md section 4, commit ``4c84958``: 1.06x to 2.01x of plain decoding at
+    batches 1 to 64 on the trained ``small`` target; 4 to 5 % behind the fixed tree at batch 1,
+    2.01x against 2.10x on GSM8K, and ahead of it at batch 32, 1.38x against 1.25x), and
+    ``fixed`` elsewhere: eager
+    steps (step times dominated by host overhead, which the policy was not measured on), no
+    drafts at all, and seeded sampling (whose draws repeat only under a timing-free schedule).
+
+    Args:
+        config: the run's configuration.
+        recorded: whether the steps run in recorded CUDA graphs.
+    Returns:
+        ``"adaptive"`` or ``"fixed"``.
+    """
+    if config.num_draft_tokens == 0:
+        return "fixed"
+    if config.budget_policy != "auto":
+        return config.budget_policy
+    seeded_sampling = config.temperature > 0 and config.seed is not None
+    return "adaptive" if recorded and not seeded_sampling else "fixed"
 
 
 @dataclass

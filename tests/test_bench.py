@@ -33,7 +33,7 @@ def test_humaneval_execution():
 
 
 def test_bench_report_is_side_by_side_and_exact():
-    cfg = SpecConfig(max_new_tokens=24, dtype="float32", top_k=2)
+    cfg = SpecConfig(max_new_tokens=24, dtype="float32", top_k=2, budget_policy="fixed")
     report = run_bench(TINY, "ngram", DATA, config=cfg, limit=6, batch_size=2)
     cats = report["categories"]
     assert set(cats) == {"gsm8k", "humaneval", "all"}

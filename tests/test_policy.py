@@ -8,7 +8,8 @@ import torch
 
 import specla
 from specla.api import SpecDecoder
-from specla.policy import BudgetPolicy
+from specla.config import SpecConfig
+from specla.policy import BudgetPolicy, resolve_budget_policy
 from specla.registry import get_plugin
 
 
@@ -180,9 +181,20 @@ def test_switching_with_the_eagle_drafter_keeps_the_output_exact(graphs):
     assert sum(out.stats.accepted_histogram[1:]) > 0  # the drafter's trees were accepted in part
 
 
-def test_the_policy_defaults_to_fixed_budgets():
+@pytest.mark.parametrize("config, recorded, want", [
+    (dict(), True, "adaptive"), (dict(), False, "fixed"),
+    (dict(temperature=0.7), True, "adaptive"), (dict(temperature=0.7, seed=3), True, "fixed"),
+    (dict(num_draft_tokens=0), True, "fixed"), (dict(budget_policy="adaptive", num_draft_tokens=0), True, "fixed"),
+    (dict(budget_policy="fixed"), True, "fixed"), (dict(budget_policy="adaptive"), False, "adaptive"),
+    (dict(budget_policy="adaptive", temperature=0.7, seed=3), False, "adaptive")])
+def test_auto_is_adaptive_for_recorded_steps_without_seeded_sampling(config, recorded, want):
+    assert resolve_budget_policy(SpecConfig(**config), recorded) == want
+
+
+def test_the_policy_defaults_to_fixed_budgets_on_eager_steps():
     model = get_plugin("gdn").tiny_model("base", seed=3, dtype=torch.float32)
-    assert SpecDecoder(model).engine.policy is None
+    assert SpecDecoder(model, config=dict(device="cpu")).engine.policy is None
+    assert SpecDecoder(model, config=dict(device="cpu", cuda_graphs="unrecorded")).engine.policy is None
     assert SpecDecoder(model, config=dict(budget_policy="adaptive")).engine.policy is not None
     assert SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=0)).engine.policy is None
     # a chain's candidates are itself and plain decoding; a tree's add its chain, as deep as the tree
@@ -191,7 +203,8 @@ def test_the_policy_defaults_to_fixed_budgets():
     tree = SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=15, max_depth=6, top_k=4))
     assert tree.engine.policy.budgets == [15, 6, 0]
     assert (tree.engine.configs[1].top_k, tree.engine.configs[1].max_depth) == (1, 6)
-    if torch.cuda.is_available():
-        assert SpecDecoder(model, config=dict(device="cuda")).engine.policy is None
+    if torch.cuda.is_available():  # recorded steps: adaptive by default, fixed when the graphs are off
+        assert SpecDecoder(model, config=dict(device="cuda")).engine.policy is not None
+        assert SpecDecoder(model, config=dict(device="cuda", cuda_graphs="off")).engine.policy is None
     out = specla.run(model, prompts=[[1, 2, 3]], config=dict(budget_policy="adaptive", max_new_tokens=30))
     assert out.outputs == [get_plugin("gdn").reference_decode(model, [1, 2, 3], 30)]

@@ -114,7 +114,8 @@ class PluginSuite:
         patterns = [p for p in OracleDrafter.PATTERNS if p != "tree" or "trees" in arch.capabilities]
         for pattern in patterns:
             drafter = OracleDrafter(prompts, refs, pattern, V)
-            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit)
+            # fixed: every step drafts, so each pattern happens on every device
+            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit, budget_policy="fixed")
             out = specla.run(model, arch.name, prompts=prompts, drafter=drafter, config=cfg)
             assert out.outputs == [r[:new] for r in refs], f"pattern {pattern!r}"
             hist = out.stats.accepted_histogram  # the pattern really happened
