@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The small-target study in one command (BENCHMARKS.md section 4): train the `small` GDN target,
 # train its EAGLE drafter, then run benchmarks/acceptance.py. One CUDA GPU, ~6 minutes before the
-# acceptance runs; nothing is downloaded.
+# acceptance runs; nothing is downloaded. PRESET=small-hybrid trains the Qwen3.5-architecture
+# hybrid of the same size instead, and its MTP layer (benchmarks/targets/train_mtp.py, MTP_STEPS,
+# default 1500) before the EAGLE drafter; the model goes to OUT_DIR/PRESET.
 #
 #   bash benchmarks/small_target.sh OUT_DIR [DATA_DIR] [RUNS]
 #
@@ -15,12 +17,17 @@ data=${2:-../shared/data}
 runs=${3:-}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-python "$here/targets/train_target.py" --preset small --corpus "$data/corpus" --tokenizer "$data/tokenizer" \
-    --out "$out/small" --steps "${STEPS:-434}" 2>&1 | tee "$out/train.log"
-python -m specla.cli train-drafter --model "$out/small" --data "$data"/corpus/*.xz --out "$out/eagle" \
+preset=${PRESET:-small}
+python "$here/targets/train_target.py" --preset "$preset" --corpus "$data/corpus" --tokenizer "$data/tokenizer" \
+    --out "$out/$preset" --steps "${STEPS:-434}" 2>&1 | tee "$out/train.log"
+if [ "$preset" = small-hybrid ]; then
+  python "$here/targets/train_mtp.py" --model "$out/$preset" --corpus "$data/corpus" --steps "${MTP_STEPS:-1500}" \
+      2>&1 | tee "$out/mtp.log"
+fi
+python -m specla.cli train-drafter --model "$out/$preset" --data "$data"/corpus/*.xz --out "$out/eagle" \
     --steps 3000 --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 --ce-weight 1.0 \
     --unroll 3 --device cuda --overwrite 2>&1 | tee "$out/drafter.log"
 [ "$runs" = none ] && exit 0
-python "$here/acceptance.py" --model "$out/small" --drafter "$out/eagle" --prompts "$data/prompts" \
+python "$here/acceptance.py" --model "$out/$preset" --drafter "$out/eagle" --prompts "$data/prompts" \
     --out "$out/acceptance.json" --time-per-run "${TIME_PER_RUN:-90}" --batch-size "${BATCH_SIZE:-32}" \
     --max-new-tokens 128 ${runs:+--runs "$runs"} 2>&1 | tee "$out/acceptance.log"

@@ -154,7 +154,8 @@ def test_cuda_hybrid_kernels_and_graphs_equal_sequential_decoding(plugin):
     prompts = transformers_checks.prompts_around_the_prefill_chunk(8, 61)
     refs = [arch.reference_decode(model, p, 12) for p in prompts]  # the twins run on the CPU
     dec = specla.SpecDecoder(model.cuda(), plugin, drafter=OracleDrafter(prompts, refs, "tree", 61),
-                             config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on"))
+                             config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on",
+                                         budget_policy="fixed"))  # every step drafts: acceptance is asserted
     out = dec.generate(prompts)
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
     assert dec.engine._runner.graphs and dec.adapter._use_kernel("factor")

@@ -558,7 +558,8 @@ def test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding(monkeypatch):
         states[prefill] = [t.float().clone() for t in ad.recurrent_states()]
     for a, b in zip(states["chunked"], states["chain"]):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=2e-2)
-    cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV, dtype="bfloat16", prefill="chunked")
+    cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV, dtype="bfloat16", prefill="chunked",
+                     budget_policy="fixed")
     out = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts).outputs
     plain = specla.SpecDecoder(model, "gdn", config=cfg.model_copy(update={"num_draft_tokens": 0}))
     assert out == plain.generate(prompts).outputs

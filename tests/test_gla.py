@@ -554,7 +554,8 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
     for kernels in ("triton", "reference"):
         # a forced kernel runs eagerly: a recorded step cannot know on the host that a batch is a chain
         cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12, kernels=kernels, device=DEV,
-                         verify_kernel=verify_kernel, cuda_graphs="auto" if verify_kernel == "auto" else "off")
+                         verify_kernel=verify_kernel, cuda_graphs="auto" if verify_kernel == "auto" else "off",
+                         budget_policy="fixed")  # both decoders on one schedule: their states are compared
         dec = specla.SpecDecoder(model, "gla", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
         assert dec.generate(prompts).outputs == [r[:12] for r in refs]
         dec.adapter.flush()

@@ -64,7 +64,8 @@ def check_cuda_graphs_equal_transformers(arch, variant: str, vocab: int, new_tok
     prompts = prompts_around_the_prefill_chunk(8, vocab)
     refs = [arch.reference_decode(model, p, new_tokens) for p in prompts]
     dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
-                      config=dict(max_new_tokens=new_tokens, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on"))
+                      config=dict(max_new_tokens=new_tokens, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on",
+                                  budget_policy="fixed"))  # every step drafts: the accepted drafts are asserted
     out = dec.generate(prompts)
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
     assert dec.engine._runner is not None and dec.engine._runner.graphs

@@ -89,7 +89,8 @@ def counted(fn):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="small", help="the model shape: a preset of train_target.py")
+    p.add_argument("--preset", default="small", choices=("tiny", "small"),
+                   help="the model shape: a GDN preset of train_target.py")
     a = p.parse_args()
     kernels = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
     if kernels == "triton":

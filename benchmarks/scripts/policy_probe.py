@@ -48,7 +48,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-warmup", type=int, default=8, help="warm-up calls at most (until one records no graph)")
     p.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs)")
-    p.add_argument("--preset", default="small", help="the model shape: a preset of train_target.py")
+    p.add_argument("--preset", default="small", choices=("tiny", "small"),
+                   help="the model shape: a GDN preset of train_target.py")
     a = p.parse_args()
     cuda = a.device == "cuda"
     torch.manual_seed(0)

@@ -12,13 +12,15 @@
 # (specbench_like.jsonl), SHAPE tree (N 15, depth 6, top-k 4) or chain (N 6), POLICY fixed
 # (default) or adaptive, T the sampling temperature (default 0, greedy; a sampled row has seed 0
 # and its exact-match rate is not expected to be 1). Default rows: gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1.
-# Rows are checked before anything runs. Environment: CONFIG (extra SpecConfig fields appended to
+# Rows are checked before anything runs. Environment: PRESET (small, default, or small-hybrid: the
+# Qwen3.5-architecture hybrid with its MTP layer; its model is OUT_DIR/PRESET), DRAFTER (eagle,
+# default: OUT_DIR/eagle; mtp: the checkpoint's MTP layer; ngram), CONFIG (extra SpecConfig fields appended to
 # every row's JSON, e.g. CONFIG='"prefill":"chunked"'; default none), LIMIT (prompts per row, default 64),
 # ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS (passed to
 # small_target.sh: the target's training steps, default 434), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
 # already holds small/ and eagle/, e.g. copies of plugins/gdn/assets/tiny and tiny-eagle: a check
 # of the script). Writes OUT_DIR/bench-ROW.json (the `specla bench` report, ':' as '-') and
-# OUT_DIR/bench.log; the models stay in OUT_DIR/small and OUT_DIR/eagle, small_target.sh's logs
+# OUT_DIR/bench.log; the models stay in OUT_DIR/PRESET and OUT_DIR/eagle (one OUT_DIR per preset), small_target.sh's logs
 # beside them.
 set -uo pipefail
 if [ $# -lt 1 ]; then
@@ -39,8 +41,14 @@ for row in "${rows[@]}"; do  # all rows checked before the training
 done
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
-if [ ! -d "$out/small" ] || [ ! -d "$out/eagle" ]; then  # the recipe, without its acceptance runs
-  bash "$here/small_target.sh" "$out" "$data" none > "$out/recipe.log" 2>&1 || { tail -20 "$out/recipe.log"; exit 1; }
+preset=${PRESET:-small}
+case ${DRAFTER:-eagle} in
+  eagle) drafter=$out/eagle ;; mtp|ngram) drafter=$DRAFTER ;;
+  *) echo "bad DRAFTER '$DRAFTER': expected eagle, mtp or ngram" >&2; exit 2 ;;
+esac
+if [ ! -d "$out/$preset" ] || [ ! -d "$out/eagle" ]; then  # the recipe, without its acceptance runs
+  PRESET=$preset bash "$here/small_target.sh" "$out" "$data" none > "$out/recipe.log" 2>&1 ||
+    { tail -20 "$out/recipe.log"; exit 1; }
   grep "held-out" "$out/train.log"
 fi
 declare -A suite=([gsm8k]=gsm8k_test.jsonl [mixed]=specbench_like.jsonl)
@@ -48,8 +56,8 @@ declare -A shape=([tree]='"num_draft_tokens":15,"max_depth":6,"top_k":4' [chain]
 for row in "${rows[@]}"; do
   IFS=: read -r s t b p temp <<< "$row"
   config="{${shape[$t]},\"dtype\":\"bfloat16\",\"budget_policy\":\"${p:-fixed}\",\"temperature\":${temp:-0},\"seed\":0${CONFIG:+,$CONFIG}}"
-  name=${row//:/-}${CONFIG:+-$(tr -dc 'a-z0-9' <<< "${CONFIG//:/-}")}
-  timeout "${ROW_TIMEOUT:-100}" python -m specla.cli bench --model "$out/small" --drafter "$out/eagle" \
+  name=${row//:/-}${DRAFTER:+-$DRAFTER}${CONFIG:+-$(tr -dc 'a-z0-9' <<< "${CONFIG//:/-}")}
+  timeout "${ROW_TIMEOUT:-100}" python -m specla.cli bench --model "$out/$preset" --drafter "$drafter" \
       --prompts "$data/prompts/${suite[$s]}" --limit "${LIMIT:-64}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
       --batch-size "$b" --device "${DEVICE:-cuda}" --config "$config" --out "$out/bench-$name.json" > "$out/bench-$name.log" 2>&1
   echo "== $row rc=$? $config"

@@ -163,7 +163,8 @@ def main():
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--prompt-len", type=int, default=69)
     p.add_argument("--device", default="cuda", help="cpu: check the script's logic (no timings)")
-    p.add_argument("--preset", default="small", help="the model shape: a preset of train_target.py")
+    p.add_argument("--preset", default="small", choices=("tiny", "small"),
+                   help="the model shape: a GDN preset of train_target.py")
     p.add_argument("--kernel-names", action="store_true",
                    help="each part's kernels by name: launches and device µs in one profiled replay")
     a = p.parse_args()

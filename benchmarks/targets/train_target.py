@@ -1,14 +1,19 @@
-"""Deterministic training recipe for specla's GDN targets (FLA's GatedDeltaNetForCausalLM).
+"""Deterministic training recipe for specla's trained targets: GDN models (FLA's
+GatedDeltaNetForCausalLM, presets ``tiny`` and ``small``) and Qwen3.5-architecture hybrids
+(transformers' Qwen3_5ForCausalLM, three GDN layers to one gated attention layer, presets
+``tiny-hybrid`` and ``small-hybrid``).
 
     python benchmarks/targets/train_target.py --preset tiny --corpus ../shared/data/corpus \
         --tokenizer plugins/gdn/assets/tiny --out /tmp/tiny-target
 
 Presets fix the architecture, the token budget (steps x batch x sequence length), the learning
 rate schedule and the seed, so a rerun on the same GPU type rebuilds the same model up to
-kernel-level nondeterminism. The forward and backward run through specla's own differentiable
-PyTorch GDN path (``GDNAdapter(..., differentiable=True).score``: causal conv and the chunked
-WY-form gated delta rule), checked against FLA's model and sequential decoding in the tests: FLA
-0.6's training kernels refuse Hopper GPUs with Triton < 3.7.1. Writes a
+kernel-level nondeterminism. The GDN presets' forward and backward run through specla's own
+differentiable PyTorch GDN path (``GDNAdapter(..., differentiable=True).score``: causal conv and
+the chunked WY-form gated delta rule), checked against FLA's model and sequential decoding in the
+tests: FLA 0.6's training kernels refuse Hopper GPUs with Triton < 3.7.1. The hybrid presets run
+transformers' own forward on its PyTorch functions (``specla.testing.transformers_oracle.torch_path``:
+transformers would route the gated delta rule to FLA's kernels) with SDPA attention. Writes a
 transformers checkpoint (config.json, model.safetensors, tokenizer files) and ``training.json``
 (losses, held-out loss, throughput, wall time).
 """
@@ -29,6 +34,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import documents  # noqa: E402
 
+# the `small` budget: micro-batches of 16 keep the activations of the PyTorch training path within one
+# H200's memory
+SMALL_BUDGET = dict(seq_len=1024, batch=32, micro_batch=16, steps=1000, lr=2e-3, warmup=50, amp=False,
+                    save_dtype="bfloat16")
 PRESETS = {
     # ~7.7M parameters with an 8k vocabulary: fits the 20 MB embedded budget in bfloat16
     "tiny": dict(
@@ -36,14 +45,22 @@ PRESETS = {
                    tie_word_embeddings=True),
         seq_len=512, batch=128, steps=700, lr=3e-3, warmup=50, save_dtype="bfloat16",
     ),
-    # ~119M parameters with the Llama-2 vocabulary; micro-batches of 16 keep the activations of
-    # the PyTorch training path within one H200's memory
-    "small": dict(
-        model=dict(hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128, expand_v=2,
-                   tie_word_embeddings=True),
-        seq_len=1024, batch=32, micro_batch=16, steps=1000, lr=2e-3, warmup=50, amp=False,
-        save_dtype="bfloat16",
-    ),
+    # ~119M parameters with the Llama-2 vocabulary
+    "small": dict(model=dict(hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128, expand_v=2,
+                             tie_word_embeddings=True), **SMALL_BUDGET),
+    # the Qwen3.5 architecture at the `small` budget: 12 layers (GDN, GDN, GDN, gated attention) x 3,
+    # the GDN layers with small's head shapes (4 key heads of 128, values twice as wide), attention
+    # with 4 query and 2 key/value heads of 128 and Qwen3.5's partial rotary (a quarter of each head)
+    "small-hybrid": dict(arch="qwen3_5", model=dict(
+        hidden_size=768, num_hidden_layers=12, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=128, linear_num_key_heads=4, linear_key_head_dim=128, linear_num_value_heads=8,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True), **SMALL_BUDGET),
+    # a CPU-sized hybrid for checking the recipe (one full-attention layer among three GDN layers)
+    "tiny-hybrid": dict(arch="qwen3_5", model=dict(
+        hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, linear_num_key_heads=2, linear_key_head_dim=32, linear_num_value_heads=2,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=True),
+        seq_len=128, batch=8, steps=50, lr=3e-3, warmup=5, save_dtype="float32"),
 }
 SEED = 0
 
@@ -87,10 +104,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import fla  # noqa: F401
+    import transformers
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
     from transformers import AutoTokenizer
 
     from specla import SpecConfig
+    from specla.testing.transformers_oracle import torch_path
     from specla_gdn.adapter import GDNAdapter
 
     cfg = dict(PRESETS[args.preset])
@@ -106,8 +125,13 @@ def main() -> None:
     held = token_stream(args.corpus, tok, "heldout", args.max_docs)
     print(f"tokens: train {len(train):,} heldout {len(held):,} ({time.time() - t0:.0f}s)", flush=True)
 
-    model_cfg = GatedDeltaNetConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                    eos_token_id=tok.eos_token_id, **cfg["model"])
+    arch = cfg.get("arch", "gdn")
+    config_cls, model_cls = {"gdn": (GatedDeltaNetConfig, GatedDeltaNetForCausalLM),
+                             "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM)}[arch]
+    model_cfg = config_cls(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           **cfg["model"])
+    if arch == "qwen3_5":
+        model_cfg._attn_implementation = "sdpa"
     dev = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     L, Bsz = cfg["seq_len"], cfg["batch"]
@@ -119,19 +143,22 @@ def main() -> None:
         return torch.from_numpy(np.stack([stream[s : s + L + 1] for s in starts]).astype(np.int64)).to(dev)
 
     def loss_of(model, x: torch.Tensor) -> torch.Tensor:
-        # rebuilt every step: the adapter's fused weights (e.g. q|k|v) are views of this step's params
-        adapter = GDNAdapter(model, SpecConfig(), differentiable=True)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.get("amp", False)):
-            logits = adapter.score(x[:, :-1])
+            if arch == "gdn":
+                # rebuilt every step: the adapter's fused weights (e.g. q|k|v) are views of this step's params
+                logits = GDNAdapter(model, SpecConfig(), differentiable=True).score(x[:, :-1])
+            else:
+                with torch_path(model):
+                    logits = model(x[:, :-1], use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
 
     def run_recipe(steps: int, log: list):
         """The recipe: seeded model, data order and schedule for ``steps`` optimiser steps."""
         torch.manual_seed(SEED)
         rng = np.random.default_rng(SEED)
-        model = GatedDeltaNetForCausalLM(model_cfg).to(dev)
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
-        other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
+        model = model_cls(model_cfg).to(dev)
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+        other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                                 lr=cfg["lr"], betas=(0.9, 0.95))
         model.train()

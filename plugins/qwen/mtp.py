@@ -32,13 +32,14 @@ class QwenMTPHead(MTPHead):
         model: the target (its text config and classes are read).
         tensors: the ``mtp.*`` tensors without the prefix (``fc.weight``,
             ``pre_fc_norm_embedding.weight``, ``pre_fc_norm_hidden.weight``, ``layers.0.*``,
-            ``norm.weight``).
+            ``norm.weight``); ``None``: the modules as their classes initialise them (to train
+            an MTP layer, ``benchmarks/targets/train_mtp.py``).
     Raises:
         DrafterError: the tensors do not fit the model's MTP layer (missing or unexpected names,
             wrong shapes), or the model has no full-attention layer to copy the kind from.
     """
 
-    def __init__(self, model: nn.Module, tensors: dict[str, Tensor]):
+    def __init__(self, model: nn.Module, tensors: dict[str, Tensor] | None):
         super().__init__()
         text, _ = text_parts(model)
         cfg = text.config
@@ -51,7 +52,8 @@ class QwenMTPHead(MTPHead):
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = (norm_cls(H, eps=eps) for _ in range(3))
         self.layers = nn.ModuleList([layer_cls(cfg, li)])
-        load_mtp_state(self, tensors, model)
+        if tensors is not None:
+            load_mtp_state(self, tensors, model)
 
     def bind(self, adapter: TargetAdapter) -> None:
         self.to(adapter.device, adapter.dtype).eval()
