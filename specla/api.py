@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,10 @@ from .engine import Engine, RunStats
 from .errors import ConfigError, DrafterError, InvalidTokenError, TokenTypeError, UnsupportedModelError
 from .interfaces import ArchitecturePlugin, Drafter
 from .registry import available, detect_plugin, get_plugin
+
+# transformers' from_pretrained is not thread-safe: two threads loading at once can leave a tied
+# weight on the meta device; checkpoints load one at a time
+_LOAD_LOCK = threading.Lock()
 
 ModelLike = torch.nn.Module | str | Path
 
@@ -111,7 +116,8 @@ class SpecDecoder:
                 tokenizer = path
             dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
             try:
-                model = self.plugin.load_model(path, dtype=dtype, device=self.config.device)
+                with _LOAD_LOCK:
+                    model = self.plugin.load_model(path, dtype=dtype, device=self.config.device)
             except (UnsupportedModelError, ConfigError):
                 raise
             except Exception as err:  # transformers, huggingface_hub and safetensors each raise their own

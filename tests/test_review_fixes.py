@@ -262,3 +262,34 @@ def test_stop_ids_and_seeds_are_integers_not_coerced():
         with pytest.raises(pydantic.ValidationError, match=f"{field}"):
             SpecConfig(**{field: value})
     assert SpecConfig(stop_token_ids=[5, 7], seed=3).stop_token_ids == (5, 7)
+
+
+def test_checkpoints_loaded_from_several_threads_at_once_decode_alike(tmp_path):
+    """Eight threads start ``specla.run`` on one checkpoint directory together (transformers'
+    loading is not thread-safe: a tied LM head was left on the meta device): every thread gets
+    the output of a run alone."""
+    import transformers
+
+    from specla_qwen.plugin import TINY_BASE
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(**dict(TINY_BASE, tie_word_embeddings=True))
+    transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(tmp_path)
+    path = str(tmp_path)
+    prompt, cfg = [[5, 6, 7, 5, 6]], dict(max_new_tokens=6, dtype="float32", device="cpu")
+    want = specla.run(path, prompts=prompt, config=cfg).outputs
+    start, got, errors = threading.Barrier(8), [None] * 8, []
+
+    def call(i):
+        start.wait()
+        try:
+            got[i] = specla.run(path, prompts=prompt, config=cfg).outputs
+        except Exception as err:  # noqa: BLE001  (reported below with its thread)
+            errors.append((i, err))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == [want] * 8

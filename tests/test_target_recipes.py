@@ -9,10 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import specla
+from specla.errors import DrafterError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "plugins" / "gdn" / "assets" / "tiny"
@@ -43,7 +45,7 @@ def test_the_hybrid_recipe_trains_an_mtp_layer_that_drafts_exactly(tmp_path):
     _run(str(ROOT / "benchmarks" / "targets" / "train_mtp.py"), "--model", str(out), "--corpus", str(corpus),
          "--steps", "20", "--lr", "1e-2", "--batch", "4", "--window", "32", "--device", "cpu")
     trained = json.loads((out / "mtp_training.json").read_text())
-    assert trained["steps"] == 20 and trained["heldout_top1_agreement"] > 0.5  # it learned the target's habit
+    assert trained["steps"] == 20 and trained["heldout_top1_agreement"] > 0.3  # untrained: about 0
     prompts = ["the draft tree is verified then the", "the state of a layer"]  # the corpus's words
     cfg = dict(max_new_tokens=12, dtype="float32", num_draft_tokens=3, max_depth=3)
     dec = specla.SpecDecoder(str(out), drafter="mtp", tokenizer=str(out), config=cfg)
@@ -53,3 +55,9 @@ def test_the_hybrid_recipe_trains_an_mtp_layer_that_drafts_exactly(tmp_path):
     spec = dec.generate(prompts)
     plain = specla.run(str(out), prompts=prompts, tokenizer=str(out), config=dict(cfg, num_draft_tokens=0))
     assert spec.outputs == plain.outputs and sum(spec.stats.accepted_histogram[1:]) > 0  # drafts were accepted
+    # a target retrained into the directory takes the MTP layer of the model it replaces with it
+    _run(str(ROOT / "benchmarks" / "targets" / "train_target.py"), "--preset", "tiny-hybrid", "--corpus", str(corpus),
+         "--tokenizer", str(TOKENIZER), "--out", str(out), "--steps", "1", "--batch", "2", "--device", "cpu")
+    assert not (out / "mtp.safetensors").exists() and not (out / "mtp_training.json").exists()
+    with pytest.raises(DrafterError, match="holds none"):
+        specla.SpecDecoder(str(out), drafter="mtp", config=cfg)

@@ -10,7 +10,7 @@
 # DATA_DIR (default ../shared/data) holds corpus/, prompts/ and tokenizer/; to give rows, give it
 # too. A ROW is SUITE:SHAPE:BATCH[:POLICY[:T]]: SUITE gsm8k (gsm8k_test.jsonl) or mixed
 # (specbench_like.jsonl), SHAPE tree (N 15, depth 6, top-k 4) or chain (N 6), POLICY fixed
-# (default) or adaptive, T the sampling temperature (default 0, greedy; a sampled row has seed 0
+# (default), adaptive or auto (SpecConfig's default), T the sampling temperature (default 0, greedy; a sampled row has seed 0
 # and its exact-match rate is not expected to be 1). Default rows: gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1.
 # Rows are checked before anything runs. Environment: PRESET (small, default, or small-hybrid: the
 # Qwen3.5-architecture hybrid with its MTP layer; its model is OUT_DIR/PRESET), DRAFTER (eagle,
@@ -33,26 +33,40 @@ shift $(( $# >= 2 ? 2 : $# ))
 rows=("$@")
 [ ${#rows[@]} -eq 0 ] && rows=(gsm8k:tree:1 gsm8k:chain:1 mixed:tree:1 mixed:chain:1)
 for row in "${rows[@]}"; do  # all rows checked before the training
-  if ! [[ $row =~ ^(gsm8k|mixed):(tree|chain):[1-9][0-9]*(:(fixed|adaptive)(:[0-9]+(\.[0-9]+)?)?)?$ ]]; then
+  if ! [[ $row =~ ^(gsm8k|mixed):(tree|chain):[1-9][0-9]*(:(fixed|adaptive|auto)(:[0-9]+(\.[0-9]+)?)?)?$ ]]; then
     echo "bad row '$row': expected SUITE:SHAPE:BATCH[:POLICY[:T]], SUITE gsm8k|mixed, SHAPE tree|chain," \
-         "BATCH a positive integer, POLICY fixed|adaptive, T a temperature such as 0.7" >&2
+         "BATCH a positive integer, POLICY fixed|adaptive|auto, T a temperature such as 0.7" >&2
     exit 2
   fi
 done
 here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"
 preset=${PRESET:-small}
+case $preset in
+  small|small-hybrid) ;; *) echo "bad PRESET '$preset': expected small or small-hybrid" >&2; exit 2 ;;
+esac
 case ${DRAFTER:-eagle} in
   eagle) drafter=$out/eagle ;; mtp|ngram) drafter=$DRAFTER ;;
   *) echo "bad DRAFTER '$DRAFTER': expected eagle, mtp or ngram" >&2; exit 2 ;;
 esac
-if [ ! -d "$out/$preset" ] || [ ! -d "$out/eagle" ]; then  # the recipe, without its acceptance runs
+if [ "$drafter" = mtp ] && [ "$preset" != small-hybrid ]; then
+  echo "DRAFTER=mtp needs PRESET=small-hybrid (the small GDN target has no MTP layer)" >&2; exit 2
+fi
+mkdir -p "$out"
+# the recipe, without its acceptance runs, unless OUT_DIR holds what the rows read (a trained model
+# is never trained over)
+if [ ! -d "$out/$preset" ] || { [ "$drafter" = "$out/eagle" ] && [ ! -d "$out/eagle" ]; } ||
+   { [ "$drafter" = mtp ] && [ ! -f "$out/$preset/mtp.safetensors" ]; }; then
+  if [ -d "$out/$preset" ]; then
+    echo "$out/$preset exists but the rows also need what the recipe trains after it (eagle/ or its" \
+         "mtp.safetensors): train into a new OUT_DIR" >&2; exit 2
+  fi
   PRESET=$preset bash "$here/small_target.sh" "$out" "$data" none > "$out/recipe.log" 2>&1 ||
     { tail -20 "$out/recipe.log"; exit 1; }
   grep "held-out" "$out/train.log"
 fi
 declare -A suite=([gsm8k]=gsm8k_test.jsonl [mixed]=specbench_like.jsonl)
 declare -A shape=([tree]='"num_draft_tokens":15,"max_depth":6,"top_k":4' [chain]='"num_draft_tokens":6,"max_depth":6,"top_k":1')
+failed=0
 for row in "${rows[@]}"; do
   IFS=: read -r s t b p temp <<< "$row"
   config="{${shape[$t]},\"dtype\":\"bfloat16\",\"budget_policy\":\"${p:-fixed}\",\"temperature\":${temp:-0},\"seed\":0${CONFIG:+,$CONFIG}}"
@@ -60,7 +74,10 @@ for row in "${rows[@]}"; do
   timeout "${ROW_TIMEOUT:-100}" python -m specla.cli bench --model "$out/$preset" --drafter "$drafter" \
       --prompts "$data/prompts/${suite[$s]}" --limit "${LIMIT:-64}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
       --batch-size "$b" --device "${DEVICE:-cuda}" --config "$config" --out "$out/bench-$name.json" > "$out/bench-$name.log" 2>&1
-  echo "== $row rc=$? $config"
+  rc=$?
+  echo "== $row rc=$rc $config"
+  [ $rc -eq 0 ] || failed=$((failed + 1))
   grep "^all " "$out/bench-$name.log"
   cat "$out/bench-$name.log" >> "$out/bench.log" && rm "$out/bench-$name.log"
 done
+[ "$failed" -eq 0 ] || { echo "$failed row(s) failed: see $out/bench.log" >&2; exit 1; }

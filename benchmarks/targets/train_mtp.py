@@ -7,9 +7,12 @@ small-hybrid``), so that ``drafter="mtp"`` has the layer real Qwen3.5 checkpoint
 The target is frozen. The layer is the one ``plugins/qwen/mtp.py`` runs (``QwenMTPHead``: ``fc``
 over the normed embedding of token ``t + 1`` and the target's final-normed feature at ``t``, one
 decoder layer of the model's full-attention kind at position ``t``, a norm, the target's LM head),
-trained over whole windows at once (causal attention over the pairs, as a draft chain sees them)
-to match the target's own next-token distribution at ``t + 1`` (soft cross-entropy: what the
-target will verify, so what acceptance rewards), the same distillation the EAGLE trainer uses.
+trained over whole windows at once (causal attention over the earlier pairs) to match the
+target's own next-token distribution at ``t + 1`` (soft cross-entropy: what the target will
+verify, so what acceptance rewards). Only the first draft level is trained, on the target's
+features and the true tokens; deeper levels, which read the layer's own output back, are not
+(Qwen's MTP layers are trained the same way, one level deep). The EAGLE trainer also regresses
+features and unrolls several levels.
 Writes ``mtp.safetensors`` (``mtp.*`` tensors, the checkpoint's dtype) into the model directory,
 where ``drafter="mtp"`` reads them, and ``mtp_training.json`` (losses, top-1 agreement with the
 target on held-out windows).
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_target import SEED, heldout_starts, lr_at, token_stream  # noqa: E402
+from train_target import SEED, check_streams, heldout_starts, lr_at, token_stream  # noqa: E402
 
 
 def mtp_logits(head, text, lm_head, x: torch.Tensor):
@@ -64,6 +67,16 @@ def main() -> None:
     ap.add_argument("--max-docs", type=int, default=None, help="use only this many documents (smoke runs)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    for flag, low in (("steps", 1), ("batch", 1), ("window", 2)):
+        if getattr(args, flag) < low:
+            ap.error(f"--{flag} must be at least {low}, got {getattr(args, flag)}")
+    config_file = Path(args.model) / "config.json"
+    if not config_file.is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there (a train_target.py hybrid checkpoint directory)")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in ("qwen3_5_text", "qwen3_5"):
+        raise SystemExit(f"--model {args.model}: model_type {model_type!r}; the MTP layer is trained for Qwen3.5 "
+                         "models (train_target.py --preset small-hybrid or tiny-hybrid)")
 
     from safetensors.torch import save_file
     from specla_qwen.adapter import text_parts
@@ -82,6 +95,7 @@ def main() -> None:
     head = QwenMTPHead(model, None).to(dev).train()
     train, held = (token_stream(args.corpus, tok, split, args.max_docs) for split in ("train", "heldout"))
     L, rng = args.window, np.random.default_rng(SEED)
+    check_streams(train, held, L)
 
     def batch_at(stream: np.ndarray, starts: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.stack([stream[s : s + L + 1] for s in starts]).astype(np.int64)).to(dev)
@@ -95,7 +109,7 @@ def main() -> None:
 
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = dict(lr=args.lr, warmup=max(args.steps // 20, 1), steps=args.steps)
-    log, start = [], time.time()
+    log, start = [], time.time()  # train_seconds: the optimiser steps only
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, sched)
@@ -107,6 +121,7 @@ def main() -> None:
         if step % 100 == 0 or step == args.steps - 1 or step < 3:
             log.append({"step": step, "loss": loss.item(), "top1_agreement": agree, "elapsed_s": time.time() - start})
             print(json.dumps(log[-1]), flush=True)
+    train_s = time.time() - start
     head.eval()
     starts = heldout_starts(held, L, count=64)
     with torch.no_grad():
@@ -117,7 +132,7 @@ def main() -> None:
     save_file(tensors, str(Path(args.model) / "mtp.safetensors"))
     (Path(args.model) / "mtp_training.json").write_text(json.dumps(dict(
         steps=args.steps, batch=args.batch, window=L, lr=args.lr, heldout_soft_ce=held_loss,
-        heldout_top1_agreement=held_agree, train_seconds=time.time() - start, log=log), indent=1))
+        heldout_top1_agreement=held_agree, train_seconds=train_s, log=log), indent=1))
 
 
 if __name__ == "__main__":

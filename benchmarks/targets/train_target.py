@@ -49,7 +49,7 @@ PRESETS = {
     "small": dict(model=dict(hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128, expand_v=2,
                              tie_word_embeddings=True), **SMALL_BUDGET),
     # the Qwen3.5 architecture at the `small` budget: 12 layers (GDN, GDN, GDN, gated attention) x 3,
-    # the GDN layers with small's head shapes (4 key heads of 128, values twice as wide), attention
+    # the GDN layers with small's key heads (4 of 128) and value width (8 heads of 128), attention
     # with 4 query and 2 key/value heads of 128 and Qwen3.5's partial rotary (a quarter of each head)
     "small-hybrid": dict(arch="qwen3_5", model=dict(
         hidden_size=768, num_hidden_layers=12, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=2,
@@ -71,6 +71,15 @@ def token_stream(corpus: str, tokenizer, split: str, max_docs: int | None = None
     ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     return np.fromiter((t for seq in ids for t in (*seq, eos)), dtype=np.int32)
+
+
+def check_streams(train: np.ndarray, held: np.ndarray, seq_len: int) -> None:
+    """Refuse (``SystemExit``, before any training) streams too short for one window of
+    ``seq_len + 1`` tokens."""
+    for name, stream in (("training", train), ("held-out", held)):
+        if len(stream) < seq_len + 3:
+            raise SystemExit(f"the {name} split has {len(stream):,} tokens, fewer than one window of {seq_len + 1} "
+                             "(more documents, --max-docs, or a shorter window)")
 
 
 def heldout_starts(held: np.ndarray, seq_len: int, count: int = 128) -> np.ndarray:
@@ -102,6 +111,9 @@ def main() -> None:
                     help="seconds: probe the throughput, then train as many steps as fit (recorded)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    for flag in ("steps", "batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
 
     import fla  # noqa: F401
     import transformers
@@ -124,6 +136,7 @@ def main() -> None:
     train = token_stream(args.corpus, tok, "train", args.max_docs)
     held = token_stream(args.corpus, tok, "heldout", args.max_docs)
     print(f"tokens: train {len(train):,} heldout {len(held):,} ({time.time() - t0:.0f}s)", flush=True)
+    check_streams(train, held, cfg["seq_len"])
 
     arch = cfg.get("arch", "gdn")
     config_cls, model_cls = {"gdn": (GatedDeltaNetConfig, GatedDeltaNetForCausalLM),
@@ -198,6 +211,10 @@ def main() -> None:
         held_loss = float(np.mean([float(loss_of(model, batch_at(held, held_starts[i : i + micro])))
                                    for i in range(0, len(held_starts), micro)]))
     print(f"held-out loss {held_loss:.4f}, train {train_s:.0f}s", flush=True)
+    for stale in ("mtp.safetensors", "mtp_training.json"):  # an MTP layer trained on a model this one replaces
+        if (Path(args.out) / stale).exists():
+            (Path(args.out) / stale).unlink()
+            print(f"removed {stale} from {args.out}: it was trained on the model this run replaces", flush=True)
     model.to(getattr(torch, cfg["save_dtype"])).save_pretrained(args.out)
     tok.save_pretrained(args.out)
     n_params = sum(p.numel() for p in model.parameters())
