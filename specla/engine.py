@@ -111,9 +111,10 @@ class Engine:
         # verify, which wins at large batches where verify is compute-bound); plain decoding last
         # why graphs cannot run here (None: they can), decided once
         self._graph_problem = graph_problem(adapter, config) if config.cuda_graphs != "off" else None
-        recorded = (adapter.device.type == "cuda" and not self._graph_problem
-                    and config.cuda_graphs in ("auto", "on"))
-        adaptive = resolve_budget_policy(config, recorded) == "adaptive"
+        # steps recorded in CUDA graphs ("on" elsewhere, or with a problem, is refused below)
+        self._recorded = (adapter.device.type == "cuda" and not self._graph_problem
+                          and config.cuda_graphs in ("auto", "on"))
+        adaptive = resolve_budget_policy(config, self._recorded) == "adaptive"
         self.configs = [config]
         if adaptive and config.top_k > 1:
             depth = min(config.max_depth, config.num_draft_tokens)
@@ -290,13 +291,11 @@ class Engine:
     def _graph_runner(self, candidate: int = 0) -> GraphRunner | None:
         """The CUDA-graph runner of a candidate budget (an index into ``self.configs``) when
         ``config.cuda_graphs`` asks for graphs, else ``None`` (eager steps)."""
-        cfg, on_cuda = self.config, self.adapter.device.type == "cuda"
-        forced = cfg.cuda_graphs in ("on", "unrecorded")
-        if not (forced or (cfg.cuda_graphs == "auto" and on_cuda and not self._graph_problem)):
+        if not (self._recorded or self.config.cuda_graphs == "unrecorded"):
             return None
         if self._graph_runners[candidate] is None:
-            runner = GraphRunner(self.adapter, self.drafter, self.configs[candidate],
-                                 capture=on_cuda and cfg.cuda_graphs != "unrecorded", generator=self._sampler)
+            runner = GraphRunner(self.adapter, self.drafter, self.configs[candidate], capture=self._recorded,
+                                 generator=self._sampler)
             self._graph_runners[candidate] = runner
         return self._graph_runners[candidate]
 

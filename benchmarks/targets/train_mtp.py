@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_target import SEED, check_streams, heldout_starts, lr_at, token_stream  # noqa: E402
+from train_target import SEED, check_streams, heldout_starts, lr_at, token_stream, windows  # noqa: E402
 
 
 def mtp_logits(head, text, lm_head, x: torch.Tensor):
@@ -73,7 +73,8 @@ def main() -> None:
     config_file = Path(args.model) / "config.json"
     if not config_file.is_file():
         raise SystemExit(f"--model {args.model}: no config.json there (a train_target.py hybrid checkpoint directory)")
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    saved = json.loads(config_file.read_text())
+    model_type = saved.get("model_type")
     if model_type not in ("qwen3_5_text", "qwen3_5"):
         raise SystemExit(f"--model {args.model}: model_type {model_type!r}; the MTP layer is trained for Qwen3.5 "
                          "models (train_target.py --preset small-hybrid or tiny-hybrid)")
@@ -86,7 +87,6 @@ def main() -> None:
     dev = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     tok = AutoTokenizer.from_pretrained(args.model)
-    saved = json.loads((Path(args.model) / "config.json").read_text())
     save_dtype = getattr(torch, saved.get("dtype") or saved.get("torch_dtype") or "bfloat16")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     model.to(dev).eval().requires_grad_(False)
@@ -98,7 +98,7 @@ def main() -> None:
     check_streams(train, held, L)
 
     def batch_at(stream: np.ndarray, starts: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.stack([stream[s : s + L + 1] for s in starts]).astype(np.int64)).to(dev)
+        return windows(stream, starts, L + 1, dev)
 
     def loss_of(x: torch.Tensor) -> tuple[torch.Tensor, float]:
         logits, target = mtp_logits(head, text, lm_head, x)

@@ -88,6 +88,12 @@ def heldout_starts(held: np.ndarray, seq_len: int, count: int = 128) -> np.ndarr
     return np.linspace(0, len(held) - seq_len - 2, count).astype(np.int64)
 
 
+def windows(stream: np.ndarray, starts: np.ndarray, length: int, device: torch.device) -> torch.Tensor:
+    """``[len(starts), length]`` int64 token windows of ``stream`` beginning at ``starts``, on
+    ``device``."""
+    return torch.from_numpy(np.stack([stream[s : s + length] for s in starts]).astype(np.int64)).to(device)
+
+
 def lr_at(step: int, cfg: dict) -> float:
     """Linear warm-up then cosine decay to 10% of the peak."""
     if step < cfg["warmup"]:
@@ -153,7 +159,7 @@ def main() -> None:
         raise SystemExit(f"batch {Bsz} is not a multiple of micro_batch {micro}")
 
     def batch_at(stream: np.ndarray, starts: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.stack([stream[s : s + L + 1] for s in starts]).astype(np.int64)).to(dev)
+        return windows(stream, starts, L + 1, dev)
 
     def loss_of(model, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.get("amp", False)):
