@@ -9,8 +9,10 @@
 #
 # DATA_DIR (default ../shared/data) holds corpus/, prompts/ and tokenizer/. RUNS is a comma-separated
 # subset of acceptance.py's runs (default: all; `none`: stop after the training). TIME_PER_RUN (seconds, default 90: with CUDA graphs enough for a whole suite per greedy run at batch 32 on an H200), BATCH_SIZE
-# (default 32) and STEPS (target steps, default 434: what a 220 s throughput probe chose on an
-# H200) can be set in the environment. Writes OUT_DIR/{small,eagle,acceptance.json,*.log}.
+# (default 32), STEPS (target steps, default 434: what a 220 s throughput probe chose on an
+# H200), TIME_BUDGET (seconds: train the target for as many steps as a throughput probe says fit
+# instead of STEPS; the chosen count is in its training.json), MTP_TIME_BUDGET (likewise for the
+# MTP layer) and DRAFTER_STEPS (EAGLE drafter steps, default 3000) can be set in the environment. Writes OUT_DIR/{small,eagle,acceptance.json,*.log}.
 set -euo pipefail
 out=${1:?usage: bash benchmarks/small_target.sh OUT_DIR [DATA_DIR] [RUNS]}
 data=${2:-../shared/data}
@@ -19,13 +21,13 @@ here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 preset=${PRESET:-small}
 python "$here/targets/train_target.py" --preset "$preset" --corpus "$data/corpus" --tokenizer "$data/tokenizer" \
-    --out "$out/$preset" --steps "${STEPS:-434}" 2>&1 | tee "$out/train.log"
+    --out "$out/$preset" --steps "${STEPS:-434}" ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} 2>&1 | tee "$out/train.log"
 if [ "$preset" = small-hybrid ]; then
   python "$here/targets/train_mtp.py" --model "$out/$preset" --corpus "$data/corpus" --steps "${MTP_STEPS:-1500}" \
-      2>&1 | tee "$out/mtp.log"
+      ${MTP_TIME_BUDGET:+--time-budget "$MTP_TIME_BUDGET"} 2>&1 | tee "$out/mtp.log"
 fi
 python -m specla.cli train-drafter --model "$out/$preset" --data "$data"/corpus/*.xz --out "$out/eagle" \
-    --steps 3000 --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 --ce-weight 1.0 \
+    --steps "${DRAFTER_STEPS:-3000}" --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 --ce-weight 1.0 \
     --unroll 3 --device cuda --overwrite 2>&1 | tee "$out/drafter.log"
 [ "$runs" = none ] && exit 0
 python "$here/acceptance.py" --model "$out/$preset" --drafter "$out/eagle" --prompts "$data/prompts" \

@@ -16,8 +16,8 @@
 # Qwen3.5-architecture hybrid with its MTP layer; its model is OUT_DIR/PRESET), DRAFTER (eagle,
 # default: OUT_DIR/eagle; mtp: the checkpoint's MTP layer; ngram), CONFIG (extra SpecConfig fields appended to
 # every row's JSON, e.g. CONFIG='"prefill":"chunked"'; default none), LIMIT (prompts per row, default 64),
-# ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS (passed to
-# small_target.sh: the target's training steps, default 434), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
+# ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS, TIME_BUDGET,
+# MTP_TIME_BUDGET and DRAFTER_STEPS (passed to small_target.sh: its training lengths), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
 # already holds PRESET/ and what DRAFTER reads, e.g. copies of plugins/gdn/assets/tiny and tiny-eagle: a check
 # of the script). Writes OUT_DIR/bench-ROW.json (the `specla bench` report, ':' as '-') and
 # OUT_DIR/bench.log; the models stay in OUT_DIR/PRESET and OUT_DIR/eagle (one OUT_DIR per preset), small_target.sh's logs

@@ -65,11 +65,14 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256, help="tokens per window")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-docs", type=int, default=None, help="use only this many documents (smoke runs)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: probe the throughput, then train as many steps as fit (recorded; --steps "
+                         "is then ignored)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    for flag, low in (("steps", 1), ("batch", 1), ("window", 2)):
-        if getattr(args, flag) < low:
-            ap.error(f"--{flag} must be at least {low}, got {getattr(args, flag)}")
+    for flag, low in (("steps", 1), ("batch", 1), ("window", 2), ("time_budget", 1)):
+        if getattr(args, flag) is not None and getattr(args, flag) < low:
+            ap.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
     config_file = Path(args.model) / "config.json"
     if not config_file.is_file():
         raise SystemExit(f"--model {args.model}: no config.json there (a train_target.py hybrid checkpoint directory)")
@@ -107,6 +110,18 @@ def main() -> None:
         agree = float((logits.argmax(-1) == target.argmax(-1)).float().mean())
         return loss, agree
 
+    if args.time_budget:
+        # throughput probe: forward and backward of a few batches, no optimiser step (the layer and
+        # the data order are untouched); the chosen count is recorded, and --steps N reproduces the run
+        probe_rng, times = np.random.default_rng(SEED + 1), []
+        for _ in range(4):
+            t0 = time.time()
+            loss_of(batch_at(train, probe_rng.integers(0, len(train) - L - 1, args.batch)))[0].backward()
+            torch.cuda.synchronize() if dev.type == "cuda" else None
+            times.append(time.time() - t0)
+        head.zero_grad(set_to_none=True)
+        args.steps = max(int(args.time_budget / float(np.median(times[1:]))), 20)
+        print(f"probe: {np.median(times[1:]):.3f} s/step -> {args.steps} steps in {args.time_budget:.0f} s", flush=True)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = dict(lr=args.lr, warmup=max(args.steps // 20, 1), steps=args.steps)
     log, start = [], time.time()  # train_seconds: the optimiser steps only
