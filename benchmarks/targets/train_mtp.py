@@ -38,6 +38,7 @@ def mtp_logits(head, text, lm_head, x: torch.Tensor):
     layer's prediction from the pair (feature at ``t``, token ``t + 1``), and the target's logits
     at ``t + 1`` (its distribution of token ``t + 2``), the target frozen."""
     from specla.testing.transformers_oracle import torch_path
+    from specla_qwen.adapter import rotary_cos_sin
 
     with torch.no_grad(), torch_path(text):
         f = text(input_ids=x, use_cache=False).last_hidden_state  # final-normed features
@@ -46,7 +47,7 @@ def mtp_logits(head, text, lm_head, x: torch.Tensor):
     T = x.shape[1] - 1
     h = head.pair(f[:, :-1], emb)
     pos = torch.arange(T, device=x.device)[None].expand(x.shape[0], T)
-    cos_sin = text.rotary_emb(h, pos)
+    cos_sin = rotary_cos_sin(text.rotary_emb, h, pos)
     mask = torch.full((T, T), float("-inf"), device=x.device, dtype=h.dtype).triu(1)[None, None]
     attn = head.layers[0].self_attn
 

@@ -49,6 +49,16 @@ def decoder_layer(layer: torch.nn.Module, x: Tensor, mix) -> Tensor:
     return x + (y[0] if isinstance(y, tuple) else y)
 
 
+def rotary_cos_sin(rotary: torch.nn.Module, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)``, each ``[B, T, rotary dims]`` in ``h``'s dtype, from the text model's rotary
+    module ``rotary`` at int64 ``positions [B, T]`` (``h [B, T, hidden]`` gives dtype and device).
+    Qwen3.5's module takes one position per multimodal grid axis, ``[3, B, T]`` (all equal for
+    text; transformers before 5.24 requires this form); Qwen3-Next's takes ``[B, T]``."""
+    if hasattr(rotary, "mrope_section"):
+        positions = positions[None].expand(3, -1, -1)
+    return rotary(h, positions)
+
+
 class QwenAttention(AttentionMixer):
     """A Qwen3.5 / Qwen3-Next ``full_attention`` layer under draft trees: ``q_proj`` gives each
     head's query and output gate, per-head zero-centred RMSNorms on q and k, partial rotary
@@ -64,9 +74,6 @@ class QwenAttention(AttentionMixer):
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
         self.attn, self.rotary, self._rope = attn, rotary, apply_rotary_pos_emb
-        # Qwen3.5's rotary module takes one position per multimodal grid axis, [3, B, T] (all
-        # equal for text; transformers before 5.24 requires this form); Qwen3-Next's takes [B, T]
-        self._grid_positions = hasattr(rotary, "mrope_section")
         super().__init__(attn.config.num_key_value_heads, attn.head_dim, dtype, device, scale=attn.scaling)
 
     def project(self, h: Tensor, positions: Tensor):
@@ -75,9 +82,7 @@ class QwenAttention(AttentionMixer):
         q = a.q_norm(q)
         k = a.k_norm(a.k_proj(h).view(B, T, -1, D))
         v = a.v_proj(h).view(B, T, -1, D)
-        if self._grid_positions:
-            positions = positions[None].expand(3, -1, -1)
-        cos, sin = self.rotary(h, positions)  # [B, T, rotary dims]
+        cos, sin = rotary_cos_sin(self.rotary, h, positions)
         q, k = self._rope(q, k, cos, sin, unsqueeze_dim=2)
         return q, k, v, gate.reshape(B, T, -1)
 
