@@ -12,7 +12,8 @@
 # (default 32), STEPS (target steps, default 434: what a 220 s throughput probe chose on an
 # H200), TIME_BUDGET (seconds: train the target for as many steps as a throughput probe says fit
 # instead of STEPS; the chosen count is in its training.json), MTP_TIME_BUDGET (likewise for the
-# MTP layer) and DRAFTER_STEPS (EAGLE drafter steps, default 3000) can be set in the environment. Writes OUT_DIR/{small,eagle,acceptance.json,*.log}.
+# MTP layer) and DRAFTER_STEPS (EAGLE drafter steps, default 3000) can be set in the environment.
+# A stage whose output finished is kept (run again to finish a cut-off run; rm -r OUT_DIR to rebuild). Writes OUT_DIR/{small,eagle,acceptance.json,*.log}.
 set -euo pipefail
 out=${1:?usage: bash benchmarks/small_target.sh OUT_DIR [DATA_DIR] [RUNS]}
 data=${2:-../shared/data}
@@ -20,15 +21,32 @@ runs=${3:-}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 preset=${PRESET:-small}
-python "$here/targets/train_target.py" --preset "$preset" --corpus "$data/corpus" --tokenizer "$data/tokenizer" \
-    --out "$out/$preset" --steps "${STEPS:-434}" ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} 2>&1 | tee "$out/train.log"
-if [ "$preset" = small-hybrid ]; then
-  python "$here/targets/train_mtp.py" --model "$out/$preset" --corpus "$data/corpus" --steps "${MTP_STEPS:-1500}" \
-      ${MTP_TIME_BUDGET:+--time-budget "$MTP_TIME_BUDGET"} 2>&1 | tee "$out/mtp.log"
+# a stage whose output is finished (its training.json is written last) is kept, so a run that
+# stopped part-way is finished by running the same command again; a retrained target retrains
+# everything after it (rm -r OUT_DIR to rebuild from nothing)
+fresh=0
+if [ -f "$out/$preset/training.json" ]; then
+  echo "keeping the trained target in $out/$preset"
+else
+  fresh=1
+  python "$here/targets/train_target.py" --preset "$preset" --corpus "$data/corpus" --tokenizer "$data/tokenizer" \
+      --out "$out/$preset" --steps "${STEPS:-434}" ${TIME_BUDGET:+--time-budget "$TIME_BUDGET"} 2>&1 | tee "$out/train.log"
 fi
-python -m specla.cli train-drafter --model "$out/$preset" --data "$data"/corpus/*.xz --out "$out/eagle" \
-    --steps "${DRAFTER_STEPS:-3000}" --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 --ce-weight 1.0 \
-    --unroll 3 --device cuda --overwrite 2>&1 | tee "$out/drafter.log"
+if [ "$preset" = small-hybrid ]; then
+  if [ $fresh = 0 ] && [ -f "$out/$preset/mtp_training.json" ]; then
+    echo "keeping the trained MTP layer in $out/$preset"
+  else
+    python "$here/targets/train_mtp.py" --model "$out/$preset" --corpus "$data/corpus" --steps "${MTP_STEPS:-1500}" \
+        ${MTP_TIME_BUDGET:+--time-budget "$MTP_TIME_BUDGET"} 2>&1 | tee "$out/mtp.log"
+  fi
+fi
+if [ $fresh = 0 ] && [ -f "$out/eagle/training.json" ]; then
+  echo "keeping the trained EAGLE drafter in $out/eagle"
+else
+  python -m specla.cli train-drafter --model "$out/$preset" --data "$data"/corpus/*.xz --out "$out/eagle" \
+      --steps "${DRAFTER_STEPS:-3000}" --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 \
+      --ce-weight 1.0 --unroll 3 --device cuda --overwrite 2>&1 | tee "$out/drafter.log"
+fi
 [ "$runs" = none ] && exit 0
 python "$here/acceptance.py" --model "$out/$preset" --drafter "$out/eagle" --prompts "$data/prompts" \
     --out "$out/acceptance.json" --time-per-run "${TIME_PER_RUN:-90}" --batch-size "${BATCH_SIZE:-32}" \

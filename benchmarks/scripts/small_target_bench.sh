@@ -52,17 +52,13 @@ if [ "$drafter" = mtp ] && [ "$preset" != small-hybrid ]; then
   echo "DRAFTER=mtp needs PRESET=small-hybrid (the small GDN target has no MTP layer)" >&2; exit 2
 fi
 mkdir -p "$out"
-# the recipe, without its acceptance runs, unless OUT_DIR holds what the rows read (a trained model
-# is never trained over)
-if [ ! -d "$out/$preset" ] || { [ "$drafter" = "$out/eagle" ] && [ ! -d "$out/eagle" ]; } ||
-   { [ "$drafter" = mtp ] && [ ! -f "$out/$preset/mtp.safetensors" ]; }; then
-  if [ -d "$out/$preset" ]; then
-    echo "$out/$preset exists but the rows also need what the recipe trains after it (eagle/ or its" \
-         "mtp.safetensors): train into a new OUT_DIR" >&2; exit 2
-  fi
+# the recipe, without its acceptance runs, where OUT_DIR lacks what the rows read (the recipe keeps
+# the stages that finished and trains the rest)
+if [ ! -f "$out/$preset/training.json" ] || [ ! -f "$out/eagle/training.json" ] ||
+   { [ "$preset" = small-hybrid ] && [ ! -f "$out/$preset/mtp_training.json" ]; }; then
   PRESET=$preset bash "$here/small_target.sh" "$out" "$data" none > "$out/recipe.log" 2>&1 ||
     { tail -20 "$out/recipe.log"; exit 1; }
-  grep "held-out" "$out/train.log"
+  grep "held-out\|keeping" "$out/recipe.log"
 fi
 declare -A suite=([gsm8k]=gsm8k_test.jsonl [mixed]=specbench_like.jsonl)
 declare -A shape=([tree]='"num_draft_tokens":15,"max_depth":6,"top_k":4' [chain]='"num_draft_tokens":6,"max_depth":6,"top_k":1')
