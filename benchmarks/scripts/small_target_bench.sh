@@ -52,8 +52,8 @@ if [ "$drafter" = mtp ] && [ "$preset" != small-hybrid ]; then
   echo "DRAFTER=mtp needs PRESET=small-hybrid (the small GDN target has no MTP layer)" >&2; exit 2
 fi
 mkdir -p "$out"
-# the recipe, without its acceptance runs, where OUT_DIR lacks what the rows read (the recipe keeps
-# the stages that finished and trains the rest)
+# the recipe, without its acceptance runs, where any of its stages is missing from OUT_DIR (every
+# DRAFTER's rows share one OUT_DIR; the recipe keeps the stages that finished and trains the rest)
 if [ ! -f "$out/$preset/training.json" ] || [ ! -f "$out/eagle/training.json" ] ||
    { [ "$preset" = small-hybrid ] && [ ! -f "$out/$preset/mtp_training.json" ]; }; then
   PRESET=$preset bash "$here/small_target.sh" "$out" "$data" none > "$out/recipe.log" 2>&1 ||
