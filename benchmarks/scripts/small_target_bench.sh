@@ -52,14 +52,11 @@ if [ "$drafter" = mtp ] && [ "$preset" != small-hybrid ]; then
   echo "DRAFTER=mtp needs PRESET=small-hybrid (the small GDN target has no MTP layer)" >&2; exit 2
 fi
 mkdir -p "$out"
-# the recipe, without its acceptance runs, where any of its stages is missing from OUT_DIR (every
-# DRAFTER's rows share one OUT_DIR; the recipe keeps the stages that finished and trains the rest)
-if [ ! -f "$out/$preset/training.json" ] || [ ! -f "$out/eagle/training.json" ] ||
-   { [ "$preset" = small-hybrid ] && [ ! -f "$out/$preset/mtp_training.json" ]; }; then
-  PRESET=$preset bash "$here/small_target.sh" "$out" "$data" none > "$out/recipe.log" 2>&1 ||
-    { tail -20 "$out/recipe.log"; exit 1; }
-  grep "held-out\|keeping" "$out/recipe.log"
-fi
+# the recipe, without its acceptance runs: it keeps the stages OUT_DIR already holds finished and
+# trains the rest (every DRAFTER's rows share one OUT_DIR)
+PRESET=$preset bash "$here/small_target.sh" "$out" "$data" none >> "$out/recipe.log" 2>&1 ||
+  { tail -20 "$out/recipe.log"; exit 1; }
+grep "held-out\|keeping" "$out/recipe.log" | tail -3
 declare -A suite=([gsm8k]=gsm8k_test.jsonl [mixed]=specbench_like.jsonl)
 declare -A shape=([tree]='"num_draft_tokens":15,"max_depth":6,"top_k":4' [chain]='"num_draft_tokens":6,"max_depth":6,"top_k":1')
 failed=0
