@@ -159,12 +159,16 @@ def write_nemotron_mtp(directory, model, seed=0):
     return blocks.to(model.dtype).eval()
 
 
-def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(tmp_path):
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1"))])
+def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(kernels, tmp_path):
     """``drafter="mtp"`` on a Nemotron-H checkpoint with an MTP module (per-expert tensors, as
     shipped): the first draft level's top-k equals an independent teacher-forced pass
     (transformers' own ``NemotronHBlock``s over every prompt pair (final-normed target feature
     ``f_p``, embedding of ``x_{p+1}``) with causal attention, the final norm, the target's LM
-    head); and decoding with it, chains and trees, is exact."""
+    head); and decoding with it, chains and trees, is exact; on the PyTorch forms and on the
+    Triton forms of the level's attention, top-k, tree bookkeeping and cache update."""
     from transformers import NemotronHForCausalLM
 
     from specla.drafters.mtp import MTPDrafter
@@ -179,8 +183,8 @@ def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(tmp
     prompt = [5, 17, 33, 8, 5, 17, 33, 8, 2, 9, 40]
     refs = [ARCH.reference_decode(model, p, 12) for p in (prompt, prompt[:4])]
     for budget in (dict(num_draft_tokens=3, max_depth=3, top_k=1), dict(num_draft_tokens=6, max_depth=3, top_k=3)):
-        dec = SpecDecoder(model, drafter="mtp", config=dict(max_new_tokens=12, **budget))
-        assert isinstance(dec.drafter, MTPDrafter)
+        dec = SpecDecoder(model, drafter="mtp", config=dict(max_new_tokens=12, kernels=kernels, **budget))
+        assert isinstance(dec.drafter, MTPDrafter) and dec.drafter.kernels == (kernels == "triton")
         assert dec.generate([prompt, prompt[:4]]).outputs == refs
 
     dr, ad = dec.drafter, dec.adapter

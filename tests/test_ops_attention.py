@@ -111,34 +111,36 @@ needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and __import__("
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("P,M,A,gather,lens", [(1, 1, 0, False, (0, 70)), (3, 4, 2, True, (131, 1)),
-                                               (2, 2, 5, False, (64, 128)), (4, 3, 1, True, (0, 57))])
-def test_draft_level_attention_kernel_equals_its_pytorch_twin(dtype, P, M, A, gather, lens):
+@pytest.mark.parametrize("P,M,A,gather,lens,H,HKV", [(1, 1, 0, False, (0, 70), 3, 3), (3, 4, 2, True, (131, 1), 4, 1),
+                                                     (2, 2, 5, False, (64, 128), 3, 3), (4, 3, 1, True, (0, 57), 4, 2)])
+def test_draft_level_attention_kernel_equals_its_pytorch_twin(dtype, P, M, A, gather, lens, H, HKV):
     """A draft level read from the previous level's keys and values through the parents' rows
     (``slot``, repeated and out of order) and the nodes' own keys as strided views of one fused
     projection: the one-launch kernel against the PyTorch twin on fresh random inputs, caches
     whose slots past ``cache_len`` hold large garbage, an empty cache, a full one (``cache_len ==
-    L``), block edges (64, 128), strided lengths, a head dim that is not a power of two, and the
-    outputs pre-filled with NaN. The children's keys and values are copies, so they match
+    L``), block edges (64, 128), strided lengths, a head dim that is not a power of two,
+    grouped-query heads (4 query heads on 1 or 2 key/value heads), and the outputs pre-filled
+    with NaN. The children's keys and values are copies, so they match
     exactly; the attention to float32 rounding (bf16: q rounded for the cache products)."""
     from specla.ops import attention_triton
     from specla.ops.attention import draft_level_attention
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(P * 100 + M * 10 + A)
-    B, L, Hh, Dh = len(lens), 131, 3, 12
-    qkv = torch.randn(B, M, 3 * Hh * Dh, generator=g).to(dev, dtype)
-    q, k, v = (x.view(B, M, Hh, Dh) for x in qkv.chunk(3, -1))
-    ck, cv = (torch.randn(B, L, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
+    B, L, Dh = len(lens), 131, 12
+    qkv = torch.randn(B, M, (H + 2 * HKV) * Dh, generator=g).to(dev, dtype)
+    q, k, v = qkv.split([H * Dh, HKV * Dh, HKV * Dh], -1)
+    q, k, v = q.view(B, M, H, Dh), k.view(B, M, HKV, Dh), v.view(B, M, HKV, Dh)
+    ck, cv = (torch.randn(B, L, HKV, Dh, generator=g).to(dev, dtype) for _ in range(2))
     for b, length in enumerate(lens):
         ck[b, length:] = 1e4  # garbage past the valid entries must not be read
         cv[b, length:] = float("nan")
     n = torch.tensor([x for length in lens for x in (length, 99)], device=dev)[::2]  # strided lengths
     rows = P if gather else M
-    anc_k, anc_v = (torch.randn(B, rows, A, Hh, Dh, generator=g).to(dev, dtype) for _ in range(2))
+    anc_k, anc_v = (torch.randn(B, rows, A, HKV, Dh, generator=g).to(dev, dtype) for _ in range(2))
     slot = torch.randint(0, P, (B, M), generator=g).to(dev) if gather else None
-    out = (torch.full((B, M, Hh, Dh), float("nan"), device=dev),
-           *(torch.full((B, M, A + 1, Hh, Dh), float("nan"), dtype=dtype, device=dev) for _ in range(2)))
+    out = (torch.full((B, M, H, Dh), float("nan"), device=dev),
+           *(torch.full((B, M, A + 1, HKV, Dh), float("nan"), dtype=dtype, device=dev) for _ in range(2)))
     got = attention_triton.draft_level_attention(q, k, v, ck, cv, n, anc_k, anc_v, slot, out=out)
     assert all(a is b for a, b in zip(got, out)) and not any(x.isnan().any() for x in got)
     want = draft_level_attention(q.double(), k.double(), v.double(), ck.double(), torch.nan_to_num(cv.double()), n,
@@ -156,8 +158,11 @@ def test_draft_level_attention_kernel_refuses_what_it_cannot_run():
     ck = torch.randn(1, 5, 2, 8)
     keys = torch.randn(1, 2, 1, 2, 8)
     n = torch.tensor([3])
-    with pytest.raises(ValueError, match=r"expected \[B, M, H, Dh\]"):
+    with pytest.raises(ValueError, match=r"expected q \[B, M, H, Dh\]"):
         attention_triton.draft_level_attention(q, q, q, ck, ck, n, keys[:, :, :, :1], keys[:, :, :, :1])
+    q3 = torch.randn(1, 2, 3, 8)  # 3 query heads on 2 key/value heads: not a grouping
+    with pytest.raises(ValueError, match="HKV dividing H"):
+        attention_triton.draft_level_attention(q3, q, q, ck, ck, n, keys, keys)
     with pytest.raises(ValueError, match="float64"):
         attention_triton.draft_level_attention(*(x.double() for x in (q, q, q, ck, ck)), n, keys.double(),
                                                keys.double())

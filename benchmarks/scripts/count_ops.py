@@ -4,9 +4,11 @@ section 4, step anatomy).
 
     TRITON_INTERPRET=1 python benchmarks/scripts/count_ops.py [--preset small] > ops.jsonl
 
-A randomly initialised GDN model of a ``train_target.py`` preset's shape with a random attention
-EAGLE head, float32, one 69-token prompt, batch 1; rows AR (N 0) and the EAGLE tree (N 15, depth
-6, top-k 4). After one step, each part of the next step is counted: the drafter's tree
+A randomly initialised model of a ``train_target.py`` preset's shape (FLA's GDN model; for
+``small-hybrid``, transformers' Qwen3.5 hybrid) with a random attention EAGLE head, float32, one
+69-token prompt, batch 1; rows AR (N 0) and the EAGLE tree (N 15, depth 6, top-k 4); for
+``small-hybrid`` also the EAGLE chain and the chain of a random MTP layer of the model's own
+classes (N 6, ``drafter="mtp"``'s drafter). After one step, each part of the next step is counted: the drafter's tree
 (``propose_on_device``), ``verify`` (the pending commit fused), greedy acceptance, the commit
 bookkeeping and the drafter's update; then the whole recorded step body (``GraphRunner._record``)
 once more. Counted: every PyTorch operator that reaches a backend (``TorchDispatchMode``; views
@@ -15,7 +17,9 @@ and allocations left out) and, with ``TRITON_INTERPRET=1``, every Triton launch 
 (``kernels="reference"``) alone. One JSON line per row and part. Some PyTorch operators launch
 several kernels on a GPU (``torch.topk`` over a vocabulary-wide row about twenty, a cuBLAS
 split-K product two), so the GPU's counts are higher; the torch profiler's are in
-``step_anatomy.py``. CPU only; FLA installed (it defines the model class).
+``step_anatomy.py``. CPU only; FLA installed (it defines the GDN model class).
+
+    TRITON_INTERPRET=1 python benchmarks/scripts/count_ops.py --preset small-hybrid > ops.jsonl
 """
 import argparse
 import collections
@@ -42,6 +46,8 @@ NOT_KERNELS = {"view", "_unsafe_view", "expand", "slice", "select", "unsqueeze",
                "flatten", "lift_fresh", "_reshape_alias", "split_with_sizes", "empty", "empty_like",
                "empty_strided", "new_empty", "new_empty_strided", "set_", "promote_types", "scalar_tensor"}
 ROWS = {"ar": dict(num_draft_tokens=0), "eagle-tree": dict(num_draft_tokens=15, max_depth=6, top_k=4)}
+CHAIN = dict(num_draft_tokens=6, max_depth=6, top_k=1)
+HYBRID_ROWS = {**ROWS, "eagle-chain": CHAIN, "mtp-chain": CHAIN}
 
 
 class Count(TorchDispatchMode):
@@ -89,19 +95,31 @@ def counted(fn):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="small", choices=("tiny", "small"),
-                   help="the model shape: a GDN preset of train_target.py")
+    p.add_argument("--preset", default="small", choices=("tiny", "small", "small-hybrid"),
+                   help="the model shape: a preset of train_target.py")
     a = p.parse_args()
     kernels = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
     if kernels == "triton":
         count_launches()
     walk = "kernels" in inspect.signature(accept_greedy).parameters  # the one-launch walk, where it exists
     torch.manual_seed(0)
-    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS[a.preset]["model"])).float().eval()
+    shape = PRESETS[a.preset]["model"]
+    if PRESETS[a.preset].get("arch") == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        from specla_qwen.mtp import MTPDrafter, QwenMTPHead
+
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(vocab_size=32000, **shape)).float().eval()
+        plugin, rows, mtp_head = "qwen", HYBRID_ROWS, QwenMTPHead(model, None)
+    else:
+        model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **shape)).float().eval()
+        plugin, rows = "gdn", ROWS
     head = EagleHead(model.config.hidden_size)
     prompt = [torch.randint(0, 32000, (69,)).tolist()]
-    for row, budget in ROWS.items():
-        dec = SpecDecoder(model, "gdn", drafter=EagleDrafter(head) if budget["num_draft_tokens"] else "ngram",
+    for row, budget in rows.items():
+        drafter = (MTPDrafter(mtp_head) if row.startswith("mtp") else EagleDrafter(head)) \
+            if budget["num_draft_tokens"] else "ngram"
+        dec = SpecDecoder(model, plugin, drafter=drafter,
                           config=dict(dtype="float32", device="cpu", cuda_graphs="unrecorded", max_new_tokens=16,
                                       stop_at_eos=False, budget_policy="fixed", kernels=kernels, **budget))
         ad, dr, cfg = dec.adapter, dec.drafter, dec.config

@@ -218,6 +218,12 @@ def _kernels():
                            pair_rows=draft_tree_triton.pair_rows, accepted_rows=draft_tree_triton.accepted_rows)
 
 
+def kernel_forms(adapter: TargetAdapter) -> bool:
+    """Whether a drafter bound to ``adapter`` takes the Triton forms of its draft levels: where
+    the target runs its kernels (a GPU, or the interpreter in tests), in float32 or bfloat16."""
+    return bool(getattr(adapter, "triton_kernels", False)) and adapter.dtype in (torch.float32, torch.bfloat16)
+
+
 def is_eagle_dir(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding a saved EAGLE drafter (its config says so)."""
     cfg = Path(path) / "config.json"
@@ -275,10 +281,7 @@ class EagleDrafter(Drafter):
                                f"has {adapter.vocab_size}: it was trained for another target")
         self.adapter = adapter
         self.head = self.head.to(adapter.device, adapter.dtype).eval()
-        # the Triton forms of a draft level where the target runs its kernels (a GPU, or the
-        # interpreter in tests), in float32 or bfloat16
-        self.kernels = bool(getattr(adapter, "triton_kernels", False)) and adapter.dtype in (torch.float32,
-                                                                                            torch.bfloat16)
+        self.kernels = kernel_forms(adapter)
 
     @torch.no_grad()
     def reset(self, prompts: list[list[int]]) -> None:

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from ..errors import DrafterError
 from ..interfaces import TargetAdapter
-from ..ops.attention import draft_attention
-from .eagle import EagleDrafter
+from ..ops.attention import draft_level_attention
+from .eagle import EagleDrafter, _kernels, kernel_forms
 from .pruning import take_rows
 
 
@@ -186,7 +186,9 @@ class MTPDrafter(EagleDrafter):
     """Draft chains and trees from a checkpoint's MTP module (see the module docstring).
 
     State as :class:`EagleDrafter`'s, with the MTP attention's key/value heads in the cache. The
-    draft levels run on PyTorch through the model's own modules.
+    module's blocks run through the model's own modules; the level's attention over the cache
+    and the tree ancestors, the top-k, the tree bookkeeping and the cache update take EAGLE's
+    Triton forms where the target runs its kernels (grouped key/value heads included).
 
     Args:
         head: the plugin's :class:`MTPHead`.
@@ -197,13 +199,10 @@ class MTPDrafter(EagleDrafter):
     def bind(self, adapter: TargetAdapter) -> None:
         self.adapter = adapter
         self.head.bind(adapter)
-        self.kernels = False
+        self.kernels = kernel_forms(adapter)
 
     def _cache_heads(self) -> tuple[int, int]:
         return self.head.attention.HKV, self.head.attention.Dh
-
-    def _root_state(self) -> Tensor:
-        return self._features(self.feature)[:, None]
 
     def _features(self, hidden: Tensor) -> Tensor:
         return self.head.features(hidden)
@@ -217,29 +216,26 @@ class MTPDrafter(EagleDrafter):
     def _logits(self, feature: Tensor) -> Tensor:
         return self.head.logits(feature)
 
-    def _level(self, state: Tensor, slot: Tensor | None, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """One draft level. ``state [B, P, hidden + 2 A kv]``: the previous level's features,
-        then the keys and values of their ``A`` ancestors and themselves (``kv = HKV Dh``,
-        flattened); ``slot [B, M]``: the row each new node hangs from (``None``: row ``m``).
-        Nodes sit at position ``cache_len + A`` (the pair of a feature at position ``p`` is at
-        ``p``)."""
-        if slot is not None:
-            state = take_rows(state, slot)
-        B, M, S = state.shape[:3]
-        H = self.feature.shape[-1]
-        HKV, Dh = self._cache_heads()
-        A = (S - H) // (2 * HKV * Dh)
-        positions = (self.cache_len + A)[:, None].expand(B, M)
-        shape = (B, M, A, HKV, Dh)
-        anc_k, anc_v = state[..., H : H + A * HKV * Dh].reshape(shape), state[..., H + A * HKV * Dh :].reshape(shape)
+    def _level(self, state: tuple[Tensor, Tensor, Tensor], slot: Tensor | None,
+               tokens: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
+        """One draft level, in :meth:`EagleDrafter._level`'s layout: ``state`` holds the
+        previous level's ``P`` predicted features ``[B, P, hidden]`` and the keys and values of
+        their ``A`` ancestors and themselves ``[B, P, A, HKV, Dh]``; ``slot [B, M]``: the row each
+        new node hangs from (``None``: row ``m``). Nodes sit at position ``cache_len + A`` (the
+        pair of a feature at position ``p`` is at ``p``)."""
+        feats, anc_k, anc_v = state
+        B, M = tokens.shape
+        positions = (self.cache_len + anc_k.shape[2])[:, None].expand(B, M)
         attn, kv = self.head.attention, []
+        level = _kernels().draft_level_attention if self.kernels else draft_level_attention
 
         def attend(n: Tensor) -> Tensor:  # over the cache, the ancestors and the node itself
             q, k, v, gate = attn.project(n, positions)
-            kv.extend([torch.cat([anc_k, k[:, :, None]], 2), torch.cat([anc_v, v[:, :, None]], 2)])
-            o = draft_attention(q, self.cache_k, self.cache_v, self.cache_len, *kv).to(n.dtype)
-            return attn.output(o, gate)
+            kw = dict(out_dtype=n.dtype) if self.kernels else {}
+            o, keys, values = level(q, k, v, self.cache_k, self.cache_v, self.cache_len, anc_k, anc_v, slot, **kw)
+            kv.extend([keys, values])
+            return attn.output(o.to(n.dtype), gate)
 
-        new = self.head.run(self.head.pair(state[..., :H], self.adapter.embed(tokens)), attend)
-        keys, values = kv
-        return torch.cat([new, keys.flatten(2), values.flatten(2)], -1), new
+        parents = feats if slot is None else take_rows(feats, slot)
+        new = self.head.run(self.head.pair(parents, self.adapter.embed(tokens)), attend)
+        return (new, *kv), new

@@ -169,7 +169,7 @@ def draft_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tens
         q: ``[B, M, H, Dh]``; cache_k, cache_v: ``[B, L, HKV, Dh]``; cache_len: ``[B]`` int64,
             ``0 <= cache_len <= L``; keys, values: ``[B, M, A, HKV, Dh]`` with ``A >= 1``;
             ``H`` a multiple of ``HKV`` (grouped-query heads: query head ``h`` reads key/value
-            head ``h // (H / HKV)``; the Triton twin takes ``HKV == H`` only).
+            head ``h // (H / HKV)``).
     Returns:
         ``[B, M, H, Dh]`` in the promotion of ``q``'s dtype and float32.
     Source: EAGLE (Li et al. 2024) draft attention with EAGLE-2's tree ancestors.

@@ -21,23 +21,25 @@ from . import check_out
 
 
 @triton.jit
-def _draft_attention_kernel(q, ck, cv, clen, ak, av, slot, sk, sv, o, nk, nv, M, A, D, scale,
+def _draft_attention_kernel(q, ck, cv, clen, ak, av, slot, sk, sv, o, nk, nv, M, A, D, G, scale,
                             sqb, sqm, sqh, sckb, sckl, sckh, scvb, scvl, scvh,
                             sakb, sakm, saka, sakh, savb, savm, sava, savh,
                             sskb, sskm, sskh, ssvb, ssvm, ssvh, sob, som, soh,
                             BD: tl.constexpr, BL: tl.constexpr, BA: tl.constexpr,
                             HAS_SLOT: tl.constexpr):
-    """Node ``(b, m)``, head ``h``: the cache's valid entries, then the ``A`` ancestors of row
-    ``slot[b, m]`` (``m`` without ``HAS_SLOT``) of ``ak``/``av``, then the node's own key
-    ``sk[b, m]``; those ``A + 1`` keys and values are also stored as the node's
-    row of ``nk``/``nv`` (contiguous ``[B, M, A + 1, H, D]``), what its children attend to."""
+    """Node ``(b, m)``, query head ``h`` (key/value head ``h // G``): the cache's valid entries,
+    then the ``A`` ancestors of row ``slot[b, m]`` (``m`` without ``HAS_SLOT``) of ``ak``/``av``,
+    then the node's own key ``sk[b, m]``; the first query head of each group also stores those
+    ``A + 1`` keys and values as the node's row of ``nk``/``nv`` (contiguous ``[B, M, A + 1,
+    HKV, D]``), what its children attend to."""
     i = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    H = tl.num_programs(1)
+    hq = tl.program_id(1).to(tl.int64)
+    HKV = tl.num_programs(1) // G
+    h = hq // G  # the key/value head: every load below but q's reads it
     b, m = i // M, i % M
     d = tl.arange(0, BD)
     dm = d < D
-    qv = tl.load(q + b * sqb + m * sqm + h * sqh + d, mask=dm, other=0.0).to(tl.float32) * scale
+    qv = tl.load(q + b * sqb + m * sqm + hq * sqh + d, mask=dm, other=0.0).to(tl.float32) * scale
     qc = qv.to(ck.dtype.element_ty).to(tl.float32)  # the cache's products take q in its dtype
     n = tl.load(clen + b)
     mx = tl.full([1], float("-inf"), tl.float32)
@@ -76,11 +78,12 @@ def _draft_attention_kernel(q, ck, cv, clen, ak, av, slot, sk, sv, o, nk, nv, M,
     p = tl.exp(s - new)
     acc = acc * alpha + tl.sum(p[:, None] * vb, 0)
     den = den * alpha + tl.sum(p, 0)
-    tl.store(o + b * sob + m * som + h * soh + d, (acc / den).to(o.dtype.element_ty), mask=dm)
-    row = ((i * (A + 1) + a[:, None]) * H + h) * D + d[None, :]
-    ok = (a <= A)[:, None] & dm[None, :]
-    tl.store(nk + row, kb.to(nk.dtype.element_ty), mask=ok)
-    tl.store(nv + row, vb.to(nv.dtype.element_ty), mask=ok)
+    tl.store(o + b * sob + m * som + hq * soh + d, (acc / den).to(o.dtype.element_ty), mask=dm)
+    if hq % G == 0:  # one writer per key/value head
+        row = ((i * (A + 1) + a[:, None]) * HKV + h) * D + d[None, :]
+        ok = (a <= A)[:, None] & dm[None, :]
+        tl.store(nk + row, kb.to(nk.dtype.element_ty), mask=ok)
+        tl.store(nv + row, vb.to(nv.dtype.element_ty), mask=ok)
 
 
 def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor, cache_len: Tensor,
@@ -92,29 +95,33 @@ def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cach
     values written by the same program, so a draft level gathers and concatenates nothing.
 
     Args:
-        q, k, v: ``[B, M, H, Dh]`` (strided views of a fused projection are fine); cache_k,
-            cache_v: ``[B, L, H, Dh]``; cache_len: ``[B]`` int64; anc_k, anc_v: ``[B, P, A, H,
-            Dh]``, ``A >= 0``; slot: ``[B, M]`` int64 rows of ``anc_*`` below ``P`` (not checked:
-            a host read), or ``None`` (``P == M``). Every last dim dense.
+        q: ``[B, M, H, Dh]``; k, v: ``[B, M, HKV, Dh]`` (strided views of a fused projection
+            are fine), ``H`` a multiple of ``HKV`` (grouped-query heads: query head ``h`` reads
+            key/value head ``h // (H / HKV)``); cache_k, cache_v: ``[B, L, HKV, Dh]``;
+            cache_len: ``[B]`` int64; anc_k, anc_v: ``[B, P, A, HKV, Dh]``, ``A >= 0``; slot:
+            ``[B, M]`` int64 rows of ``anc_*`` below ``P`` (not checked: a host read), or
+            ``None`` (``P == M``). Every last dim dense.
         out_dtype: the output's dtype (computed in float32, rounded once when stored).
         out: optional preallocated results (contiguous, the shapes and dtypes returned).
     Returns:
-        ``(out [B, M, H, Dh]`` in ``out_dtype``, ``keys, values [B, M, A + 1, H, Dh])`` in
+        ``(out [B, M, H, Dh]`` in ``out_dtype``, ``keys, values [B, M, A + 1, HKV, Dh])`` in
         ``k``'s and ``v``'s dtypes.
     Raises:
         ValueError: shapes disagree, float64 inputs, a last dim that is not dense, or ``out``
             of another layout.
     """
     B, M, H, Dh = q.shape
-    L, (P, A) = cache_k.shape[1], anc_k.shape[1:3]
-    if (k.shape != q.shape or v.shape != q.shape or cache_k.shape != (B, L, H, Dh) or cache_v.shape != cache_k.shape
-            or anc_k.shape != (B, P, A, H, Dh) or anc_v.shape != anc_k.shape or cache_len.shape != (B,)
+    L, (P, A), HKV = cache_k.shape[1], anc_k.shape[1:3], k.shape[2]
+    if (k.shape != (B, M, HKV, Dh) or v.shape != k.shape or HKV < 1 or H % HKV
+            or cache_k.shape != (B, L, HKV, Dh) or cache_v.shape != cache_k.shape
+            or anc_k.shape != (B, P, A, HKV, Dh) or anc_v.shape != anc_k.shape or cache_len.shape != (B,)
             or (slot is None and P != M) or (slot is not None and (slot.shape != (B, M) or slot.dtype != torch.int64))):
         raise ValueError(f"draft_level_attention: q/k/v {list(q.shape)}/{list(k.shape)}/{list(v.shape)}, cache "
                          f"{list(cache_k.shape)}/{list(cache_v.shape)}, ancestors {list(anc_k.shape)}/"
                          f"{list(anc_v.shape)}, cache_len {list(cache_len.shape)}, slot "
-                         f"{None if slot is None else (list(slot.shape), slot.dtype)}: expected [B, M, H, Dh], "
-                         "[B, L, H, Dh], [B, P, A, H, Dh], [B] and int64 [B, M] (or None with P == M)")
+                         f"{None if slot is None else (list(slot.shape), slot.dtype)}: expected q [B, M, H, Dh], "
+                         "k/v [B, M, HKV, Dh] with HKV dividing H, [B, L, HKV, Dh], [B, P, A, HKV, Dh], [B] and "
+                         "int64 [B, M] (or None with P == M)")
     if torch.float64 in (q.dtype, k.dtype, v.dtype, cache_k.dtype, anc_k.dtype):
         raise ValueError("draft_level_attention's kernel computes in float32; use "
                          "specla.ops.attention.draft_level_attention for float64")
@@ -122,15 +129,15 @@ def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cach
         raise ValueError("draft_level_attention: every input's last dim must be dense")
     if out is None:
         out = (torch.empty(B, M, H, Dh, dtype=out_dtype, device=q.device),
-               torch.empty(B, M, A + 1, H, Dh, dtype=k.dtype, device=q.device),
-               torch.empty(B, M, A + 1, H, Dh, dtype=v.dtype, device=q.device))
+               torch.empty(B, M, A + 1, HKV, Dh, dtype=k.dtype, device=q.device),
+               torch.empty(B, M, A + 1, HKV, Dh, dtype=v.dtype, device=q.device))
     check_out(out[:1], (B, M, H, Dh), (out[0].dtype,), q.device)
-    check_out(out[1:], (B, M, A + 1, H, Dh), (k.dtype, v.dtype), q.device)
+    check_out(out[1:], (B, M, A + 1, HKV, Dh), (k.dtype, v.dtype), q.device)
     out, keys, values = out
     if B * M:  # cache_len and slot are read densely
         _draft_attention_kernel[(B * M, H)](
             q, cache_k, cache_v, cache_len.contiguous(), anc_k, anc_v,
-            cache_len if slot is None else slot.contiguous(), k, v, out, keys, values, M, A, Dh, Dh ** -0.5,
+            cache_len if slot is None else slot.contiguous(), k, v, out, keys, values, M, A, Dh, H // HKV, Dh ** -0.5,
             q.stride(0), q.stride(1), q.stride(2), *cache_k.stride()[:3], *cache_v.stride()[:3],
             *anc_k.stride()[:4], *anc_v.stride()[:4], *k.stride()[:3], *v.stride()[:3],
             out.stride(0), out.stride(1), out.stride(2),
