@@ -205,6 +205,14 @@ class SpecDecoder:
                      for t in p] for p in rows]
         raise TypeError("prompts must be all strings or all token-id lists (or 1-D tensors/arrays)")
 
+    def warm_up(self, prompts: Any) -> None:
+        """Record, before serving, what decoding ``prompts`` as one batch will need: Triton's
+        compiled kernels for their shapes and, with CUDA graphs under the adaptive budget policy,
+        every candidate budget's graph for this batch size and the smaller graph batches
+        (:meth:`specla.engine.Engine.warm_up`), so that no later call records one. Outputs are
+        dropped. Arguments and errors as :meth:`generate`; thread-safe."""
+        self.engine.warm_up(self.encode(prompts))
+
     def generate(self, prompts: Any) -> RunResult:
         """Decode ``prompts`` (strings with a tokenizer, or token-id lists) as one batch.
 

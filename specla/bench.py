@@ -167,7 +167,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
     # warm-up outside the timing, as a server warms up before it serves: Triton compiles a kernel
     # for each new shape class on first use (seconds each) and a CUDA graph is recorded per graph
-    # batch, which would otherwise land in the timed batches. First the suite's longest prompt at
+    # batch and candidate budget, which would otherwise land in the timed batches. First the suite's longest prompt at
     # every batch size measured, largest first, so that the caches sized for prompt +
     # max_new_tokens (and the graphs recorded on them) are sized once, not again mid-run; then
     # every smaller graph batch (a batch's tail gathers its live rows into them as rows finish);
@@ -178,7 +178,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     tails = sorted(graph_batches - {batch_bucket(size) for size in sizes}, reverse=True)
     firsts = [next(b for b in batches if len(b) == size) for size in sizes]
     for prompts in [[longest] * size for size in sizes + tails] + [[r["prompt"] for r in b] for b in firsts]:
-        spec.generate(prompts)
+        spec.warm_up(prompts)  # every candidate budget's graphs too, under the adaptive policy
         ar.generate(prompts)
     started, done = time.perf_counter(), 0
     # where the speculative calls' time went, summed over the timed calls (RunStats fields)

@@ -124,6 +124,7 @@ class Engine:
         self._graph_runners: list[GraphRunner | None] = [None] * len(self.configs)
         self.policy = BudgetPolicy([c.num_draft_tokens for c in self.configs]) if adaptive else None
         self._current = 0  # the candidate the last step ran
+        self._forced: int | None = None  # a candidate every step runs, the policy aside (warm_up)
         self._lock = threading.Lock()  # one batch at a time: the state below is the engine's only copy
         # the draws of a sampling run: one generator for the eager steps and every runner, reseeded
         # by each generate call (separate generators seeded alike would repeat each other's draws)
@@ -156,6 +157,31 @@ class Engine:
         """
         with self._lock:
             return self._generate(prompts)
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """Decode ``prompts`` as a server does before it serves: under the adaptive policy, once
+        with each candidate budget forced (the policy neither chooses nor observes those steps),
+        so that every candidate's CUDA graph for this batch, and for the smaller graph batches
+        its finishing rows gather into, is recorded now rather than inside a later call (the
+        policy meets a candidate at a batch size first when it measures it, and recording a
+        graph costs a whole call's worth of steps at large batch); then once as :meth:`generate`
+        (the policy's first measurements). Outputs are dropped.
+
+        Args:
+            prompts: ``B`` non-empty lists of token ids.
+        Raises:
+            as :meth:`generate`.
+        Thread-safe, as :meth:`generate`.
+        """
+        with self._lock:
+            if self.policy is not None:
+                for c in range(len(self.configs)):
+                    self._forced = c
+                    try:
+                        self._generate(prompts)
+                    finally:
+                        self._forced = None
+            self._generate(prompts)
 
     def _generate(self, prompts: list[list[int]]) -> tuple[list[list[int]], RunStats]:
         cfg, adapter = self.config, self.adapter
@@ -246,6 +272,8 @@ class Engine:
     def _choose(self, batch: int) -> int:
         """The candidate budget of the next step: an index into ``self.configs`` (0: the
         configured one; the last: plain decoding)."""
+        if self._forced is not None:
+            return self._forced
         return 0 if self.policy is None else self.policy.choose(batch_bucket(batch))
 
     def _observe(self, run: _Decoding, num: list[int], seconds: float | None, candidate: int) -> None:
@@ -254,7 +282,7 @@ class Engine:
             run.stats.plain_steps += 1
         elif candidate:
             run.stats.chain_steps += 1
-        if self.policy is None:
+        if self.policy is None or self._forced is not None:
             return
         live = [n for n, seq in zip(num, run.rows) if seq is not None]
         self.policy.observe(batch_bucket(len(run.rows)), seconds, 1 + sum(live) / max(len(live), 1))

@@ -113,15 +113,18 @@ def test_the_warm_up_covers_cache_sizes_graph_batches_and_ragged_prefill(tmp_pat
             {"prompt": "Q: 2 + 2?", "category": "gsm8k"}]
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    calls, generate = [], specla.bench.SpecDecoder.generate
+    calls = []
 
-    def spy(self, prompts):
-        out = generate(self, prompts)
-        if self.drafter is not None and hasattr(self.drafter, "capacity"):
-            calls.append((prompts, self.drafter.capacity))
-        return out
+    def spy(method):  # the speculative decoder's warm-up and timed calls, with its cache capacity
+        def called(self, prompts):
+            out = method(self, prompts)
+            if self.drafter is not None and hasattr(self.drafter, "capacity"):
+                calls.append((prompts, self.drafter.capacity))
+            return out
+        return called
 
-    monkeypatch.setattr(specla.bench.SpecDecoder, "generate", spy)
+    monkeypatch.setattr(specla.bench.SpecDecoder, "generate", spy(specla.bench.SpecDecoder.generate))
+    monkeypatch.setattr(specla.bench.SpecDecoder, "warm_up", spy(specla.bench.SpecDecoder.warm_up))
     cfg = SpecConfig(max_new_tokens=8, dtype="float32", num_draft_tokens=4, max_depth=3)
     long, p = rows[1]["prompt"], [r["prompt"] for r in rows]
     run_bench(TINY, str(TINY.parent / "tiny-eagle"), path, config=cfg, batch_size=1)

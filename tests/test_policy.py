@@ -208,3 +208,40 @@ def test_the_policy_defaults_to_fixed_budgets_on_eager_steps():
         assert SpecDecoder(model, config=dict(device="cuda", cuda_graphs="off")).engine.policy is None
     out = specla.run(model, prompts=[[1, 2, 3]], config=dict(budget_policy="adaptive", max_new_tokens=30))
     assert out.outputs == [get_plugin("gdn").reference_decode(model, [1, 2, 3], 30)]
+
+
+@pytest.mark.parametrize("graphs", ["unrecorded", pytest.param(
+    "on", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_warm_up_prepares_every_candidates_graphs_and_leaves_the_output_exact(graphs):
+    """``SpecDecoder.warm_up`` under the adaptive policy: every candidate budget (tree, its
+    chain, plain) gets its graph for the batch and for the smaller graph batch its finishing rows
+    gather into, the policy observes none of the forced steps (its first measurements come from
+    the last, policy-chosen pass), and a later call decodes exactly and, on a GPU, records no
+    graph; a bad prompt raises as generate does."""
+    from specla.errors import InvalidTokenError
+
+    arch = get_plugin("gdn")
+    model = arch.tiny_model("base", seed=3, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    motif = torch.randint(0, 61, (4,), generator=g).tolist()
+    prompts = [motif * 3, torch.randint(0, 61, (7,), generator=g).tolist(), motif * 2 + [5], [9, 9]]
+    refs = [arch.reference_decode(model, p, 16) for p in prompts]
+    stops = (refs[1][1], refs[3][3])  # rows end at different steps: the rest gather into smaller batches
+    ends = [min([r.index(t) + 1 for t in stops if t in r] + [16]) for r in refs]
+    assert len(set(ends)) >= 3
+    dec = SpecDecoder(model, config=dict(num_draft_tokens=4, max_depth=3, top_k=2, max_new_tokens=16,
+                                         stop_token_ids=stops, cuda_graphs=graphs, budget_policy="adaptive",
+                                         device="cuda" if graphs == "on" else "cpu"))
+    eng = dec.engine
+    with pytest.raises(InvalidTokenError):
+        dec.warm_up([[1, 2], []])
+    assert all(r is None or not r.graphs for r in eng._graph_runners)
+    observed = []
+    eng.policy.observe = lambda *a, _f=eng.policy.observe: (observed.append(eng._forced), _f(*a))
+    dec.warm_up(prompts)
+    assert observed and set(observed) == {None}  # the forced steps were not observed
+    for runner in eng._graph_runners:  # each candidate's graph for 4 rows and a smaller batch
+        assert runner is not None and 4 in runner.graphs and len(runner.graphs) >= 2
+    out = dec.generate(prompts)
+    assert out.outputs == [r[:e] for r, e in zip(refs, ends)]
+    assert out.stats.graphs_recorded == 0
