@@ -12,9 +12,10 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gated", [None, "swish", "sigmoid"])
-def test_rms_norm_kernel_equals_twin(dtype, gated):
-    """Rows taken from a wider projection (strided), D = 48 (not a power of two)."""
+@pytest.mark.parametrize("gated,unit_offset", [(None, False), ("swish", False), ("sigmoid", False), (None, True)])
+def test_rms_norm_kernel_equals_twin(dtype, gated, unit_offset):
+    """Rows taken from a wider projection (strided), D = 48 (not a power of two); also the
+    zero-centred form (``1 + weight``)."""
     g = torch.Generator().manual_seed(3)
     wide = (torch.randn(3, 5, 2, 80, generator=g) * 3).to(dtype).to(DEV)
     x = wide[..., 7:55]  # [3, 5, 2, 48], row stride 80
@@ -23,8 +24,8 @@ def test_rms_norm_kernel_equals_twin(dtype, gated):
     out_dtype = torch.float32 if dtype == torch.bfloat16 and gated else None
     ct = torch.float64 if dtype == torch.float64 else torch.float32
     out = torch.full(x.shape, float("nan"), dtype=out_dtype or (ct if gated else dtype), device=DEV)
-    got = norm_triton.rms_norm(x, w, 1e-6, gate, gated or "swish", out_dtype=out_dtype, out=out)
-    ref = norm.gated_rms_norm(x, w, 1e-6, gate, gated, out_dtype) if gated else norm.rms_norm(x, w, 1e-6)
+    got = norm_triton.rms_norm(x, w, 1e-6, gate, gated or "swish", out_dtype=out_dtype, out=out, unit_offset=unit_offset)
+    ref = norm.gated_rms_norm(x, w, 1e-6, gate, gated, out_dtype) if gated else norm.rms_norm(x, w, 1e-6, unit_offset)
     assert got is out and got.dtype == ref.dtype and not got.isnan().any()
     assert rel_err(got.double(), ref.double()) < TOL[dtype]
 
@@ -42,6 +43,25 @@ def test_l2norm_pair_kernel_equals_twin(dtype):
     assert not q.isnan().any() and not k.isnan().any()
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     assert rel_err(q.double(), rq.double()) < tol and rel_err(k.double(), rk.double()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centred_rms_norm_equals_transformers_qwen_norm(dtype):
+    """The zero-centred form (twin and kernel) against transformers' own ``Qwen3_5RMSNorm`` (the
+    oracle), on a weight around 0 as the checkpoints store it."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    mod = Qwen3_5RMSNorm(40, eps=1e-6).to(dtype).to(DEV)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(40, generator=g) * 0.1)
+    x = (torch.randn(3, 7, 40, generator=g) * 2).to(dtype).to(DEV)
+    want = mod(x)
+    out = torch.full(x.shape, float("nan"), dtype=dtype, device=DEV)
+    for got in (norm.rms_norm(x, mod.weight, mod.eps, unit_offset=True),
+                norm_triton.rms_norm(x, mod.weight, mod.eps, out=out, unit_offset=True)):
+        assert got.dtype == dtype and not got.isnan().any()
+        assert rel_err(got.double(), want.double()) < TOL[dtype]
 
 
 def test_norm_kernels_reject_bad_shapes():

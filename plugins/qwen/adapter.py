@@ -10,7 +10,11 @@ GDN layer runs :class:`specla_gdn.mixer.GDNMixer` (the gdn plugin's tree verify,
 kernels) from the layer's own weights, each attention layer :class:`QwenAttention` (the core's
 tree attention over a KV cache). Everything position-wise (embeddings, the zero-centred RMSNorms,
 the MLP or the MoE block, the gated output norm, q/k norms, the rotary embedding, the LM head) is
-the checkpoint's own transformers module, called on the verify rows.
+the checkpoint's own transformers module, called on the verify rows, except that where the
+plugin's Triton kernels run without autograd each RMSNorm is one launch of
+:func:`specla.ops.norm_triton.rms_norm` on the module's own weight and epsilon (same formula,
+computed in float32; transformers' form takes six to eight launches, and a recorded step is bound
+by its launches).
 """
 
 from __future__ import annotations
@@ -40,12 +44,24 @@ def eager_experts_for_float64(model: torch.nn.Module) -> None:
                 c._experts_implementation = "eager"
 
 
-def decoder_layer(layer: torch.nn.Module, x: Tensor, mix) -> Tensor:
+def norm(module: torch.nn.Module, x: Tensor, kernels: bool) -> Tensor:
+    """A zero-centred RMSNorm module (``Qwen3_5RMSNorm``, ``Qwen3NextRMSNorm``: ``x * rsqrt(mean(x^2)
+    + eps) * (1 + weight)`` in float32, returned in ``x``'s dtype) on ``x [..., hidden]``: its own
+    forward, or with ``kernels`` and no autograd one Triton launch of the same formula."""
+    if kernels and not torch.is_grad_enabled():
+        from specla.ops import norm_triton  # on first use: TRITON_INTERPRET is read when kernels are defined
+
+        return norm_triton.rms_norm(x, module.weight, module.eps, unit_offset=True)
+    return module(x)
+
+
+def decoder_layer(layer: torch.nn.Module, x: Tensor, mix, kernels: bool = False) -> Tensor:
     """A Qwen decoder layer on the residual stream ``x [B, T, hidden]``: ``x + mix(norm(x))``
     with the layer's sequence mixer behind ``mix``, then its MLP or MoE (some MoE blocks also
-    return router logits, dropped), each with the layer's own pre-norm."""
-    x = x + mix(layer.input_layernorm(x))
-    y = layer.mlp(layer.post_attention_layernorm(x))
+    return router logits, dropped), each with the layer's own pre-norm (see :func:`norm` for
+    ``kernels``)."""
+    x = x + mix(norm(layer.input_layernorm, x, kernels))
+    y = layer.mlp(norm(layer.post_attention_layernorm, x, kernels))
     return x + (y[0] if isinstance(y, tuple) else y)
 
 
@@ -68,19 +84,21 @@ class QwenAttention(AttentionMixer):
     Args:
         attn: the layer's ``self_attn`` module. rotary: the text model's ``rotary_emb``.
         dtype, device: the KV cache's.
+        kernels: the q/k norms as Triton launches where no gradient is taken (see :func:`norm`).
     """
 
-    def __init__(self, attn: torch.nn.Module, rotary: torch.nn.Module, dtype: torch.dtype, device: torch.device):
+    def __init__(self, attn: torch.nn.Module, rotary: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                 kernels: bool = False):
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-        self.attn, self.rotary, self._rope = attn, rotary, apply_rotary_pos_emb
+        self.attn, self.rotary, self._rope, self.kernels = attn, rotary, apply_rotary_pos_emb, kernels
         super().__init__(attn.config.num_key_value_heads, attn.head_dim, dtype, device, scale=attn.scaling)
 
     def project(self, h: Tensor, positions: Tensor):
         a, (B, T), D = self.attn, h.shape[:2], self.Dh
         q, gate = torch.chunk(a.q_proj(h).view(B, T, -1, 2 * D), 2, dim=-1)
-        q = a.q_norm(q)
-        k = a.k_norm(a.k_proj(h).view(B, T, -1, D))
+        q = norm(a.q_norm, q, self.kernels)
+        k = norm(a.k_norm, a.k_proj(h).view(B, T, -1, D), self.kernels)
         v = a.v_proj(h).view(B, T, -1, D)
         cos, sin = rotary_cos_sin(self.rotary, h, positions)
         q, k = self._rope(q, k, cos, sin, unsqueeze_dim=2)
@@ -126,7 +144,7 @@ class QwenAdapter(MixerAdapter):
 
     def _mixer(self, layer: torch.nn.Module):
         if hasattr(layer, "self_attn"):  # a full_attention layer
-            return QwenAttention(layer.self_attn, self.text.rotary_emb, self.dtype, self.device)
+            return QwenAttention(layer.self_attn, self.text.rotary_emb, self.dtype, self.device, self.triton_kernels)
         lin = layer.linear_attn
         st = lambda p: p.detach().to(self.state_dtype)  # noqa: E731
         Vd = lin.head_v_dim
@@ -138,9 +156,19 @@ class QwenAdapter(MixerAdapter):
                 return torch.cat([flat(q), flat(k), flat(v)], -1), a, b, flat(z)
             return lin.in_proj_qkv(h), lin.in_proj_a(h), lin.in_proj_b(h), lin.in_proj_z(h)
 
+        gated = lin.norm
+
         def output(o: Tensor, z: Tensor, kernels: bool) -> Tensor:
             B, T = o.shape[:2]  # transformers' gated norm takes o in the activation dtype
-            return lin.out_proj(lin.norm(o.to(self.dtype).reshape(-1, Vd), z.reshape(-1, Vd)).reshape(B, T, -1))
+            o, z = o.to(self.dtype).reshape(-1, Vd), z.reshape(-1, Vd)
+            if kernels and gated.activation in ("silu", "swish", "sigmoid"):  # the same formula in one launch
+                from specla.ops import norm_triton
+
+                y = norm_triton.rms_norm(o, gated.weight, gated.variance_epsilon, z, gated.activation,
+                                         out_dtype=self.dtype)
+            else:
+                y = gated(o, z)
+            return lin.out_proj(y.reshape(B, T, -1))
 
         conv = lin.conv1d
         conv_b = conv.bias.detach() if conv.bias is not None else None
@@ -153,8 +181,9 @@ class QwenAdapter(MixerAdapter):
         return self._experts_problem
 
     def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
-        return decoder_layer(self.layers[li], x, mix)
+        return decoder_layer(self.layers[li], x, mix, kernels)
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
-        """Logits ``[..., vocab]`` of last-layer features: the model's final norm and LM head."""
-        return self.head(self.text.norm(hidden))
+        """Logits ``[..., vocab]`` of last-layer features: the model's final norm (see
+        :func:`norm`) and LM head."""
+        return self.head(norm(self.text.norm, hidden, self.triton_kernels))

@@ -21,7 +21,7 @@ from specla.drafters.mtp import MTPDrafter, MTPHead, checkpoint_directory, load_
 from specla.errors import DrafterError
 from specla.interfaces import TargetAdapter
 
-from .adapter import QwenAttention, decoder_layer, text_parts
+from .adapter import QwenAttention, decoder_layer, norm, text_parts
 
 
 class QwenMTPHead(MTPHead):
@@ -55,23 +55,28 @@ class QwenMTPHead(MTPHead):
         if tensors is not None:
             load_mtp_state(self, tensors, model)
 
+    kernels = False  # the norms as Triton launches (the adapter's choice, set on bind)
+
     def bind(self, adapter: TargetAdapter) -> None:
         self.to(adapter.device, adapter.dtype).eval()
         self.text, self.lm_head = text_parts(adapter.model)
-        self.attention = QwenAttention(self.layers[0].self_attn, self.text.rotary_emb, adapter.dtype, adapter.device)
+        self.kernels = bool(getattr(adapter, "triton_kernels", False))
+        self.attention = QwenAttention(self.layers[0].self_attn, self.text.rotary_emb, adapter.dtype, adapter.device,
+                                       self.kernels)
 
     def features(self, hidden: Tensor) -> Tensor:
-        return self.text.norm(hidden)
+        return norm(self.text.norm, hidden, self.kernels)
 
     def pair(self, feature: Tensor, embedding: Tensor) -> Tensor:
         """``fc([norm_e(e) ; norm_h(f)])``: ``[..., hidden]``."""
-        return self.fc(torch.cat([self.pre_fc_norm_embedding(embedding), self.pre_fc_norm_hidden(feature)], -1))
+        return self.fc(torch.cat([norm(self.pre_fc_norm_embedding, embedding, self.kernels),
+                                  norm(self.pre_fc_norm_hidden, feature, self.kernels)], -1))
 
     def attention_input(self, h: Tensor) -> Tensor:
-        return self.layers[0].input_layernorm(h)
+        return norm(self.layers[0].input_layernorm, h, self.kernels)
 
     def run(self, h: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
-        return self.norm(decoder_layer(self.layers[0], h, attend))
+        return norm(self.norm, decoder_layer(self.layers[0], h, attend, self.kernels), self.kernels)
 
     def logits(self, feature: Tensor) -> Tensor:
         return self.lm_head(feature)

@@ -13,10 +13,13 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm computed in float32 (float64 for float64 inputs), returned in ``x.dtype`` (FLA)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
+    """RMSNorm computed in float32 (float64 for float64 inputs), returned in ``x.dtype`` (FLA);
+    ``unit_offset``: scaled by ``1 + weight`` (the zero-centred RMSNorm of Qwen3.5 and
+    Qwen3-Next: transformers' ``Qwen3_5RMSNorm``)."""
     xc = x.to(compute_dtype(x))
-    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xc.dtype)).to(x.dtype)
+    w = weight.to(xc.dtype)
+    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * (1 + w if unit_offset else w)).to(x.dtype)
 
 
 def gated_rms_norm(x: Tensor, weight: Tensor, eps: float, gate: Tensor, activation: str = "swish",

@@ -17,8 +17,9 @@ from .norm import compute_dtype
 
 @triton.jit
 def _rms_norm_kernel(x, w, g, y, D, R, sxo, sxi, sgo, sgi, eps, BD: tl.constexpr, F64: tl.constexpr,
-                     GATE: tl.constexpr, SIGMOID: tl.constexpr):
-    """One row: ``t = x * rsqrt(mean(x^2) + eps) * w`` rounded to x's dtype; with ``GATE``,
+                     GATE: tl.constexpr, SIGMOID: tl.constexpr, OFFSET: tl.constexpr):
+    """One row: ``t = x * rsqrt(mean(x^2) + eps) * w`` (``* (1 + w)`` with ``OFFSET``) rounded to
+    x's dtype; with ``GATE``,
     ``y = t * act(g)`` (act: SiLU, or sigmoid), stored in y's dtype. Row ``i`` is row ``i % R``
     of group ``i // R`` (strides ``s?i`` and ``s?o``): heads of a token inside a wider projection."""
     i = tl.program_id(0).to(tl.int64)
@@ -28,7 +29,10 @@ def _rms_norm_kernel(x, w, g, y, D, R, sxo, sxi, sgo, sgi, eps, BD: tl.constexpr
     m = o < D
     xr = tl.load(x + io * sxo + ii * sxi + o, mask=m, other=0.0).to(ct)
     r = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / D + eps)
-    t = xr * r * tl.load(w + o, mask=m, other=0.0).to(ct)
+    wr = tl.load(w + o, mask=m, other=0.0).to(ct)
+    if OFFSET:
+        wr = wr + 1.0
+    t = xr * r * wr
     if GATE:
         t = t.to(x.dtype.element_ty).to(ct)  # the PyTorch form rounds the norm to x's dtype first
         gr = tl.load(g + io * sgo + ii * sgi + o, mask=m, other=0.0).to(ct)
@@ -66,7 +70,7 @@ def _rows(x: Tensor) -> tuple[Tensor, int, int, int]:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, gate: Tensor | None = None, activation: str = "swish",
-             out_dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
+             out_dtype: torch.dtype | None = None, out: Tensor | None = None, unit_offset: bool = False) -> Tensor:
     """RMSNorm over the last dimension in one launch; with ``gate``, the gated form of FLA's
     ``FusedRMSNormGated`` (``norm(x) * act(gate)``). Twin: :func:`specla.ops.norm.rms_norm` and
     :func:`specla.ops.norm.gated_rms_norm`.
@@ -77,6 +81,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, gate: Tensor | None = None, 
         gate: optional ``[..., D]`` like ``x``. activation: ``swish``/``silu`` or ``sigmoid``.
         out_dtype: dtype of the result (default: ``x.dtype`` without a gate, the compute dtype
             with one, as the PyTorch form). out: optional preallocated result.
+        unit_offset: scale by ``1 + weight`` (the zero-centred RMSNorm of Qwen3.5 and
+            Qwen3-Next, whose weights are stored around 0), computed in the compute dtype.
     Returns:
         ``[..., D]`` contiguous.
     Raises:
@@ -97,7 +103,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, gate: Tensor | None = None, 
     if x3.numel():
         _rms_norm_kernel[(x3.shape[0] * R,)](x3, weight, g3, y, D, R, sxo, sxi, sgo, sgi, eps,
                                              BD=triton.next_power_of_2(D), F64=ct == torch.float64, GATE=gate is not None,
-                                             SIGMOID=activation == "sigmoid")
+                                             SIGMOID=activation == "sigmoid", OFFSET=unit_offset)
     return y
 
 
