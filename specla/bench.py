@@ -167,11 +167,12 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
     # warm-up outside the timing, as a server warms up before it serves: Triton compiles a kernel
     # for each new shape class on first use (seconds each) and a CUDA graph is recorded per graph
-    # batch and candidate budget, which would otherwise land in the timed batches. First the suite's longest prompt at
-    # every batch size measured, largest first, so that the caches sized for prompt +
-    # max_new_tokens (and the graphs recorded on them) are sized once, not again mid-run; then
-    # every smaller graph batch (a batch's tail gathers its live rows into them as rows finish);
-    # then each size's first batch as timed (ragged prompts: the prefill's own shape classes)
+    # batch and candidate budget, which would otherwise land in the timed batches. First the
+    # suite's longest prompt at every batch size measured, largest first, so that the caches sized
+    # for prompt + max_new_tokens (and the graphs recorded on them) are sized once, not again
+    # mid-run; then every smaller graph batch (a batch's tail gathers its live rows into them as
+    # rows finish); then each size's first batch as timed (ragged prompts: the prefill's own shape
+    # classes)
     longest = max((r["prompt"] for r in rows), key=lambda p: len(spec.encode([p])[0]))
     sizes = sorted({len(b) for b in batches}, reverse=True)
     graph_batches = {1 << i for i in range(batch_bucket(sizes[0]).bit_length())}

@@ -16,6 +16,7 @@ from specla.testing.drafters import OracleDrafter
 
 import transformers_checks
 from transformers_checks import check_cuda_graphs_equal_transformers, check_kernels_equal_reference
+from trees import needs_triton
 
 ARCH = get_plugin("mamba2_hybrid")
 V = 41
@@ -97,8 +98,7 @@ def test_models_of_other_families_are_refused_by_name():
         ARCH.check_model(get_plugin("gdn").tiny_model("base"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+@needs_triton
 @pytest.mark.parametrize("variant, graphs", [("falcon_h1", "off"), ("bamba", "unrecorded")])
 def test_the_mamba2_kernels_in_hybrid_layers_equal_transformers_greedy(variant, graphs):
     """``kernels="triton"`` (interpreted on a CPU): the Mamba2 layers verify with the mamba2
@@ -159,9 +159,7 @@ def write_nemotron_mtp(directory, model, seed=0):
     return blocks.to(model.dtype).eval()
 
 
-@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1"))])
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=needs_triton)])
 def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(kernels, tmp_path):
     """``drafter="mtp"`` on a Nemotron-H checkpoint with an MTP module (per-expert tensors, as
     shipped): the first draft level's top-k equals an independent teacher-forced pass

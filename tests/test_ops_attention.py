@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from specla.ops.attention import commit_kv, tree_attention
 from specla.ops.naive import naive_tree_attention
 from specla.tree import inclusive_ancestor_mask
-from trees import SHAPES, TOL, rel_err, tree_parents
+from trees import SHAPES, TOL, needs_triton, rel_err, tree_parents
 
 H, HKV, DH, S = 4, 2, 8, 24
 
@@ -105,8 +105,6 @@ def test_a_full_cache_stops_growing_and_writes_only_spare_slots():
     assert torch.equal(kc[0, :cap], before[0, :cap]) and torch.equal(kc[1, 3:5], k[1, :2])
 
 
-needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                                  reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 
 
 @needs_triton

@@ -14,6 +14,7 @@ from specla.testing.drafters import OracleDrafter
 
 import transformers_checks
 from transformers_checks import check_cuda_graphs_equal_transformers, check_kernels_equal_reference
+from trees import needs_triton
 from specla.tree import DraftTree
 
 ARCH = get_plugin("qwen")
@@ -132,8 +133,7 @@ def test_threads_sharing_a_decoder_each_get_their_own_answer():
     assert outs == refs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+@needs_triton
 @pytest.mark.parametrize("variant, graphs", [("base", "off"), ("gva", "unrecorded")])
 def test_the_gdn_kernels_in_qwen_layers_equal_transformers_greedy(variant, graphs):
     """``kernels="triton"`` (interpreted on a CPU): the GDN layers verify with the gdn plugin's
@@ -215,9 +215,7 @@ def write_mtp_layer(directory, model, seed=0):
     return head.to(text.norm.weight.dtype).eval()
 
 
-@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1"))])
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("variant", ["base", "next"])
 def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernels, tmp_path):
     """``drafter="mtp"`` on a checkpoint with an MTP layer: the first draft level's top-k equals

@@ -1,13 +1,18 @@
 """Tree shapes and comparison helpers used across tests (not collected: no test_ prefix)."""
 
+import os
 import random
 
+import pytest
 import torch
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}  # operator vs sequential twin, by dtype
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton kernels run compiled on a GPU, interpreted on a CPU with TRITON_INTERPRET=1 (conftest sets it)
+needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 
 
 def rel_err(a, b) -> float:
