@@ -47,7 +47,8 @@ def eager_experts_for_float64(model: torch.nn.Module) -> None:
 def norm(module: torch.nn.Module, x: Tensor, kernels: bool) -> Tensor:
     """A zero-centred RMSNorm module (``Qwen3_5RMSNorm``, ``Qwen3NextRMSNorm``: ``x * rsqrt(mean(x^2)
     + eps) * (1 + weight)`` in float32, returned in ``x``'s dtype) on ``x [..., hidden]``: its own
-    forward, or with ``kernels`` and no autograd one Triton launch of the same formula."""
+    forward, or with ``kernels`` (the adapter's ``triton_kernels``: every norm of a model takes the
+    same form, whatever a pass's records) and no autograd one Triton launch of the same formula."""
     if kernels and not torch.is_grad_enabled():
         from specla.ops import norm_triton  # on first use: TRITON_INTERPRET is read when kernels are defined
 
@@ -161,7 +162,8 @@ class QwenAdapter(MixerAdapter):
         def output(o: Tensor, z: Tensor, kernels: bool) -> Tensor:
             B, T = o.shape[:2]  # transformers' gated norm takes o in the activation dtype
             o, z = o.to(self.dtype).reshape(-1, Vd), z.reshape(-1, Vd)
-            if kernels and gated.activation in ("silu", "swish", "sigmoid"):  # the same formula in one launch
+            # the same formula in one launch, chosen as every norm of the model is (see :func:`norm`)
+            if self.triton_kernels and not torch.is_grad_enabled() and gated.activation in ("silu", "swish", "sigmoid"):
                 from specla.ops import norm_triton
 
                 y = norm_triton.rms_norm(o, gated.weight, gated.variance_epsilon, z, gated.activation,
@@ -181,7 +183,7 @@ class QwenAdapter(MixerAdapter):
         return self._experts_problem
 
     def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
-        return decoder_layer(self.layers[li], x, mix, kernels)
+        return decoder_layer(self.layers[li], x, mix, self.triton_kernels)  # norms: see :func:`norm`
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """Logits ``[..., vocab]`` of last-layer features: the model's final norm (see
