@@ -113,9 +113,17 @@ import specla_gdn.verify as gdn_verify  # noqa: E402
 from trees import SHAPES, f64, ragged_pending, rel_err, tree_parents  # noqa: E402
 
 
+@pytest.fixture(params=["fused", "separate"])
+def prepare(request, monkeypatch):
+    """Both forms of the tree kernel's ``T = (I + A)^-1`` and ``G``: computed in each verify program
+    (``fused``) or by a separate prepare launch whose results every V tile loads."""
+    monkeypatch.setitem(gdn_verify.TUNING, "tree", {**gdn_verify.TUNING["tree"], "prepare": request.param})
+    return request.param
+
+
 @pytest.mark.parametrize("kind", SHAPES)
 @pytest.mark.parametrize("heads", [(1, 1, 16, 8), (2, 4, 8, 12)])
-def test_tree_verify_equals_naive(kind, heads):
+def test_tree_verify_equals_naive(kind, heads, prepare):
     H, HV, K, V = heads
     rng = random.Random(len(kind) * 7 + K)
     sizes = [1, 1] if kind == "single" else [9, 5]
@@ -135,7 +143,7 @@ def test_tree_verify_equals_naive(kind, heads):
 
 
 @pytest.mark.parametrize("T,g,beta", [(33, -0.05, 1.9), (64, -0.01, 0.9)])
-def test_tree_verify_stays_accurate_on_deep_chains_of_correlated_keys(T, g, beta):
+def test_tree_verify_stays_accurate_on_deep_chains_of_correlated_keys(T, g, beta, prepare):
     """A chain of 33 or 64 nodes whose keys are correlated (mean cosine about 0.5), with weak decay
     and a large ``beta`` (1.9: negative eigenvalues allowed): the powers of ``A`` grow large and
     cancel, so an inverse of ``I + A`` as a Neumann product loses every digit in float32 (errors
@@ -181,7 +189,7 @@ def test_values_read_in_place_from_a_wider_projection(kernel, T):
         assert torch.allclose(got.cpu(), ref.float(), rtol=1e-4, atol=1e-5)
 
 
-def test_tree_verify_with_pending_commit_equals_serial_kernel():
+def test_tree_verify_with_pending_commit_equals_serial_kernel(prepare):
     """The two kernels apply the same fused commit; then verify a 40-node random tree."""
     B, Tp, H, HV, K, V = 3, 5, 1, 2, 8, 4
     gen = torch.Generator().manual_seed(11)
@@ -368,9 +376,9 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
     assert torch.equal(state[2].cpu(), S0[2])  # nothing pending for sequence 2: bit-identical
 
 
-def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch):
-    """K = 40 in blocks of 16 (the last one partial), with a ragged pending commit: the same
-    outputs, records and committed state as the naive reference."""
+def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch, prepare):
+    """K = 40 in blocks of 16 (the last one partial) and V = 20 in two tiles, with a ragged pending
+    commit: the same outputs, records and committed state as the naive reference."""
     from specla_gdn import verify as vk
 
     monkeypatch.setitem(vk.TUNING, "tree", {**vk.TUNING["tree"], "BV": 16, "BKC": 16, "num_warps": 4})

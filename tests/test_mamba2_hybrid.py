@@ -16,7 +16,7 @@ from specla.testing.drafters import OracleDrafter
 
 import transformers_checks
 from transformers_checks import check_cuda_graphs_equal_transformers, check_kernels_equal_reference
-from trees import needs_triton
+from trees import for_kernels, needs_triton
 
 ARCH = get_plugin("mamba2_hybrid")
 V = 41
@@ -180,8 +180,9 @@ def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(ker
     blocks = write_nemotron_mtp(tmp_path, model)
     prompt = [5, 17, 33, 8, 5, 17, 33, 8, 2, 9, 40]
     refs = [ARCH.reference_decode(model, p, 12) for p in (prompt, prompt[:4])]
+    target = for_kernels(model, kernels)  # the oracle below stays on the CPU
     for budget in (dict(num_draft_tokens=3, max_depth=3, top_k=1), dict(num_draft_tokens=6, max_depth=3, top_k=3)):
-        dec = SpecDecoder(model, drafter="mtp", config=dict(max_new_tokens=12, kernels=kernels, **budget))
+        dec = SpecDecoder(target, drafter="mtp", config=dict(max_new_tokens=12, kernels=kernels, **budget))
         assert isinstance(dec.drafter, MTPDrafter) and dec.drafter.kernels == (kernels == "triton")
         assert dec.generate([prompt, prompt[:4]]).outputs == refs
 
@@ -199,7 +200,7 @@ def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(ker
             h = block(h)
         want = torch.log_softmax(model.lm_head(blocks[-1].final_layernorm(h))[0, -1].float(), -1).topk(3)
     assert top_tok[0, 0].tolist() == want.indices.tolist()
-    torch.testing.assert_close(top_logp[0, 0], want.values, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(top_logp[0, 0].cpu(), want.values, rtol=1e-4, atol=1e-5)
 
 
 def test_mtp_is_refused_by_name_without_a_fitting_module(tmp_path):

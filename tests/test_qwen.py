@@ -14,7 +14,7 @@ from specla.testing.drafters import OracleDrafter
 
 import transformers_checks
 from transformers_checks import check_cuda_graphs_equal_transformers, check_kernels_equal_reference
-from trees import needs_triton
+from trees import for_kernels, needs_triton
 from specla.tree import DraftTree
 
 ARCH = get_plugin("qwen")
@@ -236,10 +236,11 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernel
     written = write_mtp_layer(tmp_path, model)
     prompt = [5, 17, 33, 8, 5, 17, 33, 8, 2, 9, 40]
     refs = [ARCH.reference_decode(model, p, 12) for p in (prompt, prompt[:4])]
+    target = for_kernels(model, kernels)  # the oracle below stays on the CPU
     # eager steps, and the fixed-shape step a CUDA graph records (not with the eager MoE experts the
     # "next" variant is loaded with here, which that step refuses by name)
     for graphs in ("off", "unrecorded") if variant == "base" else ("off",):
-        dec = SpecDecoder(model, drafter="mtp", config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=3,
+        dec = SpecDecoder(target, drafter="mtp", config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=3,
                                                             top_k=3, kernels=kernels, cuda_graphs=graphs))
         assert isinstance(dec.drafter, MTPDrafter) and dec.drafter.kernels == (kernels == "triton")
         out = dec.generate([prompt, prompt[:4]])
@@ -264,7 +265,7 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernel
         y = y[0] if isinstance(y, tuple) else y
         want = torch.log_softmax(model.lm_head(head.norm(y))[0, -1].float(), -1).topk(3)
     assert top_tok[0, 0].tolist() == want.indices.tolist()
-    torch.testing.assert_close(top_logp[0, 0], want.values, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(top_logp[0, 0].cpu(), want.values, rtol=1e-4, atol=1e-5)
 
 
 def test_mtp_without_an_mtp_layer_is_refused_by_name(tmp_path):

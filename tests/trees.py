@@ -15,6 +15,16 @@ needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.g
                                   reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 
 
+def for_kernels(model: torch.nn.Module, kernels: str) -> torch.nn.Module:
+    """The model a test runs with ``kernels``: ``model`` itself, or for ``"triton"`` on a CUDA
+    machine (where the kernels are compiled, not interpreted) a copy on the GPU."""
+    if kernels == "triton" and torch.cuda.is_available():
+        import copy
+
+        return copy.deepcopy(model).to("cuda")
+    return model
+
+
 def rel_err(a, b) -> float:
     """Largest absolute difference over the largest reference magnitude."""
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))

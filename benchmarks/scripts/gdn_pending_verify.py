@@ -3,15 +3,18 @@ section 5: the step-change table and the launch sweep).
 
     python benchmarks/scripts/gdn_pending_verify.py            # kernel table
     python benchmarks/scripts/gdn_pending_verify.py --sweep    # launch settings, one row per setting
+    python benchmarks/scripts/gdn_pending_verify.py --shape small   # the `small` target's layer
 
-One layer, H = HV = 8 heads, K = V = 256, q/k/v bfloat16, gates and state float32; the pending
+One layer, H = HV = 8 heads, K = V = 256 (``--shape small``: H = HV = 4, K = 128, V = 256), q/k/v bfloat16, gates and state float32; the pending
 commit is a path of ``P`` accepted nodes out of a previous step of 17 nodes. Times are device
 times in µs (``triton.testing.do_bench_cudagraph``), for batches 1, 8 and 64 and ``(T, P)`` =
 (1, 1), (7, 5), (16, 6), (17, 6), ``T`` counting the root.
 
 Kernel table: the serial kernel (``serial_verify``), the tree-masked parallel kernel
-(``tree_verify``) with and without the pending commit, and the parallel kernel's prepare kernel
-on 1, 2, 4 and 8 warps. ``--sweep``: the serial kernel of one-token passes (``TUNING["decode"]``:
+(``tree_verify``) with the pending commit in its two forms (``TUNING["tree"]["prepare"]``:
+``fused``, each program computes ``T = (I + A)^-1`` and ``G`` itself; ``separate``, a prepare
+launch first, included in its time), without the pending commit (fused), and the separate prepare
+kernel alone on 1, 2, 4 and 8 warps. ``--sweep``: the serial kernel of one-token passes (``TUNING["decode"]``:
 V-tile width ``BV`` and warps) and the parallel kernel with a pending commit (``TUNING["tree"]``);
 ``TUNING`` is restored afterwards. One CUDA GPU.
 """
@@ -27,6 +30,7 @@ from specla.tree import inclusive_ancestor_mask
 from specla_gdn.records import GDNFactorRecord
 from specla_gdn import verify as vk
 
+SHAPE = {"1.3b": (8, 256, 256), "small": (4, 128, 256)}  # (H = HV, K, V)
 H = HV = 8
 K = V = 256
 SHAPES = ((1, 1), (7, 5), (16, 6), (17, 6))  # (T, P)
@@ -57,16 +61,19 @@ def us(f, rep=50):
 
 
 def kernel_table():
-    print("| B | T | P | serial | parallel | parallel, no pending | prepare w1 | w2 | w4 | w8 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | T | P | serial | parallel, fused | parallel, separate | fused, no pending | prepare w1 | w2 | w4 | w8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for B in (1, 8, 64):
         for T, P in SHAPES:
             q, k, v, g, beta, S, pend, parents = make(B, T, 17, P)
             mask = inclusive_ancestor_mask(parents)
             n = torch.full((B,), T, device="cuda")
-            res = {"serial": us(lambda: vk.serial_verify(q, k, v, g, beta, S, n, K**-0.5, pending=pend)),
-                   "parallel": us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend)),
-                   "nopend": us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5))}
+            res = {"serial": us(lambda: vk.serial_verify(q, k, v, g, beta, S, n, K**-0.5, pending=pend))}
+            for form in ("fused", "separate"):
+                vk.TUNING["tree"]["prepare"] = form
+                res[form] = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend))
+            vk.TUNING["tree"]["prepare"] = "fused"
+            res["nopend"] = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5))
             m8 = mask.to(torch.int8)
             BT = max(16, triton.next_power_of_2(T))
             Tm = torch.empty(B * HV, BT, BT, device="cuda")
@@ -74,7 +81,7 @@ def kernel_table():
             for w in (1, 2, 4, 8):
                 res[f"w{w}"] = us(lambda: vk._tree_prepare_kernel[(B * HV,)](
                     k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=64, DOT_PREC="tf32", num_warps=w))
-            cols = ("serial", "parallel", "nopend", "w1", "w2", "w4", "w8")
+            cols = ("serial", "fused", "separate", "nopend", "w1", "w2", "w4", "w8")
             print(f"| {B} | {T} | {P} | " + " | ".join(f"{res[c]:.1f}" for c in cols) + " |", flush=True)
 
 
@@ -98,7 +105,7 @@ def sweep():
                     continue
                 for bv in (16, 32, 64):
                     for w in (4, 8):
-                        vk.TUNING["tree"] = {"BV": bv, "BKC": 64, "num_warps": w}
+                        vk.TUNING["tree"] = {**saved["tree"], "BV": bv, "BKC": 64, "num_warps": w}
                         t = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend), rep=40)
                         print(f"| parallel | {B} | {T} | BV{bv}/w{w} | {t:.1f} |", flush=True)
                 vk.TUNING["tree"] = dict(saved["tree"])
@@ -110,7 +117,11 @@ def sweep():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="time launch settings instead of the kernel table")
+    ap.add_argument("--shape", choices=sorted(SHAPE), default="1.3b", help="layer shape (default 1.3b)")
     a = ap.parse_args()
+    global H, HV, K, V
+    H, K, V = SHAPE[a.shape]
+    HV = H
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     sweep() if a.sweep else kernel_table()

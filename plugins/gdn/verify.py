@@ -42,7 +42,7 @@ from .records import GDNFactorRecord
 # chains of correlated keys): 2 warps, measured against 1, 4 and 8 (BENCHMARKS.md section 5:
 # 7.2 vs 8.6 us at 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 16, "num_warps": 1},
-          "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4},
+          "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4, "prepare": "fused"},
           "prepare": {"num_warps": 2}}
 
 
@@ -215,10 +215,30 @@ def _pending_kwargs(pending: LayerCommit | None) -> dict:
 
 
 @triton.jit
+def _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T):
+    """``(T, G)`` of one (sequence, value head) from ``k k^T [BT, BT]``, the inclusive-ancestor
+    mask ``[BT, BT]``, the log decays and betas ``[BT]``: ``G = M_incl @ g`` and ``T = (I +
+    A)^{-1}`` with ``A = strict_M * beta_i (k_i . k_j) exp(G_i - G_j)``, by forward substitution
+    row by row (a serial form: a Neumann product of powers of A cancels catastrophically on deep
+    chains of correlated keys)."""
+    b_G = tl.sum(tl.where(b_M, b_g[None, :], 0.0), 1)  # path-summed log decay, not a cumsum
+    diff = tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)  # masked before exp
+    strict = b_M & (o_t[:, None] != o_t[None, :])
+    b_A = tl.where(strict, b_beta[:, None] * b_kk * tl.exp(diff), 0.0)
+    b_T = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for i in range(1, T):
+        a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.0), 0)  # row i of A
+        row = tl.where(o_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * b_T, 0)
+        b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
+    return b_T, b_G
+
+
+@triton.jit
 def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          BT: tl.constexpr, BKC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Per (sequence, value head): G = M_incl @ g and T = (I + A)^{-1}, shared by all V tiles.
-    ``k k^T`` accumulates over K in blocks of ``BKC`` (a whole [BT, 256] tile would spill)."""
+    """Per (sequence, value head): ``T`` and ``G`` (:func:`_tree_inverse`) once, for all V tiles
+    of a separate verify launch. ``k k^T`` accumulates over K in blocks of ``BKC`` (a whole
+    [BT, 256] tile would spill)."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -228,7 +248,6 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
     b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_tt, other=0) != 0
     b_g = tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_G = tl.sum(tl.where(b_M, b_g[None, :], 0.0), 1)  # path-summed log decay, not a cumsum
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     for kb in range(0, K, BKC):
         o_k = kb + tl.arange(0, BKC)
@@ -236,15 +255,7 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
                       mask=m_t[:, None] & (o_k[None, :] < K), other=0.0)
         b_k = b_k.to(tl.float32)  # bf16 -> float32 is exact, and so are TF32 products of bf16 values
         b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
-    diff = tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)  # masked before exp
-    strict = b_M & (o_t[:, None] != o_t[None, :])
-    b_A = tl.where(strict, b_beta[:, None] * b_kk * tl.exp(diff), 0.0)
-    # T = (I + A)^{-1} by forward substitution, row by row (A is strictly lower triangular)
-    b_T = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    for i in range(1, T):
-        a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.0), 0)  # row i of A
-        row = tl.where(o_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * b_T, 0)
-        b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
+    b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T)
     tl.store(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :], b_T)
     tl.store(G + (i_b * T + o_t) * HV + i_hv, b_G, mask=m_t)
 
@@ -252,12 +263,12 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
 @with_pending
 @triton.jit
 def _tree_verify_kernel(
-    q, k, v, beta, mask, Tm, G, S, o, delta,
+    q, k, v, g, beta, mask, Tm, G, S, o, delta,
     pk, pdelta, pG, path, path_len,
     scale, T, P, Tp, SV,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PREC: tl.constexpr,
-    BP: tl.constexpr,
+    BP: tl.constexpr, PREPARE: tl.constexpr,
 ):
     """Per (sequence, value head, V tile): fused delayed commit, then the tree-masked factorized
     verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta.
@@ -265,7 +276,9 @@ def _tree_verify_kernel(
     ``K_p^T (w Delta_p)`` of the accepted path's keys with its weighted ``Delta`` rows, which are
     loaded once per program; in float32, "ieee", so that the committed state is not rounded to
     TF32) and written once, then contributes to ``k S0``, ``q S0`` and ``q k^T``; nothing larger
-    than a ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time."""
+    than a ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time. With ``PREPARE`` each program
+    also computes ``T`` and ``G`` (:func:`_tree_inverse`; ``k k^T`` in the same K loop) instead of
+    loading them from :func:`_tree_prepare_kernel`'s launch, and the first V tile writes ``G``."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -275,6 +288,7 @@ def _tree_verify_kernel(
     b_kS = tl.zeros([BT, BV], dtype=tl.float32)
     b_qS = tl.zeros([BT, BV], dtype=tl.float32)
     b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     if HAS_PENDING:
         # the pending commit as one product per K block: S = exp(G_a) S + K_p^T (w * Delta_p), with
         # the path's weighted Delta rows [BP, BV] loaded once (they do not depend on the K block)
@@ -307,14 +321,22 @@ def _tree_verify_kernel(
         b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+        if PREPARE:
+            b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
         b_kS += tl.dot(b_k, b_S, input_precision=DOT_PREC)
         b_qS += tl.dot(b_q, b_S, input_precision=DOT_PREC)
     b_v = tl.load(v + (i_b * T + o_t[:, None]) * SV + i_hv * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_G = tl.load(G + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
     b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0) != 0
-    b_T = tl.load(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :])
+    if PREPARE:
+        b_g = tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T)
+        if i_v == 0:
+            tl.store(G + (i_b * T + o_t) * HV + i_hv, b_G, mask=m_t)
+    else:
+        b_G = tl.load(G + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+        b_T = tl.load(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :])
     eG = tl.exp(b_G)
     rhs = b_beta[:, None] * (b_v - eG[:, None] * b_kS)
     b_d = tl.dot(b_T, rhs, input_precision=DOT_PREC)
@@ -370,14 +392,16 @@ def tree_verify(
                torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     o, d, G = out
-    Tm = torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
-    _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
-                                    num_warps=TUNING["prepare"]["num_warps"])
+    fused = TUNING["tree"]["prepare"] == "fused"
+    Tm = G if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)  # unread when fused
+    if not fused:
+        _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
+                                        num_warps=TUNING["prepare"]["num_warps"])
     pend = _pending_kwargs(pending)
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        q, k, v, beta, mask, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
+        q, k, v, g, beta, mask, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
         H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, BP=max(16, triton.next_power_of_2(pend["P"])),
-        **pend, num_warps=TUNING["tree"]["num_warps"],
+        PREPARE=fused, **pend, num_warps=TUNING["tree"]["num_warps"],
     )
     return out
 
