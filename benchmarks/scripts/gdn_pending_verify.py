@@ -69,11 +69,14 @@ def kernel_table():
             mask = inclusive_ancestor_mask(parents)
             n = torch.full((B,), T, device="cuda")
             res = {"serial": us(lambda: vk.serial_verify(q, k, v, g, beta, S, n, K**-0.5, pending=pend))}
-            for form in ("fused", "separate"):
-                vk.TUNING["tree"]["prepare"] = form
-                res[form] = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend))
-            vk.TUNING["tree"]["prepare"] = "fused"
-            res["nopend"] = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5))
+            saved = vk.TUNING["tree"]["prepare"]
+            try:
+                for form in ("fused", "separate"):
+                    vk.TUNING["tree"]["prepare"] = form
+                    res[form] = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend))
+                res["nopend"] = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5))  # fused
+            finally:
+                vk.TUNING["tree"]["prepare"] = saved
             m8 = mask.to(torch.int8)
             BT = max(16, triton.next_power_of_2(T))
             Tm = torch.empty(B * HV, BT, BT, device="cuda")

@@ -41,8 +41,14 @@ from .records import GDNFactorRecord
 # which stays accurate where a Neumann product of powers of A cancels catastrophically on deep
 # chains of correlated keys): 2 warps, measured against 1, 4 and 8 (BENCHMARKS.md section 5:
 # 7.2 vs 8.6 us at 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
+# Its work inside each verify program instead ("prepare": "fused", one launch fewer per layer)
+# pays only for short chains at small batch; "auto" fuses up to 8 nodes and batch 8. One H200,
+# 2026-12-03, with a pending commit of 5 or 6 nodes (benchmarks/scripts/gdn_pending_verify.py,
+# BENCHMARKS.md section 5), fused vs separate in us: `small` layer (H 4, K 128, V 256) 7 nodes
+# 6.9 vs 8.3 at batch 1, 9.0 vs 10.2 at batch 8, 46.7 vs 41.3 at batch 64; 16 nodes 10.2 vs 9.6,
+# 13.1 vs 11.9, 68.1 vs 46.2; GDN-1.3B layer 7 nodes 9.2 vs 11.3, 18.9 vs 19.6, 148 vs 128.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 16, "num_warps": 1},
-          "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4, "prepare": "fused"},
+          "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4, "prepare": "auto"},
           "prepare": {"num_warps": 2}}
 
 
@@ -369,7 +375,8 @@ def tree_verify(
     Raises:
         ValueError: shapes, dtypes, devices disagree, or ``T > 64``.
     Formula: docs/DESIGN.md section 4 (tree-masked factorized form); ``A`` and ``T = (I + A)^-1``
-    are computed once per (sequence, head) by a first kernel and shared by all V tiles.
+    are computed once per (sequence, head) by a first kernel and shared by all V tiles, or for short
+    chains at small batch inside each verify program (``TUNING["tree"]["prepare"]``).
     """
     B, T, H, K = k.shape
     _check(q, k, v, g, beta, state, pending)
@@ -392,7 +399,8 @@ def tree_verify(
                torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     o, d, G = out
-    fused = TUNING["tree"]["prepare"] == "fused"
+    form = TUNING["tree"]["prepare"]
+    fused = form == "fused" or (form == "auto" and T <= 8 and B <= 8)
     Tm = G if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)  # unread when fused
     if not fused:
         _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
