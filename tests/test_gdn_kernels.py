@@ -42,7 +42,7 @@ def chain(B, T):
     return torch.arange(-1, T - 1).expand(B, T)
 
 
-@pytest.mark.parametrize("shape", [(2, 5, 1, 1, 16, 8), (3, 4, 2, 4, 8, 12), (1, 1, 1, 2, 4, 4)])
+@pytest.mark.parametrize("shape", [(2, 5, 1, 1, 16, 8), (3, 4, 2, 4, 8, 12), (1, 1, 1, 2, 4, 4), (4, 1, 2, 4, 8, 40)])
 def test_serial_verify_equals_naive_chains(shape):
     B, T, H, HV, K, V = shape
     gen = torch.Generator().manual_seed(sum(shape))
@@ -61,11 +61,12 @@ def test_serial_verify_equals_naive_chains(shape):
     assert torch.equal(state.cpu(), S0)  # no pending commit: the state is not written
 
 
-def test_fused_pending_commit_ragged():
+@pytest.mark.parametrize("T", [3, 1])
+def test_fused_pending_commit_ragged(T):
     """Batch with ragged pending commits (0..D accepted): the committed state equals the state
     after walking each accepted path serially; 0 leaves it bit-identical; then verify continues
-    from the committed state."""
-    B, Tp, T, H, HV, K, V = 4, 6, 3, 1, 2, 8, 4
+    from the committed state (a chain of 3, or one token: plain decoding's form)."""
+    B, Tp, H, HV, K, V = 4, 6, 1, 2, 8, 4
     gen = torch.Generator().manual_seed(5)
     pq, pk, pv, pg, pbeta, S0 = inputs(B, Tp, H, HV, K, V, gen)
     parents = torch.tensor([[-1, 0, 1, 2, 1, 0], [-1, -1, 1, 2, 3, 4], [-1, 0, 0, 0, 3, 3], [-1, 0, 1, 2, 3, 4]])

@@ -99,7 +99,7 @@ def sweep():
                 mask = inclusive_ancestor_mask(parents)
                 n = torch.full((B,), T, device="cuda")
                 if T == 1:
-                    for bv in (4, 8, 16):
+                    for bv in (8, 16, 32, 64):
                         for w in (1, 2, 4):
                             vk.TUNING["decode"] = {"BV": bv, "num_warps": w}
                             t = us(lambda: vk.serial_verify(q, k, v, g, beta, S, n, K**-0.5, pending=pend), rep=40)

@@ -84,7 +84,7 @@ def _serial_verify_kernel(
     pk, pdelta, pG, path, path_len,
     scale, T, P, Tp, SV,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, ONE: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -99,26 +99,41 @@ def _serial_verify_kernel(
         b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
                              P, Tp, H, HV, K, V)
     n = tl.load(num_nodes + i_b)
-    b_G = tl.zeros([1], dtype=tl.float32)
-    for t in range(0, T):
-        i_t = i_b * T + t
-        b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_vv = tl.load(v + i_t * SV + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64)).to(tl.float32)
-        b_beta = tl.load(beta + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64)).to(tl.float32)
-        valid = t < n
-        S_dec = b_S * tl.exp(b_g)[:, None]
-        b_d = b_beta * (b_vv - tl.sum(S_dec * b_k[:, None], 0))
-        S_new = S_dec + b_k[:, None] * b_d[None, :]
-        b_o = tl.sum(S_new * b_q[:, None], 0)
-        G_new = b_G + b_g
-        b_S = tl.where(valid, S_new, b_S)
-        b_G = tl.where(valid, G_new, b_G)
-        tl.store(o + (i_t * HV + i_hv) * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
-        tl.store(delta + (i_t * HV + i_hv) * V + o_v, tl.where(valid, b_d, 0.0), mask=m_v)
+    if ONE:  # one token (plain decoding): o = exp(g) q.S + (q.k) delta; no new state tile is formed
+        b_q = tl.load(q + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_vv = tl.load(v + i_b * SV + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + i_b * HV + i_hv).to(tl.float32)
+        b_beta = tl.load(beta + i_b * HV + i_hv).to(tl.float32)
+        e_g = tl.exp(b_g)
+        b_d = b_beta * (b_vv - e_g * tl.sum(b_S * b_k[:, None], 0))
+        b_o = e_g * tl.sum(b_S * b_q[:, None], 0) + tl.sum(b_q * b_k, 0) * b_d
+        valid = n > 0
+        tl.store(o + (i_b * HV + i_hv) * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+        tl.store(delta + (i_b * HV + i_hv) * V + o_v, tl.where(valid, b_d, 0.0), mask=m_v)
         if i_v == 0:
-            tl.store(G + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64), tl.where(valid, G_new, 0.0))
+            tl.store(G + i_b * HV + i_hv, tl.where(valid, b_g, 0.0))
+    else:
+        b_G = tl.zeros([1], dtype=tl.float32)
+        for t in range(0, T):
+            i_t = i_b * T + t
+            b_q = tl.load(q + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
+            b_k = tl.load(k + (i_t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_vv = tl.load(v + i_t * SV + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_g = tl.load(g + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64)).to(tl.float32)
+            b_beta = tl.load(beta + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64)).to(tl.float32)
+            valid = t < n
+            S_dec = b_S * tl.exp(b_g)[:, None]
+            b_d = b_beta * (b_vv - tl.sum(S_dec * b_k[:, None], 0))
+            S_new = S_dec + b_k[:, None] * b_d[None, :]
+            b_o = tl.sum(S_new * b_q[:, None], 0)
+            G_new = b_G + b_g
+            b_S = tl.where(valid, S_new, b_S)
+            b_G = tl.where(valid, G_new, b_G)
+            tl.store(o + (i_t * HV + i_hv) * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+            tl.store(delta + (i_t * HV + i_hv) * V + o_v, tl.where(valid, b_d, 0.0), mask=m_v)
+            if i_v == 0:
+                tl.store(G + i_t * HV + i_hv + tl.zeros([1], dtype=tl.int64), tl.where(valid, G_new, 0.0))
 
 
 def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
@@ -131,7 +146,7 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     BV = min(triton.next_power_of_2(V), tune["BV"])
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, state, o, d, G, num_nodes, scale=scale, T=T, SV=SV, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        **_pending_kwargs(pending), num_warps=tune["num_warps"],
+        ONE=T == 1, **_pending_kwargs(pending), num_warps=tune["num_warps"],
     )
 
 
