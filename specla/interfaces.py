@@ -149,6 +149,13 @@ class TargetAdapter(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not expose embeddings to drafters")
 
+    def embedding_table(self) -> Tensor | None:
+        """The table ``[vocab, hidden]`` whose rows :meth:`embed` returns as they are
+        (``embed(tokens) == table[tokens]``), so a drafter can gather embeddings inside its own
+        kernels; ``None`` (this default) where ``embed`` computes more (a multiplier) or the
+        plugin does not say: call :meth:`embed`."""
+        return None
+
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """Target logits ``[..., vocab]`` of last-layer features ``[..., hidden]``.
 

@@ -265,9 +265,20 @@ class LayerwiseAdapter(TargetAdapter):
         if self.pending is not None:
             self.pending = self.pending.select(index)
 
+    embed_scale = 1.0
+    """The factor a model multiplies its input embeddings by (Falcon-H1's ``embedding_multiplier``;
+    1 for most models)."""
+
     def embed(self, tokens: Tensor) -> Tensor:
-        """Input embeddings ``[..., hidden]`` of ``tokens`` (int64, any shape)."""
-        return self.embed_weight[tokens]
+        """Input embeddings ``[..., hidden]`` of ``tokens`` (int64, any shape): rows of
+        ``embed_weight`` times ``embed_scale``."""
+        x = self.embed_weight[tokens]
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
+
+    def embedding_table(self) -> Tensor | None:
+        """``embed_weight`` where ``embed_scale`` is 1, else ``None`` (see
+        :meth:`specla.interfaces.TargetAdapter.embedding_table`)."""
+        return self.embed_weight if self.embed_scale == 1.0 else None
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """Logits ``[..., vocab]`` of last-layer features ``[..., hidden]`` (final norm + LM head).

@@ -231,3 +231,19 @@ def test_mtp_is_refused_by_name_without_a_fitting_module(tmp_path):
         SpecDecoder(model, drafter="mtp")
     with pytest.raises(DrafterError, match="the gdn plugin's models bring none"):
         SpecDecoder(get_plugin("gdn").tiny_model("base"), drafter="mtp")
+
+
+@pytest.mark.parametrize("variant", ["bamba", "falcon_h1"])
+def test_the_embedding_table_is_offered_only_where_embed_returns_its_rows(variant):
+    """A drafter gathers embeddings inside its own kernel from ``embedding_table()``: Bamba's
+    ``embed`` returns the table's rows, Falcon-H1's multiplies them (``embedding_multiplier``
+    2), so it offers no table and the drafter calls ``embed``."""
+    dec = SpecDecoder(ARCH.tiny_model(variant, seed=2, dtype=torch.float32), drafter="ngram")
+    ad = dec.adapter
+    tokens = torch.tensor([[3, 7], [40, 0]])
+    table = ad.embedding_table()
+    if variant == "falcon_h1":
+        assert table is None and ad.embed_scale == 2.0
+        assert torch.equal(ad.embed(tokens), ad.embed_weight[tokens] * 2.0)
+    else:
+        assert table is ad.embed_weight and torch.equal(ad.embed(tokens), table[tokens])

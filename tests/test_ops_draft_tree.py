@@ -97,6 +97,21 @@ def test_pair_rows_equals_twin(P, M, H, gather):
     out = torch.full((B, M, 2 * H), float("nan"), device=DEV)
     got = dt.pair_rows(feats, slot, emb, out=out)
     assert got is out and torch.equal(got, pair_rows(feats, slot, emb))
+    # the embeddings gathered from a table by token (ids repeated, the table's last row)
+    table = torch.randn(50, H, generator=g).to(DEV)
+    tokens = torch.randint(0, 50, (B, M), generator=g)
+    tokens[0, 0] = 49
+    tokens = tokens.to(DEV)
+    for dtype in (torch.float32, torch.bfloat16):
+        f, t = feats.to(dtype), table.to(dtype)
+        out = torch.full((B, M, 2 * H), float("nan"), dtype=dtype, device=DEV)
+        got = dt.pair_rows(f, slot, t, out=out, tokens=tokens)
+        assert got is out and torch.equal(got, pair_rows(f, slot, t, tokens=tokens))
+        assert torch.equal(got[..., H:], t[tokens])
+    with pytest.raises(ValueError, match="pair_rows: feats"):
+        dt.pair_rows(feats, slot, table, tokens=tokens.int())
+    with pytest.raises(ValueError, match="pair_rows: feats"):
+        dt.pair_rows(feats, slot, table[:, :-1], tokens=tokens)
     with pytest.raises(ValueError, match="pair_rows: feats"):
         dt.pair_rows(feats.double(), slot, emb)
 

@@ -131,10 +131,6 @@ class Mamba2HybridAdapter(MixerAdapter):
         """See :func:`specla.mixers.experts_graph_problem` (MoE experts that read the host)."""
         return self._experts_problem
 
-    def embed(self, tokens: Tensor) -> Tensor:
-        x = self.embed_weight[tokens]
-        return x * self.embed_scale if self.embed_scale != 1.0 else x
-
     def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
         layer, fam = self.layers[li], self.family
         if fam == "mamba2":  # residual_in_fp32 keeps the residual stream in float32 between blocks

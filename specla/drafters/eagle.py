@@ -357,8 +357,12 @@ class EagleDrafter(Drafter):
         the node each of the ``M`` new pairs hangs from. Returns the new nodes' state (``A + 1``)
         and their features ``[B, M, hidden]``."""
         feats, anc_k, anc_v = state
-        rows = _kernels().pair_rows if self.kernels else pair_rows  # the gather and the concatenation in one
-        h = self.head.fc(rows(feats, slot, self.adapter.embed(tokens)))
+        table = self.adapter.embedding_table()
+        if self.kernels and table is not None:  # the embedding gather, the parents' rows and the concatenation in one
+            pairs = _kernels().pair_rows(feats, slot, table, tokens=tokens)
+        else:
+            pairs = (_kernels().pair_rows if self.kernels else pair_rows)(feats, slot, self.adapter.embed(tokens))
+        h = self.head.fc(pairs)
         new, keys, values = self.head.step(h, anc_k, anc_v, self.cache_k, self.cache_v, self.cache_len,
                                            kernels=self.kernels, slot=slot)
         return (new, keys, values), new

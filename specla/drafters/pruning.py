@@ -179,11 +179,14 @@ def take_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
 
 
-def pair_rows(feats: Tensor, slot: Tensor | None, emb: Tensor) -> Tensor:
+def pair_rows(feats: Tensor, slot: Tensor | None, emb: Tensor, tokens: Tensor | None = None) -> Tensor:
     """``[feats[b, slot[b, m]] ; emb[b, m]]``: a draft level's pairs of parent feature ``[B, P,
     H]`` (row ``slot [B, M]`` int64, or row ``m`` when ``None``) and token embedding ``[B, M,
-    H]``, as ``[B, M, 2H]`` (EAGLE's drafter input). Twin of
+    H]`` (with ``tokens [B, M]`` int64: rows ``tokens`` of the embedding table ``emb [vocab,
+    H]``), as ``[B, M, 2H]`` (EAGLE's drafter input). Twin of
     :func:`specla.ops.draft_tree_triton.pair_rows`."""
+    if tokens is not None:
+        emb = emb[tokens]
     return torch.cat([feats if slot is None else take_rows(feats, slot), emb], -1)
 
 

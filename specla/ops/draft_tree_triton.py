@@ -99,47 +99,65 @@ def _select_kernel(score, token, parent, depth, tok_out, par_out, num_out, place
 
 
 @triton.jit
-def _pair_rows_kernel(feats, slot, emb, out, P, M, H, HAS_SLOT: tl.constexpr, BH: tl.constexpr):
-    """Row ``(b, m)``: ``[feats[b, slot[b, m]] ; emb[b, m]]`` (row ``m`` without ``HAS_SLOT``)."""
+def _pair_rows_kernel(feats, slot, emb, tokens, out, P, M, H, HAS_SLOT: tl.constexpr, HAS_TOK: tl.constexpr,
+                      BH: tl.constexpr):
+    """Row ``(b, m)``: ``[feats[b, slot[b, m]] ; emb[b, m]]`` (row ``m`` without ``HAS_SLOT``;
+    with ``HAS_TOK`` the embedding is row ``tokens[b, m]`` of the table ``emb``)."""
     i = tl.program_id(0).to(tl.int64)
     b, m = i // M, i % M
     if HAS_SLOT:
         r = tl.load(slot + i)
     else:
         r = m
+    if HAS_TOK:
+        e = tl.load(tokens + i)
+    else:
+        e = i
     for start in range(0, H, BH):
         c = start + tl.arange(0, BH)
         ok = c < H
         tl.store(out + i * 2 * H + c, tl.load(feats + (b * P + r) * H + c, mask=ok), mask=ok)
-        tl.store(out + i * 2 * H + H + c, tl.load(emb + i * H + c, mask=ok), mask=ok)
+        tl.store(out + i * 2 * H + H + c, tl.load(emb + e * H + c, mask=ok), mask=ok)
 
 
-def pair_rows(feats: Tensor, slot: Tensor | None, emb: Tensor, out: Tensor | None = None) -> Tensor:
+def pair_rows(feats: Tensor, slot: Tensor | None, emb: Tensor, out: Tensor | None = None,
+              tokens: Tensor | None = None) -> Tensor:
     """:func:`specla.drafters.pruning.pair_rows` in one launch: a draft level's pairs (parent
     feature, token embedding) gathered and concatenated.
 
     Args:
         feats: ``[B, P, H]`` the previous level's features; slot: ``[B, M]`` int64 rows below
             ``P`` (not checked: a host read), or ``None`` (``P == M``); emb: ``[B, M, H]`` in
-            ``feats``' dtype; out: an optional preallocated result.
+            ``feats``' dtype, or with ``tokens`` the embedding table ``[vocab, H]`` whose rows
+            ``tokens [B, M]`` (int64 below ``vocab``, not checked) select; out: an optional
+            preallocated result.
     Returns:
         ``[B, M, 2H]`` contiguous.
     Raises:
         ValueError: shapes or dtypes that do not match, or ``out`` of another layout.
     """
-    B, M, H = emb.shape
-    P = feats.shape[1]
-    if (feats.shape != (B, P, H) or feats.dtype != emb.dtype or (slot is None and P != M)
-            or (slot is not None and (slot.shape != (B, M) or slot.dtype != torch.int64))):
+    B, P, H = feats.shape if feats.dim() == 3 else (0, 0, -1)
+    if tokens is not None:
+        M = tokens.shape[-1] if tokens.dim() else -1
+        e_ok = (tokens.dim() == 2 and tokens.shape[0] == B and tokens.dtype == torch.int64 and emb.dim() == 2
+                and emb.shape[1] == H)
+    else:
+        M = emb.shape[1] if emb.dim() == 3 else -1
+        e_ok = tuple(emb.shape) == (B, M, H)
+    if (not e_ok or feats.dtype != emb.dtype or (slot is None and P != M)
+            or (slot is not None and (tuple(slot.shape) != (B, M) or slot.dtype != torch.int64))):
         raise ValueError(f"pair_rows: feats {list(feats.shape)} {feats.dtype}, emb {list(emb.shape)} {emb.dtype}, "
+                         f"tokens {None if tokens is None else (list(tokens.shape), tokens.dtype)}, "
                          f"slot {None if slot is None else (list(slot.shape), slot.dtype)}: expected [B, P, H] and "
-                         "[B, M, H] of one dtype, int64 [B, M] slots (or None with P == M)")
+                         "[B, M, H] of one dtype (or a [vocab, H] table with int64 [B, M] tokens), int64 [B, M] "
+                         "slots (or None with P == M)")
     if out is None:
         out = torch.empty(B, M, 2 * H, dtype=emb.dtype, device=emb.device)
     check_out((out,), (B, M, 2 * H), (emb.dtype,), emb.device)
     if B * M:
         _pair_rows_kernel[(B * M,)](feats.contiguous(), emb if slot is None else slot.contiguous(), emb.contiguous(),
-                                    out, P, M, H, HAS_SLOT=slot is not None,
+                                    emb if tokens is None else tokens.contiguous(), out, P, M, H,
+                                    HAS_SLOT=slot is not None, HAS_TOK=tokens is not None,
                                     BH=min(triton.next_power_of_2(H), 1024))
     return out
 
