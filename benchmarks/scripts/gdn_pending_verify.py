@@ -15,7 +15,8 @@ Kernel table: the serial kernel (``serial_verify``), the tree-masked parallel ke
 ``fused``, each program computes ``T = (I + A)^-1`` and ``G`` itself; ``separate``, a prepare
 launch first, included in its time), without the pending commit (fused), and the separate prepare
 kernel alone on 1, 2, 4 and 8 warps. ``--sweep``: the serial kernel of one-token passes (``TUNING["decode"]``:
-V-tile width ``BV`` and warps) and the parallel kernel with a pending commit (``TUNING["tree"]``);
+V-tile width ``BV`` and warps) and the parallel kernel with a pending commit (``TUNING["tree"]``:
+``BV``, warps and the prepare's form);
 ``TUNING`` is restored afterwards. One CUDA GPU.
 """
 import argparse
@@ -108,9 +109,10 @@ def sweep():
                     continue
                 for bv in (16, 32, 64):
                     for w in (4, 8):
-                        vk.TUNING["tree"] = {**saved["tree"], "BV": bv, "BKC": 64, "num_warps": w}
-                        t = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend), rep=40)
-                        print(f"| parallel | {B} | {T} | BV{bv}/w{w} | {t:.1f} |", flush=True)
+                        for form in ("fused", "separate"):
+                            vk.TUNING["tree"] = {**saved["tree"], "BV": bv, "BKC": 64, "num_warps": w, "prepare": form}
+                            t = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend), rep=40)
+                            print(f"| parallel | {B} | {T} | BV{bv}/w{w}/{form} | {t:.1f} |", flush=True)
                 vk.TUNING["tree"] = dict(saved["tree"])
     finally:
         vk.TUNING.clear()
