@@ -93,8 +93,9 @@ def _generate(args: argparse.Namespace) -> int:
         # greedy decoding ignores them; --top-k is easily meant as the tree's --tree-top-k
         verbs, it = (("filter sampling and need", "them") if len(sampling_only) > 1
                      else ("filters sampling and needs", "it"))
+        hint = "; the draft tree's children per node is --tree-top-k" if "--top-k" in sampling_only else ""
         raise ValueError(f"{' and '.join(sampling_only)} {verbs} --temperature > 0 (greedy decoding ignores "
-                         f"{it}); the draft tree's children per node is --tree-top-k")
+                         f"{it}){hint}")
     config = _spec_config({"device": _auto_device()}, overrides, flags)  # options fail before any load
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
@@ -297,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt text (repeat for a batch)")
     gen.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
     gen.add_argument("--drafter", default="ngram", help="ngram, a drafter directory (specla train-drafter), or a "
-                     "model's own drafter its plugin names (mtp: the MTP layer Qwen3.5 / Qwen3-Next checkpoints ship)")
+                     "model's own drafter its plugin names (mtp: the MTP layer Qwen3.5 / Qwen3-Next and Nemotron-H "
+                     "checkpoints ship)")
     gen.add_argument("--tokenizer", default=None, metavar="DIR",
                      help="tokenizer directory (default: the checkpoint's own tokenizer.json)")
     gen.add_argument("--config", default=None, metavar="JSON|FILE", help=config_help)
@@ -388,9 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_train_drafter)
 
     bench = sub.add_parser("bench", help="a prompt suite, speculative against autoregressive",
-                           formatter_class=_HelpFormatter)
+                           formatter_class=_HelpFormatter,
+                           description="Decode a JSONL prompt suite speculatively and autoregressively (specla's "
+                                       "own plain decoding, same prefill), side by side; prints a table per "
+                                       "category (tokens/s, speedup, acceptance, exact-match rate) and with --out "
+                                       "writes the JSON report.")
     bench.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (transformers format)")
-    bench.add_argument("--drafter", default="ngram", help="ngram or a drafter directory (specla train-drafter)")
+    bench.add_argument("--drafter", default="ngram", help="ngram, a drafter directory (specla train-drafter), or a "
+                       "model's own drafter its plugin names (mtp)")
     bench.add_argument("--prompts", required=True, metavar="FILE",
                        help="JSONL, a row per prompt: prompt; optional: id (kept in the report's samples), "
                             "category, answer (GSM8K: scored), test and entry_point (HumanEval: run)")
@@ -402,14 +409,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=_positive, default=1, metavar="B",
                        help="prompts decoded together (batches never mix categories)")
     bench.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="S",
-                       help="seconds: start no new batch after this (the first batch always runs; the untimed "
-                            "warm-up (the longest prompt at every graph batch, each size's first batch) comes on top; "
-                            "the report counts the prompts decoded; default: no limit)")
+                       help="seconds: start no new batch after this; the first batch always runs, and the "
+                            "untimed warm-up comes on top (the longest prompt at every graph batch, each size's first "
+                            "batch). The report counts the prompts decoded. Default: no limit")
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     bench.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
     bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here (default: none)")
     bench.set_defaults(func=_bench)
-    plug = sub.add_parser("plugins", help="list registered architecture plugins")
+    plug = sub.add_parser("plugins", help="list registered architecture plugins",
+                          description="List the registered architecture plugins and the model types each runs.")
     plug.set_defaults(func=_plugins)
     return parser
 

@@ -79,6 +79,10 @@ def test_sampling_filters_without_temperature_are_refused(capsys):
     assert code == 2
     assert last_error(err) == ("specla: error: --top-k filters sampling and needs --temperature > 0 (greedy "
                                "decoding ignores it); the draft tree's children per node is --tree-top-k")
+    code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--top-p", "0.9")
+    assert code == 2  # the tree's width is no alternative to a nucleus: no --tree-top-k hint
+    assert last_error(err) == ("specla: error: --top-p filters sampling and needs --temperature > 0 (greedy "
+                               "decoding ignores it)")
 
 
 def test_stop_token_ids_and_single_token_stop_strings(capsys):
