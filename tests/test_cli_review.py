@@ -302,3 +302,23 @@ def test_train_drafter_never_writes_into_a_model_checkpoint(tmp_path, capsys):
                            "--steps", "2", "--device", "cpu", *flags)
         assert code == 2 and f"output folder {target} holds a config.json that is not a drafter's" in err
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+@pytest.mark.parametrize("env,device,threads", [(None, "cpu", [1]), ("2", "cpu", []), (None, "cuda", [])])
+def test_the_demo_runs_torch_on_one_thread_on_a_cpu_unless_told(monkeypatch, capsys, env, device, threads):
+    """``specla demo`` on a CPU sets torch to one thread unless ``OMP_NUM_THREADS`` is set; on
+    a GPU it leaves torch's threads alone (the demo itself replaced by a stub here)."""
+    import torch
+
+    import specla.demo
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(specla.demo, "run_demo", lambda **kw: {"exact_match": True, "device": kw["device"]})
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert main(["demo", "--device", device]) == 0
+    assert calls == threads
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["device"] == device
