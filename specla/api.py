@@ -109,6 +109,13 @@ class SpecDecoder:
         if isinstance(model, (str, Path)) and not (Path(model) / "config.json").is_file():
             raise UnsupportedModelError(f"{model} is not a checkpoint directory (no config.json in it)")
         self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin is not None else detect_plugin(model)
+        own_drafter = isinstance(drafter, str) and drafter in self.plugin.model_drafters  # the model's own (MTP)
+        if not own_drafter:  # before any checkpoint loads: a wrong name or directory fails fast
+            if isinstance(drafter, str) and (owners := [n for n in available()
+                                                        if drafter in get_plugin(n).model_drafters]):
+                raise DrafterError(f"drafter={drafter!r} is a model's own drafter, and the {self.plugin.name} "
+                                   f"plugin's models bring none (the {', '.join(owners)} plugins' do)")
+            self.drafter = make_drafter(drafter)
         owned = isinstance(model, (str, Path))  # loaded here: nobody else holds it
         if owned:
             path = Path(model)
@@ -144,13 +151,8 @@ class SpecDecoder:
         if outside:
             raise ConfigError(f"stop_token_ids {outside} are outside the model's vocabulary "
                               f"0..{self.adapter.vocab_size - 1}")
-        if isinstance(drafter, str) and drafter in self.plugin.model_drafters:  # the model's own (MTP)
+        if own_drafter:
             self.drafter = self.plugin.make_model_drafter(drafter, model)
-        elif isinstance(drafter, str) and (owners := [n for n in available() if drafter in get_plugin(n).model_drafters]):
-            raise DrafterError(f"drafter={drafter!r} is a model's own drafter, and the {self.plugin.name} plugin's "
-                               f"models bring none (the {', '.join(owners)} plugins' do)")
-        else:
-            self.drafter = make_drafter(drafter)
         self.drafter.bind(self.adapter)
         self.engine = Engine(self.adapter, self.drafter, self.config)  # kept: its CUDA graphs are reused
 

@@ -247,3 +247,15 @@ def test_half_precision_checkpoints_run_in_float32_on_cpu_and_config_json_roundt
     assert SpecDecoder(TINY, None, config=dict(dtype="bfloat16")).adapter.dtype == torch.bfloat16
     dumped = json.loads(json.dumps(SpecConfig().model_dump(mode="json")))  # strict JSON: no Infinity
     assert dumped["tau_tree"] == "inf" and SpecConfig.model_validate(dumped) == SpecConfig()
+
+
+@pytest.mark.parametrize("drafter,error", [("medusa", "UnknownPluginError"), ("mtp", "DrafterError"),
+                                           ("./no/such/dir", "DrafterError")])
+def test_a_wrong_drafter_fails_before_the_checkpoint_loads(monkeypatch, drafter, error):
+    """A drafter name no plugin knows, a model's own drafter the checkpoint's plugin lacks, a
+    missing directory: each refused by name before any weight is read."""
+    plugin = get_plugin("gdn")
+    monkeypatch.setattr(type(plugin), "load_model", lambda *a, **k: pytest.fail("the checkpoint was loaded"))
+    with pytest.raises(specla.SpecError) as err:
+        SpecDecoder(TINY, drafter=drafter)
+    assert type(err.value).__name__ == error
