@@ -43,6 +43,6 @@ def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tenso
     # T = 0: no chain token is read or written, so the state stands in for the chain's pointers
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         state, state, state, state, state, state, state, state, state, path_len, scale=1.0, T=0, SV=0,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, ONE=False, **_pending_kwargs(commit), num_warps=TUNING["serial"]["num_warps"],
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **_pending_kwargs(commit), num_warps=TUNING["serial"]["num_warps"],
     )
     return state

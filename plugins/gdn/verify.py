@@ -78,6 +78,7 @@ PENDING_FIELDS = dict(pk="k", pdelta="delta", pG="G")  # kernel parameter -> GDN
 
 
 @with_pending
+@triton.heuristics({"ONE": lambda args: args["T"] == 1})  # one token: plain decoding's pass
 @triton.jit
 def _serial_verify_kernel(
     q, k, v, g, beta, S, o, delta, G, num_nodes,
@@ -146,7 +147,7 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     BV = min(triton.next_power_of_2(V), tune["BV"])
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, state, o, d, G, num_nodes, scale=scale, T=T, SV=SV, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        ONE=T == 1, **_pending_kwargs(pending), num_warps=tune["num_warps"],
+        **_pending_kwargs(pending), num_warps=tune["num_warps"],
     )
 
 
@@ -282,6 +283,7 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
 
 
 @with_pending
+@triton.heuristics({"PREPARE": lambda args: args["Tm"] is None})  # no prepare launch's results to load
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, g, beta, mask, Tm, G, S, o, delta,
@@ -297,9 +299,10 @@ def _tree_verify_kernel(
     ``K_p^T (w Delta_p)`` of the accepted path's keys with its weighted ``Delta`` rows, which are
     loaded once per program; in float32, "ieee", so that the committed state is not rounded to
     TF32) and written once, then contributes to ``k S0``, ``q S0`` and ``q k^T``; nothing larger
-    than a ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time. With ``PREPARE`` each program
-    also computes ``T`` and ``G`` (:func:`_tree_inverse`; ``k k^T`` in the same K loop) instead of
-    loading them from :func:`_tree_prepare_kernel`'s launch, and the first V tile writes ``G``."""
+    than a ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time. Without ``Tm`` (``PREPARE``)
+    each program also computes ``T`` and ``G`` (:func:`_tree_inverse`; ``k k^T`` in the same K
+    loop) instead of loading them from :func:`_tree_prepare_kernel`'s launch, and the first V
+    tile writes ``G``."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -416,7 +419,7 @@ def tree_verify(
     o, d, G = out
     form = TUNING["tree"]["prepare"]
     fused = form == "fused" or (form == "auto" and T <= 8 and B <= 8)
-    Tm = G if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)  # unread when fused
+    Tm = None if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     if not fused:
         _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
                                         num_warps=TUNING["prepare"]["num_warps"])
@@ -424,7 +427,7 @@ def tree_verify(
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, mask, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
         H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, BP=max(16, triton.next_power_of_2(pend["P"])),
-        PREPARE=fused, **pend, num_warps=TUNING["tree"]["num_warps"],
+        **pend, num_warps=TUNING["tree"]["num_warps"],
     )
     return out
 
