@@ -118,9 +118,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
     import torch
+
+    from .demo import run_demo
 
     if (args.device or _auto_device()) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # the bundled 7.7M-parameter target's operators are too small to split across threads, and
