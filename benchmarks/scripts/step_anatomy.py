@@ -15,6 +15,10 @@ top-k 4). For each row and batch, one JSON line with
   acceptance, the pending commit's bookkeeping, the drafter's cache update), and the whole
   recorded step; device time per replay (ms) and kernels per replay (torch profiler); with
   ``--kernel-names``, each part's kernels by name (launches and device µs in one replay);
+- ``prefill`` (with ``--prefill``): the prefill's two halves timed alone (medians of 5, CUDA
+  synchronised): the target's prompt passes (``adapter.prefill``) and the drafter's reset, and
+  one of each profiled: kernels, their device µs, and the host operators with the most self CPU
+  time (what a prefill is bound by when its device time is below its wall time);
 - ``fla-graph``: FLA's own ``GatedDeltaNetForCausalLM`` forward of one token with its cache,
   recorded in a CUDA graph (the plain-decoding baseline of the measuring protocol).
 
@@ -115,6 +119,40 @@ def parts(dec, prompts):
             for i, (k, v) in enumerate(out.items())}
 
 
+def prefill_parts(dec, prompts, repeats=5):
+    """The prefill's halves (see the module docstring): ms each (medians), then one profiled."""
+    ad, dr = dec.adapter, dec.drafter
+    times = {"adapter_prefill": [], "drafter_reset": []}
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        ad.prefill(prompts)
+        sync()
+        t1 = time.perf_counter()
+        dr.reset(prompts)
+        sync()
+        times["adapter_prefill"].append((t1 - t) * 1e3)
+        times["drafter_reset"].append((time.perf_counter() - t1) * 1e3)
+    out = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    for name, fn in (("adapter_prefill", lambda: ad.prefill(prompts)), ("drafter_reset", lambda: dr.reset(prompts))):
+        with profile(activities=acts) as prof:
+            fn()
+            sync()
+        ev = prof.key_averages()
+        dev = [e for e in ev if e.device_type.name == "CUDA"]
+        host = sorted((e for e in ev if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+        out[name + "_profile"] = dict(
+            kernels=sum(e.count for e in dev), device_us=round(sum(e.self_device_time_total for e in dev), 1),
+            host_ops=[[e.key[:60], e.count, round(e.self_cpu_time_total, 1)] for e in host[:12]])
+    sync()
+    t = time.perf_counter()
+    for _ in range(20):
+        torch.cuda.mem_get_info() if CUDA else None
+    out["mem_get_info_us"] = round((time.perf_counter() - t) / 20 * 1e6, 1)
+    return out
+
+
 def whole_calls(dec, prompts, repeats=5):
     """Medians over ``repeats`` timed calls after a warm-up call: the call's parts in ms."""
     rec = {}
@@ -165,6 +203,7 @@ def main():
     p.add_argument("--device", default="cuda", help="cpu: check the script's logic (no timings)")
     p.add_argument("--preset", default="small", choices=("tiny", "small"),
                    help="the model shape: a GDN preset of train_target.py")
+    p.add_argument("--prefill", action="store_true", help="also time and profile the prefill's halves")
     p.add_argument("--kernel-names", action="store_true",
                    help="each part's kernels by name: launches and device µs in one profiled replay")
     a = p.parse_args()
@@ -187,6 +226,8 @@ def main():
             dec = SpecDecoder(model, "gdn", drafter=drafter, config=dict(
                 dtype=a.dtype, device=a.device, cuda_graphs="on" if CUDA else "unrecorded", max_new_tokens=128, stop_at_eos=False, budget_policy="fixed", **tree))
             print(json.dumps(dict(batch=B, row=name, call=whole_calls(dec, prompts))), flush=True)
+            if a.prefill:
+                print(json.dumps(dict(batch=B, row=name, prefill=prefill_parts(dec, prompts))), flush=True)
             print(json.dumps(dict(batch=B, row=name, parts=parts(dec, prompts))), flush=True)
             del dec
             if CUDA:
