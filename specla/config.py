@@ -111,7 +111,11 @@ class SpecConfig(BaseModel):
             gated delta rule, ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, GLA and
             Mamba2 layers through its ``chunk_gla`` and ``chunk_simple_gla``, KDA through its
             ``chunk_kda``, attention layers causal over the prompt; elsewhere ``chain``),
-            ``auto`` (default): ``chain``. On the trained ``small`` target in bfloat16 on an
+            ``passes`` (the prompt in passes of 256 tokens through those chunked kernels, each
+            from the state the previous pass left, recorded in CUDA graphs up to batch 8 as the
+            chain passes are: where every layer's whole-sequence path continues from its state,
+            i.e. models without attention layers (GDN, GLA, Mamba2, KDA) with the Triton kernels
+            on a GPU; elsewhere ``chain``), ``auto`` (default): ``chain``. On the trained ``small`` target in bfloat16 on an
             H200 (BENCHMARKS.md section 4, commit ``1967c00``) ``chunked`` took 2.2x the chain
             passes' prefill time at batch 1 (1.99 s against 0.92 s for 64 prompts).
     Raises:
@@ -139,7 +143,7 @@ class SpecConfig(BaseModel):
     verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
     cuda_graphs: Literal["auto", "on", "off", "unrecorded"] = "auto"
     budget_policy: Literal["auto", "adaptive", "fixed"] = "auto"
-    prefill: Literal["auto", "chunked", "chain"] = "auto"
+    prefill: Literal["auto", "passes", "chunked", "chain"] = "auto"
 
     @field_serializer("tau_tree", when_used="json")
     def _finite_json(self, value: float) -> float | str:

@@ -22,6 +22,7 @@ from .records import Acceptance, PendingCommit, Record
 from .tree import DraftTree
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
+PREFILL_PASS = 256  # prompt tokens per pass through the mixers' chunked kernels (``prefill="passes"``)
 # prefill passes run as one recorded CUDA graph up to this many prompts (where a pass is bound by
 # its launches); each recorded batch size keeps a pass's records (64 tokens per prompt) in its pool
 PREFILL_GRAPH_MAX_BATCH = 8
@@ -361,34 +362,46 @@ class LayerwiseAdapter(TargetAdapter):
         (right-padded), ``lengths [B]`` int64, from the empty state; returns ``[B, T, hidden]``."""
         raise NotImplementedError
 
+    def _chunk_passes(self) -> bool:
+        """Whether the fixed-shape prefill passes run every mixer's chunked whole-sequence
+        kernels from the state the previous pass left (``PREFILL_PASS`` tokens each,
+        ``SpecConfig.prefill`` ``passes``) rather than a 64-token verify chain and its commit;
+        ``False`` unless a subclass has such kernels."""
+        return False
+
     def _prefill_mode(self, B: int) -> str | None:
         """How this prefill runs its passes: ``"whole"`` (one pass over whole prompts,
         :meth:`_whole_prefill`), ``"record"`` (one CUDA graph per batch size,
-        replayed per 64-token chunk: the plugin's kernels on a GPU with ``cuda_graphs`` on or
-        auto), ``"unrecorded"`` (the same fixed-shape pass run eagerly: ``cuda_graphs=
-        "unrecorded"``, how the CPU tests check it) or ``None`` (eager passes of the chunk's own
-        width)."""
+        replayed per chunk of the prompts: the plugin's kernels on a GPU with ``cuda_graphs`` on
+        or auto), ``"unrecorded"`` (the same fixed-shape pass run eagerly: ``cuda_graphs=
+        "unrecorded"``, how the CPU tests check it, and :meth:`_chunk_passes` wherever no graph
+        is recorded) or ``None`` (eager chain passes of the chunk's own width)."""
         cfg = self.config
         if self._whole_prefill():
             return "whole"
+        eager = "unrecorded" if self._chunk_passes() else None
         if B > PREFILL_GRAPH_MAX_BATCH or self.differentiable or self.graph_problem():
-            return None
+            return eager
         if cfg.cuda_graphs == "unrecorded":
             return "unrecorded"
         if cfg.cuda_graphs in ("auto", "on") and self.device.type == "cuda" and self._use_kernel("factor"):
             return "record"
-        return None
+        return eager
 
     def _prefill_pass(self, g: _PrefillGraph) -> None:
-        """One 64-token chain pass on ``g``'s static buffers, its commit, and the new state copied
-        back into them: what a recorded prefill graph holds."""
+        """One pass on ``g``'s static buffers (a 64-token chain through verify and its commit, or
+        with :meth:`_chunk_passes` the mixers' chunked kernels over ``PREFILL_PASS`` tokens) and
+        the new state copied back into them: what a recorded prefill graph holds."""
         self._set_state_list(g.state)
         self.static_shapes = True
         try:
-            _, hidden, recs = self.forward(g.tokens, g.parents, g.counts, "factor", logits=False)
-            W = g.tokens.shape[1]
-            idx = torch.arange(W, device=self.device)
-            self._apply(recs, torch.where(idx < g.counts[:, None], idx, -1), g.counts)
+            if self._chunk_passes():
+                hidden = self._run_whole(g.tokens, g.counts)
+            else:
+                _, hidden, recs = self.forward(g.tokens, g.parents, g.counts, "factor", logits=False)
+                W = g.tokens.shape[1]
+                idx = torch.arange(W, device=self.device)
+                self._apply(recs, torch.where(idx < g.counts[:, None], idx, -1), g.counts)
         finally:
             self.static_shapes = False
         copy_into(g.state + [g.hidden], self._state_list() + [hidden])
@@ -399,7 +412,7 @@ class LayerwiseAdapter(TargetAdapter):
         static buffers, recorded once per batch size and replayed per chunk when ``record``
         (see :meth:`_prefill_mode`); the state starts empty. Returns ``[B, T, hidden]``."""
         B, T = tokens.shape
-        W = PREFILL_CHUNK
+        W = PREFILL_PASS if self._chunk_passes() else PREFILL_CHUNK
         graphs = self._prefill_graphs
         g = graphs.get(B) if record else None
         if g is not None and any(a.shape != b.shape for a, b in zip(g.state, self._state_list())):

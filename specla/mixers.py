@@ -147,13 +147,19 @@ class Mixer(ABC):
         chains through :meth:`verify` and :meth:`commit`."""
         return False
 
+    prefill_continues = False
+    """Whether :meth:`prefill` continues from the state the mixer holds (a recurrent state or a
+    convolution window, which FLA's chunked kernels take as their initial state), so a prompt
+    may run as several fixed-width passes (``SpecConfig.prefill`` ``passes``); attention layers
+    write their cache from slot 0 and do not."""
+
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
         """Whole prompts ``h [B, T, hidden]`` (the layer's normalised input; row ``b`` holds
-        ``tp.counts[b]`` tokens, right-padded) from the empty state: returns the mixer's output
-        ``[B, T, hidden]`` and leaves the state each row reaches after its ``counts`` tokens, as a
-        verify of that chain followed by its commit would, with no record. ``tp.parents`` is the
-        chain, ``tp.mask`` and ``tp.depth`` are ``None``. Called only where
-        :meth:`prefills_whole` says so.
+        ``tp.counts[b]`` tokens, right-padded) from the state the mixer holds (empty at a prompt's
+        start; see :attr:`prefill_continues`): returns the mixer's output ``[B, T, hidden]`` and
+        leaves the state each row reaches after its ``counts`` tokens, as a verify of that chain
+        followed by its commit would, with no record. ``tp.parents`` is the chain, ``tp.mask``
+        and ``tp.depth`` are ``None``. Called only where :meth:`prefills_whole` says so.
 
         Raises:
             NotImplementedError: the mixer has no whole-prompt path.
@@ -182,6 +188,7 @@ class RecurrentMixer(Mixer):
 
     S: Tensor
     conv: Tensor | None
+    prefill_continues = True  # the chunked kernels start from S (and the conv window)
 
     def state(self) -> list[Tensor]:
         return [self.S] + ([self.conv] if self.conv is not None else [])
@@ -495,6 +502,11 @@ class MixerAdapter(LayerwiseAdapter):
     def _whole_prefill(self) -> bool:
         kernels = self._use_kernel("factor")
         return self.config.prefill == "chunked" and all(m.prefills_whole(kernels) for m in self.mixers)
+
+    def _chunk_passes(self) -> bool:
+        kernels = self._use_kernel("factor")
+        return (self.config.prefill == "passes"
+                and all(m.prefills_whole(kernels) and m.prefill_continues for m in self.mixers))
 
     def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         B, T = tokens.shape

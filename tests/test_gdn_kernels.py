@@ -545,6 +545,53 @@ def test_chunked_prefill_equals_chain_prefill(name, monkeypatch):
             torch.testing.assert_close(a, b, **ftol)
 
 
+@pytest.mark.parametrize("graphs", ["auto", "unrecorded"])
+def test_prefill_passes_equal_chain_prefill(graphs, monkeypatch):
+    """``prefill="passes"``: prompts in fixed-width passes through FLA's chunked gated delta rule,
+    each from the state and conv window the previous pass left (the pass width set to 32 here,
+    so ragged prompts of 1, 45 and 9 tokens take two passes, the short rows padding through the
+    second), recorded in a CUDA graph where one is available: the states, conv windows and
+    prompt features of the 64-token chain passes, and decoding after it equals plain decoding
+    with the same prefill (and, on the CPU, sequential float32 decoding)."""
+    import specla.layerwise as layerwise
+    from fla_oracle import whole_prompt_prefill_calls
+
+    calls = whole_prompt_prefill_calls(monkeypatch)
+    monkeypatch.setattr(layerwise, "PREFILL_PASS", 32)
+    model = make_model("gva", dtype=torch.float32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 45, 9)]
+    seen = {}
+    for prefill in ("chain", "passes"):
+        cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV, kernels="triton", cuda_graphs=graphs,
+                         prefill=prefill, budget_policy="fixed")
+        dec = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg)
+        ad = dec.adapter
+        for _ in range(2):  # the second prefill replays the recorded pass (and starts from a used state)
+            calls.clear()
+            ad.prefill(prompts)
+        recorded = graphs == "auto" and DEV == "cuda"
+        # recorded: the kernels run at the recording only; unrecorded: two passes of every layer
+        assert len(calls) == (0 if prefill == "chain" or recorded else 2 * model.config.num_hidden_layers)
+        seen[prefill] = ([t.clone() for t in ad._state_list()], ad.last_hidden.clone(),
+                         [ad.prompt_hidden[i, : len(p) - 1].clone() for i, p in enumerate(prompts)])
+        if prefill == "passes":
+            out = dec.generate(prompts).outputs
+            plain = specla.SpecDecoder(model, "gdn", config=cfg.model_copy(update={"num_draft_tokens": 0}))
+            assert out == plain.generate(prompts).outputs
+            if DEV == "cpu":
+                assert out == [naive_greedy_decode(model, p, 8) for p in prompts]
+    tol = dict(rtol=1e-4, atol=1e-5) if DEV == "cpu" else dict(rtol=1e-2, atol=2e-3)  # TF32 on a GPU
+    ftol = tol if DEV == "cpu" else dict(rtol=1e-2, atol=1e-2)
+    (s1, h1, f1), (s2, h2, f2) = seen["chain"], seen["passes"]
+    for a, b in zip(s1, s2):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b, **tol)
+    torch.testing.assert_close(h1, h2, **ftol)
+    for a, b in zip(f1, f2):
+        torch.testing.assert_close(a, b, **ftol)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole-prompt pass runs FLA's kernels on a GPU only")
 def test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding(monkeypatch):
     """``prefill="chunked"`` on a bfloat16 model (FLA's kernels take k, v and beta in one dtype):

@@ -35,8 +35,10 @@ from .records import GDNFactorRecord
 # Tree kernel (it visits the state in K blocks of BKC rows) and one-token passes (plain decoding:
 # "decode", on the serial kernel), timed with a pending commit (BENCHMARKS.md section 5, launch
 # sweep): the tree kernel on 4 warps (16 nodes: 139 vs 208 us at batch 64, 23.7 vs 31.1 at batch
-# 8, 14.5 vs 15.2 at batch 1, against 8), one-token passes on 16-column tiles (141 vs 178 us at
-# batch 64, 9.1 vs 13.3 at batch 8, 3.7 vs 3.9 at batch 1, against 8 columns).
+# 8, 14.5 vs 15.2 at batch 1, against 8). One-token passes (the form that skips the updated state
+# tile) on 32-column tiles and 4 warps: at the GDN-1.3B layer 81.5 vs 141.0 us at batch 64 for 16
+# columns on 1 warp, 8.3 vs 8.4 at batch 8, 3.6 vs 3.3 at batch 1 (64 columns: 77.2, 8.4, 4.6;
+# one H200, 2026-12-03, gdn_pending_verify.py --sweep, BENCHMARKS.md section 5).
 # The tree's prepare kernel (one program per sequence and head, a serial forward substitution,
 # which stays accurate where a Neumann product of powers of A cancels catastrophically on deep
 # chains of correlated keys): 2 warps, measured against 1, 4 and 8 (BENCHMARKS.md section 5:
@@ -47,7 +49,7 @@ from .records import GDNFactorRecord
 # BENCHMARKS.md section 5), fused vs separate in us: `small` layer (H 4, K 128, V 256) 7 nodes
 # 6.9 vs 8.3 at batch 1, 9.0 vs 10.2 at batch 8, 46.7 vs 41.3 at batch 64; 16 nodes 10.2 vs 9.6,
 # 13.1 vs 11.9, 68.1 vs 46.2; GDN-1.3B layer 7 nodes 9.2 vs 11.3, 18.9 vs 19.6, 148 vs 128.
-TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 16, "num_warps": 1},
+TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps": 4},
           "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4, "prepare": "auto"},
           "prepare": {"num_warps": 2}}
 

@@ -89,11 +89,13 @@ class ShortConvMixer(Mixer):
             rec = ConvRecord(conv_x=bx)
         return self.module.out_proj(y), rec
 
+    prefill_continues = True  # the convolution reads the window it holds
+
     def prefills_whole(self, kernels: bool) -> bool:
         return True
 
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
-        """Whole prompts from the empty window (:meth:`specla.mixers.Mixer.prefill`): the
+        """Whole prompts from the window it holds (:meth:`specla.mixers.Mixer.prefill`): the
         convolution along each prompt (the same operator on the chain) and the window after each
         row's ``tp.counts`` inputs."""
         Bg, Cg, x = self.module.in_proj(h).chunk(3, dim=-1)
