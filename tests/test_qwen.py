@@ -253,7 +253,11 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernel
     dr.reset([prompt])
     with torch.no_grad():
         _, top_logp, top_tok = dr._expand(dr._root_state(), None, dr.root[:, None], 3)
-        text, head = dr.head.text, written  # the oracle: the layer as written, not as specla loaded it
+        # the oracle: the layer as written, not as specla loaded it, on the CPU model (the decoder's
+        # copy may be on the GPU)
+        from specla_qwen.adapter import text_parts
+
+        text, head = text_parts(model)[0], written
         ids = torch.tensor([prompt])
         with torch_path(model):  # transformers' PyTorch path on a CPU
             f = model.model(ids[:, :-1]).last_hidden_state  # final-normed features f_0 .. f_{L-2}
