@@ -181,11 +181,13 @@ def test_draft_level_attention_kernel_refuses_what_it_cannot_run():
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("W,E", [(1, 12), (7, 36), (3, 1100)])
-def test_append_kv_kernel_equals_its_pytorch_twin(dtype, W, E):
+@pytest.mark.parametrize("fused", [False, True])
+def test_append_kv_kernel_equals_its_pytorch_twin(dtype, W, E, fused):
     """A step's pairs appended to a drafter's cache: rows at lengths 0, mid-cache, one short of
     full (its overflow lands in the last slot, the last pair last) and full; a width past one
     block (1100 = 4 x 275); every other slot untouched (pre-filled with NaN, compared bit for
-    bit with ``equal_nan``); lengths updated in place."""
+    bit with ``equal_nan``); lengths updated in place. ``fused``: keys and values are strided
+    views, the chunks of one ``[B, W, 3E]`` projection, read in place."""
     from specla.ops import attention_triton
     from specla.ops.attention import append_kv
 
@@ -194,7 +196,11 @@ def test_append_kv_kernel_equals_its_pytorch_twin(dtype, W, E):
     L, H = 9, 4 if E % 4 == 0 else 1
     lens = torch.tensor([0, 4, L - 1, L], device=dev)
     B = len(lens)
-    k, v = (torch.randn(B, W, H, E // H, generator=g).to(dev, dtype) for _ in range(2))
+    if fused:
+        _, k, v = (x.reshape(B, W, H, E // H) for x in torch.randn(B, W, 3 * E, generator=g).to(dev, dtype).chunk(3, -1))
+        assert not k.is_contiguous()
+    else:
+        k, v = (torch.randn(B, W, H, E // H, generator=g).to(dev, dtype) for _ in range(2))
     num = torch.randint(0, W, (B,), generator=g).to(dev)
     caches = [torch.full((B, L, H, E // H), float("nan"), dtype=dtype, device=dev) for _ in range(2)]
     want = [c.clone() for c in caches] + [lens.clone()]

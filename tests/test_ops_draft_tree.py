@@ -43,6 +43,32 @@ def test_level_equals_twin(M, k, last):
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("last", [False, True])
+def test_root_level_equals_twin(k, last):
+    """The roots' level with no frontier tensors (``fscore`` and ``ids`` ``None``: score 0, parent
+    -1 implied, as a recorded draft step runs it) equals the twin given the zeros and -1s; a
+    frontier of more than one node, or one of the two given without the other, is refused."""
+    g = torch.Generator().manual_seed(k)
+    B, off, C = 3, 2, 2 + k + 3
+    logp = coarse((B, 1, k), g)
+    child = torch.randint(0, 1000, (B, 1, k), generator=g).to(DEV)
+    rows = (torch.full((B, C), float("nan"), device=DEV), torch.full((B, C), -77, dtype=torch.int64, device=DEV),
+            torch.full((B, C), -77, dtype=torch.int64, device=DEV))
+    nxt = dt.level(None, logp, child, None, off, last, *rows)
+    cand, parents, ref = next_frontier(torch.zeros(B, 1, device=DEV), logp, child,
+                                       torch.full((B, 1), -1, dtype=torch.int64, device=DEV), off, last)
+    cols = slice(off, off + k)
+    assert torch.equal(rows[0][:, cols], cand) and torch.equal(rows[2][:, cols], parents)
+    assert torch.equal(rows[1][:, cols], child.flatten(1))
+    assert rows[0][:, :off].isnan().all() and (rows[2][:, off + k:] == -77).all()
+    assert (nxt is None and ref is None) if last else all(torch.equal(a, b) for a, b in zip(nxt, ref))
+    with pytest.raises(ValueError, match="one frontier node"):
+        dt.level(None, logp.expand(B, 2, k).contiguous(), child.expand(B, 2, k).contiguous(), None, 0, last, *rows)
+    with pytest.raises(ValueError, match="or both None"):
+        dt.level(torch.zeros(B, 1, device=DEV), logp, child, None, off, last, *rows)
+
+
 @pytest.mark.parametrize("budget,tau", [(1, float("inf")), (7, float("inf")), (15, 1.0), (40, 0.0), (200, 2.5)])
 def test_select_equals_twin(budget, tau):
     """Random candidate rows with tied scores and depths; some rows all ``-inf``."""

@@ -335,8 +335,18 @@ class EagleDrafter(Drafter):
         """Cache keys and values ``[B, W, heads, d]`` of the pairs (feature ``[B, W, hidden]``,
         next token ``[B, W]``) at positions ``start [B] + 0 .. W - 1`` (EAGLE has no positional
         encoding)."""
-        _, k, v = self.head.qkv_heads(self.head.pair(feats, self.adapter.embed(tokens)), self.kernels)
+        _, k, v = self.head.qkv_heads(self.head.fc(self._pairs(feats, None, tokens)), self.kernels)
         return k, v
+
+    def _pairs(self, feats: Tensor, slot: Tensor | None, tokens: Tensor) -> Tensor:
+        """``[B, M, 2 hidden]``: the features ``feats [B, P, hidden]`` (row ``slot [B, M]``, or
+        row ``m`` with ``slot`` ``None``) beside the embeddings of ``tokens [B, M]``: the input of
+        the head's ``fc``. With the kernels and an embedding table, the lookup, the gather and the
+        concatenation are one launch."""
+        table = self.adapter.embedding_table()
+        if self.kernels and table is not None:
+            return _kernels().pair_rows(feats, slot, table, tokens=tokens)
+        return (_kernels().pair_rows if self.kernels else pair_rows)(feats, slot, self.adapter.embed(tokens))
 
     def _root_state(self) -> tuple[Tensor, Tensor, Tensor]:
         """The state the roots are expanded from (:meth:`_level`'s layout): the feature ``[B, 1,
@@ -357,12 +367,7 @@ class EagleDrafter(Drafter):
         the node each of the ``M`` new pairs hangs from. Returns the new nodes' state (``A + 1``)
         and their features ``[B, M, hidden]``."""
         feats, anc_k, anc_v = state
-        table = self.adapter.embedding_table()
-        if self.kernels and table is not None:  # the embedding gather, the parents' rows and the concatenation in one
-            pairs = _kernels().pair_rows(feats, slot, table, tokens=tokens)
-        else:
-            pairs = (_kernels().pair_rows if self.kernels else pair_rows)(feats, slot, self.adapter.embed(tokens))
-        h = self.head.fc(pairs)
+        h = self.head.fc(self._pairs(feats, slot, tokens))
         new, keys, values = self.head.step(h, anc_k, anc_v, self.cache_k, self.cache_v, self.cache_len,
                                            kernels=self.kernels, slot=slot)
         return (new, keys, values), new

@@ -53,8 +53,8 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
     if N == 0:
         return DraftTree.empty(B, dev)
     state, slot, toks = root_state, None, roots[:, None]  # frontier: its parents' rows and tokens [B, M]
-    ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)  # node ids of the frontier (-1: root)
-    fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
+    # node ids (-1: the root) and path scores of the frontier; the level kernel takes the root's as given
+    ids = fscore = None
     scores, tokens, parents, sizes = [], [], [], []
     rows = None  # with the kernels: the candidate rows (score, token, parent), written in place
     count = 0
@@ -70,6 +70,9 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         if rows is not None:
             nxt = _kernels().level(fscore, logp.float(), child, ids, count, d == D, *rows)
         else:
+            if ids is None:
+                ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
+                fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
             cand, child_ids, nxt = next_frontier(fscore, logp, child, ids, count, d == D)
             scores.append(cand)
             tokens.append(child.flatten(1))

@@ -146,9 +146,10 @@ def draft_level_attention(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cach
 
 
 @triton.jit
-def _append_kv_kernel(ck, cv, clen, k, v, num_acc, L, W, E, BE: tl.constexpr):
+def _append_kv_kernel(ck, cv, clen, k, v, num_acc, L, W, E, skb, skw, svb, svw, BE: tl.constexpr):
     """Program ``b``: the row's ``W`` pairs in order (a full row's last pair lands last), then
-    its new length. ``E`` elements per pair (heads times head dim), every tensor dense."""
+    its new length. ``E`` elements per pair (heads times head dim), dense within a pair; pair
+    ``(b, j)`` of ``k`` starts at ``b * skb + j * skw`` (``v`` likewise), the caches dense."""
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(clen + b)
     for j in range(0, W):
@@ -156,14 +157,16 @@ def _append_kv_kernel(ck, cv, clen, k, v, num_acc, L, W, E, BE: tl.constexpr):
         for start in range(0, E, BE):
             c = start + tl.arange(0, BE)
             ok = c < E
-            tl.store(ck + (b * L + pos) * E + c, tl.load(k + (b * W + j) * E + c, mask=ok), mask=ok)
-            tl.store(cv + (b * L + pos) * E + c, tl.load(v + (b * W + j) * E + c, mask=ok), mask=ok)
+            tl.store(ck + (b * L + pos) * E + c, tl.load(k + b * skb + j * skw + c, mask=ok), mask=ok)
+            tl.store(cv + (b * L + pos) * E + c, tl.load(v + b * svb + j * svw + c, mask=ok), mask=ok)
     tl.store(clen + b, tl.minimum(n + tl.load(num_acc + b) + 1, L))
 
 
 def append_kv(cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, k: Tensor, v: Tensor,
               num_accepted: Tensor) -> None:
-    """:func:`specla.ops.attention.append_kv` in one launch (same arguments, in place).
+    """:func:`specla.ops.attention.append_kv` in one launch (same arguments, in place). ``k`` and
+    ``v`` may be strided views (the chunks of a fused key/value projection: no copy) as long as
+    each pair's ``heads x head dim`` elements are dense; others are copied first.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not match, or a cache, ``cache_len`` or
@@ -183,5 +186,6 @@ def append_kv(cache_k: Tensor, cache_v: Tensor, cache_len: Tensor, k: Tensor, v:
                          "caches, [B, W, H, Dh] pairs of their dtype, contiguous int64 [B] lengths and counts, "
                          "one device")
     if B and W:
-        _append_kv_kernel[(B,)](cache_k, cache_v, cache_len, k.contiguous(), v.contiguous(), num_accepted, L, W,
-                                H * Dh, BE=min(triton.next_power_of_2(H * Dh), 1024))
+        k, v = (x if x.stride(3) == 1 and x.stride(2) == Dh else x.contiguous() for x in (k, v))
+        _append_kv_kernel[(B,)](cache_k, cache_v, cache_len, k, v, num_accepted, L, W, H * Dh, k.stride(0),
+                                k.stride(1), v.stride(0), v.stride(1), BE=min(triton.next_power_of_2(H * Dh), 1024))

@@ -25,20 +25,26 @@ MAX_CANDIDATES = 128  # candidates per sequence one program ranks (a [C, C] tile
 @triton.jit
 def _level_kernel(fscore, logp, child, ids, score_all, token_all, parent_all, nslot, ntok, nids, nscore,
                   off, C, M, KN, K: tl.constexpr, MKP: tl.constexpr, KNP: tl.constexpr,
-                  LAST: tl.constexpr):
+                  LAST: tl.constexpr, ROOT: tl.constexpr):
     """Sequence ``b``: candidates ``i = m * K + j`` of the ``M`` frontier nodes, score
     ``fscore[m] + logp[m, j]``, written with their tokens and parent ids at columns ``off + i`` of
     the tree's candidate rows; then (unless ``LAST``) the ``KN`` best (higher score first, lower
-    index on ties) as the next frontier: producing slot, token, id ``off + i`` and score."""
+    index on ties) as the next frontier: producing slot, token, id ``off + i`` and score.
+    ``ROOT``: the frontier is the root (score 0, id -1); ``fscore`` and ``ids`` are not read."""
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
     i = tl.arange(0, MKP)
     live = i < MK
     m = i // K
-    cand = tl.load(fscore + b * M + m, mask=live, other=0.0) + tl.load(logp + b * MK + i, mask=live, other=0.0)
+    cand = tl.load(logp + b * MK + i, mask=live, other=0.0)
+    if not ROOT:
+        cand += tl.load(fscore + b * M + m, mask=live, other=0.0)
     cand = tl.where(cand == cand, cand, float("-inf"))  # NaN ranks last (and ranks stay distinct)
     tok = tl.load(child + b * MK + i, mask=live, other=0)
-    par = tl.load(ids + b * M + m, mask=live, other=0)
+    if ROOT:
+        par = tl.full([MKP], -1, tl.int64)
+    else:
+        par = tl.load(ids + b * M + m, mask=live, other=0)
     tl.store(score_all + b * C + off + i, cand, mask=live)
     tl.store(token_all + b * C + off + i, tok, mask=live)
     tl.store(parent_all + b * C + off + i, par, mask=live)
@@ -162,7 +168,7 @@ def pair_rows(feats: Tensor, slot: Tensor | None, emb: Tensor, out: Tensor | Non
     return out
 
 
-def level(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, off: int, last: bool,
+def level(fscore: Tensor | None, logp: Tensor, child: Tensor, ids: Tensor | None, off: int, last: bool,
           score_all: Tensor, token_all: Tensor, parent_all: Tensor):
     """:func:`specla.drafters.pruning.next_frontier` in one launch, writing the level's
     candidates into the tree's candidate rows in place.
@@ -170,7 +176,9 @@ def level(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, off: int, la
     Args:
         fscore: ``[B, M]`` float32 frontier path scores; logp: ``[B, M, k]`` float32 children's
             log-probabilities; child: ``[B, M, k]`` int64 their tokens; ids: ``[B, M]`` int64
-            the frontier's candidate ids (-1: the root); all contiguous.
+            the frontier's candidate ids (-1: the root); all contiguous. ``fscore`` and ``ids``
+            both ``None``: the frontier is the root (``M == 1``, score 0, id -1), with no
+            tensors made for it.
         off: candidates of the levels before (this level's first id and column); last: no next
             frontier.
         score_all, token_all, parent_all: ``[B, C]`` float32 / int64 / int64 contiguous
@@ -186,9 +194,16 @@ def level(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, off: int, la
     MK, C = M * k, score_all.shape[1]
     if MK > MAX_CANDIDATES:
         raise ValueError(f"a level of {MK} candidates is more than the kernel's {MAX_CANDIDATES}")
-    if (tuple(fscore.shape), tuple(ids.shape), tuple(child.shape)) != ((B, M), (B, M), (B, M, k)):
-        raise ValueError(f"fscore and ids must be [B, M] = {[B, M]} and child [B, M, k] = {[B, M, k]}; got "
-                         f"{list(fscore.shape)}, {list(ids.shape)}, {list(child.shape)}")
+    root = fscore is None and ids is None
+    if root and M != 1:
+        raise ValueError(f"the root's level has one frontier node, got M = {M}")
+    if root:
+        fscore, ids = logp[:, :, 0], child[:, :, 0]  # not read by the kernel: stand-ins of the right layout
+    if (fscore is None or ids is None
+            or (tuple(fscore.shape), tuple(ids.shape), tuple(child.shape)) != ((B, M), (B, M), (B, M, k))):
+        raise ValueError(f"fscore and ids must be [B, M] = {[B, M]} (or both None at the root) and child [B, M, k] "
+                         f"= {[B, M, k]}; got {None if fscore is None else list(fscore.shape)}, "
+                         f"{None if ids is None else list(ids.shape)}, {list(child.shape)}")
     if (logp.dtype, fscore.dtype, child.dtype, ids.dtype) != (torch.float32, torch.float32, torch.int64, torch.int64):
         raise ValueError("logp and fscore must be float32, child and ids int64")
     check_out((score_all, token_all, parent_all), (B, C), (torch.float32, torch.int64, torch.int64), logp.device)
@@ -199,9 +214,10 @@ def level(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, off: int, la
     nxt = (torch.empty(B, KN, dtype=torch.int64, device=dev), torch.empty(B, KN, dtype=torch.int64, device=dev),
            torch.empty(B, KN, dtype=torch.int64, device=dev), torch.empty(B, KN, dtype=torch.float32, device=dev))
     if B:
-        _level_kernel[(B,)](fscore.contiguous(), logp.contiguous(), child.contiguous(), ids.contiguous(),
-                            score_all, token_all, parent_all, *nxt, off, C, M, KN, K=k,
-                            MKP=max(triton.next_power_of_2(MK), 2), KNP=triton.next_power_of_2(KN), LAST=last)
+        _level_kernel[(B,)](logp if root else fscore.contiguous(), logp.contiguous(), child.contiguous(),
+                            child if root else ids.contiguous(), score_all, token_all, parent_all, *nxt, off, C, M,
+                            KN, K=k, MKP=max(triton.next_power_of_2(MK), 2), KNP=triton.next_power_of_2(KN),
+                            LAST=last, ROOT=root)
     return None if last else nxt
 
 
