@@ -186,11 +186,14 @@ def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(ker
         assert isinstance(dec.drafter, MTPDrafter) and dec.drafter.kernels == (kernels == "triton")
         assert dec.generate([prompt, prompt[:4]]).outputs == refs
 
+    from specla.ops.topk import log_softmax_topk
+
     dr, ad = dec.drafter, dec.adapter
     ad.prefill([prompt])
     dr.reset([prompt])
     with torch.no_grad():
-        _, top_logp, top_tok = dr._expand(dr._root_state(), None, dr.root[:, None], 3)
+        _, logits = dr._expand(dr._root_state(), None, dr.root[:, None])
+        top_logp, top_tok = log_softmax_topk(logits, 3)
         ids = torch.tensor([prompt])
         with torch_path(model):  # transformers' PyTorch path on a CPU
             f = model.model(ids[:, :-1]).last_hidden_state  # final-normed features f_0 .. f_{L-2}

@@ -43,6 +43,44 @@ def test_level_equals_twin(M, k, last):
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("M,k,V", [(1, 1, 7), (1, 4, 3000), (3, 3, 1100), (4, 4, 2048), (2, 16, 40), (5, 20, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("last", [False, True])
+def test_topk_level_equals_twin(M, k, V, dtype, last):
+    """A level from the drafter's logits (the top-k's block launch, then its merge and the
+    level's bookkeeping in one launch) equals ``log_softmax_topk`` and ``next_frontier``: logits
+    with many exact ties (coarse values, so the smaller id must win) spread over several
+    1024-entry blocks, rows of every frontier node, the root's level (``M == 1`` with no frontier
+    tensors) and a ``k`` above the kernel's 16 (two launches of the twins' kernels); the rows'
+    other columns untouched (pre-filled with NaN / -77)."""
+    from specla.ops.topk import log_softmax_topk
+
+    g = torch.Generator().manual_seed(M * 1000 + k * 10 + V)
+    B, off = 3, 4
+    C = off + M * k + 3
+    logits = (torch.randint(0, 6, (B, M, V), generator=g).float() * 0.75).to(DEV, dtype)
+    root = M == 1
+    fscore = None if root else coarse((B, M), g)
+    ids = None if root else torch.randint(-1, 50, (B, M), generator=g).to(DEV)
+    rows = (torch.full((B, C), float("nan"), device=DEV), torch.full((B, C), -77, dtype=torch.int64, device=DEV),
+            torch.full((B, C), -77, dtype=torch.int64, device=DEV))
+    nxt = dt.topk_level(fscore, logits, ids, k, off, last, *rows)
+    logp, child = log_softmax_topk(logits, k)
+    cand, parents, ref = next_frontier(torch.zeros(B, 1, device=DEV) if root else fscore, logp.float(), child,
+                                       torch.full((B, 1), -1, dtype=torch.int64, device=DEV) if root else ids, off, last)
+    cols = slice(off, off + M * k)
+    assert torch.equal(rows[1][:, cols], child.flatten(1)) and torch.equal(rows[2][:, cols], parents)
+    torch.testing.assert_close(rows[0][:, cols], cand, rtol=0, atol=2e-6)  # the log-sum-exp's summation order
+    assert rows[0][:, :off].isnan().all() and rows[0][:, off + M * k:].isnan().all()
+    assert (rows[1][:, :off] == -77).all() and (rows[2][:, off + M * k:] == -77).all()
+    if last:
+        assert nxt is None and ref is None
+    else:
+        for a, b in zip(nxt[:3], ref[:3]):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        torch.testing.assert_close(nxt[3], ref[3], rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("k", [1, 4, 16])
 @pytest.mark.parametrize("last", [False, True])
 def test_root_level_equals_twin(k, last):
@@ -177,8 +215,7 @@ def table_expand(seed, k, V=40):
     logp = torch.log_softmax(torch.randint(0, 5, (V, V), generator=g).float(), -1).to(DEV)
 
     def expand(state, slot, tokens):
-        top = logp[tokens].topk(min(k, V), dim=-1, sorted=True)
-        return state, top.values, top.indices
+        return state, logp[tokens]  # log-probabilities are their own logits
 
     return expand
 

@@ -7,6 +7,7 @@ import torch
 
 from specla import DraftTree, SpecConfig
 from specla.drafters.pruning import build_tree
+from specla.ops.topk import log_softmax_topk
 
 V = 6
 
@@ -28,9 +29,8 @@ def expand_with(logp_table, k):
             assert state.shape[0] == tokens.shape[0] and tokens.shape[1] == 1
         else:
             assert (state.gather(1, slot[..., None].expand(-1, -1, state.shape[2])) == tokens[..., None]).any(-1).all()
-        lp = logp_table[tokens]  # [B, M, V]
-        top = lp.topk(k, dim=-1)
-        return top.indices, top.values, top.indices
+        lp = logp_table[tokens]  # [B, M, V]: log-probabilities are their own logits
+        return log_softmax_topk(lp, min(k, lp.shape[-1]))[1], lp  # the children, ties as the tree breaks them
 
     return expand, calls
 

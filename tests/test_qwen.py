@@ -248,11 +248,14 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernel
         if variant == "base":  # its random layer's drafts are accepted here (the "next" one's are not)
             assert sum(out.stats.accepted_histogram[1:]) > 0, "no draft was accepted: the drafts were not checked"
 
+    from specla.ops.topk import log_softmax_topk
+
     dr, ad = dec.drafter, dec.adapter
     ad.prefill([prompt])
     dr.reset([prompt])
     with torch.no_grad():
-        _, top_logp, top_tok = dr._expand(dr._root_state(), None, dr.root[:, None], 3)
+        _, logits = dr._expand(dr._root_state(), None, dr.root[:, None])
+        top_logp, top_tok = log_softmax_topk(logits, 3)
         # the oracle: the layer as written, not as specla loaded it, on the CPU model (the decoder's
         # copy may be on the GPU)
         from specla_qwen.adapter import text_parts

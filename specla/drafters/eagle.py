@@ -33,7 +33,6 @@ from ..records import Acceptance
 from ..tree import DraftTree
 from ..acceptance import sampling_probs
 from ..ops.attention import append_kv, draft_level_attention
-from ..ops.topk import log_softmax_topk
 from .pruning import accepted_rows, build_tree, pair_rows, sample_tree
 
 FORMAT = "specla-eagle-v2"
@@ -210,11 +209,11 @@ def _kernels():
     would fix that choice before a test run or a user sets ``TRITON_INTERPRET``."""
     from types import SimpleNamespace
 
-    from ..ops import act_triton, attention_triton, draft_tree_triton, norm_triton, topk_triton
+    from ..ops import act_triton, attention_triton, draft_tree_triton, norm_triton
 
     return SimpleNamespace(rms_norm=norm_triton.rms_norm, swiglu=act_triton.swiglu,
                            draft_level_attention=attention_triton.draft_level_attention,
-                           append_kv=attention_triton.append_kv, log_softmax_topk=topk_triton.log_softmax_topk,
+                           append_kv=attention_triton.append_kv,
                            pair_rows=draft_tree_triton.pair_rows, accepted_rows=draft_tree_triton.accepted_rows)
 
 
@@ -373,12 +372,10 @@ class EagleDrafter(Drafter):
         return (new, keys, values), new
 
     @torch.no_grad()
-    def _expand(self, state, slot: Tensor | None, tokens: Tensor, k: int):
+    def _expand(self, state, slot: Tensor | None, tokens: Tensor):
+        """:data:`specla.drafters.pruning.ExpandFn`: one level and its children's logits."""
         state, new = self._level(state, slot, tokens)
-        logits = self._logits(new)
-        topk = _kernels().log_softmax_topk if self.kernels else log_softmax_topk
-        values, ids = topk(logits, min(k, logits.shape[-1]))
-        return state, values, ids
+        return state, self._logits(new)
 
     @torch.no_grad()
     def _sample_step(self, state, slot: Tensor | None, tokens: Tensor, config: SpecConfig):
@@ -401,8 +398,7 @@ class EagleDrafter(Drafter):
             tree = sample_tree(lambda f, s, t: self._sample_step(f, s, t, config), root_state, self.root, config,
                                self.generator)
         else:
-            tree = build_tree(lambda f, s, t: self._expand(f, s, t, config.top_k), root_state, self.root, config,
-                              kernels=self.kernels)
+            tree = build_tree(self._expand, root_state, self.root, config, kernels=self.kernels)
         return DraftTree(*(x.cpu() for x in (tree.tokens, tree.parents, tree.num_nodes)), draft_probs=tree.draft_probs)
 
     device_proposals = True
@@ -411,8 +407,7 @@ class EagleDrafter(Drafter):
         """The greedy tree of :meth:`propose`, padded to the budget, left on the device, with no
         host synchronisation (what :class:`specla.graphs.GraphRunner` records)."""
         self.root = roots
-        return build_tree(lambda f, s, t: self._expand(f, s, t, config.top_k), self._root_state(), roots, config,
-                          fixed_width=True, kernels=self.kernels)
+        return build_tree(self._expand, self._root_state(), roots, config, fixed_width=True, kernels=self.kernels)
 
     def graph_state(self) -> list[Tensor]:
         """``[feature [B, hidden], root [B], cache keys, cache values [B, L, heads, d],

@@ -18,14 +18,16 @@ import torch
 from torch import Tensor
 
 from ..config import SpecConfig
+from ..ops.topk import log_softmax_topk
 from ..tree import DraftTree
 
-# expand(state, slot [B, M] | None, tokens [B, M]) -> (state, logp [B, M, top_k], child_tokens
-# [B, M, top_k]): the drafter's step for M frontier nodes per sequence, node m hanging from row
-# slot[b, m] of the state the previous call returned (None: the first call, on the root state,
-# M = 1); the returned state is the M nodes'. The drafter gathers its own state (its layout is
+# expand(state, slot [B, M] | None, tokens [B, M]) -> (state, logits [B, M, vocab]): the
+# drafter's step for M frontier nodes per sequence, node m hanging from row slot[b, m] of the
+# state the previous call returned (None: the first call, on the root state, M = 1); the
+# returned state is the M nodes', the logits score their children (the tree takes each node's
+# top_k by log-probability, log_softmax_topk). The drafter gathers its own state (its layout is
 # its own: a kernel may read the parents' rows directly).
-ExpandFn = Callable[[object, Tensor | None, Tensor], tuple[object, Tensor, Tensor]]
+ExpandFn = Callable[[object, Tensor | None, Tensor], tuple[object, Tensor]]
 
 
 def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: SpecConfig,
@@ -40,8 +42,8 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         config: ``num_draft_tokens`` (N), ``max_depth`` (D), ``top_k``, ``tau_tree`` (nats).
         fixed_width: pad every tree to ``N`` columns (no host read of the widest tree: what a
             CUDA graph needs); else the width is that of the widest tree.
-        kernels: each level's bookkeeping and the selection in one Triton launch each
-            (:mod:`specla.ops.draft_tree_triton`, the same tree) up to its
+        kernels: each level's top-k and bookkeeping in two Triton launches and the selection in
+            one (:mod:`specla.ops.draft_tree_triton`, the same tree) up to its
             ``MAX_CANDIDATES``; else the PyTorch forms below.
     Returns:
         a :class:`DraftTree` on ``roots.device`` with at most ``N`` nodes per sequence, nodes in
@@ -59,8 +61,8 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
     rows = None  # with the kernels: the candidate rows (score, token, parent), written in place
     count = 0
     for d in range(1, D + 1):
-        state, logp, child = expand(state, slot, toks)
-        M, k = logp.shape[1], logp.shape[2]  # k < top_k when the vocabulary is smaller
+        state, logits = expand(state, slot, toks)
+        M, k = logits.shape[1], min(k, logits.shape[2])  # k < top_k when the vocabulary is smaller
         if d == 1 and kernels:
             widths = [min(k, k ** j) * k for j in range(D)]  # candidates per level
             if sum(widths) <= _kernels().MAX_CANDIDATES:
@@ -68,8 +70,9 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
                         torch.empty(B, sum(widths), dtype=torch.int64, device=dev),
                         torch.empty(B, sum(widths), dtype=torch.int64, device=dev))
         if rows is not None:
-            nxt = _kernels().level(fscore, logp.float(), child, ids, count, d == D, *rows)
+            nxt = _kernels().topk_level(fscore, logits, ids, k, count, d == D, *rows)
         else:
+            logp, child = log_softmax_topk(logits, k)
             if ids is None:
                 ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
                 fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)

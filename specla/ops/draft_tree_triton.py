@@ -1,6 +1,7 @@
 """Triton twins of the draft-tree bookkeeping in :mod:`specla.drafters.pruning`: one launch per
-draft level for the candidates' scores and the next frontier, and one for the final node
-selection. In PyTorch a level's bookkeeping is a dozen launches (sum, casts, ``repeat_interleave``,
+draft level for the candidates' scores and the next frontier (:func:`level`; :func:`topk_level`
+also merges the level's top-k children from the drafter's logits in that launch, after the
+top-k's block launch), and one for the final node selection. In PyTorch a level's bookkeeping is a dozen launches (sum, casts, ``repeat_interleave``,
 a top-k, floor division, three gathers) and the selection about twenty-five (two stable sorts, an
 argsort, a scatter, gathers, masks); a recorded draft step at batch 1 is bound by the kernels it
 launches (BENCHMARKS.md section 4). Each program takes one sequence and ranks its candidates by
@@ -17,7 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import check_out
+from . import check_out, topk_triton
+from .topk_triton import _NONE
 
 MAX_CANDIDATES = 128  # candidates per sequence one program ranks (a [C, C] tile); more: the twins
 
@@ -60,6 +62,74 @@ def _level_kernel(fscore, logp, child, ids, score_all, token_all, parent_all, ns
         tl.store(nslot + b * KN + r, (best // K).to(tl.int64), mask=out)
         tl.store(ntok + b * KN + r, tl.load(child + b * MK + best, mask=out), mask=out)
         tl.store(nids + b * KN + r, (best + off).to(tl.int64), mask=out)
+        tl.store(nscore + b * KN + r, tl.sum(tl.where(hit, cand[None, :], 0.0), axis=1), mask=out)
+
+
+@triton.jit
+def _topk_level_kernel(pv, pi, pm, ps, fscore, ids, score_all, token_all, parent_all, nslot, ntok, nids, nscore,
+                       off, C, M, S, KN, K: tl.constexpr, MP: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
+                       BC: tl.constexpr, KNP: tl.constexpr, LAST: tl.constexpr, ROOT: tl.constexpr,
+                       F64: tl.constexpr):
+    """Sequence ``b``: for each of its ``M`` frontier nodes (row ``b * M + m`` of the block
+    partials of :func:`specla.ops.topk_triton.block_topk`), the log-sum-exp of the row's blocks
+    and its ``K`` best children (largest logit first, smaller id on ties), as that module's merge
+    kernel computes them; then :func:`_level_kernel`'s candidates and next frontier, the
+    candidate ``i = m * K + j`` at flat position ``m * KP + j`` of the ``[MP, KP]`` tiles."""
+    b = tl.program_id(0).to(tl.int64)
+    ct = tl.float64 if F64 else tl.float32
+    mm = tl.arange(0, MP)
+    live_m = mm < M
+    row = b * M + mm
+    so = tl.arange(0, BS)
+    bm = live_m[:, None] & (so[None, :] < S)
+    pmax = tl.load(pm + row[:, None] * S + so[None, :], mask=bm, other=float("-inf"))
+    big = tl.max(pmax, axis=1)
+    shift = tl.where(big > float("-inf"), big, 0.0)
+    log_sum = tl.log(tl.sum(tl.load(ps + row[:, None] * S + so[None, :], mask=bm, other=0.0)
+                            * tl.exp(pmax - shift[:, None]), axis=1))
+    co = tl.arange(0, BC)
+    alive = live_m[:, None] & (co[None, :] < S * K)
+    v = tl.load(pv + row[:, None] * S * K + co[None, :], mask=alive, other=float("-inf")).to(ct)
+    vid = tl.load(pi + row[:, None] * S * K + co[None, :], mask=alive, other=_NONE)
+    kk = tl.arange(0, KP)
+    lp = tl.full([MP, KP], float("-inf"), ct)
+    tok = tl.zeros([MP, KP], tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(alive, v, float("-inf")), axis=1)
+        tied = alive & (v == best[:, None])
+        tid = tl.min(tl.where(tied, vid, _NONE), axis=1)
+        p = tl.min(tl.where(tied & (vid == tid[:, None]), co[None, :], BC), axis=1)
+        lp = tl.where(kk[None, :] == j, ((best - shift) - log_sum)[:, None], lp)
+        tok = tl.where(kk[None, :] == j, tid[:, None].to(tl.int64), tok)
+        alive = alive & (co[None, :] != p[:, None])
+    cand2 = lp.to(tl.float32)  # the level's scores are float32, as level() takes them
+    if ROOT:
+        par2 = tl.full([MP, KP], -1, tl.int64)
+    else:
+        cand2 += tl.load(fscore + b * M + mm, mask=live_m, other=0.0)[:, None]
+        par2 = tl.zeros([MP, KP], tl.int64) + tl.load(ids + b * M + mm, mask=live_m, other=0)[:, None]
+    f = tl.arange(0, MP * KP)
+    fm, fj = f // KP, f % KP
+    live = (fm < M) & (fj < K)
+    i = fm * K + fj
+    cand = tl.reshape(cand2, [MP * KP])
+    cand = tl.where(cand == cand, cand, float("-inf"))  # NaN ranks last (and ranks stay distinct)
+    tokf = tl.reshape(tok, [MP * KP])
+    tl.store(score_all + b * C + off + i, cand, mask=live)
+    tl.store(token_all + b * C + off + i, tokf, mask=live)
+    tl.store(parent_all + b * C + off + i, tl.reshape(par2, [MP * KP]), mask=live)
+    if not LAST:
+        ci, cj = cand[:, None], cand[None, :]
+        ii, ij = i[:, None], i[None, :]
+        beats = ((cj > ci) | ((cj == ci) & (ij < ii))) & live[None, :]
+        rank = tl.sum(beats.to(tl.int32), axis=1)  # how many candidates come before each one
+        r = tl.arange(0, KNP)
+        hit = (rank[None, :] == r[:, None]) & live[None, :]  # [KNP, MP * KP]: candidate f is r-th
+        best_i = tl.sum(tl.where(hit, i[None, :], 0), axis=1)
+        out = r < KN
+        tl.store(nslot + b * KN + r, (best_i // K).to(tl.int64), mask=out)
+        tl.store(ntok + b * KN + r, tl.sum(tl.where(hit, tokf[None, :], 0), axis=1), mask=out)
+        tl.store(nids + b * KN + r, (best_i + off).to(tl.int64), mask=out)
         tl.store(nscore + b * KN + r, tl.sum(tl.where(hit, cand[None, :], 0.0), axis=1), mask=out)
 
 
@@ -191,33 +261,73 @@ def level(fscore: Tensor | None, logp: Tensor, child: Tensor, ids: Tensor | None
             of the wrong shape or dtype, or columns outside the buffers.
     """
     B, M, k = logp.shape
+    if tuple(child.shape) != (B, M, k):
+        raise ValueError(f"child must be [B, M, k] = {[B, M, k]}, got {list(child.shape)}")
+    if (logp.dtype, child.dtype) != (torch.float32, torch.int64):
+        raise ValueError("logp and fscore must be float32, child and ids int64")
+    root, nxt = _level_frontier(fscore, ids, B, M, k, off, score_all, token_all, parent_all, logp.device)
+    if B:
+        _level_kernel[(B,)](logp if root else fscore.contiguous(), logp.contiguous(), child.contiguous(),
+                            child if root else ids.contiguous(), score_all, token_all, parent_all, *nxt, off,
+                            score_all.shape[1], M, nxt[0].shape[1], K=k, MKP=max(triton.next_power_of_2(M * k), 2),
+                            KNP=triton.next_power_of_2(nxt[0].shape[1]), LAST=last, ROOT=root)
+    return None if last else nxt
+
+
+def _level_frontier(fscore: Tensor | None, ids: Tensor | None, B: int, M: int, k: int, off: int, score_all: Tensor,
+                    token_all: Tensor, parent_all: Tensor, dev: torch.device) -> tuple[bool, tuple[Tensor, ...]]:
+    """The checks a level's launch needs (see :func:`level`'s errors) and its next frontier's
+    buffers: ``(root, (slot, tokens, ids, scores))``, each ``[B, min(k, M * k)]``."""
     MK, C = M * k, score_all.shape[1]
     if MK > MAX_CANDIDATES:
         raise ValueError(f"a level of {MK} candidates is more than the kernel's {MAX_CANDIDATES}")
     root = fscore is None and ids is None
     if root and M != 1:
         raise ValueError(f"the root's level has one frontier node, got M = {M}")
-    if root:
-        fscore, ids = logp[:, :, 0], child[:, :, 0]  # not read by the kernel: stand-ins of the right layout
-    if (fscore is None or ids is None
-            or (tuple(fscore.shape), tuple(ids.shape), tuple(child.shape)) != ((B, M), (B, M), (B, M, k))):
-        raise ValueError(f"fscore and ids must be [B, M] = {[B, M]} (or both None at the root) and child [B, M, k] "
-                         f"= {[B, M, k]}; got {None if fscore is None else list(fscore.shape)}, "
-                         f"{None if ids is None else list(ids.shape)}, {list(child.shape)}")
-    if (logp.dtype, fscore.dtype, child.dtype, ids.dtype) != (torch.float32, torch.float32, torch.int64, torch.int64):
+    if not root and (fscore is None or ids is None or tuple(fscore.shape) != (B, M) or tuple(ids.shape) != (B, M)):
+        raise ValueError(f"fscore and ids must be [B, M] = {[B, M]} (or both None at the root); got "
+                         f"{None if fscore is None else list(fscore.shape)}, {None if ids is None else list(ids.shape)}")
+    if not root and (fscore.dtype, ids.dtype) != (torch.float32, torch.int64):
         raise ValueError("logp and fscore must be float32, child and ids int64")
-    check_out((score_all, token_all, parent_all), (B, C), (torch.float32, torch.int64, torch.int64), logp.device)
+    check_out((score_all, token_all, parent_all), (B, C), (torch.float32, torch.int64, torch.int64), dev)
     if off < 0 or off + MK > C:
         raise ValueError(f"columns {off}..{off + MK} do not fit {C} candidate columns")
     KN = min(k, MK)
-    dev = logp.device
-    nxt = (torch.empty(B, KN, dtype=torch.int64, device=dev), torch.empty(B, KN, dtype=torch.int64, device=dev),
-           torch.empty(B, KN, dtype=torch.int64, device=dev), torch.empty(B, KN, dtype=torch.float32, device=dev))
+    return root, (torch.empty(B, KN, dtype=torch.int64, device=dev), torch.empty(B, KN, dtype=torch.int64, device=dev),
+                  torch.empty(B, KN, dtype=torch.int64, device=dev), torch.empty(B, KN, dtype=torch.float32, device=dev))
+
+
+def topk_level(fscore: Tensor | None, logits: Tensor, ids: Tensor | None, k: int, off: int, last: bool,
+               score_all: Tensor, token_all: Tensor, parent_all: Tensor):
+    """A draft level from the drafter's logits: each frontier node's top-``k`` children by
+    log-probability (:func:`specla.ops.topk.log_softmax_topk`) and :func:`level` on them, in two
+    launches (the top-k's block launch, then its merge and the level's bookkeeping in one program
+    per sequence) where the two functions take three. ``k`` above
+    :data:`specla.ops.topk_triton.MAX_K`: those two functions.
+
+    Args:
+        fscore, ids: as in :func:`level` (both ``None``: the roots' level); logits: ``[B, M, V]``
+            float32, bfloat16, float16 or float64; ``k``: ``1 <= k <= V``; off, last, score_all,
+            token_all, parent_all: as in :func:`level`.
+    Returns:
+        :func:`level`'s next frontier, or ``None`` when ``last``.
+    Raises:
+        ValueError: as :func:`level` and :func:`specla.ops.topk_triton.log_softmax_topk` do.
+    """
+    B, M, V = logits.shape
+    if k > topk_triton.MAX_K or not 1 <= k <= V:
+        logp, child = topk_triton.log_softmax_topk(logits, k)
+        return level(fscore, logp.float(), child, ids, off, last, score_all, token_all, parent_all)
+    root, nxt = _level_frontier(fscore, ids, B, M, k, off, score_all, token_all, parent_all, logits.device)
     if B:
-        _level_kernel[(B,)](logp if root else fscore.contiguous(), logp.contiguous(), child.contiguous(),
-                            child if root else ids.contiguous(), score_all, token_all, parent_all, *nxt, off, C, M,
-                            KN, K=k, MKP=max(triton.next_power_of_2(MK), 2), KNP=triton.next_power_of_2(KN),
-                            LAST=last, ROOT=root)
+        pv, pi, pm, ps = topk_triton.block_topk(logits, k)
+        S, KN = pm.shape[1], nxt[0].shape[1]
+        _topk_level_kernel[(B,)](pv, pi, pm, ps, pm if root else fscore.contiguous(), pi if root else ids.contiguous(),
+                                 score_all, token_all, parent_all, *nxt, off, score_all.shape[1], M, S, KN, K=k,
+                                 MP=max(triton.next_power_of_2(M), 2), KP=max(triton.next_power_of_2(k), 2),
+                                 BS=triton.next_power_of_2(S), BC=triton.next_power_of_2(S * k),
+                                 KNP=triton.next_power_of_2(KN), LAST=last, ROOT=root,
+                                 F64=pm.dtype == torch.float64)
     return None if last else nxt
 
 

@@ -113,21 +113,41 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
             out[1].copy_(ids)
             return out
         return values, ids
-    rows = logits.reshape(-1, V)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    R, S = rows.shape[0], triton.cdiv(V, BLOCK)
     values, ids = out if out is not None else (
         torch.empty(*logits.shape[:-1], k, dtype=ct, device=logits.device),
         torch.empty(*logits.shape[:-1], k, dtype=torch.int64, device=logits.device))
-    if R:
-        dev, f64 = logits.device, ct == torch.float64
-        pm = torch.empty(R, S, dtype=ct, device=dev)
-        ps = torch.empty_like(pm)
-        pv = torch.empty(R, S, k, dtype=ct, device=dev)
-        pi = torch.empty(R, S, k, dtype=torch.int32, device=dev)
-        _block_topk_kernel[(R, S)](rows, pv, pi, pm, ps, V, S, rows.stride(0), K=k, KP=triton.next_power_of_2(k),
-                                   BV=BLOCK, F64=f64)
-        _merge_topk_kernel[(R,)](pv, pi, pm, ps, values, ids, S, K=k, BS=triton.next_power_of_2(S),
-                                 BC=triton.next_power_of_2(S * k), F64=f64)
+    if values.numel():
+        pv, pi, pm, ps = block_topk(logits, k)
+        S = pm.shape[1]
+        _merge_topk_kernel[(pm.shape[0],)](pv, pi, pm, ps, values, ids, S, K=k, BS=triton.next_power_of_2(S),
+                                           BC=triton.next_power_of_2(S * k), F64=ct == torch.float64)
     return values, ids
+
+
+def block_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The first of :func:`log_softmax_topk`'s launches (one program per row and block of
+    ``BLOCK`` entries): each block's ``k`` largest logits, their ids, its maximum and its sum of
+    ``exp(x - max)``, for a second launch to merge (that function's, or the draft level's in
+    :func:`specla.ops.draft_tree_triton.topk_level`).
+
+    Args:
+        logits: ``[..., V]`` float32, bfloat16, float16 or float64, ``R`` rows in all (the last
+            dim made dense if it is not); k: ``1 <= k <= min(V, MAX_K)`` (not checked here).
+    Returns:
+        ``(pv [R, S, k]`` in the compute dtype, ``pi [R, S, k]`` int32 ids (``2**31 - 1`` past a
+        block's entries), ``pm [R, S]`` block maxima, ``ps [R, S]`` block sums), ``S =
+        ceil(V / BLOCK)``.
+    """
+    V = logits.shape[-1]
+    rows = logits.reshape(-1, V)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    R, S, ct, dev = rows.shape[0], triton.cdiv(V, BLOCK), compute_dtype(logits), logits.device
+    pm = torch.empty(R, S, dtype=ct, device=dev)
+    ps = torch.empty_like(pm)
+    pv = torch.empty(R, S, k, dtype=ct, device=dev)
+    pi = torch.empty(R, S, k, dtype=torch.int32, device=dev)
+    if R:
+        _block_topk_kernel[(R, S)](rows, pv, pi, pm, ps, V, S, rows.stride(0), K=k, KP=triton.next_power_of_2(k),
+                                   BV=BLOCK, F64=ct == torch.float64)
+    return pv, pi, pm, ps
