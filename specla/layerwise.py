@@ -24,7 +24,7 @@ from .tree import DraftTree
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
 PREFILL_PASS = 256  # prompt tokens per pass through the mixers' chunked kernels (``prefill="passes"``)
 # prefill passes run as one recorded CUDA graph up to this many prompts (where a pass is bound by
-# its launches); each recorded batch size keeps a pass's records (64 tokens per prompt) in its pool
+# its launches); each recorded batch size keeps a pass's buffers (and a chain pass's records) in its pool
 PREFILL_GRAPH_MAX_BATCH = 8
 
 
@@ -32,11 +32,11 @@ PREFILL_GRAPH_MAX_BATCH = 8
 class _PrefillGraph:
     """One recorded prefill pass for ``B`` prompts: static inputs, state and output."""
 
-    tokens: Tensor  # [B, PREFILL_CHUNK] int64, the chunk (padding 0)
-    parents: Tensor  # [B, PREFILL_CHUNK] int64, a chain
+    tokens: Tensor  # [B, W] int64, the chunk (padding 0); W: PREFILL_CHUNK, or PREFILL_PASS for passes
+    parents: Tensor  # [B, W] int64, a chain
     counts: Tensor  # [B] int64, the chunk's real tokens per prompt
     state: list[Tensor]  # recurrent states, then conv windows
-    hidden: Tensor  # [B, PREFILL_CHUNK, hidden] last-layer features
+    hidden: Tensor  # [B, W, hidden] last-layer features
     graph: "torch.cuda.CUDAGraph | None" = None
 
 
@@ -359,7 +359,8 @@ class LayerwiseAdapter(TargetAdapter):
 
     def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """The whole-prompt pass (see :meth:`_whole_prefill`): ``tokens [B, T]`` int64
-        (right-padded), ``lengths [B]`` int64, from the empty state; returns ``[B, T, hidden]``."""
+        (right-padded), ``lengths [B]`` int64, from the state the mixers hold (empty after
+        ``_empty_state``); returns ``[B, T, hidden]``."""
         raise NotImplementedError
 
     def _chunk_passes(self) -> bool:
@@ -408,15 +409,17 @@ class LayerwiseAdapter(TargetAdapter):
         self._set_state_list(g.state)
 
     def _run_chunks_static(self, tokens: Tensor, lengths: Tensor, record: bool) -> Tensor:
-        """:meth:`_run_chunks` (no logits) with fixed-shape passes of ``PREFILL_CHUNK`` tokens on
+        """:meth:`_run_chunks` (no logits) with fixed-shape passes (``PREFILL_CHUNK`` tokens, or
+        ``PREFILL_PASS`` with :meth:`_chunk_passes`) on
         static buffers, recorded once per batch size and replayed per chunk when ``record``
         (see :meth:`_prefill_mode`); the state starts empty. Returns ``[B, T, hidden]``."""
         B, T = tokens.shape
         W = PREFILL_PASS if self._chunk_passes() else PREFILL_CHUNK
         graphs = self._prefill_graphs
         g = graphs.get(B) if record else None
-        if g is not None and any(a.shape != b.shape for a, b in zip(g.state, self._state_list())):
-            g = None  # a state sized per run changed (an attention cache grew with the prompts)
+        if g is not None and (g.tokens.shape[1] != W
+                              or any(a.shape != b.shape for a, b in zip(g.state, self._state_list()))):
+            g = None  # another pass width, or a state sized per run changed (an attention cache grew)
         if g is None:
             g = _PrefillGraph(torch.zeros(B, W, dtype=torch.int64, device=self.device),
                               torch.arange(-1, W - 1, device=self.device).expand(B, W).contiguous(),

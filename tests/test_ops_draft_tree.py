@@ -208,9 +208,9 @@ def test_accepted_rows_equals_twin(D, H):
         dt.accepted_rows(feature.double(), hidden, path, num, root, tokens)
 
 
-def table_expand(seed, k, V=40):
-    """A drafter that predicts from the last token only, with coarse (tied) log-probabilities,
-    expanding each node into its ``k`` best children."""
+def table_expand(seed, V=40):
+    """A drafter that predicts from the last token only, with coarse (tied) log-probabilities
+    (its logits; the tree takes each node's ``top_k`` best children)."""
     g = torch.Generator().manual_seed(seed)
     logp = torch.log_softmax(torch.randint(0, 5, (V, V), generator=g).float(), -1).to(DEV)
 
@@ -226,7 +226,7 @@ def table_expand(seed, k, V=40):
 def test_build_tree_with_kernels_is_the_same_tree(N, D, k, tau, fixed_width):
     """Whole trees, kernels against PyTorch forms (k 8, depth 3: 136 candidates, past the kernels'
     tile: every level takes the twins)."""
-    expand = table_expand(N + k, k)
+    expand = table_expand(N + k)
     roots = torch.tensor([0, 3, 3, 17, 39], device=DEV)
     state = torch.zeros(5, 2, device=DEV)
     cfg = SpecConfig(num_draft_tokens=N, max_depth=D, top_k=k, tau_tree=tau)

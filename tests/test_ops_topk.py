@@ -77,6 +77,27 @@ def test_large_logits_and_near_ties():
     assert topk_triton.log_softmax_topk(near, 3)[1].tolist() == topk.log_softmax_topk(near, 3)[1].tolist() == [[1, 0, 2]]
 
 
+def test_nan_logits_give_real_token_ids():
+    """A row of NaN logits (a drafter's overflow), and a row with NaN among numbers, across
+    blocks: the kernel counts NaN as ``-inf``, so every id is a real token (an all-NaN row once
+    gave the "no entry" id ``2**31 - 1``, which the tree then looked up); the numbers of a mixed
+    row keep their order."""
+    from specla.ops import draft_tree_triton as dt
+
+    x = torch.randn(3, 2100, generator=torch.Generator().manual_seed(9)).to(DEV)
+    x[0] = float("nan")
+    x[1, ::3] = float("nan")
+    values, ids = topk_triton.log_softmax_topk(x, 4)
+    assert ((ids >= 0) & (ids < 2100)).all()
+    assert ids[0].tolist() == [0, 1, 2, 3] and not (values[0] > float("-inf")).any()  # NaN, as the twin's
+    clean = x[1].clone()
+    clean[::3] = float("-inf")
+    assert ids[1].tolist() == topk.log_softmax_topk(clean[None], 4)[1][0].tolist()
+    rows = (torch.empty(3, 4, device=DEV), *(torch.empty(3, 4, dtype=torch.int64, device=DEV) for _ in range(2)))
+    slot, tok, nid, score = dt.topk_level(None, x[:, None], None, 4, 0, False, *rows)
+    assert ((rows[1] >= 0) & (rows[1] < 2100)).all() and ((tok >= 0) & (tok < 2100)).all()
+
+
 def test_a_wrong_out_is_refused():
     x = torch.randn(6, 1100, device=DEV)
     small = (torch.empty(1, 4, device=DEV), torch.empty(1, 4, dtype=torch.int64, device=DEV))

@@ -211,7 +211,8 @@ class GDNMixer(RecurrentMixer):
         """Whole prompts (:meth:`specla.mixers.Mixer.prefill`) on the kernel path: the tree
         short-conv kernel along the chain and its window commit at ``tp.counts``, then FLA's
         chunked gated delta rule (``chunk_gated_delta_rule``, the same recurrence in its WY form,
-        64-token chunks) from the empty state to the state after each row's tokens. Padding rows
+        64-token chunks) from the state the layer holds (empty at a prompt's start) to the state after
+        each row's tokens. Padding rows
         get ``g = 0`` and ``beta = 0``, which leave the state as it is (the delta rule's update
         is ``S <- exp(g) S + beta k (v - S^T k)^T``), so one right-padded batch serves ragged
         prompts."""

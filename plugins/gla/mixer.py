@@ -124,7 +124,7 @@ class GLAMixer(RecurrentMixer):
         """Whole prompts (:meth:`specla.mixers.Mixer.prefill`) on the kernel path: the tree
         short-conv kernel along the chain and its window commit at ``tp.counts`` (where the layer
         has a short conv), then FLA's chunked GLA (``chunk_gla``, per-key-channel decay) in float32
-        from the empty state. Padding rows get ``gk = 0`` and ``v = 0``, which leave the state as
+        from the state the layer holds (empty at a prompt's start). Padding rows get ``gk = 0`` and ``v = 0``, which leave the state as
         it is (``S <- exp(gk) * S + k v^T``)."""
         from fla.ops.gla import chunk_gla
 

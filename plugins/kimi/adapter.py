@@ -122,7 +122,7 @@ class KDAMixer(RecurrentMixer):
         return self.device.type == "cuda"
 
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
-        """Whole prompts from the empty state (:meth:`specla.mixers.Mixer.prefill`): the short
+        """Whole prompts from the state the layer holds (:meth:`specla.mixers.Mixer.prefill`): the short
         convolution along each prompt and its window at ``tp.counts``, then FLA's chunked KDA
         (``chunk_kda``, the per-channel gated delta rule; q already scaled, so scale 1) in
         float32. Padding rows get ``g = 0`` and ``beta = 0``, which leave the state as it is."""

@@ -115,7 +115,7 @@ class Mamba2Mixer(RecurrentMixer):
         short-conv kernel along the chain and its window commit at ``tp.counts``, then SSD as
         FLA's chunked simple GLA (``chunk_simple_gla``: per-head scalar decay ``g = a``, keys
         ``Bm``, queries ``Cm``, values ``u = dt * x``, scale 1; the state ``[N, P]`` is its
-        ``[K, V]``), in float32, from the empty state; then the ``D`` skip. Padding rows get
+        ``[K, V]``), in float32, from the state the layer holds (empty at a prompt's start); then the ``D`` skip. Padding rows get
         ``a = 0`` and ``u = 0``, which leave the state as it is (``S <- exp(a) S + Bm u^T``)."""
         from fla.ops.simple_gla import chunk_simple_gla
 

@@ -6,7 +6,9 @@ kernels in BENCHMARKS.md section 5's profile); a recorded step is bound by the k
 launches. Each program of the first launch takes one block of one row: its
 maximum, its sum of ``exp(x - max)`` and its ``k`` best entries; the second merges a row's blocks
 (the log-sum-exp of the blocks, then the ``k`` best of their candidates). Entries are ranked by
-logit, equal logits by the smaller token id, as in the twin.
+logit, equal logits by the smaller token id, as in the twin. A NaN logit counts as ``-inf`` here
+(the twin's stable sort ranks it first and its log-softmax makes the row NaN, which the draft tree
+scores as ``-inf``): either way every id returned is a real token.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def _block_topk_kernel(x, pv, pi, pm, ps, V, S, sx, K: tl.constexpr, KP: tl.cons
     pos = tl.arange(0, BV)
     alive = s * BV + pos < V
     v = tl.load(x + r * sx + s * BV + pos, mask=alive, other=float("-inf")).to(ct)
+    v = tl.where(v == v, v, float("-inf"))  # NaN as -inf: a block of NaN still names real entries
     mx = tl.max(v, axis=0)
     tl.store(pm + r * S + s, mx)
     shift = tl.where(mx > float("-inf"), mx, 0.0)  # a block of only -inf entries sums to 0, not nan
