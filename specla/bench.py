@@ -130,8 +130,9 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
               tokenizer=None) -> dict:
     """Decode a suite speculatively and autoregressively; return the report (see module doc;
     ``speculative_calls`` sums the timed speculative calls' :class:`~specla.engine.RunStats`
-    steps, budget-policy figures, recorded graphs, prefill and wall seconds; ``plain_calls`` the
-    plain-decoding calls' steps, recorded graphs, prefill and wall seconds).
+    steps, budget-policy figures, recorded graphs, prefill and wall seconds, and the prefill forms
+    they ran; ``plain_calls`` the plain-decoding calls' steps, recorded graphs, prefill and wall
+    seconds and prefill forms).
 
     Args:
         model: checkpoint directory or loaded model; drafter: ``ngram`` or a drafter directory.
@@ -186,6 +187,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     spent = dict.fromkeys(("steps", "plain_steps", "chain_steps", "budget_switches", "switch_s", "graphs_recorded",
                            "prefill_s", "wall_s"), 0)
     plain = dict.fromkeys(("steps", "graphs_recorded", "prefill_s", "wall_s"), 0)
+    forms = (set(), set())  # the prefill forms the timed calls ran (RunStats.prefill)
     for batch in tqdm(batches, desc="bench", unit="batch"):
         if done and time_limit_s is not None and time.perf_counter() - started > time_limit_s:
             break
@@ -200,6 +202,8 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
             spent[k] += getattr(s.stats, k)
         for k in plain:
             plain[k] += getattr(a.stats, k)
+        forms[0].add(s.stats.prefill)
+        forms[1].add(a.stats.prefill)
         for j, row in enumerate(batch):
             c = per[row["category"]]
             share = len(s.outputs[j]) / max(s.stats.generated_tokens, 1)  # batch time split by tokens
@@ -240,8 +244,9 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     return {"prompts_file": str(prompts_file), "drafter": str(drafter), "batch_size": batch_size,
             "prompts_total": len(rows), "prompts_decoded": done, "stopped_early": done < len(rows),
             "config": config.model_dump(mode="json"), "device": str(spec.adapter.device),
-            "dtype": str(spec.adapter.dtype).removeprefix("torch."), "categories": cats, "speculative_calls": spent,
-            "plain_calls": plain, "samples": samples}
+            "dtype": str(spec.adapter.dtype).removeprefix("torch."), "categories": cats,
+            "speculative_calls": {**spent, "prefill": ",".join(sorted(forms[0]))},
+            "plain_calls": {**plain, "prefill": ",".join(sorted(forms[1]))}, "samples": samples}
 
 
 def _total(per: dict) -> dict:

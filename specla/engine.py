@@ -38,6 +38,9 @@ class RunStats:
         sequence_steps: sum over steps of the sequences active in that step.
         generated_tokens: new tokens returned, all sequences.
         accepted_histogram: ``accepted_histogram[a]`` = sequence-steps that accepted ``a`` drafts.
+        prefill: how the prompts reached the state (:attr:`TargetAdapter.prefill_form`: ``chain``,
+            ``passes`` or ``chunked`` as the adapter ran them, e.g. ``chain`` where
+            ``prefill="passes"`` has no kernels to run; empty where the adapter does not say).
         prefill_s, draft_s, verify_s, commit_s, wall_s: wall-clock seconds (CUDA synchronised);
             ``draft_s`` includes the host bookkeeping between steps. With CUDA graphs a step is
             one replay, and the whole decode (a host drafter's proposals included) counts as
@@ -53,6 +56,7 @@ class RunStats:
     sequence_steps: int = 0
     generated_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)
+    prefill: str = ""
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -189,6 +193,7 @@ class Engine:
         runner = self._graph_runner()
         start = self._clock()
         adapter.prefill(prompts)
+        stats.prefill = adapter.prefill_form
         self.drafter.reset(prompts)
         if self._sampler is not None:
             self._sampler.manual_seed(cfg.seed) if cfg.seed is not None else self._sampler.seed()

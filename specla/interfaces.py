@@ -135,6 +135,12 @@ class TargetAdapter(ABC):
     """``[B, hidden]`` last-layer feature of the last token prefill ran into the state (zeros for
     one-token prompts): where a feature-level drafter starts."""
 
+    prefill_form: str = ""
+    """How the last :meth:`prefill` ran the prompts into the state, for reports
+    (:attr:`specla.engine.RunStats.prefill`): ``chain``, ``passes`` or ``chunked`` (the forms of
+    ``SpecConfig.prefill``, as run: a form the model or device cannot take falls back to
+    ``chain``); empty where the adapter does not say."""
+
     prompt_hidden: Tensor | None = None
     """``[B, T, hidden]`` last-layer features of every token prefill ran into the state (row ``b``
     valid for its first ``len(prompt_b) - 1`` positions, right-padded), kept from prefill until

@@ -336,10 +336,13 @@ class LayerwiseAdapter(TargetAdapter):
         bodies = [p[:-1] for p in prompts]
         T = max(len(b) for b in bodies)
         self.last_hidden = torch.zeros(len(prompts), self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
+        self.prefill_form = ""  # one-token prompts: nothing runs
         if T:
             tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
             lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
             mode = self._prefill_mode(len(prompts))
+            self.prefill_form = ("chunked" if mode == "whole" else
+                                 "passes" if mode is not None and self._chunk_passes() else "chain")
             if mode == "whole":
                 hidden = self._run_whole(tokens, lengths)
             elif mode is None:

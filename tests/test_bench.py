@@ -51,6 +51,7 @@ def test_bench_report_is_side_by_side_and_exact():
     assert 0 < spent["prefill_s"] < spent["wall_s"]
     plain = report["plain_calls"]  # the same prompts, one token per step
     assert plain["steps"] >= spent["steps"] and 0 < plain["prefill_s"] < plain["wall_s"]
+    assert spent["prefill"] == plain["prefill"] == "chain"  # the form that ran (the default on a CPU)
 
 
 def test_bench_cli(tmp_path):

@@ -521,6 +521,7 @@ def test_chunked_prefill_equals_chain_prefill(name, monkeypatch):
         calls.clear()
         dec.adapter.prefill(prompts)
         assert len(calls) == (model.config.num_hidden_layers if (prefill, kernels) == ("chunked", "triton") else 0)
+        assert dec.adapter.prefill_form == ("chunked" if (prefill, kernels) == ("chunked", "triton") else "chain")
         ad = dec.adapter
         seen[prefill, kernels] = ([t.clone() for t in ad._state_list()], ad.last_hidden.clone(),
                                   [ad.prompt_hidden[i, : len(p) - 1].clone() for i, p in enumerate(prompts)])
@@ -575,10 +576,12 @@ def test_prefill_passes_equal_chain_prefill(graphs, monkeypatch):
         assert len(calls) == (0 if prefill == "chain" or recorded else 2 * model.config.num_hidden_layers)
         seen[prefill] = ([t.clone() for t in ad._state_list()], ad.last_hidden.clone(),
                          [ad.prompt_hidden[i, : len(p) - 1].clone() for i, p in enumerate(prompts)])
+        assert ad.prefill_form == prefill
         if prefill == "passes":
-            out = dec.generate(prompts).outputs
+            run = dec.generate(prompts)
+            out = run.outputs
             plain = specla.SpecDecoder(model, "gdn", config=cfg.model_copy(update={"num_draft_tokens": 0}))
-            assert out == plain.generate(prompts).outputs
+            assert run.stats.prefill == "passes" and out == plain.generate(prompts).outputs
             if DEV == "cpu":
                 assert out == [naive_greedy_decode(model, p, 8) for p in prompts]
     tol = dict(rtol=1e-4, atol=1e-5) if DEV == "cpu" else dict(rtol=1e-2, atol=2e-3)  # TF32 on a GPU
@@ -590,6 +593,22 @@ def test_prefill_passes_equal_chain_prefill(graphs, monkeypatch):
     torch.testing.assert_close(h1, h2, **ftol)
     for a, b in zip(f1, f2):
         torch.testing.assert_close(a, b, **ftol)
+
+
+def test_prefill_passes_fall_back_to_chain_passes_where_their_kernels_cannot_run():
+    """On the reference path (no Triton kernels, so no FLA chunk kernels) ``prefill="passes"``
+    runs the 64-token chain passes, and the run's stats say which ran: the same tokens as
+    ``prefill="chain"``."""
+    model = make_model("gva", dtype=torch.float32, seed=5)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 3]]
+    outs = {}
+    for prefill in ("passes", "chain"):
+        cfg = SpecConfig(num_draft_tokens=3, max_depth=3, max_new_tokens=4, kernels="reference", device="cpu",
+                         cuda_graphs="off", prefill=prefill)
+        run = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts)
+        assert run.stats.prefill == "chain" and run.stats.to_dict()["prefill"] == "chain"
+        outs[prefill] = run.outputs
+    assert outs["passes"] == outs["chain"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole-prompt pass runs FLA's kernels on a GPU only")
