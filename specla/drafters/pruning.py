@@ -72,7 +72,8 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         if rows is not None:
             nxt = _kernels().topk_level(fscore, logits, ids, k, count, d == D, *rows)
         else:
-            logp, child = (_topk_kernel() if kernels else log_softmax_topk)(logits, k)
+            # trees over the level kernel's candidates keep the Triton top-k with the PyTorch bookkeeping
+            logp, child = (_kernels().topk_triton.log_softmax_topk if kernels else log_softmax_topk)(logits, k)
             if ids is None:
                 ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
                 fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
@@ -98,13 +99,6 @@ def _kernels():
     from ..ops import draft_tree_triton
 
     return draft_tree_triton
-
-
-def _topk_kernel():
-    """The Triton top-k (trees over ``MAX_CANDIDATES`` keep it, with the PyTorch bookkeeping)."""
-    from ..ops import topk_triton
-
-    return topk_triton.log_softmax_topk
 
 
 def next_frontier(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, first_id: int,

@@ -19,9 +19,35 @@ import triton.language as tl
 from torch import Tensor
 
 from . import check_out, topk_triton
-from .topk_triton import _NONE
 
 MAX_CANDIDATES = 128  # candidates per sequence one program ranks (a [C, C] tile); more: the twins
+
+
+@triton.jit
+def _level_rows(cand, tok, par, i, live, b, score_all, token_all, parent_all, nslot, ntok, nids, nscore, off, C, KN,
+                K: tl.constexpr, KNP: tl.constexpr, LAST: tl.constexpr):
+    """Sequence ``b``'s level from its candidates laid out flat (``live`` marks the real ones;
+    ``i`` is candidate ``m * K + j``'s index, ``cand``, ``tok``, ``par`` its path score, token and
+    parent id): each written at column ``off + i`` of the tree's candidate rows; then (unless
+    ``LAST``) the ``KN`` best (higher score first, lower index on ties) as the next frontier:
+    producing slot, token, id ``off + i`` and score."""
+    cand = tl.where(cand == cand, cand, float("-inf"))  # NaN ranks last (and ranks stay distinct)
+    tl.store(score_all + b * C + off + i, cand, mask=live)
+    tl.store(token_all + b * C + off + i, tok, mask=live)
+    tl.store(parent_all + b * C + off + i, par, mask=live)
+    if not LAST:
+        ci, cj = cand[:, None], cand[None, :]
+        ii, ij = i[:, None], i[None, :]
+        beats = ((cj > ci) | ((cj == ci) & (ij < ii))) & live[None, :]
+        rank = tl.sum(beats.to(tl.int32), axis=1)  # how many candidates come before each one
+        r = tl.arange(0, KNP)
+        hit = (rank[None, :] == r[:, None]) & live[None, :]  # [KNP, n]: candidate f is r-th
+        best = tl.sum(tl.where(hit, i[None, :], 0), axis=1)
+        out = r < KN
+        tl.store(nslot + b * KN + r, (best // K).to(tl.int64), mask=out)
+        tl.store(ntok + b * KN + r, tl.sum(tl.where(hit, tok[None, :], 0), axis=1), mask=out)
+        tl.store(nids + b * KN + r, (best + off).to(tl.int64), mask=out)
+        tl.store(nscore + b * KN + r, tl.sum(tl.where(hit, cand[None, :], 0.0), axis=1), mask=out)
 
 
 @triton.jit
@@ -29,10 +55,8 @@ def _level_kernel(fscore, logp, child, ids, score_all, token_all, parent_all, ns
                   off, C, M, KN, K: tl.constexpr, MKP: tl.constexpr, KNP: tl.constexpr,
                   LAST: tl.constexpr, ROOT: tl.constexpr):
     """Sequence ``b``: candidates ``i = m * K + j`` of the ``M`` frontier nodes, score
-    ``fscore[m] + logp[m, j]``, written with their tokens and parent ids at columns ``off + i`` of
-    the tree's candidate rows; then (unless ``LAST``) the ``KN`` best (higher score first, lower
-    index on ties) as the next frontier: producing slot, token, id ``off + i`` and score.
-    ``ROOT``: the frontier is the root (score 0, id -1); ``fscore`` and ``ids`` are not read."""
+    ``fscore[m] + logp[m, j]``, through :func:`_level_rows`. ``ROOT``: the frontier is the root
+    (score 0, id -1); ``fscore`` and ``ids`` are not read."""
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
     i = tl.arange(0, MKP)
@@ -41,28 +65,13 @@ def _level_kernel(fscore, logp, child, ids, score_all, token_all, parent_all, ns
     cand = tl.load(logp + b * MK + i, mask=live, other=0.0)
     if not ROOT:
         cand += tl.load(fscore + b * M + m, mask=live, other=0.0)
-    cand = tl.where(cand == cand, cand, float("-inf"))  # NaN ranks last (and ranks stay distinct)
     tok = tl.load(child + b * MK + i, mask=live, other=0)
     if ROOT:
         par = tl.full([MKP], -1, tl.int64)
     else:
         par = tl.load(ids + b * M + m, mask=live, other=0)
-    tl.store(score_all + b * C + off + i, cand, mask=live)
-    tl.store(token_all + b * C + off + i, tok, mask=live)
-    tl.store(parent_all + b * C + off + i, par, mask=live)
-    if not LAST:
-        ci, cj = cand[:, None], cand[None, :]
-        ii, jj = i[:, None], i[None, :]
-        beats = ((cj > ci) | ((cj == ci) & (jj < ii))) & (jj < MK)
-        rank = tl.sum(beats.to(tl.int32), axis=1)  # [MKP]: how many candidates come before i
-        r = tl.arange(0, KNP)
-        hit = (rank[None, :] == r[:, None]) & live[None, :]  # [KNP, MKP]: candidate i is r-th
-        best = tl.sum(tl.where(hit, i[None, :], 0), axis=1)
-        out = r < KN
-        tl.store(nslot + b * KN + r, (best // K).to(tl.int64), mask=out)
-        tl.store(ntok + b * KN + r, tl.load(child + b * MK + best, mask=out), mask=out)
-        tl.store(nids + b * KN + r, (best + off).to(tl.int64), mask=out)
-        tl.store(nscore + b * KN + r, tl.sum(tl.where(hit, cand[None, :], 0.0), axis=1), mask=out)
+    _level_rows(cand, tok, par, i, live, b, score_all, token_all, parent_all, nslot, ntok, nids, nscore, off, C, KN,
+                K, KNP, LAST)
 
 
 @triton.jit
@@ -70,67 +79,25 @@ def _topk_level_kernel(pv, pi, pm, ps, fscore, ids, score_all, token_all, parent
                        off, C, M, S, KN, K: tl.constexpr, MP: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
                        BC: tl.constexpr, KNP: tl.constexpr, LAST: tl.constexpr, ROOT: tl.constexpr,
                        F64: tl.constexpr):
-    """Sequence ``b``: for each of its ``M`` frontier nodes (row ``b * M + m`` of the block
-    partials of :func:`specla.ops.topk_triton.block_topk`), the log-sum-exp of the row's blocks
-    and its ``K`` best children (largest logit first, smaller id on ties), as that module's merge
-    kernel computes them; then :func:`_level_kernel`'s candidates and next frontier, the
-    candidate ``i = m * K + j`` at flat position ``m * KP + j`` of the ``[MP, KP]`` tiles."""
+    """Sequence ``b``: its ``M`` frontier nodes' children merged from the block partials of
+    :func:`specla.ops.topk_triton.block_topk` (rows ``b * M + m``, :func:`topk_triton.merge_rows`),
+    then :func:`_level_rows` on them, candidate ``i = m * K + j`` at flat position ``m * KP + j``
+    of the ``[MP, KP]`` tiles."""
     b = tl.program_id(0).to(tl.int64)
-    ct = tl.float64 if F64 else tl.float32
     mm = tl.arange(0, MP)
     live_m = mm < M
-    row = b * M + mm
-    so = tl.arange(0, BS)
-    bm = live_m[:, None] & (so[None, :] < S)
-    pmax = tl.load(pm + row[:, None] * S + so[None, :], mask=bm, other=float("-inf"))
-    big = tl.max(pmax, axis=1)
-    shift = tl.where(big > float("-inf"), big, 0.0)
-    log_sum = tl.log(tl.sum(tl.load(ps + row[:, None] * S + so[None, :], mask=bm, other=0.0)
-                            * tl.exp(pmax - shift[:, None]), axis=1))
-    co = tl.arange(0, BC)
-    alive = live_m[:, None] & (co[None, :] < S * K)
-    v = tl.load(pv + row[:, None] * S * K + co[None, :], mask=alive, other=float("-inf")).to(ct)
-    vid = tl.load(pi + row[:, None] * S * K + co[None, :], mask=alive, other=_NONE)
-    kk = tl.arange(0, KP)
-    lp = tl.full([MP, KP], float("-inf"), ct)
-    tok = tl.zeros([MP, KP], tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(tl.where(alive, v, float("-inf")), axis=1)
-        tied = alive & (v == best[:, None])
-        tid = tl.min(tl.where(tied, vid, _NONE), axis=1)
-        p = tl.min(tl.where(tied & (vid == tid[:, None]), co[None, :], BC), axis=1)
-        lp = tl.where(kk[None, :] == j, ((best - shift) - log_sum)[:, None], lp)
-        tok = tl.where(kk[None, :] == j, tid[:, None].to(tl.int64), tok)
-        alive = alive & (co[None, :] != p[:, None])
-    cand2 = lp.to(tl.float32)  # the level's scores are float32, as level() takes them
+    lp, tok = topk_triton.merge_rows(pv, pi, pm, ps, b * M + mm, live_m, S, K, MP, KP, BS, BC, F64)
+    cand = lp.to(tl.float32)  # the level's scores are float32, as level() takes them
     if ROOT:
-        par2 = tl.full([MP, KP], -1, tl.int64)
+        par = tl.full([MP, KP], -1, tl.int64)
     else:
-        cand2 += tl.load(fscore + b * M + mm, mask=live_m, other=0.0)[:, None]
-        par2 = tl.zeros([MP, KP], tl.int64) + tl.load(ids + b * M + mm, mask=live_m, other=0)[:, None]
+        cand += tl.load(fscore + b * M + mm, mask=live_m, other=0.0)[:, None]
+        par = tl.zeros([MP, KP], tl.int64) + tl.load(ids + b * M + mm, mask=live_m, other=0)[:, None]
     f = tl.arange(0, MP * KP)
     fm, fj = f // KP, f % KP
-    live = (fm < M) & (fj < K)
-    i = fm * K + fj
-    cand = tl.reshape(cand2, [MP * KP])
-    cand = tl.where(cand == cand, cand, float("-inf"))  # NaN ranks last (and ranks stay distinct)
-    tokf = tl.reshape(tok, [MP * KP])
-    tl.store(score_all + b * C + off + i, cand, mask=live)
-    tl.store(token_all + b * C + off + i, tokf, mask=live)
-    tl.store(parent_all + b * C + off + i, tl.reshape(par2, [MP * KP]), mask=live)
-    if not LAST:
-        ci, cj = cand[:, None], cand[None, :]
-        ii, ij = i[:, None], i[None, :]
-        beats = ((cj > ci) | ((cj == ci) & (ij < ii))) & live[None, :]
-        rank = tl.sum(beats.to(tl.int32), axis=1)  # how many candidates come before each one
-        r = tl.arange(0, KNP)
-        hit = (rank[None, :] == r[:, None]) & live[None, :]  # [KNP, MP * KP]: candidate f is r-th
-        best_i = tl.sum(tl.where(hit, i[None, :], 0), axis=1)
-        out = r < KN
-        tl.store(nslot + b * KN + r, (best_i // K).to(tl.int64), mask=out)
-        tl.store(ntok + b * KN + r, tl.sum(tl.where(hit, tokf[None, :], 0), axis=1), mask=out)
-        tl.store(nids + b * KN + r, (best_i + off).to(tl.int64), mask=out)
-        tl.store(nscore + b * KN + r, tl.sum(tl.where(hit, cand[None, :], 0.0), axis=1), mask=out)
+    _level_rows(tl.reshape(cand, [MP * KP]), tl.reshape(tok, [MP * KP]), tl.reshape(par, [MP * KP]), fm * K + fj,
+                (fm < M) & (fj < K), b, score_all, token_all, parent_all, nslot, ntok, nids, nscore, off, C, KN, K,
+                KNP, LAST)
 
 
 @triton.jit

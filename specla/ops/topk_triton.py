@@ -59,31 +59,57 @@ def _block_topk_kernel(x, pv, pi, pm, ps, V, S, sx, K: tl.constexpr, KP: tl.cons
 
 
 @triton.jit
-def _merge_topk_kernel(pv, pi, pm, ps, ov, oi, S, K: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr,
-                       F64: tl.constexpr):
-    """Row ``r``: the log-sum-exp of its ``S`` blocks, then its ``K`` best candidates of the
-    ``S * K`` (largest first, smallest id on ties) as log-probabilities ``ov`` and ids ``oi``."""
-    r = tl.program_id(0).to(tl.int64)
+def merge_rows(pv, pi, pm, ps, row, live, S, K: tl.constexpr, MP: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
+               BC: tl.constexpr, F64: tl.constexpr):
+    """Rows ``row [MP]`` of the block partials (``live [MP]``: which are real): each row's
+    log-sum-exp of its ``S`` blocks, then its ``K`` best candidates of the ``S * K`` (largest
+    first, smallest id on ties). Returns ``(log-probabilities [MP, KP]`` in the compute dtype,
+    ``ids [MP, KP]`` int64``)``, columns ``>= K`` and dead rows unspecified. Called from this
+    module's merge kernel and from the draft level's (:mod:`specla.ops.draft_tree_triton`)."""
     ct = tl.float64 if F64 else tl.float32
     so = tl.arange(0, BS)
-    m = tl.load(pm + r * S + so, mask=so < S, other=float("-inf"))
-    big = tl.max(m, axis=0)
+    bm = live[:, None] & (so[None, :] < S)
+    m = tl.load(pm + row[:, None] * S + so[None, :], mask=bm, other=float("-inf"))
+    big = tl.max(m, axis=1)
     shift = tl.where(big > float("-inf"), big, 0.0)
     # log-probability = (x - shift) - log(sum exp(x - shift)): the shift first, as log_softmax does
     # (x - (shift + log sum) cancels two large numbers when the logits are large)
-    log_sum = tl.log(tl.sum(tl.load(ps + r * S + so, mask=so < S, other=0.0) * tl.exp(m - shift), axis=0))
+    log_sum = tl.log(tl.sum(tl.load(ps + row[:, None] * S + so[None, :], mask=bm, other=0.0)
+                            * tl.exp(m - shift[:, None]), axis=1))
     co = tl.arange(0, BC)
-    alive = co < S * K
-    v = tl.load(pv + r * S * K + co, mask=alive, other=float("-inf")).to(ct)
-    ids = tl.load(pi + r * S * K + co, mask=alive, other=_NONE)
+    alive = live[:, None] & (co[None, :] < S * K)
+    v = tl.load(pv + row[:, None] * S * K + co[None, :], mask=alive, other=float("-inf")).to(ct)
+    ids = tl.load(pi + row[:, None] * S * K + co[None, :], mask=alive, other=_NONE)
+    kk = tl.arange(0, KP)
+    lp = tl.full([MP, KP], float("-inf"), ct)
+    tok = tl.zeros([MP, KP], tl.int64)
     for j in tl.static_range(K):
-        best = tl.max(tl.where(alive, v, float("-inf")), axis=0)
-        tied = alive & (v == best)
-        tid = tl.min(tl.where(tied, ids, _NONE), axis=0)
-        p = tl.min(tl.where(tied & (ids == tid), co, BC), axis=0)
-        tl.store(ov + r * K + j, (best - shift) - log_sum)
-        tl.store(oi + r * K + j, tid.to(tl.int64))
-        alive = alive & (co != p)
+        best = tl.max(tl.where(alive, v, float("-inf")), axis=1)
+        tied = alive & (v == best[:, None])
+        tid = tl.min(tl.where(tied, ids, _NONE), axis=1)
+        p = tl.min(tl.where(tied & (ids == tid[:, None]), co[None, :], BC), axis=1)
+        lp = tl.where(kk[None, :] == j, ((best - shift) - log_sum)[:, None], lp)
+        tok = tl.where(kk[None, :] == j, tid[:, None].to(tl.int64), tok)
+        alive = alive & (co[None, :] != p[:, None])
+    return lp, tok
+
+
+MERGE_ROWS = 2  # rows per program of the merge kernel (a tile needs at least two)
+
+
+@triton.jit
+def _merge_topk_kernel(pv, pi, pm, ps, ov, oi, R, S, K: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
+                       BC: tl.constexpr, F64: tl.constexpr, MP: tl.constexpr):
+    """Rows ``MP * pid ..`` (:func:`merge_rows`), written as log-probabilities ``ov`` and ids
+    ``oi`` ``[R, K]``."""
+    row = tl.program_id(0).to(tl.int64) * MP + tl.arange(0, MP)
+    live = row < R
+    lp, tok = merge_rows(pv, pi, pm, ps, row, live, S, K, MP, KP, BS, BC, F64)
+    kk = tl.arange(0, KP)
+    at = row[:, None] * K + kk[None, :]
+    ok = live[:, None] & (kk[None, :] < K)
+    tl.store(ov + at, lp, mask=ok)
+    tl.store(oi + at, tok, mask=ok)
 
 
 def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
@@ -121,9 +147,10 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
         torch.empty(*logits.shape[:-1], k, dtype=torch.int64, device=logits.device))
     if values.numel():
         pv, pi, pm, ps = block_topk(logits, k)
-        S = pm.shape[1]
-        _merge_topk_kernel[(pm.shape[0],)](pv, pi, pm, ps, values, ids, S, K=k, BS=triton.next_power_of_2(S),
-                                           BC=triton.next_power_of_2(S * k), F64=ct == torch.float64)
+        R, S = pm.shape
+        _merge_topk_kernel[(triton.cdiv(R, MERGE_ROWS),)](
+            pv, pi, pm, ps, values, ids, R, S, K=k, KP=max(triton.next_power_of_2(k), 2), BS=triton.next_power_of_2(S),
+            BC=triton.next_power_of_2(S * k), F64=ct == torch.float64, MP=MERGE_ROWS)
     return values, ids
 
 
