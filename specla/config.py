@@ -115,9 +115,13 @@ class SpecConfig(BaseModel):
             from the state the previous pass left, recorded in CUDA graphs up to batch 8 as the
             chain passes are: where every layer's whole-sequence path continues from its state,
             i.e. models without attention layers (GDN, GLA, Mamba2, KDA) with the Triton kernels
-            on a GPU; elsewhere ``chain``), ``auto`` (default): ``chain``. On the trained ``small`` target in bfloat16 on an
-            H200 (BENCHMARKS.md section 4, commit ``1967c00``) ``chunked`` took 2.2x the chain
-            passes' prefill time at batch 1 (1.99 s against 0.92 s for 64 prompts).
+            on a GPU; elsewhere ``chain``), ``auto`` (default): ``passes`` where they run, the
+            activations are bfloat16 or float16 and the plugin opts in
+            (``Mixer.prefill_by_default``: GDN), else ``chain`` (FLA's chunked kernels multiply
+            float32 in TF32: a float32 run keeps the exact chain passes). On the trained ``small`` target in bfloat16 on an H200 at batch 1, 64
+            prompts of the mixed suite (BENCHMARKS.md section 4): ``passes`` took 0.28 s of
+            plain decoding's prefill against 0.74 s for ``chain`` (commit ``7884c7f``), and
+            ``chunked`` 2.2x the chain passes' time (1.99 s against 0.92 s, commit ``1967c00``).
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
             another type (``True``, ``"8"``, ``8.0``), or sampling filters without sampling.

@@ -153,6 +153,11 @@ class Mixer(ABC):
     may run as several fixed-width passes (``SpecConfig.prefill`` ``passes``); attention layers
     write their cache from slot 0 and do not."""
 
+    prefill_by_default = False
+    """Whether the default ``SpecConfig.prefill`` (``auto``) takes the passes when every mixer
+    continues and says so: a plugin sets it where its passes were measured faster than the chain
+    passes and tested on a GPU in half precision (GDN: BENCHMARKS.md section 4)."""
+
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
         """Whole prompts ``h [B, T, hidden]`` (the layer's normalised input; row ``b`` holds
         ``tp.counts[b]`` tokens, right-padded) from the state the mixer holds (empty at a prompt's
@@ -505,7 +510,12 @@ class MixerAdapter(LayerwiseAdapter):
 
     def _chunk_passes(self) -> bool:
         kernels = self._use_kernel("factor")
-        return (self.config.prefill == "passes"
+        # auto: only in half precision, since FLA's chunked kernels multiply float32 in TF32 and a
+        # float32 run keeps the exact chain passes
+        wanted = self.config.prefill == "passes" or (
+            self.config.prefill == "auto" and self.dtype in (torch.bfloat16, torch.float16)
+            and all(m.prefill_by_default for m in self.mixers))
+        return (wanted
                 and all(m.prefills_whole(kernels) and m.prefill_continues for m in self.mixers))
 
     def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:

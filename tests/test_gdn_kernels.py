@@ -595,20 +595,57 @@ def test_prefill_passes_equal_chain_prefill(graphs, monkeypatch):
         torch.testing.assert_close(a, b, **ftol)
 
 
+def test_default_prefill_takes_the_passes_in_half_precision(monkeypatch):
+    """``prefill="auto"`` (the default) runs the passes where they run, the activations are
+    bfloat16 or float16 and every mixer opts in (``Mixer.prefill_by_default``: GDN does), and the
+    chain passes otherwise, in float32 too (FLA's chunked kernels multiply float32
+    in TF32; a float32 run stays exact). On a GPU a bfloat16 model's prefill runs them (recorded:
+    FLA's kernels run at the recording only) and decoding after it equals plain decoding."""
+    from fla_oracle import whole_prompt_prefill_calls
+
+    calls = whole_prompt_prefill_calls(monkeypatch)
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 6]]
+    cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=6, device=DEV, kernels="triton",
+                     budget_policy="fixed")
+    assert cfg.prefill == "auto"
+    ad = specla.SpecDecoder(make_model("gva", dtype=torch.float32, seed=5), "gdn", config=cfg).adapter
+    ad.prefill(prompts)
+    assert ad.prefill_form == "chain" and not calls
+    if DEV == "cpu":  # runs are float32 on a CPU: the rule alone, on the adapter's activation dtype
+        from specla_gdn.mixer import GDNMixer
+
+        for dtype, form in ((torch.bfloat16, True), (torch.float16, True), (torch.float64, False)):
+            monkeypatch.setattr(ad, "dtype", dtype)
+            assert ad._chunk_passes() is form
+        monkeypatch.setattr(GDNMixer, "prefill_by_default", False)  # a plugin that has not opted in
+        assert ad._chunk_passes() is False
+        monkeypatch.setattr(GDNMixer, "prefill_by_default", True)
+        monkeypatch.setattr(ad, "config", cfg.model_copy(update={"prefill": "chain"}))
+        assert ad._chunk_passes() is False
+        return
+    model = make_model("gva", dtype=torch.bfloat16, seed=5)
+    cfg = cfg.model_copy(update={"dtype": "bfloat16"})
+    dec = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg)
+    run = dec.generate(prompts)
+    assert run.stats.prefill == "passes" and calls
+    plain = specla.SpecDecoder(model, "gdn", config=cfg.model_copy(update={"num_draft_tokens": 0}))
+    assert run.outputs == plain.generate(prompts).outputs
+
+
 def test_prefill_passes_fall_back_to_chain_passes_where_their_kernels_cannot_run():
     """On the reference path (no Triton kernels, so no FLA chunk kernels) ``prefill="passes"``
-    runs the 64-token chain passes, and the run's stats say which ran: the same tokens as
+    and the default ``"auto"`` run the 64-token chain passes, and the run's stats say which ran: the same tokens as
     ``prefill="chain"``."""
     model = make_model("gva", dtype=torch.float32, seed=5)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 3]]
     outs = {}
-    for prefill in ("passes", "chain"):
+    for prefill in ("passes", "chain", "auto"):
         cfg = SpecConfig(num_draft_tokens=3, max_depth=3, max_new_tokens=4, kernels="reference", device="cpu",
                          cuda_graphs="off", prefill=prefill)
         run = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts)
         assert run.stats.prefill == "chain" and run.stats.to_dict()["prefill"] == "chain"
         outs[prefill] = run.outputs
-    assert outs["passes"] == outs["chain"]
+    assert outs["passes"] == outs["chain"] == outs["auto"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole-prompt pass runs FLA's kernels on a GPU only")

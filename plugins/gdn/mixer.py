@@ -143,6 +143,10 @@ class GDNMixer(RecurrentMixer):
             swappable likewise.
     """
 
+    # the default prefill takes the passes in half precision: side by side with the chain passes on
+    # the trained `small` target (BENCHMARKS.md section 4) and GPU-tested in bfloat16
+    prefill_by_default = True
+
     def __init__(self, *, project: Callable[..., tuple], conv_w: Tensor | None, conv_b: Tensor | None,
                  A_log: Tensor, dt_bias: Tensor, H: int, HV: int, K: int, V: int, beta_scale: float,
                  output: Callable[..., Tensor], dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device):
