@@ -141,7 +141,9 @@ def _select_kernel(score, token, parent, depth, tok_out, par_out, num_out, place
     tl.store(num_out + b, num.to(tl.int64))
 
 
-@triton.jit
+# P and M follow the prompt length in a drafter's reset: not specialised on (Triton specialises
+# integers on == 1 and % 16), so a new length never compiles a kernel inside a call
+@triton.jit(do_not_specialize=["P", "M"])
 def _pair_rows_kernel(feats, slot, emb, tokens, out, P, M, H, HAS_SLOT: tl.constexpr, HAS_TOK: tl.constexpr,
                       BH: tl.constexpr):
     """Row ``(b, m)``: ``[feats[b, slot[b, m]] ; emb[b, m]]`` (row ``m`` without ``HAS_SLOT``;

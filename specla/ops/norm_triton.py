@@ -15,7 +15,9 @@ from torch import Tensor
 from .norm import compute_dtype
 
 
-@triton.jit
+# R (rows per group) follows the prompt length in a drafter's reset: not specialised on (Triton
+# specialises integers on == 1 and % 16), so a new length never compiles a kernel inside a call
+@triton.jit(do_not_specialize=["R"])
 def _rms_norm_kernel(x, w, g, y, D, R, sxo, sxi, sgo, sgi, eps, BD: tl.constexpr, F64: tl.constexpr,
                      GATE: tl.constexpr, SIGMOID: tl.constexpr, OFFSET: tl.constexpr):
     """One row: ``t = x * rsqrt(mean(x^2) + eps) * w`` (``* (1 + w)`` with ``OFFSET``) rounded to
