@@ -107,21 +107,23 @@ class SpecConfig(BaseModel):
         prefill: how prompts reach the state: ``chain`` (every plugin: the prompt as chains of
             64 tokens through the verify pass and a commit, recorded in CUDA graphs up to batch
             8), ``chunked`` (one pass over whole prompts where every mixer of the model has a
-            whole-sequence kernel and the Triton kernels run: GDN layers through FLA's chunked
-            gated delta rule, ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, GLA and
-            Mamba2 layers through its ``chunk_gla`` and ``chunk_simple_gla``, KDA through its
-            ``chunk_kda``, attention layers causal over the prompt; elsewhere ``chain``),
-            ``passes`` (the prompt in passes of 256 tokens through those chunked kernels, each
-            from the state the previous pass left, recorded in CUDA graphs up to batch 8 as the
-            chain passes are: where every layer's whole-sequence path continues from its state,
-            i.e. models without attention layers (GDN, GLA, Mamba2, KDA) with the Triton kernels
-            on a GPU; elsewhere ``chain``), ``auto`` (default): ``passes`` where they run, the
-            activations are bfloat16 or float16 and the plugin opts in
-            (``Mixer.prefill_by_default``: GDN), else ``chain`` (FLA's chunked kernels multiply
-            float32 in TF32: a float32 run keeps the exact chain passes). On the trained ``small`` target in bfloat16 on an H200 at batch 1, 64
-            prompts of the mixed suite (BENCHMARKS.md section 4): ``passes`` took 0.28 s of
-            plain decoding's prefill against 0.74 s for ``chain`` (commit ``7884c7f``), and
-            ``chunked`` 2.2x the chain passes' time (1.99 s against 0.92 s, commit ``1967c00``).
+            whole-sequence path, ``Mixer.prefills_whole``: GDN, GLA and Mamba2 layers with the
+            Triton kernels on a GPU, through FLA's ``chunk_gated_delta_rule``, ``chunk_gla`` and
+            ``chunk_simple_gla``; KDA layers on a GPU through ``chunk_kda``; LFM2's convolution
+            and attention layers, causal over the prompt, on any device; elsewhere ``chain``),
+            ``passes`` (the prompt in passes of 256 tokens through those paths, each from the
+            state the previous pass left, recorded in CUDA graphs up to batch 8 as the chain
+            passes are: where every mixer's path continues from its state,
+            ``Mixer.prefill_continues``, i.e. models without attention layers, such as FLA's GDN,
+            GLA and Mamba2 models on a GPU; elsewhere ``chain``), ``auto`` (default): ``passes``
+            where they run, the activations are bfloat16 or float16 and every mixer opts in
+            (``Mixer.prefill_by_default``: GDN's), else ``chain`` (FLA's chunked kernels
+            multiply float32 in TF32: a float32 run keeps the exact chain passes). On the
+            trained ``small`` target in bfloat16 on an H200 at batch 1, 64 prompts of the mixed
+            suite (BENCHMARKS.md section 4): ``passes`` took 0.28 s of plain decoding's prefill
+            against 0.74 s for ``chain`` (commit ``7884c7f``), and ``chunked`` 2.2x the chain
+            passes' time (1.99 s against 0.92 s, commit ``1967c00``). ``RunStats.prefill`` says
+            which form ran (empty when every prompt is one token: nothing runs).
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
             another type (``True``, ``"8"``, ``8.0``), or sampling filters without sampling.

@@ -1,4 +1,5 @@
-"""The speculative decoding loop: prefill -> (draft -> verify -> accept -> commit)* -> flush."""
+"""The speculative decoding loop: prefill -> (draft -> verify -> accept -> commit)*; the last
+commit stays pending until the state is read (see :meth:`Engine.generate`)."""
 
 from __future__ import annotations
 
@@ -158,6 +159,9 @@ class Engine:
             InvalidTokenError: empty prompt or id outside the vocabulary (nothing is run).
             InvalidTreeError / BudgetError: the drafter produced an invalid tree.
         Thread-safe: concurrent calls run one after another (see the class docstring).
+        Afterwards the adapter holds the state after the accepted tokens; with the ``factor``
+        commit the last step's commit is still pending: ``adapter.recurrent_states()`` (and
+        :meth:`TargetAdapter.flush`) apply it, the next call's prefill discards it.
         """
         with self._lock:
             return self._generate(prompts)
@@ -210,7 +214,8 @@ class Engine:
             stats.verify_s = self._clock() - t  # one span: a step is one replay
         else:
             self._decode_eager(run, t)
-        adapter.flush()
+        # the last step's commit stays pending: reading the state applies it (recurrent_states
+        # flushes) and the next prefill discards it, so no call pays an eager commit it never uses
         stats.wall_s = self._clock() - start
         stats.generated_tokens = sum(len(o) for o in run.outputs)
         return run.outputs, stats
