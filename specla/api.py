@@ -90,7 +90,9 @@ class SpecDecoder:
             or without a CUDA device, or a configuration graphs cannot run (sampling, a budget
             over the recorded verify's); a ``stop_token_ids`` entry outside the vocabulary.
         DrafterError: a model's own drafter (``"mtp"``) the model does not bring (the plugin has
-            none, or the checkpoint ships no fitting MTP layer: the message names the problem).
+            none, or the checkpoint ships no fitting MTP layer: the message names the problem); a
+            drafter path that is not a trained drafter directory (missing, a file, another
+            directory).
 
     One decoder may be shared between threads: its :meth:`generate` calls run one after another
     (a decoder holds one batch's state), each returning exactly what it would alone.

@@ -90,8 +90,16 @@ def test_bad_drafter_directories_raise_drafter_errors(tmp_path):
         EagleHead.load(tmp_path / "broken")
     (tmp_path / "partial").mkdir()
     (tmp_path / "partial" / "checkpoint.pt").write_bytes(b"x")
-    with pytest.raises(UnknownPluginError, match="finish it with --resume"):
+    with pytest.raises(DrafterError, match="finish it with --resume"):
         make_drafter(str(tmp_path / "partial"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DrafterError, match="is not a trained drafter directory$"):
+        make_drafter(tmp_path / "empty")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DrafterError, match="is not a directory"):
+        make_drafter(str(tmp_path / "file"))
+    with pytest.raises(UnknownPluginError, match="unknown drafter 'eagle9'"):
+        make_drafter("eagle9")
     dec = SpecDecoder(TINY, None, config=dict(dtype="float32"))
     with pytest.raises(DrafterError, match="no training window"):
         train_drafter(dec.adapter, dec.tokenizer, [DATA], tmp_path / "x", DrafterTrainConfig(window=100000),

@@ -29,9 +29,9 @@ def make_drafter(drafter: str | Path | Drafter) -> Drafter:
     ``~``) and every :class:`~pathlib.Path` is taken as a directory; other strings are names.
 
     Raises:
-        UnknownPluginError: unknown name (the message lists the known drafters), or a directory
-            that is not a trained drafter.
-        DrafterError: a path to a directory that does not exist.
+        UnknownPluginError: unknown name (the message lists the known drafters).
+        DrafterError: a path to a directory that does not exist, a file, or a directory that is
+            not a trained drafter (every bad drafter path raises this one class).
         TypeError: neither a name, a drafter directory nor a :class:`Drafter`.
     """
     if isinstance(drafter, Drafter):
@@ -47,7 +47,7 @@ def make_drafter(drafter: str | Path | Drafter) -> Drafter:
         return EagleDrafter.from_dir(drafter)
     if isinstance(drafter, (str, Path)) and Path(drafter).is_dir():
         hint = " (a `--stop-at` run? finish it with --resume)" if (Path(drafter) / "checkpoint.pt").is_file() else ""
-        raise UnknownPluginError(f"{drafter} is not a trained drafter directory{hint}")
+        raise DrafterError(f"{drafter} is not a trained drafter directory{hint}")
     if isinstance(drafter, str):
         if drafter not in BUILTIN_DRAFTERS:
             raise UnknownPluginError(
