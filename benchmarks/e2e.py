@@ -73,13 +73,16 @@ FLA_GRAPH = "AR, FLA model in a CUDA graph"
 TREE = dict(num_draft_tokens=15, max_depth=6, top_k=4)
 
 
+# GDN-1.3B's layer shape (the layer count is a flag: 24)
+GDN13B_SHAPE = dict(hidden_size=2048, num_heads=8, head_dim=256, expand_v=1, tie_word_embeddings=False)
+
+
 def gdn13b(layers: int, embed_scale: float, seed: int = 0):
     """The GDN-1.3B-shaped FLA model (see the module docstring), bf16, on the GPU."""
     import fla  # noqa: F401  (registers the model classes)
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
-    cfg = GatedDeltaNetConfig(vocab_size=VOCAB, hidden_size=2048, num_hidden_layers=layers, num_heads=8,
-                              head_dim=256, expand_v=1, tie_word_embeddings=False)
+    cfg = GatedDeltaNetConfig(vocab_size=VOCAB, num_hidden_layers=layers, **GDN13B_SHAPE)
     torch.manual_seed(seed)
     model = GatedDeltaNetForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     with torch.no_grad():  # untied like GDN-1.3B (the head is read as its own matrix), same values

@@ -81,6 +81,47 @@ def test_topk_level_equals_twin(M, k, V, dtype, last):
         torch.testing.assert_close(nxt[3], ref[3], rtol=0, atol=2e-6)
 
 
+def test_topk_level_counts_its_programs_and_leaves_the_counter_zeroed():
+    """One counter through a tree's levels, back to back: each level's last program of a sequence
+    merges its blocks, and the counter comes back zeroed for the next. Many sequences at once (on
+    a GPU 64 sequences of 4 nodes over 32 blocks: 8,192 programs finishing in any order, 20
+    rounds), each level equal to the twins; a counter of the wrong layout is refused before
+    anything runs (the rows untouched)."""
+    from specla.ops.topk import log_softmax_topk
+
+    g = torch.Generator().manual_seed(5)
+    B, M, k, V, rounds = (64, 4, 4, 32000, 20) if DEV == "cuda" else (3, 4, 4, 2100, 2)
+    counter = torch.zeros(B, dtype=torch.int32, device=DEV)
+    C = 4 + 4 * M * k
+    for r in range(rounds):
+        rows = (torch.full((B, C), float("nan"), device=DEV), torch.full((B, C), -77, dtype=torch.int64, device=DEV),
+                torch.full((B, C), -77, dtype=torch.int64, device=DEV))
+        fscore, ids = None, None
+        for level_no, (m, off) in enumerate([(1, 0), (M, k), (M, k + M * k)]):
+            logits = (torch.randint(0, 40, (B, m, V), generator=g).float() * 0.25).to(DEV, torch.bfloat16)
+            nxt = dt.topk_level(fscore, logits, ids, k, off, False, *rows, counter=counter)
+            assert not counter.any(), f"round {r}, level {level_no}: the counter was not left zeroed"
+            logp, child = log_softmax_topk(logits, k)
+            cand, parents, ref = next_frontier(
+                torch.zeros(B, 1, device=DEV) if fscore is None else fscore, logp.float(), child,
+                torch.full((B, 1), -1, dtype=torch.int64, device=DEV) if ids is None else ids, off, False)
+            cols = slice(off, off + m * k)
+            assert torch.equal(rows[1][:, cols], child.flatten(1)) and torch.equal(rows[2][:, cols], parents)
+            # a few float32 ulps at |score| ~ 10: 32 blocks' sums merged against one row-wide sum
+            torch.testing.assert_close(rows[0][:, cols], cand, rtol=0, atol=1e-5)
+            for a, b in zip(nxt[:3], ref[:3]):
+                assert torch.equal(a, b), f"round {r}, level {level_no}"
+            torch.testing.assert_close(nxt[3], ref[3], rtol=0, atol=1e-5)
+            _, _, ids, fscore = nxt  # k == M: each level's frontier has M nodes
+    logits = torch.randn(B, 1, V, generator=g).to(DEV)
+    rows = (torch.full((B, C), float("nan"), device=DEV), torch.full((B, C), -77, dtype=torch.int64, device=DEV),
+            torch.full((B, C), -77, dtype=torch.int64, device=DEV))
+    for bad in (counter.long(), counter[:1], torch.zeros(B, 2, dtype=torch.int32, device=DEV)[:, 0]):
+        with pytest.raises(ValueError, match=r"counter must be a contiguous \[B\] = \[%d\] int32 tensor" % B):
+            dt.topk_level(None, logits, None, k, 0, False, *rows, counter=bad)
+    assert rows[0].isnan().all() and (rows[1] == -77).all() and (rows[2] == -77).all()
+
+
 @pytest.mark.parametrize("k", [1, 4, 16])
 @pytest.mark.parametrize("last", [False, True])
 def test_root_level_equals_twin(k, last):

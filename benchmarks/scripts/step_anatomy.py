@@ -3,8 +3,8 @@
 
     python benchmarks/scripts/step_anatomy.py [--batches 1,32] [--dtype bfloat16] > anatomy.jsonl
 
-A randomly initialised GDN model of the ``small`` preset's shape (costs in a CUDA graph do not
-depend on acceptance) with a random attention EAGLE head, prompts of 69 tokens (the GSM8K suite's
+A randomly initialised GDN model of the ``small`` preset's shape (``--preset``: another; costs in
+a CUDA graph do not depend on acceptance) with a random attention EAGLE head, prompts of 69 tokens (the GSM8K suite's
 median), 128 new tokens, CUDA graphs. Rows: AR (N 0), EAGLE chain (N 6) and tree (N 15, depth 6,
 top-k 4). For each row and batch, one JSON line with
 
@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from e2e import fla_graph_step, graph_time  # noqa: E402
+from e2e import GDN13B_SHAPE, fla_graph_step, graph_time  # noqa: E402
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
@@ -201,8 +201,8 @@ def main():
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--prompt-len", type=int, default=69)
     p.add_argument("--device", default="cuda", help="cpu: check the script's logic (no timings)")
-    p.add_argument("--preset", default="small", choices=("tiny", "small"),
-                   help="the model shape: a GDN preset of train_target.py")
+    p.add_argument("--preset", default="small", choices=("tiny", "small", "gdn-1.3b"),
+                   help="the model shape: a GDN preset of train_target.py, or GDN-1.3B's (24 layers, as e2e.py)")
     p.add_argument("--prefill", action="store_true", help="also time and profile the prefill's halves")
     p.add_argument("--kernel-names", action="store_true",
                    help="each part's kernels by name: launches and device µs in one profiled replay")
@@ -211,7 +211,8 @@ def main():
     CUDA, NAMES = a.device == "cuda", a.kernel_names
     torch.manual_seed(0)
     dtype = getattr(torch, a.dtype)
-    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS[a.preset]["model"]))
+    shape = dict(num_hidden_layers=24, **GDN13B_SHAPE) if a.preset == "gdn-1.3b" else PRESETS[a.preset]["model"]
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **shape))
     model = model.to(a.device, dtype).eval()
     head = EagleHead(model.config.hidden_size)
     for B in (int(x) for x in a.batches.split(",")):

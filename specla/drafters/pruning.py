@@ -42,8 +42,9 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         config: ``num_draft_tokens`` (N), ``max_depth`` (D), ``top_k``, ``tau_tree`` (nats).
         fixed_width: pad every tree to ``N`` columns (no host read of the widest tree: what a
             CUDA graph needs); else the width is that of the widest tree.
-        kernels: each level's top-k and bookkeeping in two Triton launches and the selection in
-            one (:mod:`specla.ops.draft_tree_triton`, the same tree) up to its
+        kernels: each level's top-k and bookkeeping in one Triton launch (and one fill per
+            tree for its programs' counter) and the selection in one
+            (:mod:`specla.ops.draft_tree_triton`, the same tree) up to its
             ``MAX_CANDIDATES``; else the PyTorch forms below.
     Returns:
         a :class:`DraftTree` on ``roots.device`` with at most ``N`` nodes per sequence, nodes in
@@ -69,8 +70,9 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
                 rows = (torch.empty(B, sum(widths), dtype=torch.float32, device=dev),
                         torch.empty(B, sum(widths), dtype=torch.int64, device=dev),
                         torch.empty(B, sum(widths), dtype=torch.int64, device=dev))
+                counter = torch.zeros(B, dtype=torch.int32, device=dev)  # each level's launch leaves it zeroed
         if rows is not None:
-            nxt = _kernels().topk_level(fscore, logits, ids, k, count, d == D, *rows)
+            nxt = _kernels().topk_level(fscore, logits, ids, k, count, d == D, *rows, counter=counter)
         else:
             # trees over the level kernel's candidates keep the Triton top-k with the PyTorch bookkeeping
             logp, child = (_kernels().topk_triton.log_softmax_topk if kernels else log_softmax_topk)(logits, k)

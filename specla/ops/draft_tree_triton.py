@@ -1,10 +1,10 @@
 """Triton twins of the draft-tree bookkeeping in :mod:`specla.drafters.pruning`: one launch per
 draft level for the candidates' scores and the next frontier (:func:`level`; :func:`topk_level`
-also merges the level's top-k children from the drafter's logits in that launch, after the
-top-k's block launch), and one for the final node selection. In PyTorch a level's bookkeeping is a dozen launches (sum, casts, ``repeat_interleave``,
+also takes the level's top-k children from the drafter's logits in that launch), and one for the
+final node selection. In PyTorch a level's bookkeeping is a dozen launches (sum, casts, ``repeat_interleave``,
 a top-k, floor division, three gathers) and the selection about twenty-five (two stable sorts, an
 argsort, a scatter, gathers, masks); a recorded draft step at batch 1 is bound by the kernels it
-launches (BENCHMARKS.md section 4). Each program takes one sequence and ranks its candidates by
+launches (BENCHMARKS.md section 4). One program per sequence ranks its candidates by
 pairwise comparison (a ``[C, C]`` tile), so the kernels take up to :data:`MAX_CANDIDATES`
 candidates per sequence; the callers run the twins beyond. :func:`pair_rows` gathers a level's
 inputs from its parents' rows (a gather and a concatenation in PyTorch), :func:`accepted_rows` the
@@ -75,29 +75,38 @@ def _level_kernel(fscore, logp, child, ids, score_all, token_all, parent_all, ns
 
 
 @triton.jit
-def _topk_level_kernel(pv, pi, pm, ps, fscore, ids, score_all, token_all, parent_all, nslot, ntok, nids, nscore,
-                       off, C, M, S, KN, K: tl.constexpr, MP: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
-                       BC: tl.constexpr, KNP: tl.constexpr, LAST: tl.constexpr, ROOT: tl.constexpr,
-                       F64: tl.constexpr):
-    """Sequence ``b``: its ``M`` frontier nodes' children merged from the block partials of
-    :func:`specla.ops.topk_triton.block_topk` (rows ``b * M + m``, :func:`topk_triton.merge_rows`),
-    then :func:`_level_rows` on them, candidate ``i = m * K + j`` at flat position ``m * KP + j``
-    of the ``[MP, KP]`` tiles."""
-    b = tl.program_id(0).to(tl.int64)
-    mm = tl.arange(0, MP)
-    live_m = mm < M
-    lp, tok = topk_triton.merge_rows(pv, pi, pm, ps, b * M + mm, live_m, S, K, MP, KP, BS, BC, F64)
-    cand = lp.to(tl.float32)  # the level's scores are float32, as level() takes them
-    if ROOT:
-        par = tl.full([MP, KP], -1, tl.int64)
-    else:
-        cand += tl.load(fscore + b * M + mm, mask=live_m, other=0.0)[:, None]
-        par = tl.zeros([MP, KP], tl.int64) + tl.load(ids + b * M + mm, mask=live_m, other=0)[:, None]
-    f = tl.arange(0, MP * KP)
-    fm, fj = f // KP, f % KP
-    _level_rows(tl.reshape(cand, [MP * KP]), tl.reshape(tok, [MP * KP]), tl.reshape(par, [MP * KP]), fm * K + fj,
-                (fm < M) & (fj < K), b, score_all, token_all, parent_all, nslot, ntok, nids, nscore, off, C, KN, K,
-                KNP, LAST)
+def _topk_level_kernel(x, pv, pi, pm, ps, counter, fscore, ids, score_all, token_all, parent_all, nslot, ntok, nids,
+                       nscore, off, C, M, V, S, sx, KN, K: tl.constexpr, MP: tl.constexpr, KP: tl.constexpr,
+                       BV: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, KNP: tl.constexpr, LAST: tl.constexpr,
+                       ROOT: tl.constexpr, F64: tl.constexpr):
+    """Program ``(r, s)``: block ``s`` of logit row ``r = b * M + m``
+    (:func:`specla.ops.topk_triton.block_rows`); the last of sequence ``b``'s ``M * S`` programs
+    to finish (``counter[b]``, which it sets back to 0) merges the sequence's rows
+    (:func:`topk_triton.merge_rows`) and runs :func:`_level_rows` on them, candidate ``i = m * K
+    + j`` at flat position ``m * KP + j`` of the ``[MP, KP]`` tiles. The partials are released
+    (every thread's stores, a CTA barrier, then the counter's acq_rel add at GPU scope) before
+    the last program acquires and reads them: the last-block reduction of CUDA's
+    threadFenceReduction sample."""
+    r, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    topk_triton.block_rows(x, pv, pi, pm, ps, r, s, V, S, sx, K, KP, BV, F64)
+    tl.debug_barrier()
+    b = r // M
+    if tl.atomic_add(counter + b, 1, sem="acq_rel", scope="gpu") == M * S - 1:
+        mm = tl.arange(0, MP)
+        live_m = mm < M
+        lp, tok = topk_triton.merge_rows(pv, pi, pm, ps, b * M + mm, live_m, S, K, MP, KP, BS, BC, F64)
+        cand = lp.to(tl.float32)  # the level's scores are float32, as level() takes them
+        if ROOT:
+            par = tl.full([MP, KP], -1, tl.int64)
+        else:
+            cand += tl.load(fscore + b * M + mm, mask=live_m, other=0.0)[:, None]
+            par = tl.zeros([MP, KP], tl.int64) + tl.load(ids + b * M + mm, mask=live_m, other=0)[:, None]
+        f = tl.arange(0, MP * KP)
+        fm, fj = f // KP, f % KP
+        _level_rows(tl.reshape(cand, [MP * KP]), tl.reshape(tok, [MP * KP]), tl.reshape(par, [MP * KP]),
+                    fm * K + fj, (fm < M) & (fj < K), b, score_all, token_all, parent_all, nslot, ntok, nids, nscore,
+                    off, C, KN, K, KNP, LAST)
+        tl.store(counter + b, 0)  # ready for the next level (every other program of b has counted)
 
 
 @triton.jit
@@ -267,36 +276,49 @@ def _level_frontier(fscore: Tensor | None, ids: Tensor | None, B: int, M: int, k
 
 
 def topk_level(fscore: Tensor | None, logits: Tensor, ids: Tensor | None, k: int, off: int, last: bool,
-               score_all: Tensor, token_all: Tensor, parent_all: Tensor):
+               score_all: Tensor, token_all: Tensor, parent_all: Tensor, counter: Tensor | None = None):
     """A draft level from the drafter's logits: each frontier node's top-``k`` children by
-    log-probability (:func:`specla.ops.topk.log_softmax_topk`) and :func:`level` on them, in two
-    launches (the top-k's block launch, then its merge and the level's bookkeeping in one program
-    per sequence) where the two functions take three. ``k`` above
+    log-probability (:func:`specla.ops.topk.log_softmax_topk`) and :func:`level` on them, in one
+    launch where the two functions take three: one program per node and block of
+    :data:`specla.ops.topk_triton.BLOCK` logits, the last of each sequence's programs merging its
+    nodes' blocks and doing the level's bookkeeping. ``k`` above
     :data:`specla.ops.topk_triton.MAX_K`: those two functions.
 
     Args:
         fscore, ids: as in :func:`level` (both ``None``: the roots' level); logits: ``[B, M, V]``
             float32, bfloat16, float16 or float64; ``k``: ``1 <= k <= V``; off, last, score_all,
             token_all, parent_all: as in :func:`level`.
+        counter: ``[B]`` int32 zeros on the logits' device, which the launch counts its finished
+            programs in and leaves zeroed (the levels of one tree share one: one fill per tree);
+            ``None``: a new one. A counter that is not zero, or one that another launch uses at
+            the same time, gives wrong levels.
     Returns:
         :func:`level`'s next frontier, or ``None`` when ``last``.
     Raises:
-        ValueError: as :func:`level` and :func:`specla.ops.topk_triton.log_softmax_topk` do.
+        ValueError: as :func:`level` and :func:`specla.ops.topk_triton.log_softmax_topk` do, and
+            a ``counter`` that is not a contiguous ``[B]`` int32 tensor on the logits' device.
     """
     B, M, V = logits.shape
     if k > topk_triton.MAX_K or not 1 <= k <= V:
         logp, child = topk_triton.log_softmax_topk(logits, k)
         return level(fscore, logp.float(), child, ids, off, last, score_all, token_all, parent_all)
     root, nxt = _level_frontier(fscore, ids, B, M, k, off, score_all, token_all, parent_all, logits.device)
+    if counter is None:
+        counter = torch.zeros(B, dtype=torch.int32, device=logits.device)
+    if tuple(counter.shape) != (B,) or counter.dtype != torch.int32 or not counter.is_contiguous() \
+            or counter.device != logits.device:
+        raise ValueError(f"counter must be a contiguous [B] = [{B}] int32 tensor on {logits.device}; got "
+                         f"{list(counter.shape)} {counter.dtype} on {counter.device}")
     if B:
-        pv, pi, pm, ps = topk_triton.block_topk(logits, k)
+        rows, pv, pi, pm, ps = topk_triton.partials(logits, k)
         S, KN = pm.shape[1], nxt[0].shape[1]
-        _topk_level_kernel[(B,)](pv, pi, pm, ps, pm if root else fscore.contiguous(), pi if root else ids.contiguous(),
-                                 score_all, token_all, parent_all, *nxt, off, score_all.shape[1], M, S, KN, K=k,
-                                 MP=max(triton.next_power_of_2(M), 2), KP=max(triton.next_power_of_2(k), 2),
-                                 BS=triton.next_power_of_2(S), BC=triton.next_power_of_2(S * k),
-                                 KNP=triton.next_power_of_2(KN), LAST=last, ROOT=root,
-                                 F64=pm.dtype == torch.float64)
+        _topk_level_kernel[(B * M, S)](rows, pv, pi, pm, ps, counter, pm if root else fscore.contiguous(),
+                                       pi if root else ids.contiguous(), score_all, token_all, parent_all, *nxt,
+                                       off, score_all.shape[1], M, V, S, rows.stride(0), KN, K=k,
+                                       MP=max(triton.next_power_of_2(M), 2), KP=max(triton.next_power_of_2(k), 2),
+                                       BV=topk_triton.BLOCK, BS=triton.next_power_of_2(S),
+                                       BC=triton.next_power_of_2(S * k), KNP=triton.next_power_of_2(KN), LAST=last,
+                                       ROOT=root, F64=pm.dtype == torch.float64)
     return None if last else nxt
 
 

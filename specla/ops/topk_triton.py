@@ -28,12 +28,12 @@ _NONE = tl.constexpr(2**31 - 1)  # the id of "no entry" (a block with fewer than
 
 
 @triton.jit
-def _block_topk_kernel(x, pv, pi, pm, ps, V, S, sx, K: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
-                       F64: tl.constexpr):
+def block_rows(x, pv, pi, pm, ps, r, s, V, S, sx, K: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+               F64: tl.constexpr):
     """Row ``r``, block ``s``: ``pm, ps [r, s]`` the block's max and sum of ``exp(x - max)``,
     ``pv, pi [r, s, :K]`` its ``K`` largest entries and their ids (largest first, smaller id first
-    on ties; ``-inf`` and ``_NONE`` past the block's entries)."""
-    r, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    on ties; ``-inf`` and ``_NONE`` past the block's entries). Called from this module's block
+    kernel and from the draft level's (:mod:`specla.ops.draft_tree_triton`)."""
     ct = tl.float64 if F64 else tl.float32
     pos = tl.arange(0, BV)
     alive = s * BV + pos < V
@@ -59,27 +59,37 @@ def _block_topk_kernel(x, pv, pi, pm, ps, V, S, sx, K: tl.constexpr, KP: tl.cons
 
 
 @triton.jit
+def _block_topk_kernel(x, pv, pi, pm, ps, V, S, sx, K: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+                       F64: tl.constexpr):
+    """Row ``program_id(0)``, block ``program_id(1)``: :func:`block_rows`."""
+    block_rows(x, pv, pi, pm, ps, tl.program_id(0).to(tl.int64), tl.program_id(1), V, S, sx, K, KP, BV, F64)
+
+
+@triton.jit
 def merge_rows(pv, pi, pm, ps, row, live, S, K: tl.constexpr, MP: tl.constexpr, KP: tl.constexpr, BS: tl.constexpr,
                BC: tl.constexpr, F64: tl.constexpr):
     """Rows ``row [MP]`` of the block partials (``live [MP]``: which are real): each row's
     log-sum-exp of its ``S`` blocks, then its ``K`` best candidates of the ``S * K`` (largest
     first, smallest id on ties). Returns ``(log-probabilities [MP, KP]`` in the compute dtype,
     ``ids [MP, KP]`` int64``)``, columns ``>= K`` and dead rows unspecified. Called from this
-    module's merge kernel and from the draft level's (:mod:`specla.ops.draft_tree_triton`)."""
+    module's merge kernel and from the draft level's (:mod:`specla.ops.draft_tree_triton`), where
+    other programs of the same launch wrote the partials: they are read from L2 (``.cg``), never
+    from a stale L1 line."""
     ct = tl.float64 if F64 else tl.float32
     so = tl.arange(0, BS)
     bm = live[:, None] & (so[None, :] < S)
-    m = tl.load(pm + row[:, None] * S + so[None, :], mask=bm, other=float("-inf"))
+    m = tl.load(pm + row[:, None] * S + so[None, :], mask=bm, other=float("-inf"), cache_modifier=".cg")
     big = tl.max(m, axis=1)
     shift = tl.where(big > float("-inf"), big, 0.0)
     # log-probability = (x - shift) - log(sum exp(x - shift)): the shift first, as log_softmax does
     # (x - (shift + log sum) cancels two large numbers when the logits are large)
-    log_sum = tl.log(tl.sum(tl.load(ps + row[:, None] * S + so[None, :], mask=bm, other=0.0)
-                            * tl.exp(m - shift[:, None]), axis=1))
+    sums = tl.load(ps + row[:, None] * S + so[None, :], mask=bm, other=0.0, cache_modifier=".cg")
+    log_sum = tl.log(tl.sum(sums * tl.exp(m - shift[:, None]), axis=1))
     co = tl.arange(0, BC)
     alive = live[:, None] & (co[None, :] < S * K)
-    v = tl.load(pv + row[:, None] * S * K + co[None, :], mask=alive, other=float("-inf")).to(ct)
-    ids = tl.load(pi + row[:, None] * S * K + co[None, :], mask=alive, other=_NONE)
+    at = row[:, None] * S * K + co[None, :]
+    v = tl.load(pv + at, mask=alive, other=float("-inf"), cache_modifier=".cg").to(ct)
+    ids = tl.load(pi + at, mask=alive, other=_NONE, cache_modifier=".cg")
     kk = tl.arange(0, KP)
     lp = tl.full([MP, KP], float("-inf"), ct)
     tok = tl.zeros([MP, KP], tl.int64)
@@ -168,16 +178,21 @@ def block_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         block's entries), ``pm [R, S]`` block maxima, ``ps [R, S]`` block sums), ``S =
         ceil(V / BLOCK)``.
     """
+    rows, pv, pi, pm, ps = partials(logits, k)
+    R, S = pm.shape
+    if R:
+        _block_topk_kernel[(R, S)](rows, pv, pi, pm, ps, rows.shape[1], S, rows.stride(0), K=k,
+                                   KP=triton.next_power_of_2(k), BV=BLOCK, F64=pm.dtype == torch.float64)
+    return pv, pi, pm, ps
+
+
+def partials(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``logits`` as ``R`` rows ``[R, V]`` with a dense last dim (a copy only if it is not), and
+    :func:`block_topk`'s four results unwritten (``torch.empty``: no launch)."""
     V = logits.shape[-1]
     rows = logits.reshape(-1, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     R, S, ct, dev = rows.shape[0], triton.cdiv(V, BLOCK), compute_dtype(logits), logits.device
-    pm = torch.empty(R, S, dtype=ct, device=dev)
-    ps = torch.empty_like(pm)
-    pv = torch.empty(R, S, k, dtype=ct, device=dev)
-    pi = torch.empty(R, S, k, dtype=torch.int32, device=dev)
-    if R:
-        _block_topk_kernel[(R, S)](rows, pv, pi, pm, ps, V, S, rows.stride(0), K=k, KP=triton.next_power_of_2(k),
-                                   BV=BLOCK, F64=ct == torch.float64)
-    return pv, pi, pm, ps
+    return (rows, torch.empty(R, S, k, dtype=ct, device=dev), torch.empty(R, S, k, dtype=torch.int32, device=dev),
+            torch.empty(R, S, dtype=ct, device=dev), torch.empty(R, S, dtype=ct, device=dev))
