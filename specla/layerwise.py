@@ -17,6 +17,7 @@ from torch import Tensor
 from .errors import ConfigError, SpecError, UnsupportedModelError
 from .graphs import copy_into, record_graph
 from .interfaces import TargetAdapter, VerifyOutput
+from .ops import upload_ints
 from .ops.norm import compute_dtype, rms_norm
 from .records import Acceptance, PendingCommit, Record
 from .tree import DraftTree
@@ -337,9 +338,13 @@ class LayerwiseAdapter(TargetAdapter):
         T = max(len(b) for b in bodies)
         self.last_hidden = torch.zeros(len(prompts), self.embed_weight.shape[1], dtype=self.dtype, device=self.device)
         self.prefill_form = ""  # one-token prompts: nothing runs
+        B = len(prompts)
+        # one upload that does not stall the host (upload_ints): roots, lengths, then the tokens
+        up = upload_ints([p[-1] for p in prompts] + [len(b) for b in bodies]
+                         + [t for b in bodies for t in b + [0] * (T - len(b))], self.device)
+        roots = up[:B]
         if T:
-            tokens = torch.tensor([b + [0] * (T - len(b)) for b in bodies], dtype=torch.int64, device=self.device)
-            lengths = torch.tensor([len(b) for b in bodies], dtype=torch.int64, device=self.device)
+            lengths, tokens = up[B : 2 * B], up[2 * B :].view(B, T)
             mode = self._prefill_mode(len(prompts))
             self.prefill_form = ("chunked" if mode == "whole" else
                                  "passes" if mode is not None and self._chunk_passes() else "chain")
@@ -352,7 +357,7 @@ class LayerwiseAdapter(TargetAdapter):
             last = hidden[torch.arange(len(prompts), device=self.device), (lengths - 1).clamp(min=0)]
             self.last_hidden = torch.where((lengths > 0)[:, None], last, self.last_hidden)
             self.prompt_hidden = hidden
-        self._roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=self.device)
+        self._roots = roots
 
     def _whole_prefill(self) -> bool:
         """Whether prompts run as one pass over whole sequences (``SpecConfig.prefill``

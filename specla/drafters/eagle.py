@@ -32,6 +32,7 @@ from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance
 from ..tree import DraftTree
 from ..acceptance import sampling_probs
+from ..ops import upload_ints
 from ..ops.attention import append_kv, draft_level_attention
 from .pruning import accepted_rows, build_tree, pair_rows, sample_tree
 
@@ -304,20 +305,20 @@ class EagleDrafter(Drafter):
         check_cache_memory(B * cap * size, held, dev, "the EAGLE drafter's key/value cache", cfg)
         self.capacity = cap
         self.feature = ad.last_hidden
-        self.root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
         self.generator = None  # created at the first sampled proposal, from config.seed
         self.cache_k = torch.zeros(B, cap, max(heads, 1), d, dtype=ad.dtype, device=dev)
         self.cache_v = torch.zeros_like(self.cache_k)
         lengths = [max(len(p) - 2, 0) for p in prompts]
         hidden = getattr(ad, "prompt_hidden", None)
-        self.cache_len = torch.zeros(B, dtype=torch.int64, device=dev)
-        T = max(lengths)
-        if heads and T and hidden is not None:
-            toks = torch.tensor([p[1 : 1 + T] + [0] * (T - len(p[1 : 1 + T])) for p in prompts], device=dev)
-            k, v = self._pair_kv(self._features(hidden[:, :T].to(ad.dtype)), toks,
+        T = max(lengths) if heads and hidden is not None else 0
+        # one upload that does not stall the host (upload_ints): roots, cache lengths, pair tokens
+        up = upload_ints([p[-1] for p in prompts] + (lengths if T else [0] * B)
+                         + [t for p in prompts for t in p[1 : 1 + T] + [0] * (T - len(p[1 : 1 + T]))], dev)
+        self.root, self.cache_len = up[:B], up[B : 2 * B]
+        if T:
+            k, v = self._pair_kv(self._features(hidden[:, :T].to(ad.dtype)), up[2 * B :].view(B, T),
                                  torch.zeros(B, dtype=torch.int64, device=dev))
             self.cache_k[:, :T], self.cache_v[:, :T] = k, v
-            self.cache_len = torch.tensor(lengths, dtype=torch.int64, device=dev)
 
     # -- what a drafter of this shape with another head overrides (the model's own MTP layer)
     def _cache_heads(self) -> tuple[int, int]:

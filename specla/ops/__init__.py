@@ -20,3 +20,27 @@ def check_out(out, shape: tuple, dtypes: tuple, device) -> None:
         got = [(tuple(t.shape), t.dtype, t.is_contiguous(), str(t.device)) for t in out]
         raise ValueError(f"out must be {len(dtypes)} contiguous tensors of shape {tuple(shape)} and dtypes "
                          f"{[str(d) for d in dtypes]} on {device}; got (shape, dtype, contiguous, device) {got}")
+
+
+def upload_ints(values: list[int], device) -> torch.Tensor:
+    """``values`` as a 1-D int64 tensor on ``device``, queued without stalling the host.
+
+    A CUDA copy from pageable host memory synchronises the stream before it starts (CUDA
+    runtime API, "API synchronization behavior": pageable host-to-device transfers), so
+    ``torch.tensor(values, device="cuda")`` makes the host wait for every kernel already queued
+    (a whole prefill) before it launches the next. From pinned memory the copy is queued like a
+    kernel; PyTorch's host allocator keeps the pinned block until the copy has run. Callers pack
+    several small uploads into one and take views.
+
+    Args:
+        values: Python ints (int64 range); device: any torch device (no pinning off CUDA).
+    Returns:
+        ``[len(values)]`` int64 on ``device``.
+    Raises:
+        ValueError: a value outside the int64 range (``torch.tensor``'s own error).
+    """
+    host = torch.tensor(values, dtype=torch.int64)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
