@@ -148,6 +148,11 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
         if isinstance(model, torch.nn.Module):
             what = f"{type(model).__name__} has no config.model_type"
         else:
+            from .drafters.eagle import is_eagle_dir
+
+            if is_eagle_dir(model):
+                raise UnsupportedModelError(f"{model} is a trained drafter (an EAGLE head), not a target model: pass it "
+                                            "as drafter= (the CLI's --drafter) beside the target it was trained for")
             cfg = Path(model) / "config.json"
             what = f"{cfg} has no model_type" if cfg.is_file() else f"{model} has no config.json"
         raise UnsupportedModelError(f"no plugin runs model_type None ({what}); name one with plugin=, or pass "

@@ -48,6 +48,8 @@ def test_plugin_autodetection_and_unsupported_models(tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 4}')
     with pytest.raises(UnsupportedModelError, match="config.json has no model_type"):
         detect_plugin(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="tiny-eagle is a trained drafter .an EAGLE head., not a target"):
+        SpecDecoder(TINY.parent / "tiny-eagle")
     assert SpecConfig(dtype=torch.bfloat16).dtype == "bfloat16"  # a torch.dtype is taken by name
     with pytest.raises(UnsupportedModelError, match="runs fla.models.GatedDeltaNetForCausalLM, got Linear"):
         specla.run(torch.nn.Linear(2, 2), "gdn", prompts=[[1]])

@@ -85,13 +85,14 @@ def test_topk_level_counts_its_programs_and_leaves_the_counter_zeroed():
     """One counter through a tree's levels, back to back: each level's last program of a sequence
     merges its blocks, and the counter comes back zeroed for the next. Many sequences at once (on
     a GPU 64 sequences of 4 nodes over 32 blocks: 8,192 programs finishing in any order, 20
-    rounds), each level equal to the twins; a counter of the wrong layout is refused before
-    anything runs (the rows untouched)."""
+    rounds), each level equal to the twins; a counter that is not a ``LevelCounter`` of the
+    batch, and logits that are not ``[B, M, V]`` floats, are refused before anything runs (the
+    rows untouched)."""
     from specla.ops.topk import log_softmax_topk
 
     g = torch.Generator().manual_seed(5)
     B, M, k, V, rounds = (64, 4, 4, 32000, 20) if DEV == "cuda" else (3, 4, 4, 2100, 2)
-    counter = torch.zeros(B, dtype=torch.int32, device=DEV)
+    counter = dt.LevelCounter(B, DEV)
     C = 4 + 4 * M * k
     for r in range(rounds):
         rows = (torch.full((B, C), float("nan"), device=DEV), torch.full((B, C), -77, dtype=torch.int64, device=DEV),
@@ -100,7 +101,7 @@ def test_topk_level_counts_its_programs_and_leaves_the_counter_zeroed():
         for level_no, (m, off) in enumerate([(1, 0), (M, k), (M, k + M * k)]):
             logits = (torch.randint(0, 40, (B, m, V), generator=g).float() * 0.25).to(DEV, torch.bfloat16)
             nxt = dt.topk_level(fscore, logits, ids, k, off, False, *rows, counter=counter)
-            assert not counter.any(), f"round {r}, level {level_no}: the counter was not left zeroed"
+            assert not counter.counts.any(), f"round {r}, level {level_no}: the counter was not left zeroed"
             logp, child = log_softmax_topk(logits, k)
             cand, parents, ref = next_frontier(
                 torch.zeros(B, 1, device=DEV) if fscore is None else fscore, logp.float(), child,
@@ -116,9 +117,12 @@ def test_topk_level_counts_its_programs_and_leaves_the_counter_zeroed():
     logits = torch.randn(B, 1, V, generator=g).to(DEV)
     rows = (torch.full((B, C), float("nan"), device=DEV), torch.full((B, C), -77, dtype=torch.int64, device=DEV),
             torch.full((B, C), -77, dtype=torch.int64, device=DEV))
-    for bad in (counter.long(), counter[:1], torch.zeros(B, 2, dtype=torch.int32, device=DEV)[:, 0]):
-        with pytest.raises(ValueError, match=r"counter must be a contiguous \[B\] = \[%d\] int32 tensor" % B):
+    for bad, got in ((counter.counts, "Tensor"), ([0] * B, "list"), (dt.LevelCounter(B + 1, DEV), f"of {B + 1} on")):
+        with pytest.raises(ValueError, match=f"counter must be a LevelCounter of B = {B} sequences on .*; got .*{got}"):
             dt.topk_level(None, logits, None, k, 0, False, *rows, counter=bad)
+    for bad in (logits[:, 0], logits.long()):
+        with pytest.raises(ValueError, match=r"logits must be \[B, M, V\] floats"):
+            dt.topk_level(None, bad, None, k, 0, False, *rows)
     assert rows[0].isnan().all() and (rows[1] == -77).all() and (rows[2] == -77).all()
 
 

@@ -17,6 +17,12 @@ def test_upload_ints_values_dtype_and_device():
     assert upload_ints([], DEV).shape == (0,)
     with pytest.raises(ValueError, match="Overflow"):
         upload_ints([2**63], DEV)
+    for bad in ([1.5], [2, 0.5], [True, False], [1j]):
+        with pytest.raises(TypeError, match="upload_ints takes integers, got values of torch"):
+            upload_ints(bad, DEV)
+    import numpy
+
+    assert upload_ints([numpy.int32(5), numpy.int64(-2)], DEV).tolist() == [5, -2]
 
 
 def test_uploads_behind_queued_work_each_keep_their_values():

@@ -70,7 +70,7 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
                 rows = (torch.empty(B, sum(widths), dtype=torch.float32, device=dev),
                         torch.empty(B, sum(widths), dtype=torch.int64, device=dev),
                         torch.empty(B, sum(widths), dtype=torch.int64, device=dev))
-                counter = torch.zeros(B, dtype=torch.int32, device=dev)  # each level's launch leaves it zeroed
+                counter = _kernels().LevelCounter(B, dev)  # one zero fill for the tree's levels
         if rows is not None:
             nxt = _kernels().topk_level(fscore, logits, ids, k, count, d == D, *rows, counter=counter)
         else:

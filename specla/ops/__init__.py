@@ -33,13 +33,19 @@ def upload_ints(values: list[int], device) -> torch.Tensor:
     several small uploads into one and take views.
 
     Args:
-        values: Python ints (int64 range); device: any torch device (no pinning off CUDA).
+        values: integers in the int64 range (Python or NumPy ints); device: any torch device (no
+            pinning off CUDA).
     Returns:
         ``[len(values)]`` int64 on ``device``.
     Raises:
         ValueError: a value outside the int64 range (``torch.tensor``'s own error).
+        TypeError: a float, complex or bool among the values (read as a whole: a bool beside
+            ints counts as an int, as ``torch.tensor`` types it).
     """
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.tensor(values)  # typed by its values, so a float is refused, not truncated
+    if host.numel() and (host.dtype.is_floating_point or host.dtype.is_complex or host.dtype == torch.bool):
+        raise TypeError(f"upload_ints takes integers, got values of {host.dtype}")
+    host = host.to(torch.int64)
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)

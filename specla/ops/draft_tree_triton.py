@@ -275,8 +275,24 @@ def _level_frontier(fscore: Tensor | None, ids: Tensor | None, B: int, M: int, k
                   torch.empty(B, KN, dtype=torch.int64, device=dev), torch.empty(B, KN, dtype=torch.float32, device=dev))
 
 
+class LevelCounter:
+    """The per-sequence count of a draft level's finished programs (:func:`topk_level`): zeros
+    when made, and every launch that takes it leaves it zeroed, so the levels of one tree share
+    one (one fill per tree rather than one per level). Two launches that may run at the same time
+    (on two streams) must not share one.
+
+    Args:
+        batch: ``B``, the sequences of the levels it serves; device: their logits' device.
+    Attributes:
+        counts: ``[B]`` int32 on ``device``, zero between launches.
+    """
+
+    def __init__(self, batch: int, device: torch.device | str):
+        self.counts = torch.zeros(batch, dtype=torch.int32, device=device)
+
+
 def topk_level(fscore: Tensor | None, logits: Tensor, ids: Tensor | None, k: int, off: int, last: bool,
-               score_all: Tensor, token_all: Tensor, parent_all: Tensor, counter: Tensor | None = None):
+               score_all: Tensor, token_all: Tensor, parent_all: Tensor, counter: LevelCounter | None = None):
     """A draft level from the drafter's logits: each frontier node's top-``k`` children by
     log-probability (:func:`specla.ops.topk.log_softmax_topk`) and :func:`level` on them, in one
     launch where the two functions take three: one program per node and block of
@@ -288,31 +304,33 @@ def topk_level(fscore: Tensor | None, logits: Tensor, ids: Tensor | None, k: int
         fscore, ids: as in :func:`level` (both ``None``: the roots' level); logits: ``[B, M, V]``
             float32, bfloat16, float16 or float64; ``k``: ``1 <= k <= V``; off, last, score_all,
             token_all, parent_all: as in :func:`level`.
-        counter: ``[B]`` int32 zeros on the logits' device, which the launch counts its finished
-            programs in and leaves zeroed (the levels of one tree share one: one fill per tree);
-            ``None``: a new one. A counter that is not zero, or one that another launch uses at
-            the same time, gives wrong levels.
+        counter: a :class:`LevelCounter` of ``B`` sequences on the logits' device, which the
+            launch counts its finished programs in (a tree's levels share one); ``None``: a new
+            one.
     Returns:
         :func:`level`'s next frontier, or ``None`` when ``last``.
     Raises:
-        ValueError: as :func:`level` and :func:`specla.ops.topk_triton.log_softmax_topk` do, and
-            a ``counter`` that is not a contiguous ``[B]`` int32 tensor on the logits' device.
+        ValueError: as :func:`level` and :func:`specla.ops.topk_triton.log_softmax_topk` do;
+            logits that are not ``[B, M, V]`` floats; a ``counter`` that is not a
+            :class:`LevelCounter` of ``B`` sequences on the logits' device.
     """
+    if logits.dim() != 3 or not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be [B, M, V] floats, got {list(logits.shape)} {logits.dtype}")
     B, M, V = logits.shape
     if k > topk_triton.MAX_K or not 1 <= k <= V:
         logp, child = topk_triton.log_softmax_topk(logits, k)
         return level(fscore, logp.float(), child, ids, off, last, score_all, token_all, parent_all)
     root, nxt = _level_frontier(fscore, ids, B, M, k, off, score_all, token_all, parent_all, logits.device)
     if counter is None:
-        counter = torch.zeros(B, dtype=torch.int32, device=logits.device)
-    if tuple(counter.shape) != (B,) or counter.dtype != torch.int32 or not counter.is_contiguous() \
-            or counter.device != logits.device:
-        raise ValueError(f"counter must be a contiguous [B] = [{B}] int32 tensor on {logits.device}; got "
-                         f"{list(counter.shape)} {counter.dtype} on {counter.device}")
+        counter = LevelCounter(B, logits.device)
+    if not isinstance(counter, LevelCounter) or counter.counts.shape != (B,) or counter.counts.device != logits.device:
+        got = (f"a LevelCounter of {counter.counts.shape[0]} on {counter.counts.device}"
+               if isinstance(counter, LevelCounter) else type(counter).__name__)
+        raise ValueError(f"counter must be a LevelCounter of B = {B} sequences on {logits.device}; got {got}")
     if B:
         rows, pv, pi, pm, ps = topk_triton.partials(logits, k)
         S, KN = pm.shape[1], nxt[0].shape[1]
-        _topk_level_kernel[(B * M, S)](rows, pv, pi, pm, ps, counter, pm if root else fscore.contiguous(),
+        _topk_level_kernel[(B * M, S)](rows, pv, pi, pm, ps, counter.counts, pm if root else fscore.contiguous(),
                                        pi if root else ids.contiguous(), score_all, token_all, parent_all, *nxt,
                                        off, score_all.shape[1], M, V, S, rows.stride(0), KN, K=k,
                                        MP=max(triton.next_power_of_2(M), 2), KP=max(triton.next_power_of_2(k), 2),
