@@ -4,8 +4,8 @@
     python benchmarks/scripts/step_anatomy.py [--batches 1,32] [--dtype bfloat16] > anatomy.jsonl
 
 A randomly initialised GDN model of the ``small`` preset's shape (``--preset``: another; costs in
-a CUDA graph do not depend on acceptance) with a random attention EAGLE head, prompts of 69 tokens (the GSM8K suite's
-median), 128 new tokens, CUDA graphs. Rows: AR (N 0), EAGLE chain (N 6) and tree (N 15, depth 6,
+a CUDA graph do not depend on acceptance) with a random attention EAGLE head, prompts of 69
+tokens (the GSM8K suite's median), 128 new tokens, CUDA graphs. Rows: AR (N 0), EAGLE chain (N 6) and tree (N 15, depth 6,
 top-k 4). For each row and batch, one JSON line with
 
 - the whole call (medians of 5 after a warm-up call that records the graphs): wall ms, prefill

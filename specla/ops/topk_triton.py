@@ -167,8 +167,8 @@ def log_softmax_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None =
 def block_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The first of :func:`log_softmax_topk`'s launches (one program per row and block of
     ``BLOCK`` entries): each block's ``k`` largest logits, their ids, its maximum and its sum of
-    ``exp(x - max)``, for a second launch to merge (that function's, or the draft level's in
-    :func:`specla.ops.draft_tree_triton.topk_level`).
+    ``exp(x - max)``, for that function's merge launch (the draft level's
+    :func:`specla.ops.draft_tree_triton.topk_level` runs :func:`block_rows` inside its own launch).
 
     Args:
         logits: ``[..., V]`` float32, bfloat16, float16 or float64, ``R`` rows in all (the last
