@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import threading
 from dataclasses import dataclass
 
@@ -177,7 +178,14 @@ class GraphRunner:
         ad.set_graph_state(g.state)
         dr.set_graph_state(g.drafter_state)
         outcome = self._body(None if g.tree is None else DraftTree.trusted(*g.tree), g.uniforms)
-        copy_into(g.state + g.drafter_state, ad.graph_state() + dr.graph_state())
+        new = ad.graph_state() + dr.graph_state()
+        if not (ad.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            # the warm-up before a capture (or an eager step): a static buffer takes the layout
+            # the step writes (a column slice of a projection where the empty record was dense)
+            static = [s if t is s or t.stride() == s.stride() or _rows(t) is None else static_like(t)
+                      for s, t in zip(g.state + g.drafter_state, new)]
+            g.state, g.drafter_state = static[: len(g.state)], static[len(g.state) :]
+        copy_into(g.state + g.drafter_state, new)
         ad.set_graph_state(g.state)
         dr.set_graph_state(g.drafter_state)
         g.outcome.copy_(outcome)
@@ -193,7 +201,7 @@ class GraphRunner:
             tree = (torch.zeros(B, N, dtype=torch.int64, device=dev),
                     torch.full((B, N), -1, dtype=torch.int64, device=dev),
                     torch.zeros(B, dtype=torch.int64, device=dev))
-        g = _Graph([t.clone() for t in state], [t.clone() for t in drafter_state], tree,
+        g = _Graph([static_like(t) for t in state], [static_like(t) for t in drafter_state], tree,
                    torch.zeros(B, 2 + self.depth, dtype=torch.int64, device=dev))
         if self.sampling:
             g.uniforms = torch.rand(B, self.config.num_draft_tokens + 1, device=dev)  # overwritten before each step
@@ -343,15 +351,50 @@ def _no_cyclic_gc():
                 gc.enable()
 
 
+def _rows(t: Tensor) -> tuple[int, Tensor] | None:
+    """``(c0, rows)`` when ``t`` (``[..., D]``, unit last stride, not contiguous) is columns ``c0
+    .. c0 + D`` of dense rows of ``t.stride(-2)`` elements (a slice of a fused projection's
+    output): ``rows`` those whole rows as a contiguous view of the same storage; else ``None``."""
+    if t.dim() < 2 or t.stride(-1) != 1 or t.is_contiguous() or t.numel() == 0:
+        return None
+    width, D = t.stride(-2), t.shape[-1]
+    wide = (*t.shape[:-1], width)
+    dense = torch.empty(wide, device="meta").stride()
+    c0 = t.storage_offset() % width
+    start = t.storage_offset() - c0
+    if c0 + D > width or any(st != ds for n, st, ds in zip(t.shape[:-1], t.stride()[:-1], dense[:-1]) if n > 1):
+        return None
+    if start + math.prod(wide) > t.untyped_storage().nbytes() // t.element_size():
+        return None
+    return c0, t.as_strided(wide, dense, start)
+
+
+def static_like(t: Tensor) -> Tensor:
+    """A new buffer holding ``t``'s values with ``t``'s layout where :func:`copy_into` can copy
+    it densely: a column slice of whole rows (:func:`_rows`) becomes the same columns of a new
+    buffer of whole rows (the other columns are scratch), anything else a clone."""
+    r = _rows(t)
+    if r is None:
+        return t.clone()
+    c0, rows = r
+    return rows.clone()[..., c0 : c0 + t.shape[-1]]
+
+
 def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
     """``static[i].copy_(new[i])`` for every ``new[i]`` that is not ``static[i]`` itself, with one
-    multi-tensor copy per dtype for the pairs of equal layout (the pending commit's records alone
-    are about 100 tensors per step; one copy kernel each would be 100 graph nodes), and a copy
-    each for the rest (views whose static copy was made contiguous)."""
+    multi-tensor copy per dtype for the pairs of equal dense layout (the pending commit's records
+    alone are about 100 tensors per step; one copy kernel each would be 100 graph nodes), and a
+    copy each for the rest. A pair of column slices of whole rows at the same columns (a fused
+    projection's slice and its :func:`static_like` buffer) joins the multi-tensor copy as whole
+    rows: ``static``'s other columns in those rows are overwritten, so they must be scratch."""
     groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
     for dst, src in zip(static, new):
         if src is dst:
             continue
+        if dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride() and not dst.is_contiguous():
+            rd, rs = _rows(dst), _rows(src)
+            if rd is not None and rs is not None and rd[0] == rs[0]:
+                dst, src = rd[1], rs[1]
         if dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride():
             pair = groups.setdefault(dst.dtype, ([], []))
             pair[0].append(dst)

@@ -29,7 +29,9 @@ from torch import Tensor
 from .errors import SpecError
 from .graphs import cache_capacity, check_cache_memory
 from .layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
+from .ops import conv_triton as conv_kernels
 from .ops.attention import commit_kv, tree_attention
+from .ops.conv import conv_window_after
 from .records import PendingCommit, Record
 from .tree import inclusive_ancestor_mask
 
@@ -205,6 +207,21 @@ class RecurrentMixer(Mixer):
 
     def recurrent_states(self) -> list[Tensor]:
         return [self.S]
+
+    def commit_window(self, x: Tensor, path: Tensor, path_len: Tensor, kernel: bool) -> None:
+        """Move the conv window (``conv [B, C - 1, Dc]``, a no-op without one) along an accepted
+        path: its last ``C - 1`` inputs of ``[conv ; x[path]]`` (``x [B, T, Dc]`` the pass's
+        pre-conv inputs, rows may be strided; ``path [B, P]`` int64, ``-1`` padded; ``path_len
+        [B]``). ``kernel``: in place, one Triton launch
+        (:func:`specla.ops.conv_triton.conv_commit`), so a recorded step's window stays its
+        static buffer and nothing is copied back after the step; else
+        :func:`specla.ops.conv.conv_window_after` into a new tensor."""
+        if self.conv is None:
+            return
+        if kernel:
+            conv_kernels.conv_commit(x, self.conv, path, path_len, out=self.conv)
+        else:
+            self.conv = conv_window_after(x, self.conv, path, path_len)
 
 
 @dataclass(frozen=True)

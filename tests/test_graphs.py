@@ -309,6 +309,30 @@ def test_every_step_runs_in_the_graph_from_the_first(plugin, device, monkeypatch
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_sliced_records_take_their_layout_in_the_static_buffers(device):
+    """On the kernel path GDN records each layer's conv inputs as a column slice of its one fused
+    input projection: the runner's static buffers take that layout at the warm-up (the empty
+    record was dense) and copy it as whole rows (``copy_into``), and the recorded steps still
+    give eager decoding's tokens; the conv windows are committed in place (no copy back)."""
+    from specla.graphs import _rows
+
+    prompts = [[11, 2040, 7, 391, 11, 2040, 7]]
+    cfg = dict(device=device, dtype="float32", max_new_tokens=6, kernels="triton", num_draft_tokens=3, max_depth=3,
+               top_k=1)
+    eagle = str(ASSETS / "tiny-eagle")
+    want = SpecDecoder(ASSETS / "tiny", drafter=eagle, config=dict(cfg, cuda_graphs="off")).generate(prompts)
+    graphed = SpecDecoder(ASSETS / "tiny", drafter=eagle,
+                          config=dict(cfg, cuda_graphs="on" if device == "cuda" else "unrecorded"))
+    got = graphed.generate(prompts)
+    assert got.outputs == want.outputs
+    assert sum(k * n for k, n in enumerate(want.stats.accepted_histogram)) > 0
+    ad, g = graphed.engine.adapter, graphed.engine._runner.graphs[1]
+    sliced = [t for t in g.state if _rows(t) is not None]
+    assert len(sliced) == sum(m.conv is not None for m in ad.mixers)  # one conv-input record per conv layer
+    assert all(any(m.conv is t for t in g.state) for m in ad.mixers if m.conv is not None)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen"])
 def test_fixed_shape_prefill_equals_eager_prefill(plugin, device):
     """The prefill of ``cuda_graphs="unrecorded"`` (CPU) or ``"on"`` (CUDA: recorded once, then

@@ -69,9 +69,23 @@ def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
         new = conv_kernels.conv_commit(xd, window.to(DEV), path.to(DEV), plen.to(DEV),
                                        out=torch.full_like(window, float("nan")).to(DEV))
         assert torch.equal(new.cpu(), rwin[:, node])  # pure gathers: exact
+        inplace = window.to(DEV, copy=True)  # slot s reads slot path_len + s of the window it overwrites
+        assert conv_kernels.conv_commit(xd, inplace, path.to(DEV), plen.to(DEV), out=inplace) is inplace
+        assert torch.equal(inplace.cpu(), rwin[:, node])
     same = conv_kernels.conv_commit(xd, window.to(DEV), torch.full((B, 1), -1, device=DEV),
                                     torch.zeros(B, dtype=torch.int64, device=DEV))
     assert torch.equal(same.cpu(), window)  # nothing accepted: bit-identical
+
+
+def test_conv_commit_refuses_an_out_it_cannot_write_densely():
+    x, window = torch.randn(2, 3, 8, device=DEV), torch.randn(2, 3, 8, device=DEV)
+    path, plen = torch.zeros(2, 1, dtype=torch.int64, device=DEV), torch.ones(2, dtype=torch.int64, device=DEV)
+    out = torch.full((2, 8, 3), float("nan"), device=DEV).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"expected out contiguous \[B, W, D\] = \[2, 3, 8\]; got \[2, 3, 8\]"):
+        conv_kernels.conv_commit(x, window, path, plen, out=out)
+    assert out.isnan().all()  # nothing written
+    with pytest.raises(ValueError, match=r"got \[2, 2, 8\]"):
+        conv_kernels.conv_commit(x, window, path, plen, out=torch.empty(2, 2, 8, device=DEV))
 
 
 def test_causal_conv_equals_tree_conv_on_a_chain_from_an_empty_window(rng):

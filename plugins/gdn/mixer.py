@@ -58,16 +58,10 @@ def replay_commit(S0: Tensor, rec: GDNReplayRecord, path: Tensor, path_len: Tens
     return gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
 
 
-def apply_pending(S: Tensor, win: Tensor | None, prev: GDNFactorRecord, path: Tensor, path_len: Tensor,
-                  kernel: bool) -> tuple[Tensor, Tensor | None]:
-    """One layer's part of a pending factor commit, applied at the start of the next verify:
-    the conv window always, the state only on the reference path (the verify kernels apply it
-    fused). Returns ``(state, window)``."""
-    if win is not None:
-        win = (conv_kernels.conv_commit if kernel else conv_window_after)(prev.conv_x, win, path, path_len)
-    if not kernel:
-        S = gdn_commit_factor(S, prev.k, prev.delta, prev.G, path, path_len)
-    return S, win
+def apply_pending(S: Tensor, prev: GDNFactorRecord, path: Tensor, path_len: Tensor, kernel: bool) -> Tensor:
+    """One layer's recurrent state after a pending factor commit, applied at the start of the
+    next verify: on the reference path only (the verify kernels apply it fused)."""
+    return S if kernel else gdn_commit_factor(S, prev.k, prev.delta, prev.G, path, path_len)
 
 
 def layer_record(kind: str, S0: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, delta: Tensor | None,
@@ -188,7 +182,8 @@ class GDNMixer(RecurrentMixer):
     def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels
         if pending is not None:
-            self.S, self.conv = apply_pending(self.S, self.conv, pending, tp.path, tp.path_len, kernel)
+            self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
+            self.S = apply_pending(self.S, pending, tp.path, tp.path_len, kernel)
         proj, a, b, z = self.project(h, kernel)
         anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C)) if self.C else None
         if anc is not None:
@@ -226,7 +221,7 @@ class GDNMixer(RecurrentMixer):
         path, pad = tp.chain()
         if self.C:
             qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
-            self.conv = conv_kernels.conv_commit(proj, self.conv, path, tp.counts)
+            self.commit_window(proj, path, tp.counts, True)
         else:
             qkv = F.silu(proj)
         q, k, v, g, beta = self.inputs(qkv, a, b, True)

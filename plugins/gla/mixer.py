@@ -16,7 +16,7 @@ from torch import Tensor
 
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
-from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.conv import conv_ancestors, conv_windows_per_node, tree_conv
 from specla.records import LayerCommit, Record, take_accepted
 
 from .commit import flush_commit
@@ -86,9 +86,8 @@ class GLAMixer(RecurrentMixer):
         kernel = tp.kernels
         # one kernel for every layer of the pass, chosen once (the rule may read the tree on the host)
         choice = tp.shared("gla-kernel", lambda: tp.choose(pick_verify_kernel)) if kernel else "reference"
-        if pending is not None and self.conv is not None:  # the conv window commits first
-            self.conv = (conv_kernels.conv_commit if kernel else conv_window_after)(pending.conv_x, self.conv,
-                                                                                    tp.path, tp.path_len)
+        if pending is not None:  # the conv window commits first
+            self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
         if pending is not None and not kernel:
             self.S = gla_commit_factor(self.S, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
         proj, gk_raw, gate = self.project(h)
@@ -133,7 +132,7 @@ class GLAMixer(RecurrentMixer):
         qkv = proj
         if self.C:
             qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
-            self.conv = conv_kernels.conv_commit(proj, self.conv, path, tp.counts)
+            self.commit_window(proj, path, tp.counts, True)
         q, k, v, gk = self._inputs(qkv, gk_raw)
         gk, v = gk.masked_fill(pad[..., None, None], 0.0), v.masked_fill(pad[..., None, None], 0.0)
         o, S = chunk_gla(q, k, v, gk, scale=self.K**-0.5, initial_state=self.S, output_final_state=True)
@@ -150,9 +149,7 @@ class GLAMixer(RecurrentMixer):
             self.S = gla_commit_replay(S0, record.k, record.v, record.gk, path, path_len)
         else:
             self.S = take_accepted(record.states, S0, path, path_len)
-        if self.conv is None:
-            return
         if isinstance(record, GLASnapshotRecord):
-            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
+            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len) if self.conv is not None else None
         else:
-            self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
+            self.commit_window(record.conv_x, path, path_len, kernels and isinstance(record, GLAFactorRecord))

@@ -76,8 +76,7 @@ class Mamba2Mixer(RecurrentMixer):
         # path for a tree too large for the parallel kernel
         choice = tp.shared("mamba2-kernel", lambda: tp.choose(pick_verify_kernel)) if kernel else "reference"
         if pending is not None:  # the delayed commit of the previous step, conv window first
-            self.conv = (conv_kernels.conv_commit if kernel else conv_window_after)(pending.conv_x, self.conv,
-                                                                                    tp.path, tp.path_len)
+            self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
             if kernel and choice == "reference":  # commit in place, then verify unfused
                 flush_commit(self.S, pending.Bm, pending.u, pending.G, tp.path, tp.path_len)
             elif not kernel:
@@ -124,7 +123,7 @@ class Mamba2Mixer(RecurrentMixer):
         path, pad = tp.chain()
         z, xbc_in, dt_raw = self.project(h)
         xbc = conv_kernels.tree_conv(xbc_in, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
-        self.conv = conv_kernels.conv_commit(xbc_in, self.conv, path, tp.counts)
+        self.commit_window(xbc_in, path, tp.counts, True)
         xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, H, P).to(self.state_dtype)
         Bm, Cm = (expand_groups(m.reshape(B, T, G, N), H).to(self.state_dtype) for m in (Bm, Cm))
@@ -144,7 +143,7 @@ class Mamba2Mixer(RecurrentMixer):
             return
         if isinstance(record, Mamba2FactorRecord) and kernels:
             flush_commit(self.S, record.Bm, record.u, record.G, path, path_len)  # in place
-            self.conv = conv_kernels.conv_commit(record.conv_x, self.conv, path, path_len)
+            self.commit_window(record.conv_x, path, path_len, True)
             return
         if isinstance(record, Mamba2FactorRecord):
             self.S = ssd_commit_factor(self.S, record.Bm, record.u, record.G, path, path_len)

@@ -38,17 +38,20 @@ def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, sxb, sxt, W: tl.con
 
 
 @triton.jit
-def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, sxb, sxt, W: tl.constexpr, BD: tl.constexpr):
-    i_d, i_bw = tl.program_id(1), tl.program_id(0).to(tl.int64)
-    i_b, slot = i_bw // W, i_bw % W
+def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, sxb, sxt, W: tl.constexpr, WP: tl.constexpr,
+                        BD: tl.constexpr):
+    # one program owns every slot of its sequence's column block and loads them all before it
+    # stores: ``new`` may be ``window`` itself (slot s reads slot path_len + s)
+    i_d, i_b = tl.program_id(1), tl.program_id(0).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
+    slot = tl.arange(0, WP)
+    m = (slot < W)[:, None] & (o_d < D)[None, :]
     pos = tl.load(path_len + i_b) + slot  # position in [window ; path inputs]
     from_win = pos < W
-    node = tl.load(path + i_b * P + tl.maximum(tl.minimum(pos - W, P - 1), 0))
-    xw = tl.load(window + (i_b * W + tl.minimum(pos, W - 1)) * D + o_d, mask=m_d, other=0.0)
-    xx = tl.load(x + i_b * sxb + tl.maximum(node, 0) * sxt + o_d, mask=m_d, other=0.0)
-    tl.store(new + i_bw * D + o_d, tl.where(from_win, xw, xx), mask=m_d)
+    node = tl.load(path + i_b * P + tl.maximum(tl.minimum(pos - W, P - 1), 0), mask=slot < W, other=0)
+    xw = tl.load(window + (i_b * W + tl.minimum(pos, W - 1))[:, None] * D + o_d[None, :], mask=m, other=0.0)
+    xx = tl.load(x + i_b * sxb + tl.maximum(node, 0)[:, None] * sxt + o_d[None, :], mask=m, other=0.0)
+    tl.store(new + (i_b * W + slot)[:, None] * D + o_d[None, :], tl.where(from_win[:, None], xw, xx), mask=m)
 
 
 def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, anc: Tensor,
@@ -87,9 +90,11 @@ def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: 
 
     Args:
         x: ``[B, T, D]``; window: ``[B, C - 1, D]``; path: ``[B, P]`` int64 root-to-leaf, ``-1``
-        padded; path_len: ``[B]`` int64 (``0``: the window is copied unchanged).
+        padded; path_len: ``[B]`` int64 (``0``: the window is copied unchanged); out: optional
+        ``[B, C - 1, D]`` contiguous, ``window`` itself included (the window is then updated in
+        place: a recorded step's window stays its static buffer, with no copy back).
     Returns:
-        ``[B, C - 1, D]``: the last ``C - 1`` inputs of ``[window ; x[path]]``.
+        ``[B, C - 1, D]``: the last ``C - 1`` inputs of ``[window ; x[path]]`` (``out`` when given).
     Raises:
         ValueError: shapes or dtypes disagree.
     """
@@ -97,13 +102,15 @@ def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: 
     W = window.shape[1]
     if window.shape != (B, W, D) or path.dim() != 2 or path.shape[0] != B or path_len.shape != (B,):
         raise ValueError("expected x [B, T, D], window [B, W, D], path [B, P], path_len [B]")
-    new = torch.empty_like(window) if out is None else out
+    new = torch.empty(window.shape, dtype=window.dtype, device=window.device) if out is None else out
+    if new.shape != window.shape or not new.is_contiguous():
+        raise ValueError(f"expected out contiguous [B, W, D] = {list(window.shape)}; got {list(new.shape)}")
     if W == 0:
         return new
     BD = min(triton.next_power_of_2(D), 256)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    _conv_commit_kernel[(B * W, triton.cdiv(D, BD))](
+    _conv_commit_kernel[(B, triton.cdiv(D, BD))](
         x, window.contiguous(), path.contiguous(), path_len.contiguous(), new, T,
-        max(path.shape[1], 1), D, x.stride(0), x.stride(1), W=W, BD=BD,
+        max(path.shape[1], 1), D, x.stride(0), x.stride(1), W=W, WP=triton.next_power_of_2(W), BD=BD,
     )
     return new
