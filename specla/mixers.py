@@ -218,8 +218,10 @@ class RecurrentMixer(Mixer):
         :func:`specla.ops.conv.conv_window_after` into a new tensor."""
         if self.conv is None:
             return
-        if kernel:
+        if kernel and self.conv.is_contiguous():
             conv_kernels.conv_commit(x, self.conv, path, path_len, out=self.conv)
+        elif kernel:  # a strided window (a view given as state) cannot be written in place
+            self.conv = conv_kernels.conv_commit(x, self.conv, path, path_len)
         else:
             self.conv = conv_window_after(x, self.conv, path, path_len)
 

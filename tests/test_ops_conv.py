@@ -96,3 +96,30 @@ def test_causal_conv_equals_tree_conv_on_a_chain_from_an_empty_window(rng):
     chain = torch.arange(-1, T - 1).expand(B, T)
     ref, _ = naive_tree_conv(x, torch.zeros(B, C - 1, D), weight, bias, chain)
     assert rel_err(causal_conv(x, weight, bias), ref) < 1e-6
+
+
+def test_commit_window_in_place_on_the_kernel_path():
+    """``RecurrentMixer.commit_window``: on the kernel path a contiguous window is written in
+    place (the tensor a recorded step holds stays the window); a strided window (a view given as
+    state) gets a new tensor; both equal :func:`conv_window_after`, as the reference path does."""
+    from specla.mixers import RecurrentMixer
+
+    class Window(RecurrentMixer):  # only the window: the abstract methods are not reached
+        verify = empty_record = commit = empty_state = None
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 4, 8, generator=gen).to(DEV)
+    path, plen = torch.tensor([[0, 2], [0, -1]], device=DEV), torch.tensor([2, 1], device=DEV)
+    m = Window.__new__(Window)
+    for window, kernel in ((torch.randn(2, 3, 8, generator=gen), True),
+                           (torch.randn(2, 8, 3, generator=gen).transpose(1, 2), True),
+                           (torch.randn(2, 3, 8, generator=gen), False)):
+        m.conv = window.to(DEV)
+        before = m.conv
+        want = conv_window_after(x, before.clone(), path, plen)
+        m.commit_window(x, path, plen, kernel)
+        assert torch.equal(m.conv, want)
+        assert (m.conv is before) == (kernel and window.is_contiguous())
+    m.conv = None
+    m.commit_window(x, path, plen, True)  # no short convolution: nothing to move
+    assert m.conv is None
