@@ -358,6 +358,8 @@ def _rows(t: Tensor) -> tuple[int, Tensor] | None:
     if t.dim() < 2 or t.stride(-1) != 1 or t.is_contiguous() or t.numel() == 0:
         return None
     width, D = t.stride(-2), t.shape[-1]
+    if width < D:  # overlapping or broadcast rows (stride 0): not a slice of whole rows
+        return None
     wide = (*t.shape[:-1], width)
     dense = torch.empty(wide, device="meta").stride()
     c0 = t.storage_offset() % width

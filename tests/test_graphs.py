@@ -231,6 +231,26 @@ def test_copy_into_copies_every_replaced_tensor():
     assert torch.equal(same, before)
 
 
+def test_static_like_keeps_a_slice_of_whole_rows_and_clones_the_rest():
+    """``static_like``: a column slice of a fused projection (at columns 0, in the middle, at the
+    end) gets a new buffer of whole rows with the slice's strides and values, and ``copy_into``
+    fills it exactly from another projection's slice; a broadcast (stride 0) or transposed view
+    is cloned (a dense buffer of its own)."""
+    from specla.graphs import copy_into, static_like
+
+    g = torch.Generator().manual_seed(6)
+    z, z2 = torch.randn(2, 3, 10, generator=g), torch.randn(2, 3, 10, generator=g)
+    for cols in (slice(0, 6), slice(6, 8), slice(8, 10)):
+        s = static_like(z[..., cols])
+        assert s.stride() == z[..., cols].stride() and torch.equal(s, z[..., cols])
+        assert s.untyped_storage().data_ptr() != z.untyped_storage().data_ptr()
+        copy_into([s], [z2[..., cols]])
+        assert torch.equal(s, z2[..., cols])
+    for odd in (torch.randn(2, 1, 4, generator=g).expand(2, 3, 4), z.transpose(0, 1)[..., :4]):
+        s = static_like(odd)
+        assert torch.equal(s, odd) and s.untyped_storage().nbytes() == s.numel() * s.element_size()  # a clone
+
+
 def test_runner_notices_a_state_replaced_outside_it():
     """A ``select`` outside the runner (no ``release``) replaces the adapter's roots: the next
     step reloads the state instead of replaying on the stale buffers, so it gives the same

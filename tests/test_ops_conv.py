@@ -75,6 +75,9 @@ def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
     same = conv_kernels.conv_commit(xd, window.to(DEV), torch.full((B, 1), -1, device=DEV),
                                     torch.zeros(B, dtype=torch.int64, device=DEV))
     assert torch.equal(same.cpu(), window)  # nothing accepted: bit-identical
+    empty = conv_kernels.conv_commit(xd, window.to(DEV), torch.zeros(B, 0, dtype=torch.int64, device=DEV),
+                                     torch.zeros(B, dtype=torch.int64, device=DEV))
+    assert torch.equal(empty.cpu(), window)  # an empty path: nothing read from it
 
 
 def test_conv_commit_refuses_an_out_it_cannot_write_densely():

@@ -51,6 +51,8 @@ def _conv_commit_kernel(x, window, path, path_len, new, T, P, D, sxb, sxt, W: tl
     node = tl.load(path + i_b * P + tl.maximum(tl.minimum(pos - W, P - 1), 0), mask=slot < W, other=0)
     xw = tl.load(window + (i_b * W + tl.minimum(pos, W - 1))[:, None] * D + o_d[None, :], mask=m, other=0.0)
     xx = tl.load(x + i_b * sxb + tl.maximum(node, 0)[:, None] * sxt + o_d[None, :], mask=m, other=0.0)
+    # a slot is loaded and stored by different threads: every load before any store (in place)
+    tl.debug_barrier()
     tl.store(new + (i_b * W + slot)[:, None] * D + o_d[None, :], tl.where(from_win[:, None], xw, xx), mask=m)
 
 
@@ -109,6 +111,8 @@ def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: 
         return new
     BD = min(triton.next_power_of_2(D), 256)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if path.shape[1] == 0:  # no node to read (path_len is 0): the kernel still reads one entry
+        path = torch.full((B, 1), -1, dtype=torch.int64, device=path.device)
     _conv_commit_kernel[(B, triton.cdiv(D, BD))](
         x, window.contiguous(), path.contiguous(), path_len.contiguous(), new, T,
         max(path.shape[1], 1), D, x.stride(0), x.stride(1), W=W, WP=triton.next_power_of_2(W), BD=BD,
