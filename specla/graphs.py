@@ -393,11 +393,12 @@ def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
     for dst, src in zip(static, new):
         if src is dst:
             continue
-        if dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride() and not dst.is_contiguous():
+        same = dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride()
+        if same and not dst.is_contiguous():  # equal strides: whole rows of one width when both widen
             rd, rs = _rows(dst), _rows(src)
             if rd is not None and rs is not None and rd[0] == rs[0]:
                 dst, src = rd[1], rs[1]
-        if dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride():
+        if same:
             pair = groups.setdefault(dst.dtype, ([], []))
             pair[0].append(dst)
             pair[1].append(src)

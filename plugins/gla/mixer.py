@@ -149,7 +149,9 @@ class GLAMixer(RecurrentMixer):
             self.S = gla_commit_replay(S0, record.k, record.v, record.gk, path, path_len)
         else:
             self.S = take_accepted(record.states, S0, path, path_len)
+        if self.conv is None:
+            return
         if isinstance(record, GLASnapshotRecord):
-            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len) if self.conv is not None else None
+            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
         else:
             self.commit_window(record.conv_x, path, path_len, kernels and isinstance(record, GLAFactorRecord))

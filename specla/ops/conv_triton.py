@@ -98,7 +98,7 @@ def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: 
     Returns:
         ``[B, C - 1, D]``: the last ``C - 1`` inputs of ``[window ; x[path]]`` (``out`` when given).
     Raises:
-        ValueError: shapes or dtypes disagree.
+        ValueError: shapes disagree, or ``out`` is not contiguous.
     """
     B, T, D = x.shape
     W = window.shape[1]
@@ -115,6 +115,6 @@ def conv_commit(x: Tensor, window: Tensor, path: Tensor, path_len: Tensor, out: 
         path = torch.full((B, 1), -1, dtype=torch.int64, device=path.device)
     _conv_commit_kernel[(B, triton.cdiv(D, BD))](
         x, window.contiguous(), path.contiguous(), path_len.contiguous(), new, T,
-        max(path.shape[1], 1), D, x.stride(0), x.stride(1), W=W, WP=triton.next_power_of_2(W), BD=BD,
+        path.shape[1], D, x.stride(0), x.stride(1), W=W, WP=triton.next_power_of_2(W), BD=BD,
     )
     return new
