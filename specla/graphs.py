@@ -82,6 +82,8 @@ def check_cache_memory(new_bytes: int, held_bytes: int, device: torch.device, wh
     of the state per recorded batch size, so on a GPU caches that pass can still run out of
     memory later (``torch.OutOfMemoryError``, an exception, where a CPU process is killed).
     """
+    if new_bytes <= held_bytes:  # no larger than what it replaces: nothing to ask the device (its query is slow)
+        return
     device = torch.device(device)
     free = None
     if device.type == "cuda":  # free on the device + what torch's allocator holds unused

@@ -12,6 +12,7 @@ import torch
 import specla
 from specla import SpecDecoder
 from specla.drafters import EagleDrafter, make_drafter
+import specla.drafters.eagle as eagle_module
 from specla.drafters.eagle import EagleHead, is_eagle_dir
 from specla.drafters.training import DrafterTrainConfig, train_drafter
 from specla.registry import get_plugin
@@ -196,12 +197,16 @@ def test_unrolled_training_levels_see_what_draft_levels_see(heads):
             torch.testing.assert_close(feature[:, 0], levels[k - 1][:, P], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("graphs", ["off", "unrecorded"])
-def test_drafter_cache_follows_the_accepted_path(graphs):
+@pytest.mark.parametrize("graphs,pair_pass", [("off", None), ("unrecorded", None), ("off", (2, 2))])
+def test_drafter_cache_follows_the_accepted_path(graphs, pair_pass, monkeypatch):
     """After decoding, the EAGLE cache holds exactly the pairs of the accepted sequence: its keys
     and values equal those computed from the target's teacher-forced features of prompt +
     output (float64; ragged prompts, random head on the trained tiny target), eagerly and with
-    the fixed-shape graph step (unrecorded on the CPU; its batch of 3 runs as 4 rows)."""
+    the fixed-shape graph step (unrecorded on the CPU; its batch of 3 runs as 4 rows); and with
+    the reset's prompt pairs in passes of 2 (three passes, the last one padded)."""
+    if pair_pass is not None:
+        monkeypatch.setattr(eagle_module, "PAIR_PASS", pair_pass[0])
+        monkeypatch.setattr(eagle_module, "PAIR_ROUND", pair_pass[1])
     torch.manual_seed(0)
     head = EagleHead(256, num_heads=4)
     dec = SpecDecoder(TINY, None, drafter=EagleDrafter(head),

@@ -217,16 +217,22 @@ def write_mtp_layer(directory, model, seed=0):
 
 @pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("variant", ["base", "next"])
-def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernels, tmp_path):
+def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernels, tmp_path, monkeypatch):
     """``drafter="mtp"`` on a checkpoint with an MTP layer: the first draft level's top-k equals
     an independent teacher-forced pass (transformers' own decoder layer over every prompt pair
     (final-normed target feature ``f_p``, embedding of ``x_{p+1}``), causal, the model's rotary at
     position ``p``, then the MTP norm and the LM head); and decoding with it is exact. On the
     PyTorch forms and on the Triton forms (the level's attention with grouped key/value heads,
-    the top-k, the tree bookkeeping and the cache update)."""
+    the top-k, the tree bookkeeping and the cache update). The drafter's reset takes the prompt
+    pairs in passes of 4 (three passes, the last one padded), so each pass's rotary positions
+    start where the previous one ended."""
     from transformers import AutoModelForCausalLM
 
+    import specla.drafters.eagle as eagle_module
     from specla.drafters.mtp import MTPDrafter
+
+    monkeypatch.setattr(eagle_module, "PAIR_PASS", 4)
+    monkeypatch.setattr(eagle_module, "PAIR_ROUND", 2)
     from specla.testing.transformers_oracle import torch_path
 
     ARCH.tiny_model(variant, seed=3, dtype=torch.float32).save_pretrained(tmp_path)

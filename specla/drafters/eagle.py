@@ -38,6 +38,11 @@ from .pruning import accepted_rows, build_tree, pair_rows, sample_tree
 
 FORMAT = "specla-eagle-v2"
 FORMATS = ("specla-eagle-v1", FORMAT)  # v1: the attention-free head (num_heads = 0)
+# the reset's passes over the prompt pairs take at most PAIR_PASS pairs each, a shorter prompt's
+# one pass a multiple of PAIR_ROUND (zeros past the prompt), so that their GEMMs meet a handful of
+# shapes per batch size whatever the prompt lengths: a GEMM shape met for the first time costs the
+# host milliseconds (measured on an H200, BENCHMARKS.md section 4)
+PAIR_PASS, PAIR_ROUND = 256, 64
 
 
 class EagleHead(nn.Module):
@@ -311,14 +316,22 @@ class EagleDrafter(Drafter):
         lengths = [max(len(p) - 2, 0) for p in prompts]
         hidden = getattr(ad, "prompt_hidden", None)
         T = max(lengths) if heads and hidden is not None else 0
-        # one upload that does not stall the host (upload_ints): roots, cache lengths, pair tokens
+        P = min(PAIR_PASS, -(-T // PAIR_ROUND) * PAIR_ROUND)  # pairs per pass
+        n = -(-T // P) if T else 0  # passes
+        pairs = [p[1 : 1 + T] + [0] * (n * P - len(p[1 : 1 + T])) for p in prompts]  # zeros past T: dropped
+        # one upload that does not stall the host (upload_ints): roots, cache lengths, each pass's
+        # first position (per sequence) and its pair tokens (contiguous per pass)
         up = upload_ints([p[-1] for p in prompts] + (lengths if T else [0] * B)
-                         + [t for p in prompts for t in p[1 : 1 + T] + [0] * (T - len(p[1 : 1 + T]))], dev)
+                         + [c * P for c in range(n) for _ in range(B)]
+                         + [t for c in range(n) for p in pairs for t in p[c * P : (c + 1) * P]], dev)
         self.root, self.cache_len = up[:B], up[B : 2 * B]
         if T:
-            k, v = self._pair_kv(self._features(hidden[:, :T].to(ad.dtype)), up[2 * B :].view(B, T),
-                                 torch.zeros(B, dtype=torch.int64, device=dev))
-            self.cache_k[:, :T], self.cache_v[:, :T] = k, v
+            starts, tokens = up[2 * B : (2 + n) * B].view(n, B), up[(2 + n) * B :].view(n, B, P)
+            feats = F.pad(hidden[:, :T].to(ad.dtype), (0, 0, 0, n * P - T))
+            for c in range(n):
+                k, v = self._pair_kv(self._features(feats[:, c * P : (c + 1) * P]), tokens[c], starts[c])
+                w = min(P, T - c * P)
+                self.cache_k[:, c * P : c * P + w], self.cache_v[:, c * P : c * P + w] = k[:, :w], v[:, :w]
 
     # -- what a drafter of this shape with another head overrides (the model's own MTP layer)
     def _cache_heads(self) -> tuple[int, int]:
