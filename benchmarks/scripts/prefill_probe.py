@@ -12,7 +12,8 @@ distinct prompt lengths (20 to 400 tokens, shuffled) times, per prompt and CUDA 
 target's prompt passes (``adapter.prefill``) and the drafter's reset, for the plain decoder (N 0)
 and the EAGLE tree (N 15), interleaved; then the same prompts again (every length seen once).
 One JSON line per (row, pass) with the medians and means in ms, then one with the host
-operators of a first-seen drafter reset (torch profiler, most self CPU time first).
+operators of a drafter reset at a prompt length not seen before (torch profiler, most self CPU
+time first; its GEMM shapes are new only with one pass of the prompt's own width).
 
 ``--pair-pass``, ``--pair-round``: the most pairs the drafter's reset takes in one pass over the
 prompt pairs, and what a shorter pass's width is rounded up to (:data:`specla.drafters.eagle.
@@ -89,7 +90,7 @@ def main():
                                                         mean=round(statistics.mean(reset), 3), max=round(max(reset), 3)))),
                   flush=True)
     dec = decs["eagle-tree"]
-    fresh = 1000 + a.pair_round // 2  # a length (and with rounding a width) no pass has seen
+    fresh = 1000 + a.pair_round // 2  # a length no pass has seen (a new width only with one pass of its own width)
     prompt = [rng.randrange(32000) for _ in range(fresh)]
     dec.adapter.prefill([prompt])
     torch.cuda.synchronize()
