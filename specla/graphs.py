@@ -390,13 +390,18 @@ def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
     alone are about 100 tensors per step; one copy kernel each would be 100 graph nodes), and a
     copy each for the rest. A pair of column slices of whole rows at the same columns (a fused
     projection's slice and its :func:`static_like` buffer) joins the multi-tensor copy as whole
-    rows: ``static``'s other columns in those rows are overwritten, so they must be scratch."""
+    rows: ``static``'s other columns in those rows are overwritten, so they must be scratch. A
+    pair that is dense but for the strides of size-1 dims (one row of one token) joins it flat."""
     groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
     for dst, src in zip(static, new):
         if src is dst:
             continue
         same = dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride()
-        if same and not dst.is_contiguous():  # equal strides: whole rows of one width when both widen
+        if not same and dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous():
+            # dense alike but for the strides of size-1 dims (a one-row slice of a projection at batch
+            # 1, one token): flat views share one layout (the multi-tensor copy compares strides)
+            dst, src, same = dst.view(-1), src.view(-1), True
+        elif same and not dst.is_contiguous():  # equal strides: whole rows of one width when both widen
             rd, rs = _rows(dst), _rows(src)
             if rd is not None and rs is not None and rd[0] == rs[0]:
                 dst, src = rd[1], rs[1]

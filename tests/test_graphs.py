@@ -231,6 +231,35 @@ def test_copy_into_copies_every_replaced_tensor():
     assert torch.equal(same, before)
 
 
+def test_copy_into_copies_a_one_row_slice_in_the_multi_tensor_copy():
+    """At batch 1 and one token a projection's column slice ``[1, 1, D]`` is dense for torch but
+    has other strides than its dense static buffer: ``copy_into`` copies it exactly, inside the
+    one multi-tensor copy (no ``copy_`` of its own, which is a kernel per layer in the step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specla.graphs import copy_into
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(8)
+    proj = torch.randn(1, 1, 10, generator=g)
+    new = [proj[..., 2:8], torch.randn(2, 3, generator=g)]
+    static = [torch.full((1, 1, 6), float("nan")), torch.full((2, 3), float("nan"))]
+    assert new[0].stride() != static[0].stride() and new[0].is_contiguous()
+    with Ops() as ops:
+        copy_into(static, new)
+    for dst, src in zip(static, new):
+        assert torch.equal(dst, src)
+    assert "copy_" not in ops.names and ops.names.count("_foreach_copy_") == 1
+
+
 def test_static_like_keeps_a_slice_of_whole_rows_and_clones_the_rest():
     """``static_like``: a column slice of a fused projection (at columns 0, in the middle, at the
     end) gets a new buffer of whole rows with the slice's strides and values, and ``copy_into``
