@@ -31,7 +31,7 @@ from .graphs import cache_capacity, check_cache_memory
 from .layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
 from .ops import conv_triton as conv_kernels
 from .ops.attention import commit_kv, tree_attention
-from .ops.conv import conv_window_after
+from .ops.conv import conv_ancestors, conv_window_after
 from .records import PendingCommit, Record
 from .tree import inclusive_ancestor_mask
 
@@ -69,6 +69,15 @@ class TreePass:
     path_len: Tensor | None = None
     choose: Callable[[Callable], str] | None = None
     memo: dict = field(default_factory=dict)
+
+    def conv_ancestors(self, width: int) -> Tensor:
+        """``[B, T, width]`` int64: each node's last ``width`` inputs along its root path, as
+        indices into ``[window ; x]`` (:func:`specla.ops.conv.conv_ancestors`; one Triton launch
+        on the kernel path), made once per pass for every mixer with a conv of this width."""
+        def make():
+            return (conv_kernels.conv_ancestors if self.kernels else conv_ancestors)(self.parents, width)
+
+        return self.shared(("conv", width), make)
 
     def shared(self, key, make: Callable[[], object]):
         """``memo[key]``, made by ``make()`` on first use in this pass."""

@@ -43,6 +43,28 @@ def test_tree_conv_and_windows_equal_per_path(kind, width, dtype, rng):
 
 
 @pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+def test_conv_ancestors_kernel_equals_the_pytorch_table(kind, width, rng):
+    """The one-launch ``conv_ancestors`` equals the PyTorch table on random ragged trees (every
+    entry: the output is pre-filled with a value no index takes, so an unwritten one fails);
+    ``TreePass.conv_ancestors`` computes it once per pass; bad input is refused by name."""
+    from specla.mixers import TreePass
+
+    parents = batch_parents(kind, [9, 4, 1], rng).to(DEV)
+    B, T = parents.shape
+    out = torch.full((B, T, width), -7, dtype=torch.int64, device=DEV)
+    got = conv_kernels.conv_ancestors(parents, width, out=out)
+    assert got is out and torch.equal(got.cpu(), conv_ancestors(parents.cpu(), width))
+    tp = TreePass(parents, torch.full((B,), T, device=DEV), None, None, "factor", True, False)
+    assert tp.conv_ancestors(width) is tp.conv_ancestors(width)
+    assert torch.equal(tp.conv_ancestors(width).cpu(), conv_ancestors(parents.cpu(), width))
+    with pytest.raises(ValueError, match="width >= 1"):
+        conv_kernels.conv_ancestors(parents, 0)
+    with pytest.raises(ValueError, match="out must be int64"):
+        conv_kernels.conv_ancestors(parents, width, out=out.transpose(0, 1))
+
+
+@pytest.mark.parametrize("kind", SHAPES)
 @pytest.mark.parametrize("width, bias", [(4, False), (2, True), (3, True), (1, True)])  # 1: no window
 def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
     rng = random.Random(width * 13 + len(kind))

@@ -20,7 +20,7 @@ from specla.ops import act_triton as act_kernels
 from specla.ops import conv_triton as conv_kernels
 from specla.ops import norm_triton as norm_kernels
 from specla.ops.act import decay_and_sigmoid_gates
-from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.conv import causal_conv, conv_window_after, conv_windows_per_node, tree_conv
 from specla.ops.norm import l2norm
 from specla.records import LayerCommit, Record, take_accepted
 
@@ -185,7 +185,7 @@ class GDNMixer(RecurrentMixer):
             self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
             self.S = apply_pending(self.S, pending, tp.path, tp.path_len, kernel)
         proj, a, b, z = self.project(h, kernel)
-        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C)) if self.C else None
+        anc = tp.conv_ancestors(self.C) if self.C else None
         if anc is not None:
             qkv = (conv_kernels.tree_conv if kernel else tree_conv)(proj, self.conv, self.conv_w, self.conv_b, anc)
         else:
@@ -220,7 +220,7 @@ class GDNMixer(RecurrentMixer):
         proj, a, b, z = self.project(h, True)
         path, pad = tp.chain()
         if self.C:
-            qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
+            qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, tp.conv_ancestors(self.C))
             self.commit_window(proj, path, tp.counts, True)
         else:
             qkv = F.silu(proj)

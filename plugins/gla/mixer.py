@@ -16,7 +16,7 @@ from torch import Tensor
 
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
-from specla.ops.conv import conv_ancestors, conv_windows_per_node, tree_conv
+from specla.ops.conv import conv_windows_per_node, tree_conv
 from specla.records import LayerCommit, Record, take_accepted
 
 from .commit import flush_commit
@@ -91,7 +91,7 @@ class GLAMixer(RecurrentMixer):
         if pending is not None and not kernel:
             self.S = gla_commit_factor(self.S, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
         proj, gk_raw, gate = self.project(h)
-        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C)) if self.C else None
+        anc = tp.conv_ancestors(self.C) if self.C else None
         qkv = (conv_kernels.tree_conv if kernel else tree_conv)(proj, self.conv, self.conv_w, self.conv_b,
                                                                 anc) if anc is not None else proj
         q, k, v, gk = self._inputs(qkv, gk_raw)
@@ -131,7 +131,7 @@ class GLAMixer(RecurrentMixer):
         path, pad = tp.chain()
         qkv = proj
         if self.C:
-            qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
+            qkv = conv_kernels.tree_conv(proj, self.conv, self.conv_w, self.conv_b, tp.conv_ancestors(self.C))
             self.commit_window(proj, path, tp.counts, True)
         q, k, v, gk = self._inputs(qkv, gk_raw)
         gk, v = gk.masked_fill(pad[..., None, None], 0.0), v.masked_fill(pad[..., None, None], 0.0)

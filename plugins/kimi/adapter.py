@@ -24,7 +24,7 @@ from torch import Tensor
 from specla.config import SpecConfig
 from specla.layerwise import eos_token_ids
 from specla.mixers import AttentionMixer, MixerAdapter, RecurrentMixer, TreePass
-from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
 from specla.records import Record, take_accepted
 
 from .naive import kda_commit_replay
@@ -98,7 +98,7 @@ class KDAMixer(RecurrentMixer):
             self.commit(pending, tp.path, tp.path_len, False)
         m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
         mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
-        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C))
+        anc = tp.conv_ancestors(self.C)
         q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, anc).split(H * D, dim=-1)
         # float32 (or wider) from here, as transformers' KDA: norms, decays and the state
         q = self.l2norm(q.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6) * D**-0.5
@@ -131,7 +131,7 @@ class KDAMixer(RecurrentMixer):
         m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
         path, pad = tp.chain()
         mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
-        q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C)).split(
+        q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, tp.conv_ancestors(self.C)).split(
             H * D, dim=-1)
         self.conv = conv_window_after(mixed, self.conv, path, tp.counts)
         q = self.l2norm(q.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6) * D**-0.5

@@ -21,7 +21,7 @@ from torch import Tensor
 from specla.config import SpecConfig
 from specla.layerwise import eos_token_ids
 from specla.mixers import Mixer, MixerAdapter, ProjectedAttention, TreePass
-from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
 from specla.records import Record, take_accepted
 
 
@@ -81,7 +81,7 @@ class ShortConvMixer(Mixer):
             self.conv = conv_window_after(pending.conv_x, self.conv, tp.path, tp.path_len)
         Bg, Cg, x = self.module.in_proj(h).chunk(3, dim=-1)
         bx = Bg * x
-        anc = tp.shared(("conv", self.L), lambda: conv_ancestors(tp.parents, self.L))
+        anc = tp.conv_ancestors(self.L)
         y = Cg * tree_conv(bx, self.conv, self.weight, self.bias, anc, silu=False)
         if tp.records == "snapshot":
             rec = ConvSnapshotRecord(conv_windows_per_node(bx, self.conv, anc))
@@ -100,7 +100,7 @@ class ShortConvMixer(Mixer):
         row's ``tp.counts`` inputs."""
         Bg, Cg, x = self.module.in_proj(h).chunk(3, dim=-1)
         bx = Bg * x
-        y = Cg * tree_conv(bx, self.conv, self.weight, self.bias, conv_ancestors(tp.parents, self.L), silu=False)
+        y = Cg * tree_conv(bx, self.conv, self.weight, self.bias, tp.conv_ancestors(self.L), silu=False)
         self.conv = conv_window_after(bx, self.conv, tp.chain()[0], tp.counts)
         return self.module.out_proj(y)
 

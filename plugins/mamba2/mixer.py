@@ -17,7 +17,7 @@ from torch import Tensor
 
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import conv_triton as conv_kernels
-from specla.ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
 from specla.records import LayerCommit, Record, take_accepted
 
 from .commit import flush_commit
@@ -84,7 +84,7 @@ class Mamba2Mixer(RecurrentMixer):
         B, T = h.shape[:2]
         H, P, N, G = self.H, self.P, self.N, self.G
         z, xbc_in, dt_raw = self.project(h)
-        anc = tp.shared(("conv", self.C), lambda: conv_ancestors(tp.parents, self.C))
+        anc = tp.conv_ancestors(self.C)
         xbc = (conv_kernels.tree_conv if kernel else tree_conv)(xbc_in, self.conv, self.conv_w, self.conv_b, anc)
         xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
         xs, Bm, Cm = xs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N)
@@ -122,7 +122,7 @@ class Mamba2Mixer(RecurrentMixer):
         H, P, N, G = self.H, self.P, self.N, self.G
         path, pad = tp.chain()
         z, xbc_in, dt_raw = self.project(h)
-        xbc = conv_kernels.tree_conv(xbc_in, self.conv, self.conv_w, self.conv_b, conv_ancestors(tp.parents, self.C))
+        xbc = conv_kernels.tree_conv(xbc_in, self.conv, self.conv_w, self.conv_b, tp.conv_ancestors(self.C))
         self.commit_window(xbc_in, path, tp.counts, True)
         xs, Bm, Cm = xbc.split([H * P, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, H, P).to(self.state_dtype)

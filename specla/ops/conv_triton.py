@@ -3,8 +3,9 @@ the plugins.
 
 ``tree_conv``: node ``i`` convolves the inputs of its last ``C - 1`` ancestors (crossing into the
 committed window) and itself, then SiLU. ``conv_commit``: the window after an accepted path, its
-last ``C - 1`` inputs. Indices come from ``specla.ops.conv.conv_ancestors`` (a [B, T, C] table into
-``[window ; x]``), so both kernels are pure gathers plus a ``C``-tap dot product.
+last ``C - 1`` inputs. Indices come from ``conv_ancestors`` (a [B, T, C] table into ``[window ;
+x]``, one launch; twin ``specla.ops.conv.conv_ancestors``), so both kernels are pure gathers plus
+a ``C``-tap dot product.
 """
 
 from __future__ import annotations
@@ -13,6 +14,46 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+
+@triton.jit
+def _conv_ancestors_kernel(parents, anc, T, W: tl.constexpr, C: tl.constexpr):
+    # program (b, t): walk up from the node, C - 1 steps, in [window ; nodes] indices
+    i = tl.program_id(0).to(tl.int64)
+    b = i // T
+    e = W + i % T
+    tl.store(anc + i * C + C - 1, e)
+    for c in tl.static_range(C - 1):
+        p = tl.load(parents + b * T + tl.maximum(e - W, 0), mask=e >= W, other=-1)
+        node_parent = tl.where(p >= 0, p + W, W - 1)
+        e = tl.maximum(tl.where(e >= W, node_parent, e - 1), 0)
+        tl.store(anc + i * C + C - 2 - c, e)
+
+
+def conv_ancestors(parents: Tensor, width: int, out: Tensor | None = None) -> Tensor:
+    """``specla.ops.conv.conv_ancestors`` in one launch: each node's last ``width`` inputs along
+    its root path, as indices into ``[window ; x]``.
+
+    Args:
+        parents: ``[B, T]`` int64, ``-1`` = child of the committed state; width: conv width ``C``
+            (``>= 1``); out: optional preallocated ``[B, T, C]`` int64 contiguous.
+    Returns:
+        ``[B, T, C]`` int64 (column ``C - 1`` the node itself; ``out`` when given).
+    Raises:
+        ValueError: ``parents`` not a 2-D int64 tensor, ``width < 1``, or ``out`` of another
+            shape, dtype, device or layout.
+    """
+    if parents.dim() != 2 or parents.dtype != torch.int64 or width < 1:
+        raise ValueError(f"conv_ancestors: parents int64 [B, T] and width >= 1 expected, got {parents.dtype} "
+                         f"{list(parents.shape)} and width {width}")
+    B, T = parents.shape
+    anc = torch.empty(B, T, width, dtype=torch.int64, device=parents.device) if out is None else out
+    if anc.shape != (B, T, width) or anc.dtype != torch.int64 or anc.device != parents.device or not anc.is_contiguous():
+        raise ValueError(f"conv_ancestors: out must be int64 [{B}, {T}, {width}] contiguous on {parents.device}, got "
+                         f"{anc.dtype} {list(anc.shape)} on {anc.device}")
+    if B * T:
+        _conv_ancestors_kernel[(B * T,)](parents.contiguous(), anc, T, W=width - 1, C=width)
+    return anc
 
 
 @triton.jit
