@@ -396,8 +396,9 @@ def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
     for dst, src in zip(static, new):
         if src is dst:
             continue
-        same = dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride()
-        if not same and dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous():
+        alike = dst.dtype == src.dtype and dst.shape == src.shape
+        same = alike and dst.stride() == src.stride()
+        if alike and not same and dst.is_contiguous() and src.is_contiguous():
             # dense alike but for the strides of size-1 dims (a one-row slice of a projection at batch
             # 1, one token): flat views share one layout (the multi-tensor copy compares strides)
             dst, src, same = dst.view(-1), src.view(-1), True

@@ -32,13 +32,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
+from step_anatomy import ROWS as ANATOMY_ROWS  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
 from specla import SpecDecoder  # noqa: E402
 import specla.drafters.eagle as eagle  # noqa: E402
 
-ROWS = {"ar": dict(num_draft_tokens=0), "eagle-tree": dict(num_draft_tokens=15, max_depth=6, top_k=4)}
+ROWS = {name: ANATOMY_ROWS[name] for name in ("ar", "eagle-tree")}  # step_anatomy.py's budgets
 
 
 def timed_prefill(dec, prompt):
