@@ -334,11 +334,14 @@ def test_hybrid_verify_equals_naive(kind, with_pending):
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the GDN-1.3B layer shape needs a GPU")
+@pytest.mark.parametrize("qk", ["bfloat16", "float32"])
 @pytest.mark.parametrize("kernel", ["serial", "parallel", "hybrid"])
-def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
-    """H=8, K=V=256, bf16 q/k/v (gates and beta float32), ragged pending commits (0..3 accepted):
-    outputs within 1e-2 of the float64 naive reference on the same bf16-rounded inputs, factor
-    records and the committed state within 1e-3 (DESIGN.md section 7.1)."""
+def test_kernels_at_gdn13b_layer_shape_bf16(kernel, qk):
+    """H=8, K=V=256, bf16 v, q/k in bf16 or, as the GDN mixer passes them, L2-normalised in
+    float32 (which the parallel kernel multiplies in TF32 on a GPU, as it does bf16 inputs); gates
+    and beta float32, ragged pending commits (0..3 accepted): outputs within 1e-2 of the float64
+    naive reference on the same rounded inputs, factor records and the committed state within 1e-3
+    (DESIGN.md section 7.1)."""
     B, H, HV, K, V, Tp = 4, 8, 8, 256, 256, 4
     rng = random.Random(13)
     T = 8 if kernel == "serial" else 32
@@ -348,7 +351,9 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
         parents = torch.tensor([[-1] + [rng.randrange(0, i) for i in range(1, T)] for _ in range(B)])
     gen = torch.Generator().manual_seed(29)
     q, k, v, g, beta, S0 = inputs(B, T, H, HV, K, V, gen)
-    q, k, v = (x.bfloat16().float() for x in (q, k, v))  # the reference sees the rounded inputs
+    v = v.bfloat16().float()  # the reference sees the rounded inputs
+    if qk == "bfloat16":
+        q, k = q.bfloat16().float(), k.bfloat16().float()
     pk = F.normalize(torch.randn(B, Tp, H, K, generator=gen), dim=-1).bfloat16()
     pdelta = torch.randn(B, Tp, HV, V, generator=gen)
     pG = -(torch.rand(B, Tp, HV, generator=gen) * 0.5).cumsum(1)
@@ -356,7 +361,7 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel):
     committed = gdn_commit_factor(f64(S0), f64(pk), f64(pdelta), f64(pG), path.to(DEV), plen.to(DEV))
     pending = layer_commit(pk, pdelta, pG, path, plen)
     state = S0.clone().to(DEV)
-    args = [x.to(DEV) for x in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)]
+    args = [x.to(DEV) for x in (q.to(getattr(torch, qk)), k.to(getattr(torch, qk)), v.bfloat16(), g, beta)]
     out = (torch.full((B, T, HV, V), float("nan"), device=DEV, dtype=torch.bfloat16),) + nan_out(B, T, HV, V)[1:]
     if kernel == "serial":
         o, d, G = serial_verify(*args, state, torch.full((B,), T, device=DEV), K**-0.5, pending=pending, out=out)

@@ -44,13 +44,26 @@ from .records import GDNFactorRecord
 # chains of correlated keys): 2 warps, measured against 1, 4 and 8 (BENCHMARKS.md section 5:
 # 7.2 vs 8.6 us at 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
 # Its work inside each verify program instead ("prepare": "fused", one launch fewer per layer)
-# pays only for short chains at small batch; "auto" fuses up to 8 nodes and batch 8. One H200,
-# 2026-12-03, with a pending commit of 5 or 6 nodes (benchmarks/scripts/gdn_pending_verify.py,
-# BENCHMARKS.md section 5), fused vs separate in us: `small` layer (H 4, K 128, V 256) 7 nodes
-# 6.9 vs 8.3 at batch 1, 9.0 vs 10.2 at batch 8, 46.7 vs 41.3 at batch 64; 16 nodes 10.2 vs 9.6,
-# 13.1 vs 11.9, 68.1 vs 46.2; GDN-1.3B layer 7 nodes 9.2 vs 11.3, 18.9 vs 19.6, 148 vs 128.
+# pays for short chains at small batch and for 16-node trees at batch 1; "auto" fuses up to 8
+# nodes at batch 8 or less and up to 16 at batch 1. One H200, 2026-12-03, with a pending commit
+# of 5 or 6 nodes and bf16 q/k (benchmarks/scripts/gdn_pending_verify.py, BENCHMARKS.md section
+# 5), fused vs separate in us: `small` layer (H 4, K 128, V 256) 7 nodes 6.9 vs 8.3 at batch 1,
+# 9.0 vs 10.2 at batch 8, 46.7 vs 41.3 at batch 64; 16 nodes 10.2 vs 9.6, 13.1 vs 11.9, 68.1 vs
+# 46.2; GDN-1.3B layer 7 nodes 9.2 vs 11.3, 18.9 vs 19.6, 148 vs 128. On the engine's own inputs
+# (float32 q/k, 16 nodes, batch 1; 2026-12-04, benchmarks/scripts/engine_kernels_probe.py) with
+# the default products: `small` 12.4 vs 13.3, GDN-1.3B 15.6 vs 18.5, and a recorded tree step of
+# `small` 1.172 vs 1.186 ms with 260 kernels against 272 (TF32 products in that step).
+# "dot": the products' precision where the activations are not float32 (float32 runs: "ieee").
+# The mixer passes q and k L2-normalised in float32, so "ieee" would run every product on the
+# CUDA cores. "tf32x3" (three TF32 products a product, on tensor cores) keeps float32's
+# accuracy; plain "tf32" rounds the inputs to 10 mantissa bits. GDN-1.3B layer, 16 nodes, with a
+# pending commit, us (ieee / tf32x3 / tf32): batch 64 366 / 255 / 143, batch 1 (fused) 18.0 /
+# 15.6 / 11.8; error of Delta against a float64 twin 5e-7 / 3e-7 / 1.2e-3 (2026-12-04). "tf32"
+# made a bf16 GPU test's speculative tokens differ from plain decoding's
+# (test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding); "tf32x3" passes it.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps": 4},
-          "chain": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 64, "num_warps": 4, "prepare": "auto"},
+          "chain": {"BV": 16, "num_warps": 1},
+          "tree": {"BV": 32, "BKC": 64, "num_warps": 4, "prepare": "auto", "dot": "tf32x3"},
           "prepare": {"num_warps": 2}}
 
 
@@ -277,7 +290,7 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
         o_k = kb + tl.arange(0, BKC)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                       mask=m_t[:, None] & (o_k[None, :] < K), other=0.0)
-        b_k = b_k.to(tl.float32)  # bf16 -> float32 is exact, and so are TF32 products of bf16 values
+        b_k = b_k.to(tl.float32)  # float32 from the mixer, or bf16 (exact in float32)
         b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
     b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T)
     tl.store(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :], b_T)
@@ -342,8 +355,7 @@ def _tree_verify_kernel(
                 b_S = b_S * decay + tl.dot(b_kp, b_dp, input_precision="ieee")
                 tl.store(p_S, b_S, mask=m_s)
         m_tk = m_t[:, None] & m_k[None, :]
-        # bf16 -> float32 is exact, and so are TF32 products of bf16 values: only the products with
-        # the float32 state are rounded (bf16 inputs only)
+        # products in DOT_PREC: "ieee" for float32 runs, TUNING["tree"]["dot"] otherwise
         b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
@@ -395,8 +407,10 @@ def tree_verify(
     Raises:
         ValueError: shapes, dtypes, devices disagree, or ``T > 64``.
     Formula: docs/DESIGN.md section 4 (tree-masked factorized form); ``A`` and ``T = (I + A)^-1``
-    are computed once per (sequence, head) by a first kernel and shared by all V tiles, or for short
-    chains at small batch inside each verify program (``TUNING["tree"]["prepare"]``).
+    are computed once per (sequence, head) by a first kernel and shared by all V tiles, or at
+    small batch inside each verify program (``TUNING["tree"]["prepare"]``). Products in float32
+    ("ieee") where ``v`` is float32, else in ``TUNING["tree"]["dot"]`` (TF32x3 by default: float32
+    accuracy on tensor cores).
     """
     B, T, H, K = k.shape
     _check(q, k, v, g, beta, state, pending)
@@ -411,16 +425,15 @@ def tree_verify(
     BT = max(16, triton.next_power_of_2(T))
     BKC = max(16, min(triton.next_power_of_2(K), TUNING["tree"]["BKC"]))
     BV = max(16, min(triton.next_power_of_2(V), TUNING["tree"]["BV"]))
-    # float32 activations: exact float32 products; bf16/fp16: TF32 for the float32 state products
-    # (their error stays under the bf16 rounding of the outputs)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    # the activations' dtype decides, not q's (the mixer's q and k are float32 in every run)
+    prec = "ieee" if v.dtype == torch.float32 else TUNING["tree"]["dot"]
     if out is None:
         out = (torch.empty(v.shape, dtype=v.dtype, device=v.device),
                torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     o, d, G = out
     form = TUNING["tree"]["prepare"]
-    fused = form == "fused" or (form == "auto" and T <= 8 and B <= 8)
+    fused = form == "fused" or (form == "auto" and ((T <= 8 and B <= 8) or (T <= 16 and B == 1)))
     Tm = None if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     if not fused:
         _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
