@@ -64,9 +64,19 @@ def test_conv_ancestors_kernel_equals_the_pytorch_table(kind, width, rng):
         conv_kernels.conv_ancestors(parents, width, out=out.transpose(0, 1))
 
 
+@pytest.fixture(params=["default", "small tiles"])
+def conv_tile(request, monkeypatch):
+    """The tree conv kernel's programs: the default (one node each at these sizes), and tiles of
+    4 nodes by 16 channels, so that a 7-node tree spans two node blocks (the last one partial) and
+    37 channels three column blocks."""
+    if request.param == "small tiles":
+        monkeypatch.setattr(conv_kernels, "TUNING", {"node_programs": 0, "rows": 4, "BD": 16, "tile": 64})
+    return request.param
+
+
 @pytest.mark.parametrize("kind", SHAPES)
 @pytest.mark.parametrize("width, bias", [(4, False), (2, True), (3, True), (1, True)])  # 1: no window
-def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias):
+def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias, conv_tile):
     rng = random.Random(width * 13 + len(kind))
     sizes = [1, 1] if kind == "single" else [7, 3]
     T, B, D = max(sizes), 2, 37

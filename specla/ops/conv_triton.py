@@ -15,6 +15,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+# tree_conv's programs: one node by ``BD`` channels while a pass has at most ``node_programs``
+# nodes in all, else tiles of up to ``rows`` nodes of one sequence by at most ``tile`` elements.
+# One H200, 2026-12-04, on the engine's own 16-node tree passes (BENCHMARKS.md section 5), µs per
+# launch, one node per program against 16-node tiles: GDN-1.3B's layer (6144 channels) 41.1 vs
+# 19.0 at batch 64 and 2.1 vs 2.6 at batch 1; `small`'s (2048 channels) 8.2 vs 4.9 at batch 32
+# and 1.9 vs 2.9 at batch 1. One-token passes were 0.2 to 0.4 µs slower in one-row tiles than in
+# the one-node form (3.7 vs 4.1 at batch 64, 1.6 vs 1.8 at batch 1).
+TUNING = {"node_programs": 64, "rows": 16, "BD": 256, "tile": 2048}
+
 
 @triton.jit
 def _conv_ancestors_kernel(parents, anc, T, W: tl.constexpr, C: tl.constexpr):
@@ -58,24 +67,45 @@ def conv_ancestors(parents: Tensor, width: int, out: Tensor | None = None) -> Te
 
 @triton.jit
 def _tree_conv_kernel(x, window, weight, bias, anc, y, T, D, sxb, sxt, W: tl.constexpr, C: tl.constexpr,
-                      BD: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # one program per (sequence, block of BT nodes, block of BD channels)
     i_d, i_bt = tl.program_id(1), tl.program_id(0).to(tl.int64)
-    i_b = i_bt // T
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
-    acc = tl.zeros([BD], dtype=tl.float32)
-    for c in tl.static_range(C):
-        e = tl.load(anc + i_bt * C + c)  # index into [window ; x]
-        from_win = e < W
-        # both sources read at clamped (valid) rows, then selected: no data-dependent masks
-        xw = tl.load(window + (i_b * W + tl.maximum(tl.minimum(e, W - 1), 0)) * D + o_d, mask=m_d & (W > 0), other=0.0)
-        xx = tl.load(x + i_b * sxb + tl.maximum(e - W, 0) * sxt + o_d, mask=m_d, other=0.0)
-        w = tl.load(weight + o_d * C + c, mask=m_d, other=0.0).to(tl.float32)
-        acc += w * tl.where(from_win, xw.to(tl.float32), xx.to(tl.float32))
-    if HAS_BIAS:
-        acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
-    out = acc * tl.sigmoid(acc)
-    tl.store(y + i_bt * D + o_d, out.to(y.dtype.element_ty), mask=m_d)
+    if BT == 1:  # one node: scalar indices, both sources read at clamped (valid) rows, then selected
+        i_b = i_bt // T
+        acc = tl.zeros([BD], dtype=tl.float32)
+        for c in tl.static_range(C):
+            e = tl.load(anc + i_bt * C + c)  # index into [window ; x]
+            xw = tl.load(window + (i_b * W + tl.maximum(tl.minimum(e, W - 1), 0)) * D + o_d, mask=m_d & (W > 0),
+                         other=0.0)
+            xx = tl.load(x + i_b * sxb + tl.maximum(e - W, 0) * sxt + o_d, mask=m_d, other=0.0)
+            w = tl.load(weight + o_d * C + c, mask=m_d, other=0.0).to(tl.float32)
+            acc += w * tl.where(e < W, xw.to(tl.float32), xx.to(tl.float32))
+        if HAS_BIAS:
+            acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
+        out = acc * tl.sigmoid(acc)
+        tl.store(y + i_bt * D + o_d, out.to(y.dtype.element_ty), mask=m_d)
+    else:  # a [BT, BD] tile: each element read from its one source
+        n_t = tl.cdiv(T, BT)
+        i_b, i_t = i_bt // n_t, i_bt % n_t
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m = m_t[:, None] & m_d[None, :]
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for c in tl.static_range(C):
+            e = tl.load(anc + (i_b * T + o_t) * C + c, mask=m_t, other=W)
+            from_win = (e < W)[:, None]
+            xw = tl.load(window + (i_b * W + tl.maximum(tl.minimum(e, W - 1), 0))[:, None] * D + o_d[None, :],
+                         mask=m & from_win, other=0.0)
+            xx = tl.load(x + i_b * sxb + tl.maximum(e - W, 0)[:, None] * sxt + o_d[None, :], mask=m & ~from_win,
+                         other=0.0)
+            w = tl.load(weight + o_d * C + c, mask=m_d, other=0.0).to(tl.float32)
+            acc += w[None, :] * (xw.to(tl.float32) + xx.to(tl.float32))
+        if HAS_BIAS:
+            acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+        out = acc * tl.sigmoid(acc)
+        tl.store(y + (i_b * T + o_t)[:, None] * D + o_d[None, :], out.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -118,11 +148,12 @@ def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, an
     if len({t.device for t in (x, window, weight, anc)}) != 1:
         raise ValueError("all tensors must be on one device")
     y = torch.empty_like(x) if out is None else out
-    BD = min(triton.next_power_of_2(D), 256)
+    BT = 1 if B * T <= TUNING["node_programs"] else min(triton.next_power_of_2(T), TUNING["rows"])
+    BD = min(triton.next_power_of_2(D), TUNING["BD"], max(16, TUNING["tile"] // BT))
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a slice of a wider projection)
-    _tree_conv_kernel[(B * T, triton.cdiv(D, BD))](
+    _tree_conv_kernel[(B * triton.cdiv(T, BT), triton.cdiv(D, BD))](
         x, window.contiguous(), weight.contiguous(), bias if bias is not None else weight,
-        anc.contiguous(), y, T, D, x.stride(0), x.stride(1), W=C - 1, C=C, BD=BD, HAS_BIAS=bias is not None,
+        anc.contiguous(), y, T, D, x.stride(0), x.stride(1), W=C - 1, C=C, BT=BT, BD=BD, HAS_BIAS=bias is not None,
     )
     return y
 
