@@ -29,7 +29,8 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
   decoding one token with its cache in a CUDA graph (:func:`fla_graph_step`; every row's
   ``vs_best_ar`` is against the faster of the two AR rows), speculative tree with
   ``snapshot`` and ``replay`` commit, FLA-SD (chain; verify's recurrence and the replay commit on
-  FLA's stock kernel, :class:`FLASDAdapter`), SpecLA chain and tree (``factor``); each row's greedy output
+  FLA's stock kernel, :class:`FLASDAdapter`), SpecLA chain and tree (``factor``); ``--core-rows``
+  keeps the two AR rows and SpecLA's chain and tree; each row's greedy output
   compared token for token with the AR row (``exact``: the fraction of sequences equal to it;
   transformers ``generate``'s ``--hf-tokens`` against the AR row's first ones); per sequence, the
   bytes one verify's records hold
@@ -353,13 +354,12 @@ class Harness:
             self.rows[-1]["vs_best_ar"] = ar["tokens_per_s"] / best
             self.add("baselines", B=B, row=FLA_GRAPH, vs_ar_graph=fla["tokens_per_s"] / ar["tokens_per_s"],
                      vs_best_ar=fla["tokens_per_s"] / best, **fla)
-            if B <= 8:
+            if B <= 8 and not self.args.core_rows:
                 self.add("baselines", B=B, row="AR, transformers generate (eager)",
                          **self.hf_generate(B, ar["tokens_per_s"], ref))
-            for name, tree, commit in (("spec tree, snapshot commit", TREE, "snapshot"),
-                                       ("spec tree, replay commit", TREE, "replay"),
-                                       (FLA_SD, CHAIN, "replay"),
-                                       ("SpecLA chain", CHAIN, "factor"), ("SpecLA tree", TREE, "factor")):
+            rows = (("spec tree, snapshot commit", TREE, "snapshot"), ("spec tree, replay commit", TREE, "replay"),
+                    (FLA_SD, CHAIN, "replay"), ("SpecLA chain", CHAIN, "factor"), ("SpecLA tree", TREE, "factor"))
+            for name, tree, commit in rows[3:] if self.args.core_rows else rows:
                 prof = profiles["SpecLA chain" if tree is CHAIN else "SpecLA tree"]
                 t = self.time(self.decoder(tree, commit=commit, profile=prof, fla_sd=name == FLA_SD), B)
                 exact = exact_rate(t["outputs"], ref)
@@ -622,6 +622,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--embed-scale", type=float, default=32.0)
+    ap.add_argument("--core-rows", action="store_true", help="baselines: only the two AR rows (specla's graph "
+                    "step, FLA's model in a CUDA graph) and SpecLA's chain and tree")
     ap.add_argument("--no-eagle", dest="eagle", action="store_false", help="do not count an EAGLE head's cost")
     ap.add_argument("--replot", nargs="+", metavar="JSON", help="write the tables and plots of earlier runs' "
                     "e2e.json files (rows merged) into --out; nothing is measured")

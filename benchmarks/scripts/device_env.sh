@@ -6,7 +6,7 @@
 #     --platform manylinux_2_17_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 \
 #     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /tmp/site \
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target /tmp/site \
     . ./examples/third_party_plugin &&
   export PYTHONPATH=/tmp/site &&
   python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('torch', 'triton', 'transformers', 'flash-linear-attention', 'specla')})"

@@ -1,0 +1,202 @@
+"""The GDN tree-verify and tree-conv kernels on the inputs the engine gives them (BENCHMARKS.md
+section 5, "The tree kernels on the engine's own inputs").
+
+    python benchmarks/scripts/engine_kernels_probe.py [--shapes small:32,gdn-1.3b:64] > probe.md
+
+For each ``shape:batch``: a randomly initialised GDN model of that shape (a ``train_target.py``
+preset, or GDN-1.3B's as ``e2e.py``) in bfloat16 with a random attention EAGLE head, prompts of 69
+random tokens, the tree row (N 15, depth 6, top-k 4), CUDA graphs. One ``generate`` call keeps
+the first tree verify's inputs that carry a pending commit and the first 16-node tree conv's, as
+the GDN mixer passes them (q and k L2-normalised in float32, v a bf16 slice of the projection,
+the conv input a slice of a wider projection). Then, at the batch and at batch 1 (its first row):
+
+- ``tree_verify`` with the pending commit, for each product precision where the activations are
+  not float32 (``TUNING["tree"]["dot"]``: ``ieee``, ``tf32x3``, ``tf32``) and each form of the
+  prepare (``TUNING["tree"]["prepare"]``: ``separate``, ``fused``): µs per launch
+  (``triton.testing.do_bench_cudagraph``);
+- each precision's error on the first sequence without a pending commit against the float64
+  twin (``naive_tree_gdn``): the largest error of ``o`` and of ``Delta`` over the largest value,
+  and the largest error of ``G``;
+- ``tree_conv``: one node per program against tiles of 4, 8 and 16 nodes
+  (``specla.ops.conv_triton.TUNING``), on the 16-node pass and on one-token passes of random
+  inputs; µs per launch, each checked bit-identical to one node per program.
+
+``TUNING`` is restored afterwards. One CUDA GPU; FLA installed. ``--device cpu`` checks the
+script's logic on the ``tiny`` shape (Triton's interpreter, ``TRITON_INTERPRET=1``; no timings).
+"""
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from e2e import GDN13B_SHAPE  # noqa: E402
+from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
+from train_target import PRESETS  # noqa: E402
+
+import specla.ops.conv_triton as conv_kernels  # noqa: E402
+from specla import SpecDecoder  # noqa: E402
+from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
+from specla.ops.conv import conv_ancestors  # noqa: E402
+from specla.records import LayerCommit  # noqa: E402
+import specla_gdn.mixer as gdn_mixer  # noqa: E402
+import specla_gdn.verify as vk  # noqa: E402
+from specla_gdn.naive import naive_tree_gdn  # noqa: E402
+
+PRECISIONS = ("ieee", "tf32x3", "tf32")
+FORMS = ("separate", "fused")
+CONV = {"one node": dict(node_programs=2**62), **{f"{r}-node tiles": dict(node_programs=0, rows=r) for r in (4, 8, 16)}}
+CUDA = True  # set by --device
+
+
+def us(fn) -> float:
+    """Device µs per launch (``do_bench_cudagraph``); on the CPU one eager run and 0."""
+    if not CUDA:
+        fn()
+        return 0.0
+    return round(triton.testing.do_bench_cudagraph(fn, rep=30) * 1e3, 1)
+
+
+@contextlib.contextmanager
+def tuned(table: dict, **kw):
+    """``table`` updated with ``kw`` inside the block, restored after it."""
+    saved = {k: table[k] for k in kw}
+    table.update(kw)
+    try:
+        yield
+    finally:
+        table.update(saved)
+
+
+def captured_inputs(shape: dict, B: int, device: str) -> dict:
+    """The first tree verify's inputs with a pending commit and the first 16-node tree conv's, from
+    one ``generate`` call of a random model of ``shape`` at batch ``B``."""
+    cap = {}
+    verify, conv = gdn_mixer.tree_verify, conv_kernels.tree_conv
+    recording = (lambda: torch.cuda.is_current_stream_capturing()) if CUDA else (lambda: False)
+
+    def keep_verify(q, k, v, g, beta, state, mask, scale, pending=None, out=None):
+        if pending is not None and "verify" not in cap and not recording():
+            cap["verify"] = (q, k, v, g, beta, state, mask, scale, pending)
+        return verify(q, k, v, g, beta, state, mask, scale, pending=pending, out=out)
+
+    def keep_conv(x, window, weight, bias, anc, out=None):
+        if x.shape[1] == 16 and "conv" not in cap and not recording():
+            cap["conv"] = (x, window, weight, bias, anc)
+        return conv(x, window, weight, bias, anc, out=out)
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **shape)).to(device, dtype).eval()
+    prompts = [torch.randint(0, 32000, (69,)).tolist() for _ in range(B)]
+    dec = SpecDecoder(model, "gdn", drafter=EagleDrafter(EagleHead(model.config.hidden_size)), config=dict(
+        dtype=str(dtype).removeprefix("torch."), device=device, cuda_graphs="on" if CUDA else "unrecorded",
+        kernels="triton", max_new_tokens=4, stop_at_eos=False, budget_policy="fixed", num_draft_tokens=15,
+        max_depth=6, top_k=4))
+    gdn_mixer.tree_verify, conv_kernels.tree_conv = keep_verify, keep_conv
+    try:
+        dec.generate(prompts)
+    finally:
+        gdn_mixer.tree_verify, conv_kernels.tree_conv = verify, conv
+    return cap
+
+
+def first_rows(pending: LayerCommit, n: int) -> LayerCommit:
+    """A pending commit's first ``n`` sequences."""
+    rec = pending.record
+    fields = {f: None if getattr(rec, f) is None else getattr(rec, f)[:n] for f in ("k", "delta", "G", "conv_x")}
+    return LayerCommit(type(rec)(**fields), pending.path[:n], pending.path_len[:n])
+
+
+def parents_of(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` parents from an inclusive-ancestor mask (topological order: a node's parent is
+    its ancestor with the largest index)."""
+    B, T, _ = mask.shape
+    strict = mask & ~torch.eye(T, dtype=torch.bool, device=mask.device)
+    idx = torch.arange(T, device=mask.device).expand(B, T, T)
+    return torch.where(strict, idx, -1).amax(-1)
+
+
+def verify_rows(name: str, cap: dict, B: int) -> None:
+    """Times of every prepare form and precision at ``B`` and 1."""
+    q, k, v, g, beta, S, mask, scale, pending = cap["verify"]
+    for n in (B, 1):
+        args = [x[:n] for x in (q, k, v, g, beta, S, mask)]
+        pend = first_rows(pending, n)
+        cells = []
+        for form in FORMS:
+            for prec in PRECISIONS:
+                with tuned(vk.TUNING["tree"], dot=prec, prepare=form):
+                    cells.append(us(lambda: vk.tree_verify(*args, scale, pending=pend)))
+        print(f"| {name} | {n} | {q.shape[1]} | " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+def error_rows(name: str, cap: dict) -> None:
+    """Each precision's error on the first sequence (no pending commit) against the float64 twin."""
+    q, k, v, g, beta, S, mask, scale, _ = cap["verify"]
+    one = [x[:1] for x in (q, k, v, g, beta)]
+    ro, rd, rG, _ = naive_tree_gdn(*(x.double() for x in one), S[:1].double(), parents_of(mask[:1]), scale)
+    for prec in PRECISIONS:
+        with tuned(vk.TUNING["tree"], dot=prec):
+            o, d, G = vk.tree_verify(*one, S[:1].clone(), mask[:1], scale)
+        err = [float((o.double() - ro).abs().max() / ro.abs().max()),
+               float((d.double() - rd).abs().max() / rd.abs().max()), float((G.double() - rG).abs().max())]
+        print(f"| {name} | {prec} | " + " | ".join(f"{e:.1e}" for e in err) + " |", flush=True)
+
+
+def conv_rows(name: str, cap: dict, B: int) -> None:
+    """``tree_conv`` per program layout on the captured 16-node pass and on one-token passes."""
+    x, window, weight, bias, _ = cap["conv"]
+    D, W, dev = x.shape[-1], window.shape[1], x.device
+    cases = {}
+    for n in (B, 1):
+        cases[f"16-node trees, batch {n}"] = tuple(t[:n] for t in (x, window)) + (weight, bias, cap["conv"][4][:n])
+        wide = torch.randn(n, 1, D + 512, device=dev, dtype=x.dtype)
+        cases[f"one token, batch {n}"] = (wide[..., :D], torch.randn(n, W, D, device=dev, dtype=x.dtype), weight, bias,
+                                          conv_ancestors(torch.full((n, 1), -1, device=dev), weight.shape[1]))
+    for case, args in cases.items():
+        with tuned(conv_kernels.TUNING, **CONV["one node"]):
+            ref = conv_kernels.tree_conv(*args)
+        cells = []
+        for kw in CONV.values():
+            with tuned(conv_kernels.TUNING, **kw):
+                cells.append(us(lambda: conv_kernels.tree_conv(*args)))
+                if not torch.equal(conv_kernels.tree_conv(*args), ref):
+                    raise AssertionError(f"tree_conv with {kw} differs from one node per program ({case})")
+        print(f"| {name} | {case} | " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="small:32,gdn-1.3b:64", help="shape:batch, comma-separated")
+    p.add_argument("--device", default="cuda", help="cpu: check the script's logic on the tiny shape")
+    a = p.parse_args()
+    global CUDA
+    CUDA = a.device == "cuda"
+    shapes = [s.split(":") for s in (a.shapes if CUDA else "tiny:2").split(",")]
+    caps = {}
+    for name, B in shapes:
+        shape = dict(num_hidden_layers=24, **GDN13B_SHAPE) if name == "gdn-1.3b" else PRESETS[name]["model"]
+        caps[name] = (captured_inputs(shape, int(B), a.device), int(B))
+        q, v = caps[name][0]["verify"][0], caps[name][0]["verify"][2]
+        print(f"<!-- {name}: q {q.dtype} {list(q.shape)}, v {v.dtype} {list(v.shape)} -->", flush=True)
+    print("| shape | batch | nodes | " + " | ".join(f"{f}, {p}" for f in FORMS for p in PRECISIONS) + " |")
+    print("|---|---|---|" + "---|" * (len(FORMS) * len(PRECISIONS)))
+    for name, (cap, B) in caps.items():
+        verify_rows(name, cap, B)
+    print("\n| shape | products | o | Delta | G |")
+    print("|---|---|---|---|---|")
+    for name, (cap, B) in caps.items():
+        error_rows(name, cap)
+    print("\n| shape | pass | " + " | ".join(CONV) + " |")
+    print("|---|---|" + "---|" * len(CONV))
+    for name, (cap, B) in caps.items():
+        conv_rows(name, cap, B)
+
+
+if __name__ == "__main__":
+    main()
