@@ -112,6 +112,35 @@ def test_tree_conv_and_commit_kernels_equal_naive(kind, width, bias, conv_tile):
     assert torch.equal(empty.cpu(), window)  # an empty path: nothing read from it
 
 
+@pytest.mark.parametrize("layout", ["sequence-major", "channels-major"])
+def test_tree_conv_kernel_takes_any_input_layout_and_refuses_bad_outs(layout, conv_tile):
+    """x stored [T, B, D] or [B, D, T] (seen through a transpose), a strided bias: the same values
+    as the contiguous twin, in a dense output; an out it cannot write densely, of another dtype or
+    shape, is refused with nothing written; an empty channel dim returns an empty result."""
+    B, T, D, C = 3, 5, 7, 3
+    gen = torch.Generator().manual_seed(3)
+    parents = torch.tensor([[-1, 0, 1, 1, 3]] * B)
+    x = (torch.randn(T, B, D, generator=gen).transpose(0, 1) if layout == "sequence-major"
+         else torch.randn(B, D, T, generator=gen).transpose(1, 2))
+    window, weight = torch.randn(B, C - 1, D, generator=gen), torch.randn(D, C, generator=gen)
+    bias = torch.randn(2 * D, generator=gen)[::2]
+    anc = conv_ancestors(parents, C)
+    y = conv_kernels.tree_conv(x.to(DEV), window.to(DEV), weight.to(DEV), bias.to(DEV), anc.to(DEV))
+    ref = tree_conv(x.contiguous(), window, weight, bias.contiguous(), anc)
+    assert y.is_contiguous() and torch.allclose(y.cpu(), ref, rtol=1e-5, atol=1e-5)
+    args = [t.to(DEV) for t in (x, window, weight, bias, anc)]
+    for out, match in ((torch.full((B, D, T), float("nan"), device=DEV).transpose(1, 2), "contiguous=False"),
+                       (torch.full((B, T, D), float("nan"), device=DEV, dtype=torch.float64), "torch.float64"),
+                       (torch.full((B, T + 1, D), float("nan"), device=DEV), r"\[3, 6, 7\]")):
+        with pytest.raises(ValueError, match=match):
+            conv_kernels.tree_conv(*args, out=out)
+        assert out.isnan().all()  # nothing written
+    with pytest.raises(ValueError, match=r"expected bias \[D\] = \[7\]; got \[8\]"):
+        conv_kernels.tree_conv(*args[:3], torch.zeros(8, device=DEV), args[4])
+    empty = conv_kernels.tree_conv(*(t[..., :0] for t in args[:2]), weight[:0].to(DEV), None, args[4])
+    assert empty.shape == (B, T, 0)
+
+
 def test_conv_commit_refuses_an_out_it_cannot_write_densely():
     x, window = torch.randn(2, 3, 8, device=DEV), torch.randn(2, 3, 8, device=DEV)
     path, plen = torch.zeros(2, 1, dtype=torch.int64, device=DEV), torch.ones(2, dtype=torch.int64, device=DEV)

@@ -132,27 +132,38 @@ def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, an
     """Tree-aware causal short convolution + SiLU (Triton twin of ``specla.ops.conv.tree_conv``).
 
     Args:
-        x: ``[B, T, D]`` node inputs (rows may be strided; the last dim is read densely); window: ``[B, C - 1, D]`` committed inputs (oldest first);
-        weight: ``[D, C]``; bias: ``[D]`` or None; anc: ``[B, T, C]`` int64 from
-        ``specla.ops.conv.conv_ancestors``; out: optional preallocated ``[B, T, D]``.
+        x: ``[B, T, D]`` node inputs (any strides; rows may be a slice of a wider projection);
+        window: ``[B, C - 1, D]`` committed inputs (oldest first); weight: ``[D, C]``; bias:
+        ``[D]`` or None; anc: ``[B, T, C]`` int64 from ``specla.ops.conv.conv_ancestors``; out:
+        optional preallocated contiguous ``[B, T, D]`` in ``x.dtype``.
     Returns:
-        ``[B, T, D]`` in ``x.dtype`` (accumulated in float32).
+        ``[B, T, D]`` contiguous, in ``x.dtype`` (accumulated in float32).
     Raises:
-        ValueError: shapes, dtypes or devices disagree.
+        ValueError: shapes, dtypes or devices disagree, or ``out`` is not contiguous (nothing is
+        written then).
     """
     B, T, D = x.shape
     C = weight.shape[1]
     if window.shape != (B, C - 1, D) or weight.shape != (D, C) or anc.shape != (B, T, C) or anc.dtype != torch.int64:
         raise ValueError(f"expected x [B, T, D], window [B, C-1, D], weight [D, C], anc int64 [B, T, C]; got "
                          f"{list(x.shape)}, {list(window.shape)}, {list(weight.shape)}, {anc.dtype} {list(anc.shape)}")
-    if len({t.device for t in (x, window, weight, anc)}) != 1:
+    if bias is not None and bias.shape != (D,):
+        raise ValueError(f"expected bias [D] = [{D}]; got {list(bias.shape)}")
+    if len({t.device for t in (x, window, weight, anc, *([] if bias is None else [bias]))}) != 1:
         raise ValueError("all tensors must be on one device")
-    y = torch.empty_like(x) if out is None else out
+    if out is not None and (out.shape != (B, T, D) or out.dtype != x.dtype or out.device != x.device
+                            or not out.is_contiguous()):
+        raise ValueError(f"expected out contiguous {x.dtype} [B, T, D] = {[B, T, D]} on {x.device}; got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}, contiguous={out.is_contiguous()}")
+    # the kernel writes y densely, whatever x's layout (empty_like would keep a transposed x's strides)
+    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device) if out is None else out
+    if y.numel() == 0:
+        return y
     BT = 1 if B * T <= TUNING["node_programs"] else min(triton.next_power_of_2(T), TUNING["rows"])
     BD = min(triton.next_power_of_2(D), TUNING["BD"], max(16, TUNING["tile"] // BT))
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a slice of a wider projection)
     _tree_conv_kernel[(B * triton.cdiv(T, BT), triton.cdiv(D, BD))](
-        x, window.contiguous(), weight.contiguous(), bias if bias is not None else weight,
+        x, window.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else weight,
         anc.contiguous(), y, T, D, x.stride(0), x.stride(1), W=C - 1, C=C, BT=BT, BD=BD, HAS_BIAS=bias is not None,
     )
     return y
