@@ -129,9 +129,11 @@ def test_tree_conv_kernel_takes_any_input_layout_and_refuses_bad_outs(layout, co
     ref = tree_conv(x.contiguous(), window, weight, bias.contiguous(), anc)
     assert y.is_contiguous() and torch.allclose(y.cpu(), ref, rtol=1e-5, atol=1e-5)
     args = [t.to(DEV) for t in (x, window, weight, bias, anc)]
-    for out, match in ((torch.full((B, D, T), float("nan"), device=DEV).transpose(1, 2), "contiguous=False"),
-                       (torch.full((B, T, D), float("nan"), device=DEV, dtype=torch.float64), "torch.float64"),
-                       (torch.full((B, T + 1, D), float("nan"), device=DEV), r"\[3, 6, 7\]")):
+    transposed = torch.full((B, D, T), float("nan"), device=DEV).transpose(1, 2)
+    wide = torch.full((B, T, D), float("nan"), device=DEV, dtype=torch.float64)
+    longer = torch.full((B, T + 1, D), float("nan"), device=DEV)
+    for out, match in ((transposed, r"\(\(3, 5, 7\), torch.float32, False"),
+                       (wide, r"\(\(3, 5, 7\), torch.float64, True"), (longer, r"\(\(3, 6, 7\), torch.float32, True")):
         with pytest.raises(ValueError, match=match):
             conv_kernels.tree_conv(*args, out=out)
         assert out.isnan().all()  # nothing written

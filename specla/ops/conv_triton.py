@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import check_out
+
 # tree_conv's programs: one node by ``BD`` channels while a pass has at most ``node_programs``
 # nodes in all, else tiles of up to ``rows`` nodes of one sequence by at most ``tile`` elements.
 # One H200, 2026-12-04, on the engine's own 16-node tree passes (BENCHMARKS.md section 5), µs per
@@ -151,10 +153,8 @@ def tree_conv(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, an
         raise ValueError(f"expected bias [D] = [{D}]; got {list(bias.shape)}")
     if len({t.device for t in (x, window, weight, anc, *([] if bias is None else [bias]))}) != 1:
         raise ValueError("all tensors must be on one device")
-    if out is not None and (out.shape != (B, T, D) or out.dtype != x.dtype or out.device != x.device
-                            or not out.is_contiguous()):
-        raise ValueError(f"expected out contiguous {x.dtype} [B, T, D] = {[B, T, D]} on {x.device}; got "
-                         f"{out.dtype} {list(out.shape)} on {out.device}, contiguous={out.is_contiguous()}")
+    if out is not None:
+        check_out((out,), (B, T, D), (x.dtype,), x.device)
     # the kernel writes y densely, whatever x's layout (empty_like would keep a transposed x's strides)
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device) if out is None else out
     if y.numel() == 0:
