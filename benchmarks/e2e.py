@@ -357,9 +357,12 @@ class Harness:
             if B <= 8 and not self.args.core_rows:
                 self.add("baselines", B=B, row="AR, transformers generate (eager)",
                          **self.hf_generate(B, ar["tokens_per_s"], ref))
-            rows = (("spec tree, snapshot commit", TREE, "snapshot"), ("spec tree, replay commit", TREE, "replay"),
-                    (FLA_SD, CHAIN, "replay"), ("SpecLA chain", CHAIN, "factor"), ("SpecLA tree", TREE, "factor"))
-            for name, tree, commit in rows[3:] if self.args.core_rows else rows:
+            for name, tree, commit in (("spec tree, snapshot commit", TREE, "snapshot"),
+                                       ("spec tree, replay commit", TREE, "replay"),
+                                       (FLA_SD, CHAIN, "replay"),
+                                       ("SpecLA chain", CHAIN, "factor"), ("SpecLA tree", TREE, "factor")):
+                if self.args.core_rows and name not in ("SpecLA chain", "SpecLA tree"):
+                    continue
                 prof = profiles["SpecLA chain" if tree is CHAIN else "SpecLA tree"]
                 t = self.time(self.decoder(tree, commit=commit, profile=prof, fla_sd=name == FLA_SD), B)
                 exact = exact_rate(t["outputs"], ref)

@@ -338,7 +338,7 @@ def test_hybrid_verify_equals_naive(kind, with_pending):
 @pytest.mark.parametrize("kernel", ["serial", "parallel", "hybrid"])
 def test_kernels_at_gdn13b_layer_shape_bf16(kernel, qk):
     """H=8, K=V=256, bf16 v, q/k in bf16 or, as the GDN mixer passes them, L2-normalised in
-    float32 (which the parallel kernel multiplies in TF32 on a GPU, as it does bf16 inputs); gates
+    float32 (multiplied in ``TUNING["tree"]["dot"]`` on a GPU, as bf16 inputs are); gates
     and beta float32, ragged pending commits (0..3 accepted): outputs within 1e-2 of the float64
     naive reference on the same rounded inputs, factor records and the committed state within 1e-3
     (DESIGN.md section 7.1)."""

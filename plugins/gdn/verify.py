@@ -50,7 +50,8 @@ from .records import GDNFactorRecord
 # 5), fused vs separate in us: `small` layer (H 4, K 128, V 256) 7 nodes 6.9 vs 8.3 at batch 1,
 # 9.0 vs 10.2 at batch 8, 46.7 vs 41.3 at batch 64; 16 nodes 10.2 vs 9.6, 13.1 vs 11.9, 68.1 vs
 # 46.2; GDN-1.3B layer 7 nodes 9.2 vs 11.3, 18.9 vs 19.6, 148 vs 128. On the engine's own inputs
-# (float32 q/k, 16 nodes, batch 1; 2026-12-04, benchmarks/scripts/engine_kernels_probe.py) with
+# (float32 q/k, 16 nodes, batch 1; 2026-12-04, the probe kept in benchmarks/results/2026-12-04/,
+# whose committed form is benchmarks/scripts/engine_kernels_probe.py) with
 # the default products: `small` 12.4 vs 13.3, GDN-1.3B 15.6 vs 18.5, and a recorded tree step of
 # `small` 1.172 vs 1.186 ms with 260 kernels against 272 (TF32 products in that step).
 # "dot": the products' precision where the activations are not float32 (float32 runs: "ieee").
