@@ -64,7 +64,8 @@ from .records import GDNFactorRecord
 # (test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding); "tf32x3" passes it.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps": 4},
           "chain": {"BV": 16, "num_warps": 1},
-          "tree": {"BV": 32, "BKC": 64, "num_warps": 4, "prepare": "auto", "dot": "tf32x3"},
+          "tree": {"BV": 64, "BKC": 32, "num_warps": 4, "num_stages": 3, "prepare": "auto", "dot": "tf32x3",
+                   "commit": "tf32x3"},
           "prepare": {"num_warps": 2}}
 
 
@@ -307,7 +308,7 @@ def _tree_verify_kernel(
     scale, T, P, Tp, SV,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PREC: tl.constexpr,
-    BP: tl.constexpr, PREPARE: tl.constexpr,
+    COMMIT_PREC: tl.constexpr, BP: tl.constexpr, PREPARE: tl.constexpr,
 ):
     """Per (sequence, value head, V tile): fused delayed commit, then the tree-masked factorized
     verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta.
@@ -341,20 +342,20 @@ def _tree_verify_kernel(
         w = tl.where(m_p, tl.exp(G_a - tl.load(pG + (i_b * Tp + nodes) * HV + i_hv, mask=m_p, other=0.0)), 0.0)
         b_dp = tl.load(pdelta + ((i_b * Tp + nodes[:, None]) * HV + i_hv) * V + o_v[None, :],
                        mask=m_p[:, None] & m_v[None, :], other=0.0).to(tl.float32) * w[:, None]
-        decay = tl.exp(G_a)
+        decay = tl.where(n_p > 0, tl.exp(G_a), 1.0)  # an empty path: S * 1 + 0, and nothing stored
     for kb in range(0, K, BKC):
         o_k = kb + tl.arange(0, BKC)
         m_k = o_k < K
         m_s = m_k[:, None] & m_v[None, :]
         p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
         b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-        if HAS_PENDING:
-            if n_p > 0:
-                b_kp = tl.load(pk + ((i_b * Tp + nodes[None, :]) * H + i_h) * K + o_k[:, None],
-                               mask=m_k[:, None] & m_p[None, :], other=0.0).to(tl.float32)
-                # "ieee": the committed state keeps float32 products (TF32 would round Delta)
-                b_S = b_S * decay + tl.dot(b_kp, b_dp, input_precision="ieee")
-                tl.store(p_S, b_S, mask=m_s)
+        if HAS_PENDING:  # no branch on n_p: after a decoder's first step every sequence commits
+            b_kp = tl.load(pk + ((i_b * Tp + nodes[None, :]) * H + i_h) * K + o_k[:, None],
+                           mask=m_k[:, None] & m_p[None, :], other=0.0).to(tl.float32)
+            # COMMIT_PREC keeps float32's accuracy: the committed state must not drift from plain
+            # decoding's (TF32 would round Delta)
+            b_S = tl.dot(b_kp, b_dp, b_S * decay, input_precision=COMMIT_PREC)
+            tl.store(p_S, b_S, mask=m_s & (n_p > tl.zeros([BKC, 1], dtype=tl.int32)))
         m_tk = m_t[:, None] & m_k[None, :]
         # products in DOT_PREC: "ieee" for float32 runs, TUNING["tree"]["dot"] otherwise
         b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -427,7 +428,8 @@ def tree_verify(
     BKC = max(16, min(triton.next_power_of_2(K), TUNING["tree"]["BKC"]))
     BV = max(16, min(triton.next_power_of_2(V), TUNING["tree"]["BV"]))
     # the activations' dtype decides, not q's (the mixer's q and k are float32 in every run)
-    prec = "ieee" if v.dtype == torch.float32 else TUNING["tree"]["dot"]
+    tune = TUNING["tree"]
+    prec, commit = ("ieee", "ieee") if v.dtype == torch.float32 else (tune["dot"], tune["commit"])
     if out is None:
         out = (torch.empty(v.shape, dtype=v.dtype, device=v.device),
                torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
@@ -442,8 +444,8 @@ def tree_verify(
     pend = _pending_kwargs(pending)
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, mask, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, BP=max(16, triton.next_power_of_2(pend["P"])),
-        **pend, num_warps=TUNING["tree"]["num_warps"],
+        H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, COMMIT_PREC=commit,
+        BP=max(16, triton.next_power_of_2(pend["P"])), **pend, num_warps=tune["num_warps"], num_stages=tune["num_stages"],
     )
     return out
 
