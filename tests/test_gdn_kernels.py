@@ -387,7 +387,8 @@ def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch, prepare):
     commit: the same outputs, records and committed state as the naive reference."""
     from specla_gdn import verify as vk
 
-    monkeypatch.setitem(vk.TUNING, "tree", {**vk.TUNING["tree"], "BV": 16, "BKC": 16, "num_warps": 4})
+    monkeypatch.setitem(vk.TUNING, "tree", {**vk.TUNING["tree"], "tiles": {"separate": (16, 16), "fused": (16, 16)},
+                                            "num_warps": 4})
     B, Tp, H, HV, K, V = 2, 4, 1, 2, 40, 20
     gen = torch.Generator().manual_seed(17)
     rng = random.Random(17)

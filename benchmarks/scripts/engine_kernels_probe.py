@@ -1,7 +1,7 @@
 """The GDN tree-verify and tree-conv kernels on the inputs the engine gives them (BENCHMARKS.md
 section 5, "The tree kernels on the engine's own inputs").
 
-    python benchmarks/scripts/engine_kernels_probe.py [--shapes small:32,gdn-1.3b:64] > probe.md
+    python benchmarks/scripts/engine_kernels_probe.py [--shapes small:32,gdn-1.3b:64] [--tiles] > probe.md
 
 For each ``shape:batch``: a randomly initialised GDN model of that shape (a ``train_target.py``
 preset, or GDN-1.3B's as ``e2e.py``) in bfloat16 with a random attention EAGLE head, prompts of 69
@@ -10,13 +10,17 @@ the first tree verify's inputs that carry a pending commit and the first 16-node
 the GDN mixer passes them (q and k L2-normalised in float32, v a bf16 slice of the projection,
 the conv input a slice of a wider projection). Then, at the batch and at batch 1 (its first row):
 
-- ``tree_verify`` with the pending commit, for each product precision where the activations are
-  not float32 (``TUNING["tree"]["dot"]``: ``ieee``, ``tf32x3``, ``tf32``) and each form of the
-  prepare (``TUNING["tree"]["prepare"]``: ``separate``, ``fused``): µs per launch
+- ``tree_verify`` with the pending commit, for each pair of precisions where the activations are
+  not float32 (the products', ``TUNING["tree"]["dot"]``, and the commit's,
+  ``TUNING["tree"]["commit"]``: ``ieee``, ``tf32x3``, ``tf32``) and each form of the prepare
+  (``TUNING["tree"]["prepare"]``: ``separate``, ``fused``): µs per launch
   (``triton.testing.do_bench_cudagraph``);
-- each precision's error on the first sequence without a pending commit against the float64
-  twin (``naive_tree_gdn``): the largest error of ``o`` and of ``Delta`` over the largest value,
-  and the largest error of ``G``;
+- each pair's error on the first four sequences, with their pending commit, against the float64
+  twins (``naive_tree_gdn`` from the commit's float64 closed form): the largest error of ``o``,
+  ``Delta`` and the committed state over their largest value, and the largest error of ``G``;
+- with ``--tiles``: the default precisions at the batch, each form of the prepare, over V-tile
+  widths 32 and 64, K blocks of 32, 64 and 128, 4 and 8 warps, 2 and 3 pipeline stages
+  (``TUNING["tree"]``: ``tiles``, ``num_warps``, ``num_stages``);
 - ``tree_conv``: one node per program against tiles of 4, 8 and 16 nodes
   (``specla.ops.conv_triton.TUNING``), on the 16-node pass and on one-token passes of random
   inputs; µs per launch, each checked bit-identical to one node per program.
@@ -26,6 +30,7 @@ script's logic on the ``tiny`` shape (Triton's interpreter, ``TRITON_INTERPRET=1
 """
 import argparse
 import contextlib
+import itertools
 import sys
 from pathlib import Path
 
@@ -47,7 +52,7 @@ import specla_gdn.mixer as gdn_mixer  # noqa: E402
 import specla_gdn.verify as vk  # noqa: E402
 from specla_gdn.naive import naive_tree_gdn  # noqa: E402
 
-PRECISIONS = ("ieee", "tf32x3", "tf32")
+PRECISIONS = (("ieee", "ieee"), ("tf32x3", "ieee"), ("tf32x3", "tf32x3"), ("tf32", "ieee"), ("tf32", "tf32"))
 FORMS = ("separate", "fused")
 CONV = {"one node": dict(node_programs=2**62), **{f"{r}-node tiles": dict(node_programs=0, rows=r) for r in (4, 8, 16)}}
 CUDA = True  # set by --device
@@ -129,23 +134,53 @@ def verify_rows(name: str, cap: dict, B: int) -> None:
         pend = first_rows(pending, n)
         cells = []
         for form in FORMS:
-            for prec in PRECISIONS:
-                with tuned(vk.TUNING["tree"], dot=prec, prepare=form):
+            for dot, commit in PRECISIONS:
+                with tuned(vk.TUNING["tree"], dot=dot, commit=commit, prepare=form):
                     cells.append(us(lambda: vk.tree_verify(*args, scale, pending=pend)))
         print(f"| {name} | {n} | {q.shape[1]} | " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
+def committed_f64(S: torch.Tensor, pending: LayerCommit) -> torch.Tensor:
+    """The state after the pending commit in float64: ``exp(G_a) S + sum_j exp(G_a - G_j) k_j
+    Delta_j^T`` over each sequence's accepted path (DESIGN.md section 4, delayed commit)."""
+    rec, out = pending.record, S.double().clone()
+    rep = S.shape[1] // rec.k.shape[2]  # value heads per key head
+    for b in range(S.shape[0]):
+        nodes = pending.path[b, :int(pending.path_len[b])].tolist()
+        if nodes:
+            G_a = rec.G[b, nodes[-1]].double()
+            out[b] = out[b] * G_a.exp()[:, None, None]
+            for j in nodes:
+                w = (G_a - rec.G[b, j].double()).exp()[:, None, None]
+                out[b] += w * rec.k[b, j].double().repeat_interleave(rep, 0)[:, :, None] * rec.delta[b, j].double()[:, None]
+    return out
+
+
 def error_rows(name: str, cap: dict) -> None:
-    """Each precision's error on the first sequence (no pending commit) against the float64 twin."""
-    q, k, v, g, beta, S, mask, scale, _ = cap["verify"]
-    one = [x[:1] for x in (q, k, v, g, beta)]
-    ro, rd, rG, _ = naive_tree_gdn(*(x.double() for x in one), S[:1].double(), parents_of(mask[:1]), scale)
-    for prec in PRECISIONS:
-        with tuned(vk.TUNING["tree"], dot=prec):
-            o, d, G = vk.tree_verify(*one, S[:1].clone(), mask[:1], scale)
-        err = [float((o.double() - ro).abs().max() / ro.abs().max()),
-               float((d.double() - rd).abs().max() / rd.abs().max()), float((G.double() - rG).abs().max())]
-        print(f"| {name} | {prec} | " + " | ".join(f"{e:.1e}" for e in err) + " |", flush=True)
+    """Each pair of precisions' error on the first four sequences, with their pending commit,
+    against the float64 twins."""
+    q, k, v, g, beta, S, mask, scale, pending = cap["verify"]
+    n = min(4, q.shape[0])
+    args, pend = [x[:n] for x in (q, k, v, g, beta)], first_rows(pending, n)
+    ref_S = committed_f64(S[:n], pend)
+    ro, rd, rG, _ = naive_tree_gdn(*(x.double() for x in args), ref_S, parents_of(mask[:n]), scale)
+    rel = lambda got, ref: float((got.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
+    for dot, commit in PRECISIONS:
+        state = S[:n].clone()
+        with tuned(vk.TUNING["tree"], dot=dot, commit=commit):
+            o, d, G = vk.tree_verify(*args, state, mask[:n], scale, pending=pend)
+        err = [rel(o, ro), rel(d, rd), float((G.double() - rG).abs().max()), rel(state, ref_S)]
+        print(f"| {name} | {dot} | {commit} | " + " | ".join(f"{e:.1e}" for e in err) + " |", flush=True)
+
+
+def tile_rows(name: str, cap: dict, B: int) -> None:
+    """The default precisions at ``B`` over the tree kernel's launch parameters, each prepare form."""
+    q, k, v, g, beta, S, mask, scale, pending = cap["verify"]
+    for form in FORMS:
+        for bv, bkc, warps, stages in itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3)):
+            with tuned(vk.TUNING["tree"], prepare=form, tiles={form: (bv, bkc)}, num_warps=warps, num_stages=stages):
+                t = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, scale, pending=pending))
+            print(f"| {name} | {B} | {form} | {bv} | {bkc} | {warps} | {stages} | {t} |", flush=True)
 
 
 def conv_rows(name: str, cap: dict, B: int) -> None:
@@ -174,6 +209,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="small:32,gdn-1.3b:64", help="shape:batch, comma-separated")
     p.add_argument("--device", default="cuda", help="cpu: check the script's logic on the tiny shape")
+    p.add_argument("--tiles", action="store_true", help="also sweep the tree kernel's launch parameters")
     a = p.parse_args()
     global CUDA
     CUDA = a.device == "cuda"
@@ -184,14 +220,19 @@ def main():
         caps[name] = (captured_inputs(shape, int(B), a.device), int(B))
         q, v = caps[name][0]["verify"][0], caps[name][0]["verify"][2]
         print(f"<!-- {name}: q {q.dtype} {list(q.shape)}, v {v.dtype} {list(v.shape)} -->", flush=True)
-    print("| shape | batch | nodes | " + " | ".join(f"{f}, {p}" for f in FORMS for p in PRECISIONS) + " |")
+    print("| shape | batch | nodes | " + " | ".join(f"{f}, {d}/{c}" for f in FORMS for d, c in PRECISIONS) + " |")
     print("|---|---|---|" + "---|" * (len(FORMS) * len(PRECISIONS)))
     for name, (cap, B) in caps.items():
         verify_rows(name, cap, B)
-    print("\n| shape | products | o | Delta | G |")
-    print("|---|---|---|---|---|")
+    print("\n| shape | products | commit | o | Delta | G | committed state |")
+    print("|---|---|---|---|---|---|---|")
     for name, (cap, B) in caps.items():
         error_rows(name, cap)
+    if a.tiles:
+        print("\n| shape | batch | prepare | BV | BKC | warps | stages | us |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, (cap, B) in caps.items():
+            tile_rows(name, cap, B)
     print("\n| shape | pass | " + " | ".join(CONV) + " |")
     print("|---|---|" + "---|" * len(CONV))
     for name, (cap, B) in caps.items():

@@ -110,7 +110,8 @@ def sweep():
                 for bv in (16, 32, 64):
                     for w in (4, 8):
                         for form in ("fused", "separate"):
-                            vk.TUNING["tree"] = {**saved["tree"], "BV": bv, "BKC": 64, "num_warps": w, "prepare": form}
+                            vk.TUNING["tree"] = {**saved["tree"], "tiles": {form: (bv, 64)}, "num_warps": w,
+                                                 "prepare": form}
                             t = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, K**-0.5, pending=pend), rep=40)
                             print(f"| parallel | {B} | {T} | BV{bv}/w{w}/{form} | {t:.1f} |", flush=True)
                 vk.TUNING["tree"] = dict(saved["tree"])

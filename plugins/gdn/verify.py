@@ -62,10 +62,18 @@ from .records import GDNFactorRecord
 # 15.6 / 11.8; error of Delta against a float64 twin 5e-7 / 3e-7 / 1.2e-3 (2026-12-04). "tf32"
 # made a bf16 GPU test's speculative tokens differ from plain decoding's
 # (test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding); "tf32x3" passes it.
+# "commit": the pending commit's product (float32 runs: "ieee"). "tiles": (BV, BKC) per form of
+# the prepare. On the engine's inputs at GDN-1.3B, batch 64, 16 nodes, separate prepare
+# (2026-12-04, engine_kernels_probe.py's form kept as probe-code/tree_sweep.py with the raw
+# reports, BENCHMARKS.md section 5): the commit in "tf32x3" instead of "ieee" 206 vs 248 us, with
+# the committed state's error against float64 unchanged (9.2e-8); then 64-column tiles in K blocks
+# of 32 on 4 warps and 3 stages 140 us (32 x 64: 206; 8 warps: 247 or more; 2 stages: 164); at
+# `small`, batch 32: 26.7 vs 36.7. At batch 1 (fused) 64 x 32 was slower on random inputs with a
+# 4-node pending path: GDN-1.3B 18.3 vs 13.9 us for 32 x 64, `small` 13.5 vs 11.2.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps": 4},
           "chain": {"BV": 16, "num_warps": 1},
-          "tree": {"BV": 64, "BKC": 32, "num_warps": 4, "num_stages": 3, "prepare": "auto", "dot": "tf32x3",
-                   "commit": "tf32x3"},
+          "tree": {"tiles": {"separate": (64, 32), "fused": (32, 64)}, "num_warps": 4, "num_stages": 3,
+                   "prepare": "auto", "dot": "tf32x3", "commit": "tf32x3"},
           "prepare": {"num_warps": 2}}
 
 
@@ -314,9 +322,10 @@ def _tree_verify_kernel(
     verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta.
     The state tile is visited in K blocks of ``BKC`` rows: each block is committed (one product
     ``K_p^T (w Delta_p)`` of the accepted path's keys with its weighted ``Delta`` rows, which are
-    loaded once per program; in float32, "ieee", so that the committed state is not rounded to
-    TF32) and written once, then contributes to ``k S0``, ``q S0`` and ``q k^T``; nothing larger
-    than a ``[BT, BKC]`` or ``[BKC, BV]`` tile is live at a time. Without ``Tm`` (``PREPARE``)
+    loaded once per program; in ``COMMIT_PREC``, "ieee" or "tf32x3", both of float32's accuracy,
+    so that the committed state is not rounded to TF32) and written once, then contributes to
+    ``k S0``, ``q S0`` and ``q k^T``; nothing larger than a ``[BT, BKC]`` or ``[BKC, BV]`` tile is
+    live at a time. Without ``Tm`` (``PREPARE``)
     each program also computes ``T`` and ``G`` (:func:`_tree_inverse`; ``k k^T`` in the same K
     loop) instead of loading them from :func:`_tree_prepare_kernel`'s launch, and the first V
     tile writes ``G``."""
@@ -411,7 +420,8 @@ def tree_verify(
     Formula: docs/DESIGN.md section 4 (tree-masked factorized form); ``A`` and ``T = (I + A)^-1``
     are computed once per (sequence, head) by a first kernel and shared by all V tiles, or at
     small batch inside each verify program (``TUNING["tree"]["prepare"]``). Products in float32
-    ("ieee") where ``v`` is float32, else in ``TUNING["tree"]["dot"]`` (TF32x3 by default: float32
+    ("ieee") where ``v`` is float32, else in ``TUNING["tree"]["dot"]`` for the verify and
+    ``TUNING["tree"]["commit"]`` for the pending commit (TF32x3 for both by default: float32
     accuracy on tensor cores).
     """
     B, T, H, K = k.shape
@@ -425,18 +435,19 @@ def tree_verify(
     v, SV = _value_rows(v)
     mask = mask.contiguous()  # bool: the kernels load it as int1 (no int8 copy per layer)
     BT = max(16, triton.next_power_of_2(T))
-    BKC = max(16, min(triton.next_power_of_2(K), TUNING["tree"]["BKC"]))
-    BV = max(16, min(triton.next_power_of_2(V), TUNING["tree"]["BV"]))
-    # the activations' dtype decides, not q's (the mixer's q and k are float32 in every run)
     tune = TUNING["tree"]
+    form = tune["prepare"]
+    fused = form == "fused" or (form == "auto" and ((T <= 8 and B <= 8) or (T <= 16 and B == 1)))
+    BV, BKC = tune["tiles"]["fused" if fused else "separate"]
+    BKC = max(16, min(triton.next_power_of_2(K), BKC))
+    BV = max(16, min(triton.next_power_of_2(V), BV))
+    # the activations' dtype decides, not q's (the mixer's q and k are float32 in every run)
     prec, commit = ("ieee", "ieee") if v.dtype == torch.float32 else (tune["dot"], tune["commit"])
     if out is None:
         out = (torch.empty(v.shape, dtype=v.dtype, device=v.device),
                torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     o, d, G = out
-    form = TUNING["tree"]["prepare"]
-    fused = form == "fused" or (form == "auto" and ((T <= 8 and B <= 8) or (T <= 16 and B == 1)))
     Tm = None if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     if not fused:
         _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
