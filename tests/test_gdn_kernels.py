@@ -411,6 +411,26 @@ def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch, prepare):
     assert torch.equal(state[1].cpu(), S0[1])
 
 
+def test_tree_verify_with_a_pending_path_of_width_zero_commits_nothing(prepare):
+    """A pending commit whose path is ``[B, 0]`` (accepted by ``check_layer_commit``): the same
+    outputs as without a pending commit, and the state bit-identical (it once read past the
+    path and crashed)."""
+    B, Tp, H, HV, K, V, T = 2, 3, 1, 2, 20, 12, 5
+    gen = torch.Generator().manual_seed(23)
+    q, k, v, g, beta, S0 = inputs(B, T, H, HV, K, V, gen)
+    mask = inclusive_ancestor_mask(chain(B, T)).to(DEV)
+    pk = F.normalize(torch.randn(B, Tp, H, K, generator=gen), dim=-1)
+    pdelta, pG = torch.randn(B, Tp, HV, V, generator=gen), -torch.rand(B, Tp, HV, generator=gen).cumsum(1)
+    pending = layer_commit(pk, pdelta, pG, torch.empty(B, 0, dtype=torch.int64), torch.zeros(B, dtype=torch.int64))
+    args = [x.to(DEV) for x in (q, k, v, g, beta)]
+    state, plain = S0.clone().to(DEV), S0.clone().to(DEV)
+    got = tree_verify(*args, state, mask, K**-0.5, pending=pending, out=nan_out(B, T, HV, V))
+    ref = tree_verify(*args, plain, mask, K**-0.5, out=nan_out(B, T, HV, V))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert torch.equal(state.cpu(), S0)
+
+
 @pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2"])
 def test_kernels_auto_means_triton_on_cuda_only(plugin, monkeypatch):
     """``SpecConfig.kernels`` defaults to ``auto``: the Triton kernels on a CUDA device, the
