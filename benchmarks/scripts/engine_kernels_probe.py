@@ -6,8 +6,9 @@ section 5, "The tree kernels on the engine's own inputs").
 For each ``shape:batch``: a randomly initialised GDN model of that shape (a ``train_target.py``
 preset, or GDN-1.3B's as ``e2e.py``) in bfloat16 with a random attention EAGLE head, prompts of 69
 random tokens, the tree row (N 15, depth 6, top-k 4), CUDA graphs. One ``generate`` call keeps
-the first tree verify's inputs that carry a pending commit and the first 16-node tree conv's, as
-the GDN mixer passes them (q and k L2-normalised in float32, v a bf16 slice of the projection,
+copies of the first eager tree verify's inputs whose pending commit has a path in every sequence
+(else the first with a pending commit; the report names the path lengths) and the first 16-node
+tree conv's, as the GDN mixer passes them (q and k L2-normalised in float32, v a bf16 slice of the projection,
 the conv input a slice of a wider projection). Then, at the batch and at batch 1 (its first row):
 
 - ``tree_verify`` with the pending commit, for each pair of precisions where the activations are
@@ -85,8 +86,17 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
     recording = (lambda: torch.cuda.is_current_stream_capturing()) if CUDA else (lambda: False)
 
     def keep_verify(q, k, v, g, beta, state, mask, scale, pending=None, out=None):
-        if pending is not None and "verify" not in cap and not recording():
-            cap["verify"] = (q, k, v, g, beta, state, mask, scale, pending)
+        # copies: the state and the pending commit's buffers are the engine's, rewritten by later
+        # steps; preferred, the first call whose every sequence commits a path (a prefill's pass
+        # commits none)
+        full = pending is not None and not recording() and bool((pending.path_len > 0).all())
+        for key, wanted in (("verify", full), ("any pending", pending is not None and not recording())):
+            if wanted and key not in cap:
+                rec = pending.record
+                kept = LayerCommit(type(rec)(**{f: None if getattr(rec, f) is None else getattr(rec, f).clone()
+                                                for f in ("k", "delta", "G", "conv_x")}),
+                                   pending.path.clone(), pending.path_len.clone())
+                cap[key] = tuple(x.clone() for x in (q, k, v, g, beta, state, mask)) + (scale, kept)
         return verify(q, k, v, g, beta, state, mask, scale, pending=pending, out=out)
 
     def keep_conv(x, window, weight, bias, anc, out=None):
@@ -107,6 +117,8 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
         dec.generate(prompts)
     finally:
         gdn_mixer.tree_verify, conv_kernels.tree_conv = verify, conv
+    if "verify" not in cap:  # no eager call committed a path in every sequence
+        cap["verify"] = cap["any pending"]
     return cap
 
 
@@ -130,7 +142,7 @@ def verify_rows(name: str, cap: dict, B: int) -> None:
     """Times of every prepare form and precision at ``B`` and 1."""
     q, k, v, g, beta, S, mask, scale, pending = cap["verify"]
     for n in (B, 1):
-        args = [x[:n] for x in (q, k, v, g, beta, S, mask)]
+        args = [x[:n] for x in (q, k, v, g, beta)] + [S[:n].clone(), mask[:n]]  # the timed calls commit
         pend = first_rows(pending, n)
         cells = []
         for form in FORMS:
@@ -176,10 +188,11 @@ def error_rows(name: str, cap: dict) -> None:
 def tile_rows(name: str, cap: dict, B: int) -> None:
     """The default precisions at ``B`` over the tree kernel's launch parameters, each prepare form."""
     q, k, v, g, beta, S, mask, scale, pending = cap["verify"]
+    state = S.clone()  # the timed calls commit
     for form in FORMS:
         for bv, bkc, warps, stages in itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3)):
             with tuned(vk.TUNING["tree"], prepare=form, tiles={form: (bv, bkc)}, num_warps=warps, num_stages=stages):
-                t = us(lambda: vk.tree_verify(q, k, v, g, beta, S, mask, scale, pending=pending))
+                t = us(lambda: vk.tree_verify(q, k, v, g, beta, state, mask, scale, pending=pending))
             print(f"| {name} | {B} | {form} | {bv} | {bkc} | {warps} | {stages} | {t} |", flush=True)
 
 
@@ -219,7 +232,9 @@ def main():
         shape = dict(num_hidden_layers=24, **GDN13B_SHAPE) if name == "gdn-1.3b" else PRESETS[name]["model"]
         caps[name] = (captured_inputs(shape, int(B), a.device), int(B))
         q, v = caps[name][0]["verify"][0], caps[name][0]["verify"][2]
-        print(f"<!-- {name}: q {q.dtype} {list(q.shape)}, v {v.dtype} {list(v.shape)} -->", flush=True)
+        plen = caps[name][0]["verify"][8].path_len.tolist()
+        print(f"<!-- {name}: q {q.dtype} {list(q.shape)}, v {v.dtype} {list(v.shape)}, pending paths {plen[:8]} -->",
+              flush=True)
     print("| shape | batch | nodes | " + " | ".join(f"{f}, {d}/{c}" for f in FORMS for d, c in PRECISIONS) + " |")
     print("|---|---|---|" + "---|" * (len(FORMS) * len(PRECISIONS)))
     for name, (cap, B) in caps.items():
