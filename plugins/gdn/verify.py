@@ -452,8 +452,6 @@ def tree_verify(
     if not fused:
         _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
                                         num_warps=TUNING["prepare"]["num_warps"])
-    if pending is not None and pending.path.shape[1] == 0:
-        pending = None  # a path of width 0 commits nothing, and the kernel would read one entry
     pend = _pending_kwargs(pending)
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, mask, Tm, G, state, o, d, scale=scale, T=T, SV=SV,

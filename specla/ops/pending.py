@@ -29,10 +29,11 @@ def pending_launch(pending: LayerCommit | None, fields: dict[str, str], width: s
             ``Tp``.
     Returns:
         each parameter of ``fields`` bound to its (contiguous) record field, ``path`` and
-        ``path_len``, and the two sizes; without a pending commit the tensors are ``None`` and
-        the sizes 1.
+        ``path_len``, and the two sizes; without a pending commit, or with a path of width 0
+        (which commits nothing, and a kernel would read one entry of it), the tensors are
+        ``None`` and the sizes 1.
     """
-    if pending is None:
+    if pending is None or pending.path.shape[1] == 0:
         return dict.fromkeys([*fields, "path", "path_len"]) | {width: 1, length: 1}
     out = {param: getattr(pending.record, name).contiguous() for param, name in fields.items()}
     first = out[next(iter(fields))]
