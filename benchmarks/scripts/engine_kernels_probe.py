@@ -8,8 +8,9 @@ preset, or GDN-1.3B's as ``e2e.py``) in bfloat16 with a random attention EAGLE h
 random tokens, the tree row (N 15, depth 6, top-k 4), CUDA graphs. One ``generate`` call keeps
 copies of the first eager tree verify's inputs whose pending commit has a path in every sequence
 (else the first with a pending commit; the report names the path lengths) and the first 16-node
-tree conv's, as the GDN mixer passes them (q and k L2-normalised in float32, v a bf16 slice of the projection,
-the conv input a slice of a wider projection). Then, at the batch and at batch 1 (its first row):
+tree conv's, as the GDN mixer passes them (q and k L2-normalised in float32, v a bf16 slice of
+the projection, the conv input a slice of a wider projection). Then, at the batch and at batch 1
+(its first row):
 
 - ``tree_verify`` with the pending commit, for each pair of precisions where the activations are
   not float32 (the products', ``TUNING["tree"]["dot"]``, and the commit's,
@@ -17,8 +18,9 @@ the conv input a slice of a wider projection). Then, at the batch and at batch 1
   (``TUNING["tree"]["prepare"]``: ``separate``, ``fused``): µs per launch
   (``triton.testing.do_bench_cudagraph``);
 - each pair's error on the first four sequences, with their pending commit, against the float64
-  twins (``naive_tree_gdn`` from the commit's float64 closed form): the largest error of ``o``,
-  ``Delta`` and the committed state over their largest value, and the largest error of ``G``;
+  twins (``naive_tree_gdn`` from the commit's closed form, ``gdn_commit_factor``, in float64):
+  the largest error of ``o``, ``Delta`` and the committed state over their largest value, and the
+  largest error of ``G``;
 - with ``--tiles``: the default precisions at the batch, each form of the prepare, over V-tile
   widths 32 and 64, K blocks of 32, 64 and 128, 4 and 8 warps, 2 and 3 pipeline stages
   (``TUNING["tree"]``: ``tiles``, ``num_warps``, ``num_stages``);
@@ -52,6 +54,7 @@ from specla.records import LayerCommit  # noqa: E402
 import specla_gdn.mixer as gdn_mixer  # noqa: E402
 import specla_gdn.verify as vk  # noqa: E402
 from specla_gdn.naive import naive_tree_gdn  # noqa: E402
+from specla_gdn.reference import gdn_commit_factor  # noqa: E402
 
 PRECISIONS = (("ieee", "ieee"), ("tf32x3", "ieee"), ("tf32x3", "tf32x3"), ("tf32", "ieee"), ("tf32", "tf32"))
 FORMS = ("separate", "fused")
@@ -89,14 +92,11 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
         # copies: the state and the pending commit's buffers are the engine's, rewritten by later
         # steps; preferred, the first call whose every sequence commits a path (a prefill's pass
         # commits none)
-        full = pending is not None and not recording() and bool((pending.path_len > 0).all())
-        for key, wanted in (("verify", full), ("any pending", pending is not None and not recording())):
-            if wanted and key not in cap:
-                rec = pending.record
-                kept = LayerCommit(type(rec)(**{f: None if getattr(rec, f) is None else getattr(rec, f).clone()
-                                                for f in ("k", "delta", "G", "conv_x")}),
-                                   pending.path.clone(), pending.path_len.clone())
-                cap[key] = tuple(x.clone() for x in (q, k, v, g, beta, state, mask)) + (scale, kept)
+        if pending is not None and "verify" not in cap and not recording():
+            key = "verify" if bool((pending.path_len > 0).all()) else "any pending"
+            if key not in cap:
+                kept = tuple(x.clone() for x in (q, k, v, g, beta, state, mask))
+                cap[key] = kept + (scale, mapped(pending, torch.clone))
         return verify(q, k, v, g, beta, state, mask, scale, pending=pending, out=out)
 
     def keep_conv(x, window, weight, bias, anc, out=None):
@@ -122,11 +122,16 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
     return cap
 
 
+def mapped(pending: LayerCommit, fn) -> LayerCommit:
+    """A pending commit with ``fn`` applied to each of its tensors."""
+    rec = pending.record
+    fields = {f: None if getattr(rec, f) is None else fn(getattr(rec, f)) for f in ("k", "delta", "G", "conv_x")}
+    return LayerCommit(type(rec)(**fields), fn(pending.path), fn(pending.path_len))
+
+
 def first_rows(pending: LayerCommit, n: int) -> LayerCommit:
     """A pending commit's first ``n`` sequences."""
-    rec = pending.record
-    fields = {f: None if getattr(rec, f) is None else getattr(rec, f)[:n] for f in ("k", "delta", "G", "conv_x")}
-    return LayerCommit(type(rec)(**fields), pending.path[:n], pending.path_len[:n])
+    return mapped(pending, lambda t: t[:n])
 
 
 def parents_of(mask: torch.Tensor) -> torch.Tensor:
@@ -152,29 +157,14 @@ def verify_rows(name: str, cap: dict, B: int) -> None:
         print(f"| {name} | {n} | {q.shape[1]} | " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
-def committed_f64(S: torch.Tensor, pending: LayerCommit) -> torch.Tensor:
-    """The state after the pending commit in float64: ``exp(G_a) S + sum_j exp(G_a - G_j) k_j
-    Delta_j^T`` over each sequence's accepted path (DESIGN.md section 4, delayed commit)."""
-    rec, out = pending.record, S.double().clone()
-    rep = S.shape[1] // rec.k.shape[2]  # value heads per key head
-    for b in range(S.shape[0]):
-        nodes = pending.path[b, :int(pending.path_len[b])].tolist()
-        if nodes:
-            G_a = rec.G[b, nodes[-1]].double()
-            out[b] = out[b] * G_a.exp()[:, None, None]
-            for j in nodes:
-                w = (G_a - rec.G[b, j].double()).exp()[:, None, None]
-                out[b] += w * rec.k[b, j].double().repeat_interleave(rep, 0)[:, :, None] * rec.delta[b, j].double()[:, None]
-    return out
-
-
 def error_rows(name: str, cap: dict) -> None:
     """Each pair of precisions' error on the first four sequences, with their pending commit,
     against the float64 twins."""
     q, k, v, g, beta, S, mask, scale, pending = cap["verify"]
     n = min(4, q.shape[0])
     args, pend = [x[:n] for x in (q, k, v, g, beta)], first_rows(pending, n)
-    ref_S = committed_f64(S[:n], pend)
+    rec = pend.record
+    ref_S = gdn_commit_factor(*(x.double() for x in (S[:n], rec.k, rec.delta, rec.G)), pend.path, pend.path_len)
     ro, rd, rG, _ = naive_tree_gdn(*(x.double() for x in args), ref_S, parents_of(mask[:n]), scale)
     rel = lambda got, ref: float((got.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
     for dot, commit in PRECISIONS:
