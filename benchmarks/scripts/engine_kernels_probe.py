@@ -5,9 +5,10 @@ section 5, "The tree kernels on the engine's own inputs").
 
 For each ``shape:batch``: a randomly initialised GDN model of that shape (a ``train_target.py``
 preset, or GDN-1.3B's as ``e2e.py``) in bfloat16 with a random attention EAGLE head, prompts of 69
-random tokens, the tree row (N 15, depth 6, top-k 4), CUDA graphs. One ``generate`` call keeps
-copies of the first eager tree verify's inputs whose pending commit has a path in every sequence
-(else the first with a pending commit; the report names the path lengths) and the first 16-node
+random tokens, the tree row (N 15, depth 6, top-k 4), CUDA graphs off (the kernels' inputs are the
+same; a recorded step's calls could not be copied). One ``generate`` call keeps copies of the first
+tree verify's inputs whose pending commit has a path in every sequence (it raises
+``RuntimeError`` when none has; the report names the path lengths) and the first 16-node
 tree conv's, as the GDN mixer passes them (q and k L2-normalised in float32, v a bf16 slice of
 the projection, the conv input a slice of a wider projection). Then, at the batch and at batch 1
 (its first row):
@@ -86,21 +87,18 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
     one ``generate`` call of a random model of ``shape`` at batch ``B``."""
     cap = {}
     verify, conv = gdn_mixer.tree_verify, conv_kernels.tree_conv
-    recording = (lambda: torch.cuda.is_current_stream_capturing()) if CUDA else (lambda: False)
 
     def keep_verify(q, k, v, g, beta, state, mask, scale, pending=None, out=None):
         # copies: the state and the pending commit's buffers are the engine's, rewritten by later
         # steps; preferred, the first call whose every sequence commits a path (a prefill's pass
         # commits none)
-        if pending is not None and "verify" not in cap and not recording():
-            key = "verify" if bool((pending.path_len > 0).all()) else "any pending"
-            if key not in cap:
-                kept = tuple(x.clone() for x in (q, k, v, g, beta, state, mask))
-                cap[key] = kept + (scale, mapped(pending, torch.clone))
+        if pending is not None and "verify" not in cap and bool((pending.path_len > 0).all()):
+            kept = tuple(x.clone() for x in (q, k, v, g, beta, state, mask))
+            cap["verify"] = kept + (scale, mapped(pending, torch.clone))
         return verify(q, k, v, g, beta, state, mask, scale, pending=pending, out=out)
 
     def keep_conv(x, window, weight, bias, anc, out=None):
-        if x.shape[1] == 16 and "conv" not in cap and not recording():
+        if x.shape[1] == 16 and "conv" not in cap:
             cap["conv"] = (x, window, weight, bias, anc)
         return conv(x, window, weight, bias, anc, out=out)
 
@@ -109,7 +107,7 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
     model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **shape)).to(device, dtype).eval()
     prompts = [torch.randint(0, 32000, (69,)).tolist() for _ in range(B)]
     dec = SpecDecoder(model, "gdn", drafter=EagleDrafter(EagleHead(model.config.hidden_size)), config=dict(
-        dtype=str(dtype).removeprefix("torch."), device=device, cuda_graphs="on" if CUDA else "unrecorded",
+        dtype=str(dtype).removeprefix("torch."), device=device, cuda_graphs="off",
         kernels="triton", max_new_tokens=4, stop_at_eos=False, budget_policy="fixed", num_draft_tokens=15,
         max_depth=6, top_k=4))
     gdn_mixer.tree_verify, conv_kernels.tree_conv = keep_verify, keep_conv
@@ -117,8 +115,8 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
         dec.generate(prompts)
     finally:
         gdn_mixer.tree_verify, conv_kernels.tree_conv = verify, conv
-    if "verify" not in cap:  # no eager call committed a path in every sequence
-        cap["verify"] = cap["any pending"]
+    if "verify" not in cap:
+        raise RuntimeError("no tree verify committed a path in every sequence: nothing to probe")
     return cap
 
 
