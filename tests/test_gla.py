@@ -501,6 +501,32 @@ def test_fused_pending_commit_ragged(kernel):
 
 
 @needs_triton
+@pytest.mark.parametrize("kernel", ["serial", "parallel"])
+def test_verify_with_a_pending_path_of_width_zero_commits_nothing(kernel):
+    """A pending commit whose path is ``[B, 0]`` (accepted by ``check_layer_commit``): the same
+    outputs as without a pending commit, and the state bit-identical."""
+    from specla_gla.verify import serial_verify, tree_verify
+
+    B, Tp, T, H, K, V = 2, 3, 4, 2, 5, 6
+    gen = torch.Generator().manual_seed(29)
+    _, pk, pv, pgk, _ = op_inputs(B, Tp, H, K, V, torch.float32, gen)
+    pending = layer_commit(*on_dev(pk, pv, pgk.cumsum(1), torch.empty(B, 0, dtype=torch.int64),
+                                   torch.zeros(B, dtype=torch.int64)))
+    q, k, v, gk, S0 = op_inputs(B, T, H, K, V, torch.float32, gen)
+    args = on_dev(q, k, v, gk)
+    state, plain = S0.clone().to(DEV), S0.clone().to(DEV)
+    if kernel == "serial":
+        run = lambda st, pend: serial_verify(*args, st, torch.full((B,), T, device=DEV), K**-0.5,  # noqa: E731
+                                             pending=pend, out=nan_out(B, T, H, K, V))
+    else:
+        run = lambda st, pend: tree_verify(*args, st, inclusive_ancestor_mask(chain(B, T)).to(DEV),  # noqa: E731
+                                           K**-0.5, pending=pend, out=nan_out(B, T, H, K, V))
+    for got, ref in zip(run(state, pending), run(plain, None)):
+        assert torch.equal(got, ref)
+    assert torch.equal(state.cpu(), S0)
+
+
+@needs_triton
 def test_kernels_reject_bad_input():
     from specla_gla.commit import flush_commit
     from specla_gla.verify import serial_verify, tree_verify

@@ -540,6 +540,34 @@ def test_verify_kernels_with_fused_ragged_commit_equal_naive(kind, shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_verify_with_a_pending_path_of_width_zero_commits_nothing(kind):
+    """A pending commit whose path is ``[B, 0]`` (accepted by ``check_layer_commit``): the same
+    outputs as without a pending commit, and the state bit-identical."""
+    from specla_mamba2.verify import serial_verify, tree_verify
+
+    B, T, H, P, NG, N = 2, 4, 2, 3, 1, 5
+    rng = random.Random(31)
+    gen = torch.Generator().manual_seed(31)
+    S0, (Bm, u, G, _, _), _, _ = pending_inputs(B, H, P, NG, N, gen, rng)
+    pending = layer_commit(*(t.to(DEV) for t in (Bm, u, G, torch.empty(B, 0, dtype=torch.int64),
+                                                  torch.zeros(B, dtype=torch.int64))))
+    x, dt, A, Bx, Cm, D, _ = ssd_inputs(B, T, H, P, NG, N, torch.float32, gen)
+    args = [t.to(DEV) for t in (x, dt, dt * A, Bx, Cm, D)]
+    if kind == "chain":
+        run = lambda st, pend: serial_verify(*args, st, torch.full((B,), T, device=DEV), pending=pend,  # noqa: E731
+                                             out=nan_out(B, T, H, P))
+    else:
+        parents = torch.tensor([tree_parents("random", T, rng) for _ in range(B)])
+        run = lambda st, pend: tree_verify(*args, st, inclusive_ancestor_mask(parents).to(DEV),  # noqa: E731
+                                           pending=pend, out=nan_out(B, T, H, P))
+    state, plain = S0.clone().to(DEV), S0.clone().to(DEV)
+    for got, ref in zip(run(state, pending), run(plain, None)):
+        assert torch.equal(got, ref)
+    assert torch.equal(state.cpu(), S0)
+
+
+@needs_triton
 def test_flush_commit_equals_naive_and_bad_inputs_raise():
     from specla_mamba2.commit import flush_commit
 
