@@ -30,7 +30,8 @@ the projection, the conv input a slice of a wider projection). Then, at the batc
   inputs; µs per launch, each checked bit-identical to one node per program.
 
 ``TUNING`` is restored afterwards. One CUDA GPU; FLA installed. ``--device cpu`` checks the
-script's logic on the ``tiny`` shape (Triton's interpreter, ``TRITON_INTERPRET=1``; no timings).
+script's logic on the ``tiny`` shape (Triton's interpreter, ``TRITON_INTERPRET=1``; no timings;
+``--shapes`` is refused there, and every precision computes alike in the interpreter).
 """
 import argparse
 import contextlib
@@ -98,8 +99,10 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
         return verify(q, k, v, g, beta, state, mask, scale, pending=pending, out=out)
 
     def keep_conv(x, window, weight, bias, anc, out=None):
+        # the window is the engine's, rewritten in place by later commits: a copy; x (a slice of a
+        # wider projection, whose layout is what is timed) and anc are this pass's own
         if x.shape[1] == 16 and "conv" not in cap:
-            cap["conv"] = (x, window, weight, bias, anc)
+            cap["conv"] = (x, window.clone(), weight, bias, anc)
         return conv(x, window, weight, bias, anc, out=out)
 
     torch.manual_seed(0)
@@ -213,7 +216,9 @@ def main():
     p.add_argument("--tiles", action="store_true", help="also sweep the tree kernel's launch parameters")
     a = p.parse_args()
     global CUDA
-    CUDA = a.device == "cuda"
+    CUDA = torch.device(a.device).type == "cuda"
+    if not CUDA and a.shapes != p.get_default("shapes"):
+        p.error("--shapes needs a CUDA device (the CPU check runs the tiny shape)")
     shapes = [s.split(":") for s in (a.shapes if CUDA else "tiny:2").split(",")]
     caps = {}
     for name, B in shapes:
@@ -221,7 +226,7 @@ def main():
         caps[name] = (captured_inputs(shape, int(B), a.device), int(B))
         q, v = caps[name][0]["verify"][0], caps[name][0]["verify"][2]
         plen = caps[name][0]["verify"][8].path_len.tolist()
-        print(f"<!-- {name}: q {q.dtype} {list(q.shape)}, v {v.dtype} {list(v.shape)}, pending paths {plen[:8]} -->",
+        print(f"<!-- {name}: q {q.dtype} {list(q.shape)}, v {v.dtype} {list(v.shape)}, pending path lengths of the first 8 sequences {plen[:8]} -->",
               flush=True)
     print("| shape | batch | nodes | " + " | ".join(f"{f}, {d}/{c}" for f in FORMS for d, c in PRECISIONS) + " |")
     print("|---|---|---|" + "---|" * (len(FORMS) * len(PRECISIONS)))

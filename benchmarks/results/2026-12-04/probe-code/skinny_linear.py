@@ -22,7 +22,7 @@ from specla.ops.norm import rms_norm as rms_norm_reference
 
 MAX_ROWS = 16
 # (BN, BK, num_warps, num_stages) by the input transform; chosen on one H200 by
-# benchmarks/scripts/skinny_linear_sweep.py at the GDN-1.3B shapes
+# skinny_linear_sweep.py (beside this file) at the GDN-1.3B shapes
 TUNING = {"plain": (16, 256, 4, 4), "norm": (32, 512, 4, 3), "swiglu": (16, 512, 4, 4), "pdl": False}
 
 
@@ -104,7 +104,8 @@ def _check(x: Tensor, weight: Tensor, norm: tuple[Tensor, float] | None, swiglu:
     if swiglu and x.shape[1] % 2:
         raise ValueError(f"swiglu needs an even input width, got {x.shape[1]}")
     if weight.shape[1] != K:
-        raise ValueError(f"weight {list(weight.shape)} does not multiply an input of width {K}")
+        what = f"SwiGLU's output of width {K} (x has {x.shape[1]} columns)" if swiglu else f"an input of width {K}"
+        raise ValueError(f"weight {list(weight.shape)} does not multiply {what}")
     if norm is not None and norm[0].shape != (K,):
         raise ValueError(f"norm weight must be [{K}], got {list(norm[0].shape)}")
     if residual is not None and residual.shape != (x.shape[0], weight.shape[0]):
@@ -125,13 +126,15 @@ def skinny_linear(x: Tensor, weight: Tensor, *, norm: tuple[Tensor, float] | Non
             compute, rounded to x's dtype), ``Kx = K``.
         swiglu: ``f`` is SwiGLU of the stacked gate/up halves (:func:`specla.ops.act.swiglu`),
             ``Kx = 2 K``. Otherwise ``f`` is the identity, ``Kx = K``.
-        residual: ``[M, N]`` in x's dtype with a dense last dim: the result is added to it and
+        residual: ``[M, N]`` in x's dtype with a dense last dim, sharing no memory with x (the
+            programs write it while others read x): the result is added to it and
             written into it (it is returned).
     Returns:
         ``[M, N]`` in x's dtype (``residual`` itself when given, else a new contiguous tensor).
     Raises:
-        ValueError: shapes, dtypes or devices disagree, ``M`` is outside ``[1, 16]``, or both
-            ``norm`` and ``swiglu`` are given.
+        ValueError: shapes, dtypes or devices disagree, ``M`` is outside ``[1, 16]``, both
+            ``norm`` and ``swiglu`` are given, or ``residual`` shares memory with x or
+            between its rows.
     """
     K = _check(x, weight, norm, swiglu, residual)
     M, N = x.shape[0], weight.shape[0]
@@ -142,15 +145,19 @@ def skinny_linear(x: Tensor, weight: Tensor, *, norm: tuple[Tensor, float] | Non
     if residual is not None and (residual.dtype != x.dtype or residual.stride(1) != 1):
         raise ValueError(f"residual must be {x.dtype} with a dense last dim, got {residual.dtype}, "
                          f"strides {residual.stride()}")
-    if len({x.device, weight.device} | ({residual.device} if residual is not None else set())) != 1:
-        raise ValueError("x, weight and residual must be on one device")
+    if residual is not None and (residual.stride(0) < residual.shape[1] and residual.shape[0] > 1
+                                 or residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
+        raise ValueError("residual must have its own rows and share no memory with x")
+    devices = {x.device, weight.device} | {t.device for t in (residual, norm[0] if norm else None) if t is not None}
+    if len(devices) != 1:
+        raise ValueError("x, weight, norm weight and residual must be on one device")
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
     BN, BK, warps, stages = TUNING["swiglu" if swiglu else "norm" if norm is not None else "plain"]
     BK = min(BK, max(16, triton.next_power_of_2(K)))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if residual is None else residual
-    nw, eps = norm if norm is not None else (weight, 0.0)
+    nw, eps = (norm[0].contiguous(), norm[1]) if norm is not None else (weight, 0.0)
     res = residual if residual is not None else y
     _skinny_linear_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, res, nw, M, N, K, x.stride(0), y.stride(0), res.stride(0), K, float(eps),

@@ -11,7 +11,7 @@ One H200-class GPU, bfloat16. Each row is one GDN-1.3B block's linear layer as t
 the residual; ``w_gu``: RMSNorm, then the stacked gate/up projection; ``w_down``: SwiGLU, then the
 down projection added into the residual; ``lm_head``: final RMSNorm, then the LM head). Times are
 µs per layer, the median of 5 replays of a CUDA graph that runs the layer on 24 distinct weight
-copies in turn (more bytes than the L2 holds, as a step's 24 layers), and the weight's effective
+copies in turn (the LM head on 4; more bytes than the L2 holds, as a step's 24 layers), and the weight's effective
 bandwidth in TB/s. ``--sweep`` prints every ``(BN, BK, warps, stages)`` and the best per row.
 """
 import argparse
