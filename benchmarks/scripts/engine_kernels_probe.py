@@ -91,8 +91,7 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
 
     def keep_verify(q, k, v, g, beta, state, mask, scale, pending=None, out=None):
         # copies: the state and the pending commit's buffers are the engine's, rewritten by later
-        # steps; preferred, the first call whose every sequence commits a path (a prefill's pass
-        # commits none)
+        # steps; the first call whose every sequence commits a path (a prefill's pass commits none)
         if pending is not None and "verify" not in cap and bool((pending.path_len > 0).all()):
             kept = tuple(x.clone() for x in (q, k, v, g, beta, state, mask))
             cap["verify"] = kept + (scale, mapped(pending, torch.clone))
@@ -226,8 +225,8 @@ def main():
         caps[name] = (captured_inputs(shape, int(B), a.device), int(B))
         q, v = caps[name][0]["verify"][0], caps[name][0]["verify"][2]
         plen = caps[name][0]["verify"][8].path_len.tolist()
-        print(f"<!-- {name}: q {q.dtype} {list(q.shape)}, v {v.dtype} {list(v.shape)}, pending path lengths of the first 8 sequences {plen[:8]} -->",
-              flush=True)
+        print(f"<!-- {name}: q {q.dtype} {list(q.shape)}, v {v.dtype} {list(v.shape)}, "
+              f"pending path lengths of the first 8 sequences {plen[:8]} -->", flush=True)
     print("| shape | batch | nodes | " + " | ".join(f"{f}, {d}/{c}" for f in FORMS for d, c in PRECISIONS) + " |")
     print("|---|---|---|" + "---|" * (len(FORMS) * len(PRECISIONS)))
     for name, (cap, B) in caps.items():
