@@ -351,3 +351,32 @@ def test_the_kernel_level_follows_weights_changed_in_place():
         head.load_state_dict(EagleHead(64, num_heads=1).state_dict())
         torch.testing.assert_close(head.finish(h.clone(), attended, kernels=True), head.finish(h, attended))
         assert head._gate_up() is buffer
+
+
+class _RunsCode:
+    """Pickles as a call of ``pathlib.Path.touch``: loading the pickle with ``weights_only=False``
+    would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    """--resume reads out/checkpoint.pt with weights_only=True: a pickle in a drafter folder
+    someone else wrote is refused with a DrafterError and the code in it never runs."""
+    from specla import DrafterError
+    from specla.drafters.training import check_output
+
+    out, marker = tmp_path / "drafter", tmp_path / "ran"
+    out.mkdir()
+    torch.save({"step": 1, "payload": _RunsCode(marker)}, out / "checkpoint.pt")
+    with pytest.raises(DrafterError, match=r"checkpoint\.pt is not a readable checkpoint \(UnpicklingError"):
+        check_output(out, DrafterTrainConfig(), resume=True)
+    assert not marker.exists()
+    torch.load(out / "checkpoint.pt", weights_only=False)  # the file does run code when unpickled as before
+    assert marker.exists()

@@ -222,8 +222,9 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
             ``out`` holds a ``config.json`` that is not a drafter's (a model checkpoint, e.g. the
             target's own folder), whatever the flags;
             ``out`` holds drafter files and neither ``overwrite`` nor ``resume`` with a
-            checkpoint there (the message names the folder); a checkpoint that cannot be read,
-            was written with other options (each named), or has already passed ``cfg.steps``.
+            checkpoint there (the message names the folder); a checkpoint that cannot be read
+            or holds anything but tensors, containers and numbers (it is loaded with
+            ``weights_only=True``: no code in it runs), was written with other options (each named), or has already passed ``cfg.steps``.
     """
     out = Path(out)
     if resume and overwrite:
@@ -246,8 +247,8 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
         raise DrafterError(f"--resume: output folder {out} holds a drafter ({', '.join(existing)}) but no "
                            "checkpoint.pt to resume from: replace it with --overwrite (overwrite=True), or choose "
                            "another folder")
-    try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    try:  # tensors, dicts, lists and numbers only: a pickle that would run code is refused, not run
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
     except Exception as err:  # torch.load raises pickle, zip and runtime errors alike
         raise DrafterError(f"--resume: {ckpt} is not a readable checkpoint ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or "step" not in state:
