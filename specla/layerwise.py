@@ -70,13 +70,15 @@ def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
 
 
 def compiled_kernels_loaded() -> bool:
-    """Whether a module of specla's Triton kernels (``specla.ops.*_triton``) was loaded with
-    compiled, not interpreted, kernels: ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel
-    is defined, so setting it later does not make them run on the CPU."""
+    """Whether a loaded module defines Triton kernels compiled, not interpreted: specla's own
+    (``specla.ops.*_triton``, a plugin's kernel modules) or a library's (FLA's, which loading an FLA
+    model imports). ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is defined, so
+    setting it later does not make those run on the CPU, and Triton's interpreter then fails in
+    kernels defined after it too."""
     import sys
 
-    mods = [m for name, m in list(sys.modules.items()) if name.startswith("specla.ops.") and name.endswith("_triton")]
-    if not mods:
+    triton = sys.modules.get("triton")
+    if triton is None:
         return False
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction, KernelInterface
@@ -86,7 +88,9 @@ def compiled_kernels_loaded() -> bool:
             v = getattr(v, "fn", None)  # autotuners and heuristics wrap the kernel
         return isinstance(v, JITFunction)
 
-    return any(compiled(v) for m in mods for v in vars(m).values())
+    # the modules that imported Triton as a name of their own: those that define kernels
+    mods = [m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get("triton") is triton]
+    return any(compiled(v) for m in mods for v in list(vars(m).values()))
 
 
 class LayerwiseAdapter(TargetAdapter):
@@ -119,7 +123,7 @@ class LayerwiseAdapter(TargetAdapter):
 
         Raises:
             ConfigError: ``kernels="triton"`` on a non-CUDA device without ``TRITON_INTERPRET=1``,
-                or with it set only after specla's kernels were defined (compiled).
+                or with it set only after Triton kernels were defined compiled (specla's or FLA's).
         """
         if self.config.kernels == "triton" and self.device.type != "cuda":
             if os.environ.get("TRITON_INTERPRET") != "1":
@@ -128,7 +132,7 @@ class LayerwiseAdapter(TargetAdapter):
                                   "'reference'")
             if compiled_kernels_loaded():
                 raise ConfigError(f"kernels='triton' on {self.device.type}: TRITON_INTERPRET=1 was set after "
-                                  "specla's Triton kernels were loaded as compiled kernels (Triton decides when a "
+                                  "Triton kernels (specla's or FLA's) were loaded as compiled kernels (Triton decides when a "
                                   "kernel is defined); set it before Python starts")
         self.recurrent: list[Tensor] = []
         self.conv: list[Tensor | None] = []

@@ -29,11 +29,13 @@ from torch import Tensor
 from .errors import SpecError
 from .graphs import cache_capacity, check_cache_memory
 from .layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
-from .ops import conv_triton as conv_kernels
+from .ops import kernels
 from .ops.attention import commit_kv, tree_attention
 from .ops.conv import conv_ancestors, conv_window_after
 from .records import PendingCommit, Record
 from .tree import inclusive_ancestor_mask
+
+conv_kernels = kernels("specla.ops.conv_triton")
 
 
 @dataclass

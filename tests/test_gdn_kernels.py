@@ -497,31 +497,37 @@ def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
 
 
 def test_interpreter_set_after_the_kernels_loaded_is_refused_clearly():
-    """``TRITON_INTERPRET=1`` set in a process whose kernels were already defined compiled (a
-    decoder was built first) cannot take effect: ``kernels="triton"`` on the CPU raises a
-    ``ConfigError`` saying so, not Triton's "0 active drivers" at the first launch. Run in a
-    fresh process without the variable (this one has it fixed by conftest.py)."""
+    """``TRITON_INTERPRET=1`` set in a process whose Triton kernels were already defined compiled
+    (specla's, a kernel module imported first; or FLA's, which loading an FLA model imports) cannot
+    take effect: ``kernels="triton"`` on the CPU raises a ``ConfigError`` saying so, not Triton's
+    "0 active drivers" at the first launch. Run in fresh processes without the variable (this one
+    has it fixed by conftest.py)."""
     import os
     import subprocess
     import sys
 
-    code = (
-        "import os\n"
-        "from specla import SpecDecoder, ConfigError\n"
-        "from specla.registry import get_plugin\n"
-        "tiny = get_plugin('gdn').demo_checkpoint\n"
-        "SpecDecoder(tiny, config=dict(max_new_tokens=2, device='cpu'))\n"
-        "os.environ['TRITON_INTERPRET'] = '1'\n"
-        "try:\n"
-        "    SpecDecoder(tiny, config=dict(max_new_tokens=2, device='cpu', kernels='triton'))\n"
-        "except ConfigError as err:\n"
-        "    print('ConfigError:', err)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert "ConfigError: kernels='triton' on cpu: TRITON_INTERPRET=1 was set after specla's Triton kernels were " \
-           "loaded as compiled kernels" in out.stdout, out.stdout + out.stderr
+    def run(first: str) -> str:
+        code = (
+            "import os\n"
+            "from specla import SpecDecoder, ConfigError\n"
+            "from specla_gdn.plugin import TINY_TARGET as tiny\n"
+            f"{first}\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "try:\n"
+            "    SpecDecoder(tiny, config=dict(max_new_tokens=2, device='cpu', kernels='triton')).generate([[5, 6]])\n"
+            "    print('interpreted')\n"
+            "except ConfigError as err:\n"
+            "    print('ConfigError:', err)\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        return out.stdout + out.stderr
+
+    for first in ("SpecDecoder(tiny, config=dict(max_new_tokens=2, device='cpu'))", "import specla.ops.conv_triton"):
+        out = run(first)
+        assert "ConfigError: kernels='triton' on cpu: TRITON_INTERPRET=1 was set after Triton kernels (specla's or " \
+               "FLA's) were loaded as compiled kernels" in out, out
 
 
 @pytest.mark.parametrize("name", ["gva", "odd_nogate"])

@@ -53,7 +53,7 @@ from specla import SpecDecoder  # noqa: E402
 from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
 from specla.ops.conv import conv_ancestors  # noqa: E402
 from specla.records import LayerCommit  # noqa: E402
-import specla_gdn.mixer as gdn_mixer  # noqa: E402
+import specla_gdn.verify as gdn_verify  # noqa: E402  (the mixer looks its kernels up there at each call)
 import specla_gdn.verify as vk  # noqa: E402
 from specla_gdn.naive import naive_tree_gdn  # noqa: E402
 from specla_gdn.reference import gdn_commit_factor  # noqa: E402
@@ -87,7 +87,7 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
     """The first tree verify's inputs with a pending commit and the first 16-node tree conv's, from
     one ``generate`` call of a random model of ``shape`` at batch ``B``."""
     cap = {}
-    verify, conv = gdn_mixer.tree_verify, conv_kernels.tree_conv
+    verify, conv = gdn_verify.tree_verify, conv_kernels.tree_conv
 
     def keep_verify(q, k, v, g, beta, state, mask, scale, pending=None, out=None):
         # copies: the state and the pending commit's buffers are the engine's, rewritten by later
@@ -112,11 +112,11 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
         dtype=str(dtype).removeprefix("torch."), device=device, cuda_graphs="off",
         kernels="triton", max_new_tokens=4, stop_at_eos=False, budget_policy="fixed", num_draft_tokens=15,
         max_depth=6, top_k=4))
-    gdn_mixer.tree_verify, conv_kernels.tree_conv = keep_verify, keep_conv
+    gdn_verify.tree_verify, conv_kernels.tree_conv = keep_verify, keep_conv
     try:
         dec.generate(prompts)
     finally:
-        gdn_mixer.tree_verify, conv_kernels.tree_conv = verify, conv
+        gdn_verify.tree_verify, conv_kernels.tree_conv = verify, conv
     if "verify" not in cap:
         raise RuntimeError("no tree verify committed a path in every sequence: nothing to probe")
     return cap

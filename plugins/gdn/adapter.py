@@ -23,11 +23,13 @@ from specla.config import SpecConfig
 from specla.layerwise import PREFILL_CHUNK
 from specla.fla_attention import fla_attention_mixer, is_fla_attention
 from specla.mixers import Mixer, MixerAdapter
-from specla.ops import act_triton as act_kernels
-from specla.ops import norm_triton as norm_kernels
+from specla.ops import kernels
 from specla.ops.norm import gated_rms_norm, rms_norm
 
 from .mixer import GDNMixer
+
+act_kernels = kernels("specla.ops.act_triton")
+norm_kernels = kernels("specla.ops.norm_triton")
 
 
 @dataclass

@@ -15,27 +15,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specla.fla_attention import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
-from specla.ops import act_triton as act_kernels
-from specla.ops import conv_triton as conv_kernels
-from specla.ops import norm_triton as norm_kernels
+from specla.ops import kernels
 from specla.ops.act import decay_and_sigmoid_gates
 from specla.ops.conv import causal_conv, conv_window_after, conv_windows_per_node, tree_conv
 from specla.ops.norm import l2norm
 from specla.records import LayerCommit, Record, take_accepted
 
-from .commit import flush_commit
 from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
 from .reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
-from .verify import hybrid_plan, hybrid_verify, pick_verify_kernel, serial_verify, tree_verify
+
+act_kernels = kernels("specla.ops.act_triton")
+conv_kernels = kernels("specla.ops.conv_triton")
+norm_kernels = kernels("specla.ops.norm_triton")
+verify_kernels = kernels("specla_gdn.verify")
+commit_kernels = kernels("specla_gdn.commit")
 
 
 def kernel_plan(tp_choose: Callable, parents: Tensor, counts: Tensor):
-    """The verify kernel of a pass (``tp_choose(pick_verify_kernel)``: the adapter's rule, which
+    """The verify kernel of a pass (``tp_choose(verify_kernels.pick_verify_kernel)``: the adapter's rule, which
     takes ``parallel`` or ``serial`` while a CUDA graph records) and the hybrid kernel's launch
     plan when that is the choice: decided once per pass, shared by every layer."""
-    choice = tp_choose(pick_verify_kernel)
-    return choice, (hybrid_plan(parents) if choice == "hybrid" else None)
+    choice = tp_choose(verify_kernels.pick_verify_kernel)
+    return choice, (verify_kernels.hybrid_plan(parents) if choice == "hybrid" else None)
 
 
 def run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, scale, pending):
@@ -43,14 +46,14 @@ def run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, scale, 
     commit (a :class:`specla.records.LayerCommit`, or ``None``) fused. Returns ``o, delta, G``."""
     choice, hplan = plan
     if choice == "serial":
-        return serial_verify(q, k, v, g, beta, S0, counts, scale, pending=pending)
+        return verify_kernels.serial_verify(q, k, v, g, beta, S0, counts, scale, pending=pending)
     if choice == "parallel":
-        return tree_verify(q, k, v, g, beta, S0, mask, scale, pending=pending)
+        return verify_kernels.tree_verify(q, k, v, g, beta, S0, mask, scale, pending=pending)
     if pending is not None and hplan.waves and hplan.waves[0][0].shape[0] != parents.shape[0]:
         rec = pending.record  # not root-explicit: commit first, then verify unfused
-        flush_commit(S0, rec.k, rec.delta, rec.G, pending.path, pending.path_len)
+        commit_kernels.flush_commit(S0, rec.k, rec.delta, rec.G, pending.path, pending.path_len)
         pending = None
-    return hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
+    return verify_kernels.hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
 
 
 def replay_commit(S0: Tensor, rec: GDNReplayRecord, path: Tensor, path_len: Tensor) -> Tensor:
@@ -87,7 +90,7 @@ def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path
     accepted node's state; replay: ``replay(S0, rec, path, path_len)`` re-runs the recurrence).
     Returns ``(state [B, HV, K, V], window [B, C - 1, Dc] or None)``."""
     if isinstance(rec, GDNFactorRecord) and kernel:
-        S = flush_commit(S0, rec.k, rec.delta, rec.G, path, path_len)  # in place
+        S = commit_kernels.flush_commit(S0, rec.k, rec.delta, rec.G, path, path_len)  # in place
     elif isinstance(rec, GDNFactorRecord):
         S = gdn_commit_factor(S0, rec.k, rec.delta, rec.G, path, path_len)
     elif isinstance(rec, GDNReplayRecord):
@@ -204,7 +207,7 @@ class GDNMixer(RecurrentMixer):
 
     def prefills_whole(self, kernels: bool) -> bool:
         # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
-        return kernels and self.device.type == "cuda"
+        return kernels and self.device.type == "cuda" and fla_installed()
 
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
         """Whole prompts (:meth:`specla.mixers.Mixer.prefill`) on the kernel path: the tree

@@ -14,15 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specla.fla_attention import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
-from specla.ops import conv_triton as conv_kernels
+from specla.ops import kernels
 from specla.ops.conv import conv_windows_per_node, tree_conv
 from specla.records import LayerCommit, Record, take_accepted
 
-from .commit import flush_commit
 from .records import GLAFactorRecord, GLAReplayRecord, GLASnapshotRecord
 from .reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
-from .verify import pick_verify_kernel, serial_verify, tree_verify
+
+conv_kernels = kernels("specla.ops.conv_triton")
+verify_kernels = kernels("specla_gla.verify")
+commit_kernels = kernels("specla_gla.commit")
 
 
 class GLAMixer(RecurrentMixer):
@@ -85,7 +88,7 @@ class GLAMixer(RecurrentMixer):
     def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels
         # one kernel for every layer of the pass, chosen once (the rule may read the tree on the host)
-        choice = tp.shared("gla-kernel", lambda: tp.choose(pick_verify_kernel)) if kernel else "reference"
+        choice = tp.shared("gla-kernel", lambda: tp.choose(verify_kernels.pick_verify_kernel)) if kernel else "reference"
         if pending is not None:  # the conv window commits first
             self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
         if pending is not None and not kernel:
@@ -98,12 +101,12 @@ class GLAMixer(RecurrentMixer):
         S0, scale = self.S, self.K**-0.5
         fused = None if pending is None or not kernel else LayerCommit(pending, tp.path, tp.path_len)
         if choice == "serial":  # the kernels apply the pending commit to S0 in place, then verify
-            o, Gk = serial_verify(q, k, v, gk, S0, tp.counts, scale, pending=fused)
+            o, Gk = verify_kernels.serial_verify(q, k, v, gk, S0, tp.counts, scale, pending=fused)
         elif choice == "parallel":
-            o, Gk = tree_verify(q, k, v, gk, S0, tp.mask, scale, pending=fused)
+            o, Gk = verify_kernels.tree_verify(q, k, v, gk, S0, tp.mask, scale, pending=fused)
         else:
             if fused is not None:  # a tree over the kernels' size: commit, then verify unfused
-                flush_commit(S0, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
+                commit_kernels.flush_commit(S0, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
             o, Gk = tree_gla(q, k, v, gk, S0, tp.mask, scale)
         conv_x = proj if anc is not None else None
         if tp.records == "factor":
@@ -117,7 +120,7 @@ class GLAMixer(RecurrentMixer):
 
     def prefills_whole(self, kernels: bool) -> bool:
         # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
-        return kernels and self.device.type == "cuda"
+        return kernels and self.device.type == "cuda" and fla_installed()
 
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
         """Whole prompts (:meth:`specla.mixers.Mixer.prefill`) on the kernel path: the tree
@@ -142,7 +145,7 @@ class GLAMixer(RecurrentMixer):
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
         S0 = self.S
         if isinstance(record, GLAFactorRecord) and kernels:
-            flush_commit(S0, record.k, record.v, record.Gk, path, path_len)  # in place
+            commit_kernels.flush_commit(S0, record.k, record.v, record.Gk, path, path_len)  # in place
         elif isinstance(record, GLAFactorRecord):
             self.S = gla_commit_factor(S0, record.k, record.v, record.Gk, path, path_len)
         elif isinstance(record, GLAReplayRecord):

@@ -15,15 +15,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from specla.fla_attention import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
-from specla.ops import conv_triton as conv_kernels
+from specla.ops import kernels
 from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
 from specla.records import LayerCommit, Record, take_accepted
 
-from .commit import flush_commit
 from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
 from .reference import discretize, expand_groups, node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
-from .verify import pick_verify_kernel, serial_verify, tree_verify
+
+conv_kernels = kernels("specla.ops.conv_triton")
+verify_kernels = kernels("specla_mamba2.verify")
+commit_kernels = kernels("specla_mamba2.commit")
 
 
 class Mamba2Mixer(RecurrentMixer):
@@ -74,11 +77,11 @@ class Mamba2Mixer(RecurrentMixer):
         kernel = tp.kernels
         # one kernel for every layer of the pass: serial (chains), parallel, or the reference
         # path for a tree too large for the parallel kernel
-        choice = tp.shared("mamba2-kernel", lambda: tp.choose(pick_verify_kernel)) if kernel else "reference"
+        choice = tp.shared("mamba2-kernel", lambda: tp.choose(verify_kernels.pick_verify_kernel)) if kernel else "reference"
         if pending is not None:  # the delayed commit of the previous step, conv window first
             self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
             if kernel and choice == "reference":  # commit in place, then verify unfused
-                flush_commit(self.S, pending.Bm, pending.u, pending.G, tp.path, tp.path_len)
+                commit_kernels.flush_commit(self.S, pending.Bm, pending.u, pending.G, tp.path, tp.path_len)
             elif not kernel:
                 self.S = ssd_commit_factor(self.S, pending.Bm, pending.u, pending.G, tp.path, tp.path_len)
         B, T = h.shape[:2]
@@ -92,9 +95,9 @@ class Mamba2Mixer(RecurrentMixer):
         S0 = self.S
         fused = None if pending is None or choice == "reference" else LayerCommit(pending, tp.path, tp.path_len)
         if choice == "serial":  # the kernels apply the pending commit to S0 in place first
-            y, u, Gs = serial_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.counts, pending=fused)
+            y, u, Gs = verify_kernels.serial_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.counts, pending=fused)
         elif choice == "parallel":
-            y, u, Gs = tree_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.mask, pending=fused)
+            y, u, Gs = verify_kernels.tree_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.mask, pending=fused)
         else:
             y, u, Gs = tree_ssd(xs, dt, a, Bm, Cm, self.D, S0, tp.mask)
         if tp.records == "factor":
@@ -107,7 +110,7 @@ class Mamba2Mixer(RecurrentMixer):
 
     def prefills_whole(self, kernels: bool) -> bool:
         # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
-        return kernels and self.device.type == "cuda"
+        return kernels and self.device.type == "cuda" and fla_installed()
 
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
         """Whole prompts (:meth:`specla.mixers.Mixer.prefill`) on the kernel path: the tree
@@ -142,7 +145,7 @@ class Mamba2Mixer(RecurrentMixer):
             self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
             return
         if isinstance(record, Mamba2FactorRecord) and kernels:
-            flush_commit(self.S, record.Bm, record.u, record.G, path, path_len)  # in place
+            commit_kernels.flush_commit(self.S, record.Bm, record.u, record.G, path, path_len)  # in place
             self.commit_window(record.conv_x, path, path_len, True)
             return
         if isinstance(record, Mamba2FactorRecord):

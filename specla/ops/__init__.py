@@ -4,7 +4,34 @@ attention under a draft tree over a fixed-capacity KV cache with its commit (``a
 the kernels of a recorded step's bookkeeping (top-k, greedy acceptance, ancestor masks). Nothing
 here names an architecture."""
 
+import importlib
+
 import torch
+
+
+class kernels:  # noqa: N801 (used like a module: ``conv_kernels = kernels("specla.ops.conv_triton")``)
+    """A handle on a module of Triton kernels that imports it at the first attribute read.
+
+    Triton is needed only where kernels run (a CUDA device, or the tests' interpreter), so the
+    PyTorch paths import and run without it; and ``@triton.jit`` reads ``TRITON_INTERPRET`` when a
+    kernel is defined, so kernels are defined where they are first used, not at import.
+
+    Args:
+        module: the absolute module name (``"specla.ops.conv_triton"``, ``"specla_gdn.verify"``).
+    Raises:
+        ImportError: at the first attribute read, when the module or Triton cannot be imported.
+    """
+
+    __slots__ = ("_name",)
+
+    def __init__(self, module: str):
+        self._name = module
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+    def __repr__(self) -> str:
+        return f"kernels({self._name!r})"
 
 
 def check_out(out, shape: tuple, dtypes: tuple, device) -> None:
