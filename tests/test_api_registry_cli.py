@@ -14,9 +14,10 @@ from specla import SpecConfig, SpecDecoder, UnknownPluginError, UnsupportedModel
 from specla.drafters import NgramDrafter, make_drafter
 from specla.registry import available, detect_plugin, get_plugin, plugin_infos
 from specla_gdn.naive import naive_greedy_decode
+from specla_gdn.plugin import TINY_TARGET
 from conftest import make_model
 
-TINY = get_plugin("gdn").demo_checkpoint  # the trained tiny target shipped with the plugin
+TINY = TINY_TARGET  # the trained tiny target shipped with the plugin
 
 
 def test_gdn_is_discovered_through_the_entry_point():
@@ -179,6 +180,8 @@ def test_demo_is_exact_and_reports_figures():
     summary = run_demo(device="cpu", max_new_tokens=24, echo=lines.append)
     assert summary["exact_match"] is True
     assert summary["prompts"] == 6 and sum(line.startswith("=== ") for line in lines) == 6
+    assert lines[0].startswith("target: the qwen plugin's demo model, Qwen3_5ForCausalLM with 8M parameters, trained "
+                               "for minutes on a small corpus: its text loops and is not the point")
     assert summary["mean_accepted_tokens"] > 0 and summary["speedup"] > 0
     assert summary["speedup"] == pytest.approx(summary["tokens_per_s"] / summary["ar_tokens_per_s"])
 

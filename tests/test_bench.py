@@ -10,8 +10,9 @@ import pytest
 from specla import SpecConfig
 from specla.bench import format_table, gsm8k_answer, humaneval_passes, load_prompts, run_bench
 from specla.registry import get_plugin
+from specla_gdn.plugin import TINY_TARGET
 
-TINY = get_plugin("gdn").demo_checkpoint
+TINY = TINY_TARGET
 DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
 
 

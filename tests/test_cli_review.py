@@ -17,8 +17,9 @@ from specla.drafters import make_drafter
 from specla.drafters.eagle import EagleHead
 from specla.drafters.training import DrafterTrainConfig, read_texts, train_drafter
 from specla.registry import detect_plugin, get_plugin
+from specla_gdn.plugin import TINY_TARGET
 
-TINY = get_plugin("gdn").demo_checkpoint
+TINY = TINY_TARGET
 DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
 PROMPT = "def add(a, b):"
 # the greedy continuation of PROMPT on TINY: [332 '\n   ', 618 ' return', 293 ' b', 201 '\n', 201, 1042 'def', ...]
@@ -293,7 +294,7 @@ def test_train_drafter_never_writes_into_a_model_checkpoint(tmp_path, capsys):
     """``--out`` naming a folder whose config.json is not a drafter's (here the target's own
     folder) is refused even with ``--overwrite``, and the checkpoint is left as it was."""
     target = tmp_path / "tgt"
-    shutil.copytree(get_plugin("gdn").demo_checkpoint, target)
+    shutil.copytree(TINY_TARGET, target)
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "a b c d e f g " * 40}) + "\n")
     before = {p.name: p.read_bytes() for p in target.iterdir()}

@@ -17,8 +17,9 @@ from specla.drafters.eagle import EagleHead, is_eagle_dir
 from specla.drafters.training import DrafterTrainConfig, train_drafter
 from specla.registry import get_plugin
 from specla_gdn.naive import naive_greedy_decode
+from specla_gdn.plugin import TINY_TARGET
 
-TINY = get_plugin("gdn").demo_checkpoint
+TINY = TINY_TARGET
 TINY_EAGLE = TINY.parent / "tiny-eagle"
 DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
 

@@ -354,3 +354,43 @@ def test_whole_prompt_prefill_equals_transformers_greedy(variant, monkeypatch):
     FLA's chunked kernel, the attention layers causal over the prompt and written to the cache at
     once), then decoding with accepted tree drafts: outputs equal transformers' greedy decoding."""
     transformers_checks.check_whole_prompt_prefill_equals_transformers(ARCH, variant, V, monkeypatch)
+
+
+def test_the_demo_target_is_the_fla_target_in_qwen3_5_form(tmp_path):
+    """The qwen plugin's demo target is what benchmarks/targets/gdn_to_qwen3_5.py makes of the
+    trained FLA target (the same files, byte for byte), transformers' Qwen3_5ForCausalLM on its
+    PyTorch path gives FLA's own logits (FLA's kernels interpreted; float32, within 1e-4 of
+    logits up to ~16), and specla decodes the two the same, token for token."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from fla_oracle import enable_fla_interpreter, fla_forward_logits
+    from safetensors.torch import load_file
+    from specla.testing.transformers_oracle import torch_path
+    from specla_gdn.plugin import TINY_TARGET
+
+    enable_fla_interpreter()
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "targets" / "gdn_to_qwen3_5.py"
+    spec = importlib.util.spec_from_file_location("gdn_to_qwen3_5", script)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    convert.convert(TINY_TARGET, tmp_path)
+    shipped = ARCH.demo_checkpoint
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
+    ours, theirs = load_file(str(tmp_path / "model.safetensors")), load_file(str(shipped / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    from fla.models import GatedDeltaNetForCausalLM
+
+    fla = GatedDeltaNetForCausalLM.from_pretrained(str(TINY_TARGET), dtype=torch.float32).eval()
+    qwen = ARCH.load_model(shipped, dtype=torch.float32, device="cpu").eval()
+    ids = torch.randint(3, fla.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch_path(qwen):
+        got = qwen(ids, use_cache=False).logits
+    want = fla_forward_logits(fla, ids)
+    assert (got - want).abs().max().item() < 1e-4
+    cfg = dict(max_new_tokens=24, dtype="float32", stop_at_eos=False)
+    prompt = [[1, 450, 6635, 3290, 2901]]
+    assert specla.run(shipped, prompts=prompt, config=cfg).outputs == specla.run(TINY_TARGET, prompts=prompt,
+                                                                                 config=cfg).outputs

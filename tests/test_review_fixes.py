@@ -13,6 +13,7 @@ from specla.api import SpecDecoder
 from specla.errors import ConfigError, InvalidTokenError, InvalidTreeError
 from specla.interfaces import Drafter
 from specla.registry import get_plugin
+from specla_gdn.plugin import TINY_TARGET
 
 PROMPT = [55, 60, 54, 3, 5]
 
@@ -242,7 +243,7 @@ def test_a_corrupt_checkpoint_is_an_unsupported_model_naming_the_directory(tmp_p
     import json
     import shutil
 
-    tiny = get_plugin("gdn").demo_checkpoint
+    tiny = TINY_TARGET
     bad_field, truncated = tmp_path / "field", tmp_path / "weights"
     shutil.copytree(tiny, bad_field)
     cfg = json.loads((bad_field / "config.json").read_text())

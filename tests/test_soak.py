@@ -9,15 +9,16 @@ import torch
 
 import specla
 from specla.registry import get_plugin
+from specla_gdn.plugin import TINY_TARGET
 
 
 @pytest.mark.slow
 def test_8192_tokens_speculative_equals_autoregressive():
     arch = get_plugin("gdn")
-    model = arch.load_model(arch.demo_checkpoint, dtype=torch.float32, device="cpu")
+    model = arch.load_model(TINY_TARGET, dtype=torch.float32, device="cpu")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(arch.demo_checkpoint))
+    tok = AutoTokenizer.from_pretrained(str(TINY_TARGET))
     rows = (Path(specla.__file__).parent / "data" / "demo_prompts.jsonl").read_text().splitlines()
     prompt = tok(json.loads(rows[0])["prompt"], add_special_tokens=False)["input_ids"]
     cfg = dict(max_new_tokens=8192, stop_at_eos=False, num_draft_tokens=8, max_depth=6, top_k=2)
@@ -39,14 +40,14 @@ def test_8192_tokens_on_gpu_float32_identical_and_bf16_reported():
     arch = get_plugin("gdn")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(arch.demo_checkpoint))
+    tok = AutoTokenizer.from_pretrained(str(TINY_TARGET))
     rows = (Path(specla.__file__).parent / "data" / "demo_prompts.jsonl").read_text().splitlines()
     prompts = [tok(json.loads(r)["prompt"], add_special_tokens=False)["input_ids"] for r in rows[:4]]
     cfg = dict(max_new_tokens=8192, stop_at_eos=False, num_draft_tokens=8, max_depth=6, top_k=2, device="cuda",
                budget_policy="fixed")  # the recorded figures come from one timing-free schedule
     report = {}
     for dtype in ("float32", "bfloat16"):
-        model = arch.load_model(arch.demo_checkpoint, dtype=getattr(torch, dtype), device="cuda")
+        model = arch.load_model(TINY_TARGET, dtype=getattr(torch, dtype), device="cuda")
         spec = specla.run(model, "gdn", prompts=prompts, config={**cfg, "dtype": dtype})
         ar = specla.run(model, "gdn", prompts=prompts, config={**cfg, "dtype": dtype, "num_draft_tokens": 0})
         assert all(len(o) == 8192 for o in spec.outputs + ar.outputs)

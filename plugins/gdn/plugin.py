@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
-from specla.fla_attention import is_fla_attention, spread_attention_biases, without_flash_attn
+from specla.fla_attention import fla_models, is_fla_attention, spread_attention_biases, without_flash_attn
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+# trained by benchmarks/targets/train_target.py --preset tiny (docs/targets.md); the tests' trained
+# target. `specla demo` runs its Qwen3.5 form (the qwen plugin's demo target), which needs no FLA.
+TINY_TARGET = ASSETS / "tiny"
+# trained by `specla train-drafter` on that target (docs/targets.md)
+TINY_EAGLE = ASSETS / "tiny-eagle"
 
 TINY_BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, vocab_size=61, expand_v=1,
                  eos_token_id=None, initializer_range=0.1)
@@ -38,17 +44,11 @@ class GDNPlugin(ArchitecturePlugin):
     model_types = ("gated_deltanet",)
     capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
-    # trained by benchmarks/targets/train_target.py --preset tiny (docs/targets.md)
-    demo_checkpoint = Path(__file__).resolve().parent / "assets" / "tiny"
-    # trained by `specla train-drafter` on that target (docs/targets.md)
-    demo_drafters = {"eagle": Path(__file__).resolve().parent / "assets" / "tiny-eagle"}
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg = self.checkpoint_config(path)
         self.check_config(cfg)
-        with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
-            warnings.simplefilter("ignore")
-            import fla  # noqa: F401  (registers FLA's classes with transformers' Auto* factories)
+        fla_models()  # registers FLA's classes with transformers' Auto* factories
         from transformers import AutoModelForCausalLM
 
         with without_flash_attn():  # a hybrid config's attention layers: specla runs them itself
@@ -67,6 +67,7 @@ class GDNPlugin(ArchitecturePlugin):
             raise UnsupportedModelError(f"MLP activation {cfg.get('hidden_act')!r} is not supported (swish/silu only)")
 
     def check_model(self, model: torch.nn.Module) -> None:
+        fla_models()
         from fla.models import GatedDeltaNetForCausalLM
 
         if not isinstance(model, GatedDeltaNetForCausalLM):
@@ -89,9 +90,8 @@ class GDNPlugin(ArchitecturePlugin):
         Raises:
             KeyError: unknown variant.
         """
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+        fla_models()  # FLA installed, or a clear error
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
         torch.manual_seed(seed)
         with without_flash_attn():
             model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]}))

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
-from specla.fla_attention import is_fla_attention, spread_attention_biases, without_flash_attn
+from specla.fla_attention import fla_models, is_fla_attention, spread_attention_biases, without_flash_attn
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -48,9 +47,7 @@ class GLAPlugin(ArchitecturePlugin):
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg = self.checkpoint_config(path)
         self.check_config(cfg)
-        with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
-            warnings.simplefilter("ignore")
-            import fla  # noqa: F401  (registers FLA's classes with transformers' Auto* factories)
+        fla_models()  # registers FLA's classes with transformers' Auto* factories
         from transformers import AutoModelForCausalLM
 
         with without_flash_attn():  # a hybrid config's attention layers: specla runs them itself
@@ -72,6 +69,7 @@ class GLAPlugin(ArchitecturePlugin):
             raise UnsupportedModelError(f"feature_map {cfg.get('feature_map')!r} is not supported ({supported})")
 
     def check_model(self, model: torch.nn.Module) -> None:
+        fla_models()
         from fla.models import GLAForCausalLM
 
         if not isinstance(model, GLAForCausalLM):
@@ -93,9 +91,8 @@ class GLAPlugin(ArchitecturePlugin):
         Raises:
             KeyError: unknown variant.
         """
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from fla.models import GLAConfig, GLAForCausalLM
+        fla_models()  # FLA installed, or a clear error
+        from fla.models import GLAConfig, GLAForCausalLM
         torch.manual_seed(seed)
         with without_flash_attn():
             model = GLAForCausalLM(GLAConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]})).to(dtype).eval()

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from specla.config import SpecConfig
 from specla.layerwise import eos_token_ids
+from specla.fla_attention import fla_installed
 from specla.mixers import AttentionMixer, MixerAdapter, RecurrentMixer, TreePass
 from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
 from specla.records import Record, take_accepted
@@ -119,7 +120,7 @@ class KDAMixer(RecurrentMixer):
     def prefills_whole(self, kernels: bool) -> bool:
         # FLA's chunk kernels run on a GPU (their autotuner needs a driver); the layer's own
         # steps run on PyTorch either way (no specla kernel for KDA)
-        return self.device.type == "cuda"
+        return self.device.type == "cuda" and fla_installed()
 
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
         """Whole prompts from the state the layer holds (:meth:`specla.mixers.Mixer.prefill`): the short

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
+from specla.fla_attention import fla_models
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -50,9 +50,8 @@ class Mamba2Plugin(ArchitecturePlugin):
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         self.checkpoint_config(path)
         cfg_file = Path(path) / "config.json"
-        with warnings.catch_warnings():  # FLA warns that Triton cannot run on a CPU-only machine
-            warnings.simplefilter("ignore")
-            from fla.models import Mamba2Config, Mamba2ForCausalLM  # FLA's, not transformers' same-named ones
+        fla_models()  # FLA installed, or a clear error
+        from fla.models import Mamba2Config, Mamba2ForCausalLM  # FLA's, not transformers' same-named ones
 
         try:  # the config alone, through transformers (it decodes e.g. dt_limit's serialised infinity)
             config = Mamba2Config.from_pretrained(str(path))
@@ -78,6 +77,7 @@ class Mamba2Plugin(ArchitecturePlugin):
             raise UnsupportedModelError(f"dt_limit {cfg.get('dt_limit')} is not a (min, max) pair")
 
     def check_model(self, model: torch.nn.Module) -> None:
+        fla_models()
         from fla.models import Mamba2ForCausalLM
 
         if not isinstance(model, Mamba2ForCausalLM):
@@ -105,9 +105,8 @@ class Mamba2Plugin(ArchitecturePlugin):
         Raises:
             KeyError: unknown variant.
         """
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from fla.models import Mamba2Config, Mamba2ForCausalLM
+        fla_models()  # FLA installed, or a clear error
+        from fla.models import Mamba2Config, Mamba2ForCausalLM
         torch.manual_seed(seed)
         cfg = Mamba2Config(**{**TINY_BASE, **TINY_VARIANTS[variant], **overrides})
         model = Mamba2ForCausalLM(cfg).float().eval()

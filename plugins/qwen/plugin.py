@@ -47,6 +47,11 @@ class QwenPlugin(ArchitecturePlugin):
     # of the same logits differ by float32 roundings (about 6e-8 measured on the tiny variants)
     logits_tolerance = 1e-6
     model_drafters = ("mtp",)
+    # the trained tiny GDN target (docs/targets.md) in transformers' Qwen3_5ForCausalLM, every layer
+    # a GDN layer (benchmarks/targets/gdn_to_qwen3_5.py: the same logits as FLA's model), and the
+    # EAGLE drafter trained on it
+    demo_checkpoint = Path(__file__).resolve().parent / "assets" / "tiny"
+    demo_drafters = {"eagle": Path(__file__).resolve().parent / "assets" / "tiny-eagle"}
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg = self.checkpoint_config(path)
