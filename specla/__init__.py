@@ -14,6 +14,7 @@ from .errors import (
     DrafterError,
     InvalidTokenError,
     InvalidTreeError,
+    PluginLoadWarning,
     SpecError,
     TokenTypeError,
     UnknownPluginError,
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "DrafterError", "DraftTree", "Drafter", "Engine",
-    "InvalidTokenError", "InvalidTreeError", "PendingCommit", "Record", "RunResult", "RunStats",
+    "InvalidTokenError", "InvalidTreeError", "PendingCommit", "PluginLoadWarning", "Record", "RunResult", "RunStats",
     "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter", "TokenTypeError", "UnknownPluginError",
     "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",
 ]

@@ -184,11 +184,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    infos = registry.plugin_infos()
-    w = max([len("name"), *(len(p.name) for p in infos)])
+    infos, failed = registry.plugin_infos(), registry.failed_plugins()
+    w = max([len("name"), *(len(p.name) for p in infos + failed)])
     print(f"{'name':<{w}} {'distribution':<24} {'version':<10} model types")
     for p in infos:
         print(f"{p.name:<{w}} {p.distribution:<24} {p.version:<10} {', '.join(p.model_types)}")
+    if failed:  # a listing: the broken plugins are shown, and the command still succeeds
+        print("\nfailed to load (skipped):")
+        for p in failed:
+            print(f"{p.name:<{w}} {p.distribution:<24} {p.version:<10} {p.error}")
     return 0
 
 
@@ -424,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here (default: none)")
     bench.set_defaults(func=_bench)
     plug = sub.add_parser("plugins", help="list registered architecture plugins",
-                          description="List the registered architecture plugins and the model types each runs.")
+                          description="List the registered architecture plugins and the model types each runs, and the "
+                                      "plugins that failed to load, with the error.")
     plug.set_defaults(func=_plugins)
     return parser
 

@@ -48,3 +48,12 @@ class ConfigError(SpecError, ValueError):
     """A valid configuration that cannot run on this machine or with this model (e.g.
     ``kernels="triton"`` on a CPU without ``TRITON_INTERPRET=1``, ``cuda_graphs="on"`` without a
     GPU, a stop token outside the model's vocabulary)."""
+
+
+class PluginLoadWarning(UserWarning):
+    """An installed plugin is skipped: its entry point failed to import, or its
+    ``specla_architectures`` hook failed or returned something other than
+    ``ArchitecturePlugin`` instances, or an architecture name it registers is taken. The message
+    names the entry point, its distribution and version, and the error; every other plugin
+    keeps working."""
+

@@ -21,4 +21,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 @hookspec
 def specla_architectures() -> list:
     """Return the :class:`specla.interfaces.ArchitecturePlugin` instances this plugin provides
-    (usually one). Names must be unique across all installed plugins."""
+    (usually one). Names must be unique across all installed plugins: an architecture whose name
+    an earlier plugin took (the bundled plugins register first) is skipped, and so is the whole
+    plugin when this hook raises or returns anything else, each with a
+    :class:`specla.errors.PluginLoadWarning` (docs/plugins.md, "A plugin that fails to load")."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from functools import lru_cache
@@ -13,18 +15,62 @@ import pluggy
 import torch
 
 from . import hookspecs
-from .errors import UnknownPluginError, UnsupportedModelError
+from .errors import PluginLoadWarning, UnknownPluginError, UnsupportedModelError
 from .interfaces import ArchitecturePlugin
+
+
+BUILTIN_DISTRIBUTION = "specla"  # the distribution of the bundled plugins, which register first
 
 
 @dataclass(frozen=True)
 class PluginInfo:
-    """One registered architecture: its name, the distribution that installed it, and version."""
+    """One architecture plugin as ``specla plugins`` lists it.
+
+    Attributes:
+        name: the architecture name (``plugin=``); for a plugin skipped before it named its
+            architectures, its entry-point name.
+        distribution, version: the distribution that installed it (``"?"`` when unknown).
+        model_types: the ``config.model_type`` values it runs (empty for a skipped plugin).
+        error: why it was skipped (``None`` for a working plugin).
+    """
 
     name: str
     distribution: str
     version: str
     model_types: tuple[str, ...]
+    error: str | None = None
+
+    @property
+    def builtin(self) -> bool:
+        return self.distribution == BUILTIN_DISTRIBUTION
+
+    @property
+    def origin(self) -> str:
+        """``"distribution version"``."""
+        return f"{self.distribution} {self.version}"
+
+
+class _Manager(pluggy.PluginManager):
+    """pluggy's manager, plus the distribution each registered entry point came from and the
+    entry points that failed to load."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT)
+        self.add_hookspecs(hookspecs)
+        self.sources: dict[str, PluginInfo] = {}  # registered plugin name -> its entry point's origin
+        self.failed: list[PluginInfo] = []
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _skip(source: PluginInfo, name: str, error: str) -> PluginInfo:
+    """``source`` as a skipped plugin called ``name``, with a :class:`PluginLoadWarning` saying why."""
+    warnings.warn(f"specla plugin {name!r} (entry point {source.name!r} of {source.origin}) is skipped: {error}",
+                  PluginLoadWarning)
+    return PluginInfo(name, source.distribution, source.version, (), error=error)
 
 
 @lru_cache(maxsize=1)
@@ -32,74 +78,150 @@ def plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, with the ``specla.plugins`` entry points loaded: all of
     them, or only those named in the environment variable ``SPECLA_PLUGINS`` (comma-separated
     entry-point names, which for the bundled plugins are their architecture names; read once per
-    process).
+    process). Each entry point is loaded on its own, the bundled ones first: one that fails to
+    import (any exception, ``sys.exit`` included), or whose name another distribution's entry
+    point already took, is skipped with a :class:`~specla.errors.PluginLoadWarning`.
 
     Raises:
         UnknownPluginError: ``SPECLA_PLUGINS`` names an entry point that is not installed (the
             message lists the installed ones), or is set but empty; nothing is loaded then.
     """
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
+    pm = _Manager()
+    found = entry_points(group=hookspecs.ENTRY_POINT_GROUP)
     wanted = os.environ.get("SPECLA_PLUGINS")
-    if wanted is None:
-        pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP)
-        return pm
-    names = {n.strip() for n in wanted.split(",") if n.strip()}
-    installed = {ep.name for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP)}
-    if not names:
-        raise UnknownPluginError("SPECLA_PLUGINS is set but names no plugin; unset it to load every plugin")
-    if names - installed:
-        raise UnknownPluginError(f"SPECLA_PLUGINS names {', '.join(sorted(names - installed))}, which is not an "
-                                 f"installed plugin entry point; installed: {', '.join(sorted(installed)) or 'none'}")
-    for name in sorted(names):
-        pm.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP, name=name)
+    if wanted is not None:
+        names = {n.strip() for n in wanted.split(",") if n.strip()}
+        installed = {ep.name for ep in found}
+        if not names:
+            raise UnknownPluginError("SPECLA_PLUGINS is set but names no plugin; unset it to load every plugin")
+        if names - installed:
+            raise UnknownPluginError(f"SPECLA_PLUGINS names {', '.join(sorted(names - installed))}, which is not an "
+                                     f"installed plugin entry point; installed: {', '.join(sorted(installed)) or 'none'}")
+        found = [ep for ep in found if ep.name in names]
+    sources = [(PluginInfo(ep.name, ep.dist.name if ep.dist else "?", ep.dist.version if ep.dist else "?", ()), ep)
+               for ep in found]
+    for source, ep in sorted(sources, key=lambda s: (not s[0].builtin, s[0].name, s[0].distribution)):
+        if ep.name in pm.sources:
+            pm.failed.append(_skip(source, ep.name, f"the entry point name is taken by {pm.sources[ep.name].origin}"))
+            continue
+        try:
+            pm.register(ep.load(), name=ep.name)
+        except (Exception, SystemExit) as err:  # sys.exit() at import skips that plugin, not the process
+            pm.failed.append(_skip(source, ep.name, _one_line(err)))
+        else:
+            pm.sources[ep.name] = source
     return pm
 
 
+class _BadHook(Exception):
+    """A ``specla_architectures`` hook returned something other than architecture plugins."""
+
+
+def _provided(impl: pluggy.HookImpl) -> list[ArchitecturePlugin]:
+    """The architectures one plugin's ``specla_architectures`` hook returns.
+
+    Raises:
+        _BadHook: not an iterable of ``ArchitecturePlugin`` instances, each with a non-empty
+            string ``name`` and a tuple (or list) of strings ``model_types``.
+        whatever the hook raises.
+    """
+    result = impl.function()
+    if result is None or isinstance(result, (str, bytes, ArchitecturePlugin)) or not isinstance(result, Iterable):
+        raise _BadHook(f"specla_architectures() returned {type(result).__name__}, not a list of "
+                       "ArchitecturePlugin instances")
+    archs = list(result)
+    for arch in archs:
+        if not isinstance(arch, ArchitecturePlugin):
+            raise _BadHook(f"specla_architectures() returned a {type(arch).__name__} in its list, not an "
+                           "ArchitecturePlugin instance")
+        name, model_types = getattr(arch, "name", None), getattr(arch, "model_types", None)
+        if not isinstance(name, str) or not name:
+            raise _BadHook(f"{type(arch).__name__}.name is {name!r}, not a non-empty string")
+        if not isinstance(model_types, (tuple, list)) or not all(isinstance(t, str) for t in model_types):
+            raise _BadHook(f"{type(arch).__name__}.model_types is {model_types!r}, not a tuple of strings")
+    return archs
+
+
+@dataclass(frozen=True)
+class _Table:
+    archs: dict[str, tuple[ArchitecturePlugin, PluginInfo]]  # name -> (architecture, its entry point's origin)
+    infos: list[PluginInfo]  # the working ones, by name
+    failed: list[PluginInfo]
+
+
 @lru_cache(maxsize=1)
-def _architectures() -> dict[str, tuple[ArchitecturePlugin, object]]:
-    """name -> (architecture, the registered plugin module that provided it)."""
-    found: dict[str, tuple[ArchitecturePlugin, object]] = {}
-    for impl in plugin_manager().hook.specla_architectures.get_hookimpls():
-        for arch in impl.function():
-            if arch.name in found:
-                raise RuntimeError(f"two plugins register the architecture name {arch.name!r}")
-            found[arch.name] = (arch, impl.plugin)
-    return found
+def _architectures() -> _Table:
+    """Every plugin's architectures, each hook called on its own, the bundled plugins first: a
+    plugin whose hook fails, or an architecture whose name an earlier one took, is skipped with a
+    :class:`~specla.errors.PluginLoadWarning`."""
+    pm = plugin_manager()
+    archs: dict[str, tuple[ArchitecturePlugin, PluginInfo]] = {}
+    failed = list(pm.failed)
+    impls = {impl.plugin_name: impl for impl in pm.hook.specla_architectures.get_hookimpls()}
+    for name, plugin in pm.list_name_plugin():  # registration order: the bundled plugins first
+        if plugin is None:  # blocked by name
+            continue
+        source = pm.sources.get(name) or PluginInfo(name, "?", "?", ())  # registered by hand, not by entry point
+        if name not in impls:
+            failed.append(_skip(source, name, "it implements no specla_architectures hook (marked with "
+                                              "specla.hookspecs.hookimpl)"))
+            continue
+        try:
+            provided = _provided(impls[name])
+        except _BadHook as err:
+            failed.append(_skip(source, name, str(err)))
+            continue
+        except (Exception, SystemExit) as err:  # a hook's failure skips its plugin only
+            failed.append(_skip(source, name, f"specla_architectures() raised {_one_line(err)}"))
+            continue
+        for arch in provided:
+            if arch.name in archs:
+                failed.append(_skip(source, arch.name, f"the architecture name {arch.name!r} is taken by "
+                                                       f"{archs[arch.name][1].origin}"))
+            else:
+                archs[arch.name] = (arch, source)
+    infos = [PluginInfo(name, source.distribution, source.version, tuple(arch.model_types))
+             for name, (arch, source) in sorted(archs.items())]
+    return _Table(archs, infos, failed)
 
 
 def available() -> list[str]:
-    """Sorted names of every registered architecture plugin."""
-    return sorted(_architectures())
+    """Sorted names of every working architecture plugin.
+
+    A plugin that fails to load (its entry point does not import, or its hook raises or returns
+    anything but ``ArchitecturePlugin`` instances, or its architecture name is taken: bundled
+    plugins register first, then third-party ones by entry-point name) is left out with a
+    :class:`~specla.errors.PluginLoadWarning` and listed by :func:`failed_plugins`. A third-party
+    plugin declaring a model type a built-in one runs is listed: usable by name, never picked by
+    :func:`detect_plugin` (see there).
+    """
+    return sorted(_architectures().archs)
 
 
 def get_plugin(name: str) -> ArchitecturePlugin:
     """The architecture plugin called ``name``.
 
     Raises:
-        UnknownPluginError: no such plugin; the message lists the available ones.
+        UnknownPluginError: no such plugin (the message lists the available ones), or a plugin
+            of that name failed to load (the message says why).
     """
-    archs = _architectures()
-    if name not in archs:
-        raise UnknownPluginError(f"unknown plugin {name!r}; available plugins: {', '.join(sorted(archs)) or 'none'}")
-    return archs[name][0]
+    table = _architectures()
+    if name in table.archs:
+        return table.archs[name][0]
+    for bad in table.failed:
+        if bad.name == name:
+            raise UnknownPluginError(f"plugin {name!r} ({bad.origin}) failed to load: {bad.error}")
+    raise UnknownPluginError(f"unknown plugin {name!r}; available plugins: {', '.join(sorted(table.archs)) or 'none'}")
 
 
 def plugin_infos() -> list[PluginInfo]:
-    """Name, distribution and version of every registered architecture (for ``specla plugins``)."""
-    dists = {id(mod): dist for mod, dist in plugin_manager().list_plugin_distinfo()}
-    out = []
-    for name, (arch, module) in sorted(_architectures().items()):
-        dist = dists.get(id(module))
-        out.append(
-            PluginInfo(
-                name,
-                dist.project_name if dist else "?",
-                dist.version if dist else "?",
-                tuple(arch.model_types),
-            )
-        )
-    return out
+    """Every working architecture (for ``specla plugins``), by name."""
+    return list(_architectures().infos)
+
+
+def failed_plugins() -> list[PluginInfo]:
+    """The plugins skipped because they failed to load, each with its ``error``."""
+    return list(_architectures().failed)
 
 
 def model_type_of(model: torch.nn.Module | str | Path) -> str | None:
@@ -137,13 +259,13 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
         raise UnsupportedModelError(f"a model is a torch.nn.Module (transformers' or FLA's class) or a checkpoint "
                                     f"directory, got {type(model).__name__}")
     model_type = model_type_of(model)
-    matches = [arch for arch, _ in _architectures().values() if model_type in arch.model_types]
+    matches = [arch for arch, _ in _architectures().archs.values() if model_type in arch.model_types]
     if len(matches) > 1:  # one model_type, several implementations: each plugin says whether it is its own
         probe = json.loads((Path(model) / "config.json").read_text()) if isinstance(model, (str, Path)) else model
         matches = [arch for arch in matches if arch.claims(probe)] or matches
     if matches:
         return matches[0]
-    known = {n: a.model_types for n, (a, _) in _architectures().items()}
+    known = {n: a.model_types for n, (a, _) in _architectures().archs.items()}
     if model_type is None:
         if isinstance(model, torch.nn.Module):
             what = f"{type(model).__name__} has no config.model_type"

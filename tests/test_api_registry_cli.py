@@ -1,5 +1,7 @@
 """Public API, plugin registry, configuration and CLI."""
 
+import functools
+import importlib
 import json
 import subprocess
 import sys
@@ -10,6 +12,8 @@ import pytest
 import torch
 
 import specla
+import specla.cli
+from specla import registry
 from specla import SpecConfig, SpecDecoder, UnknownPluginError, UnsupportedModelError
 from specla.drafters import NgramDrafter, make_drafter
 from specla.registry import available, detect_plugin, get_plugin, plugin_infos
@@ -17,6 +21,7 @@ from specla_gdn.naive import naive_greedy_decode
 from specla_gdn.plugin import TINY_TARGET
 from conftest import make_model
 
+GDN = get_plugin("gdn")
 TINY = TINY_TARGET  # the trained tiny target shipped with the plugin
 
 
@@ -264,3 +269,136 @@ def test_a_wrong_drafter_fails_before_the_checkpoint_loads(monkeypatch, drafter,
     with pytest.raises(specla.SpecError) as err:
         SpecDecoder(TINY, drafter=drafter)
     assert type(err.value).__name__ == error
+
+
+# -- plugins that fail to load, and plugins that disagree (fake distributions on sys.path) ------------
+
+def reload_registry():
+    registry.plugin_manager.cache_clear()
+    registry._architectures.cache_clear()
+
+
+@pytest.fixture
+def install(tmp_path, monkeypatch):
+    """``install(dist, version, entry_point=module_source, ...)`` installs a fake distribution for
+    one test: each module, and a ``dist-info`` folder naming them in the ``specla.plugins`` group,
+    in a folder put on ``sys.path``; the registry is reloaded then. The test runs on caches of its
+    own, so the process's registry, with the very plugin objects other test modules hold, comes
+    back after it."""
+    for cached in ("plugin_manager", "_architectures"):
+        monkeypatch.setattr(registry, cached, functools.lru_cache(maxsize=1)(getattr(registry, cached).__wrapped__))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules = []
+
+    def install(dist: str, version: str, **plugins: str) -> None:
+        stem = dist.replace("-", "_")
+        for ep, source in plugins.items():
+            (tmp_path / f"{stem}_{ep}.py").write_text(source)
+            modules.append(f"{stem}_{ep}")
+        info = tmp_path / f"{stem}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text("[specla.plugins]\n" + "".join(f"{ep} = {stem}_{ep}\n" for ep in plugins))
+        importlib.invalidate_caches()
+        reload_registry()
+
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+HOOK = "import sys\nfrom specla.hookspecs import hookimpl\n\n@hookimpl\ndef specla_architectures():\n    {}\n"
+
+
+def gdn_fork(name: str, model_types: tuple[str, ...], claims: str = "True") -> str:
+    """A plugin module registering the GDN plugin again as ``name`` for ``model_types``."""
+    return ("from specla.hookspecs import hookimpl\nfrom specla_gdn.plugin import GDNPlugin\n\n"
+            f"class Fork(GDNPlugin):\n    name = {name!r}\n    model_types = {model_types!r}\n"
+            f"    def claims(self, model):\n        return {claims}\n\n"
+            "@hookimpl\ndef specla_architectures():\n    return [Fork()]\n")
+
+
+BROKEN = [
+    ("import no_such_module_for_specla\n", "ModuleNotFoundError: No module named 'no_such_module_for_specla'"),
+    ("def f(:\n", "SyntaxError: invalid syntax (broken_dist_bad.py, line 1)"),
+    ("raise RuntimeError('no GPU found')\n", "RuntimeError: no GPU found"),
+    ("import sys\nsys.exit('cannot start')\n", "SystemExit: cannot start"),
+    (HOOK.format("raise ValueError('bad config\\nsecond line')"),
+     "specla_architectures() raised ValueError: bad config"),
+    (HOOK.format("sys.exit(3)"), "specla_architectures() raised SystemExit: 3"),
+    (HOOK.format("return None"), "specla_architectures() returned NoneType, not a list of ArchitecturePlugin instances"),
+    (HOOK.format("return 7"), "specla_architectures() returned int, not a list of ArchitecturePlugin instances"),
+    (HOOK.format("return ['gdn']"),
+     "specla_architectures() returned a str in its list, not an ArchitecturePlugin instance"),
+    (HOOK.format("from specla_gdn.plugin import GDNPlugin\n    return [type('Nameless', (GDNPlugin,), {'name': ''})()]"),
+     "Nameless.name is '', not a non-empty string"),
+    ("def specla_architectures():\n    return []\n",
+     "it implements no specla_architectures hook (marked with specla.hookspecs.hookimpl)"),
+]
+
+
+@pytest.mark.parametrize("source, error", BROKEN, ids=[
+    "import-error", "syntax-error", "exception", "sys-exit", "hook-raises", "hook-exits", "hook-none",
+    "hook-not-iterable", "hook-not-plugins", "hook-unnamed-plugin", "no-hook"])
+def test_a_plugin_that_fails_to_load_is_skipped_with_a_warning_naming_it(install, capsys, source, error):
+    install("broken-dist", "2.5", bad=source)
+    with pytest.warns(specla.PluginLoadWarning) as caught:
+        names = available()
+    assert [str(w.message) for w in caught] == [
+        f"specla plugin 'bad' (entry point 'bad' of broken-dist 2.5) is skipped: {error}"]
+    assert {"gdn", "gla", "mamba2", "qwen", "retention"} <= set(names) and "bad" not in names
+    assert get_plugin("gdn").name == "gdn" and detect_plugin(TINY).name == "gdn"
+    with pytest.raises(UnknownPluginError) as err:
+        get_plugin("bad")
+    assert str(err.value) == f"plugin 'bad' (broken-dist 2.5) failed to load: {error}"
+    assert specla.cli.main(["plugins"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.startswith("name ") and "\ngdn " in listing
+    assert listing.endswith(f"\n\nfailed to load (skipped):\nbad           broken-dist              2.5        {error}\n")
+
+
+def test_models_still_run_beside_broken_plugins_and_naming_one_is_a_one_line_error(install, capsys):
+    install("broken-dist", "2.5", bad=BROKEN[0][0], worse=HOOK.format("return None"))
+    with pytest.warns(specla.PluginLoadWarning):
+        dec = SpecDecoder(TINY, config=dict(max_new_tokens=5, dtype="float64"))
+    assert dec.plugin.name == "gdn"
+    out = dec.generate([[5, 6, 7]])
+    assert out.outputs == [naive_greedy_decode(dec.model, [5, 6, 7], 5)]
+    assert get_plugin("gdn").demo_checkpoint == TINY
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        specla.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "worse"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("specla: error: plugin 'worse' (broken-dist 2.5) failed to load: "
+                                       "specla_architectures() returned NoneType, not a list of ArchitecturePlugin "
+                                       "instances\n")
+
+
+def test_a_taken_architecture_or_entry_point_name_skips_the_later_plugin_only(install, capsys):
+    install("twin-dist", "1.1", atwin=gdn_fork("twin", ("twin_type",)), btwin=gdn_fork("twin", ("other_type",)),
+            fakegdn=gdn_fork("gdn", ("twin_type",)))
+    install("clash-dist", "1.0", gdn=gdn_fork("gdn2", ("twin_type",)))
+    with pytest.warns(specla.PluginLoadWarning) as caught:
+        names = available()
+    assert [str(w.message) for w in caught] == [
+        "specla plugin 'gdn' (entry point 'gdn' of clash-dist 1.0) is skipped: the entry point name is taken by "
+        "specla 0.1.0",
+        "specla plugin 'twin' (entry point 'btwin' of twin-dist 1.1) is skipped: the architecture name 'twin' is "
+        "taken by twin-dist 1.1",
+        "specla plugin 'gdn' (entry point 'fakegdn' of twin-dist 1.1) is skipped: the architecture name 'gdn' is "
+        "taken by specla 0.1.0"]
+    assert "twin" in names and "gdn2" not in names and get_plugin("twin").model_types == ("twin_type",)
+    assert type(get_plugin("gdn")).__module__ == "specla_gdn.plugin"
+    assert specla.cli.main(["plugins"]) == 0
+    assert capsys.readouterr().out.endswith(
+        "failed to load (skipped):\n"
+        "gdn           clash-dist               1.0        the entry point name is taken by specla 0.1.0\n"
+        "twin          twin-dist                1.1        the architecture name 'twin' is taken by twin-dist 1.1\n"
+        "gdn           twin-dist                1.1        the architecture name 'gdn' is taken by specla 0.1.0\n")
+
+
+def test_the_fake_distributions_leave_the_process_registry_as_it_was():
+    """``install`` ran in earlier tests of this module: the plugin objects held since import are
+    still the registered ones (test_mamba2_hybrid compares them by identity)."""
+    assert get_plugin("gdn") is GDN
+    assert "twin" not in available() and registry.failed_plugins() == []
