@@ -188,7 +188,8 @@ def _plugins(args: argparse.Namespace) -> int:
     w = max([len("name"), *(len(p.name) for p in infos + failed)])
     print(f"{'name':<{w}} {'distribution':<24} {'version':<10} model types")
     for p in infos:
-        print(f"{p.name:<{w}} {p.distribution:<24} {p.version:<10} {', '.join(p.model_types)}")
+        notes = f"  ({'; '.join(p.notes)})" if p.notes else ""
+        print(f"{p.name:<{w}} {p.distribution:<24} {p.version:<10} {', '.join(p.model_types)}{notes}")
     if failed:  # a listing: the broken plugins are shown, and the command still succeeds
         print("\nfailed to load (skipped):")
         for p in failed:
@@ -428,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here (default: none)")
     bench.set_defaults(func=_bench)
     plug = sub.add_parser("plugins", help="list registered architecture plugins",
-                          description="List the registered architecture plugins and the model types each runs, and the "
-                                      "plugins that failed to load, with the error.")
+                          description="List the registered architecture plugins, the model types each runs (with the "
+                                      "plugin auto-detection picks where several run one), and the plugins that "
+                                      "failed to load, with the error.")
     plug.set_defaults(func=_plugins)
     return parser
 

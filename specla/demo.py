@@ -25,15 +25,16 @@ def demo_prompts() -> list[dict]:
 
 
 def default_checkpoint() -> tuple[str, object]:
-    """``(plugin name, checkpoint dir)`` of the first registered plugin that ships a demo model.
+    """``(plugin name, checkpoint dir)`` of the first registered plugin that ships a demo model,
+    the built-in ones first (a third-party plugin does not replace the bundled demo).
 
     Raises:
         RuntimeError: no installed plugin ships one.
     """
-    for name in registry.available():
-        path = registry.get_plugin(name).demo_checkpoint
+    for info in sorted(registry.plugin_infos(), key=lambda p: not p.builtin):  # stable: by name within each
+        path = registry.get_plugin(info.name).demo_checkpoint
         if path is not None:
-            return name, path
+            return info.name, path
     raise RuntimeError("no installed plugin ships a demo checkpoint")
 
 

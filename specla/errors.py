@@ -57,3 +57,7 @@ class PluginLoadWarning(UserWarning):
     names the entry point, its distribution and version, and the error; every other plugin
     keeps working."""
 
+
+class PluginConflictWarning(UserWarning):
+    """A third-party plugin declares a ``model_type`` a built-in plugin runs: it stays usable by
+    name (``plugin=``), and auto-detection picks the built-in one."""

@@ -15,11 +15,11 @@ import pluggy
 import torch
 
 from . import hookspecs
-from .errors import PluginLoadWarning, UnknownPluginError, UnsupportedModelError
+from .errors import PluginConflictWarning, PluginLoadWarning, UnknownPluginError, UnsupportedModelError
 from .interfaces import ArchitecturePlugin
 
 
-BUILTIN_DISTRIBUTION = "specla"  # the distribution of the bundled plugins, which register first
+BUILTIN_DISTRIBUTION = "specla"  # the distribution of the bundled plugins, which win auto-detection
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class PluginInfo:
             architectures, its entry-point name.
         distribution, version: the distribution that installed it (``"?"`` when unknown).
         model_types: the ``config.model_type`` values it runs (empty for a skipped plugin).
+        notes: one line per model type it shares with another plugin: which one auto-detection
+            picks, or that :meth:`ArchitecturePlugin.claims` decides.
         error: why it was skipped (``None`` for a working plugin).
     """
 
@@ -38,6 +40,7 @@ class PluginInfo:
     distribution: str
     version: str
     model_types: tuple[str, ...]
+    notes: tuple[str, ...] = ()
     error: str | None = None
 
     @property
@@ -95,8 +98,9 @@ def plugin_manager() -> pluggy.PluginManager:
         if not names:
             raise UnknownPluginError("SPECLA_PLUGINS is set but names no plugin; unset it to load every plugin")
         if names - installed:
-            raise UnknownPluginError(f"SPECLA_PLUGINS names {', '.join(sorted(names - installed))}, which is not an "
-                                     f"installed plugin entry point; installed: {', '.join(sorted(installed)) or 'none'}")
+            raise UnknownPluginError(f"SPECLA_PLUGINS names {', '.join(sorted(names - installed))}, which is not "
+                                     f"an installed plugin entry point; installed: "
+                                     f"{', '.join(sorted(installed)) or 'none'}")
         found = [ep for ep in found if ep.name in names]
     sources = [(PluginInfo(ep.name, ep.dist.name if ep.dist else "?", ep.dist.version if ep.dist else "?", ()), ep)
                for ep in found]
@@ -153,7 +157,9 @@ class _Table:
 def _architectures() -> _Table:
     """Every plugin's architectures, each hook called on its own, the bundled plugins first: a
     plugin whose hook fails, or an architecture whose name an earlier one took, is skipped with a
-    :class:`~specla.errors.PluginLoadWarning`."""
+    :class:`~specla.errors.PluginLoadWarning`; a third-party architecture declaring a model type a
+    bundled one runs gets a :class:`~specla.errors.PluginConflictWarning` (once: the table is
+    cached)."""
     pm = plugin_manager()
     archs: dict[str, tuple[ArchitecturePlugin, PluginInfo]] = {}
     failed = list(pm.failed)
@@ -180,9 +186,29 @@ def _architectures() -> _Table:
                                                        f"{archs[arch.name][1].origin}"))
             else:
                 archs[arch.name] = (arch, source)
-    infos = [PluginInfo(name, source.distribution, source.version, tuple(arch.model_types))
-             for name, (arch, source) in sorted(archs.items())]
+    infos = []
+    for name, (arch, source) in sorted(archs.items()):
+        notes = []
+        for model_type in arch.model_types:
+            picked = [a.name for a, _ in _runners(model_type, archs)]
+            if name not in picked:
+                warnings.warn(f"specla plugin {name!r} ({source.origin}) declares model_type {model_type!r}, which "
+                              f"the built-in plugin {' and '.join(map(repr, picked))} runs: auto-detection picks the "
+                              f"built-in one; pass plugin={name!r} (--plugin {name}) to use {name!r}",
+                              PluginConflictWarning)
+                notes.append(f"{model_type}: auto-detection picks {', '.join(picked)} (built-in)")
+            elif len(picked) > 1:
+                notes.append(f"{model_type}: shared with {', '.join(p for p in picked if p != name)}; claims() decides")
+        infos.append(PluginInfo(name, source.distribution, source.version, tuple(arch.model_types), tuple(notes)))
     return _Table(archs, infos, failed)
+
+
+def _runners(model_type: str | None, archs: dict[str, tuple[ArchitecturePlugin, PluginInfo]]
+             ) -> list[tuple[ArchitecturePlugin, PluginInfo]]:
+    """The plugins auto-detection chooses among for ``model_type``: the built-in ones that run
+    it, or, when none does, the third-party ones."""
+    found = [(arch, source) for arch, source in archs.values() if model_type in arch.model_types]
+    return [(arch, source) for arch, source in found if source.builtin] or found
 
 
 def available() -> list[str]:
@@ -215,7 +241,8 @@ def get_plugin(name: str) -> ArchitecturePlugin:
 
 
 def plugin_infos() -> list[PluginInfo]:
-    """Every working architecture (for ``specla plugins``), by name."""
+    """Every working architecture (for ``specla plugins``), by name, with a note for each model
+    type it shares with another plugin."""
     return list(_architectures().infos)
 
 
@@ -247,22 +274,36 @@ def model_type_of(model: torch.nn.Module | str | Path) -> str | None:
 
 
 def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
-    """The plugin whose ``model_types`` contains the model's ``config.model_type`` (among several,
-    the first whose :meth:`ArchitecturePlugin.claims` accepts the model).
+    """The plugin whose ``model_types`` contains the model's ``config.model_type``.
+
+    When plugins disagree: a built-in plugin (one of the ``specla`` distribution) that runs the
+    model type wins over every third-party one (which stays usable by name, ``plugin=``, and was
+    announced by a :class:`~specla.errors.PluginConflictWarning`). Among several built-in ones,
+    the first whose :meth:`ArchitecturePlugin.claims` accepts the model is picked; among several
+    third-party ones, the one ``claims`` singles out, and none when it singles out none.
 
     Raises:
         UnsupportedModelError: ``model`` is neither a ``torch.nn.Module`` nor a path, no
-            registered plugin runs its model type (or it has none), or a checkpoint
-            directory's ``config.json`` is not a valid JSON object.
+            registered plugin runs its model type (or it has none), several third-party plugins
+            run it and their ``claims`` do not single one out (the message names them: pass
+            ``plugin=``), or a checkpoint directory's ``config.json`` is not a valid JSON object.
     """
     if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
         raise UnsupportedModelError(f"a model is a torch.nn.Module (transformers' or FLA's class) or a checkpoint "
                                     f"directory, got {type(model).__name__}")
     model_type = model_type_of(model)
-    matches = [arch for arch, _ in _architectures().archs.values() if model_type in arch.model_types]
+    runners = _runners(model_type, _architectures().archs)
+    matches = [arch for arch, _ in runners]
     if len(matches) > 1:  # one model_type, several implementations: each plugin says whether it is its own
         probe = json.loads((Path(model) / "config.json").read_text()) if isinstance(model, (str, Path)) else model
-        matches = [arch for arch in matches if arch.claims(probe)] or matches
+        claimed = [arch for arch in matches if arch.claims(probe)]
+        if len(claimed) != 1 and not runners[0][1].builtin:  # third-party plugins are not ordered: no silent pick
+            names = " and ".join(f"{arch.name!r} ({source.origin})" for arch, source in runners
+                                 if arch in (claimed or matches))
+            raise UnsupportedModelError(f"the plugins {names} all run model_type {model_type!r} and their claims() "
+                                        f"do not single one out for this model: pass plugin= (the CLI's --plugin) "
+                                        f"naming one")
+        matches = claimed or matches
     if matches:
         return matches[0]
     known = {n: a.model_types for n, (a, _) in _architectures().archs.items()}

@@ -298,7 +298,8 @@ def install(tmp_path, monkeypatch):
         info = tmp_path / f"{stem}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        (info / "entry_points.txt").write_text("[specla.plugins]\n" + "".join(f"{ep} = {stem}_{ep}\n" for ep in plugins))
+        lines = "".join(f"{ep} = {stem}_{ep}\n" for ep in plugins)
+        (info / "entry_points.txt").write_text(f"[specla.plugins]\n{lines}")
         importlib.invalidate_caches()
         reload_registry()
 
@@ -326,11 +327,13 @@ BROKEN = [
     (HOOK.format("raise ValueError('bad config\\nsecond line')"),
      "specla_architectures() raised ValueError: bad config"),
     (HOOK.format("sys.exit(3)"), "specla_architectures() raised SystemExit: 3"),
-    (HOOK.format("return None"), "specla_architectures() returned NoneType, not a list of ArchitecturePlugin instances"),
+    (HOOK.format("return None"),
+     "specla_architectures() returned NoneType, not a list of ArchitecturePlugin instances"),
     (HOOK.format("return 7"), "specla_architectures() returned int, not a list of ArchitecturePlugin instances"),
     (HOOK.format("return ['gdn']"),
      "specla_architectures() returned a str in its list, not an ArchitecturePlugin instance"),
-    (HOOK.format("from specla_gdn.plugin import GDNPlugin\n    return [type('Nameless', (GDNPlugin,), {'name': ''})()]"),
+    (HOOK.format("from specla_gdn.plugin import GDNPlugin\n"
+                 "    return [type('Nameless', (GDNPlugin,), {'name': ''})()]"),
      "Nameless.name is '', not a non-empty string"),
     ("def specla_architectures():\n    return []\n",
      "it implements no specla_architectures hook (marked with specla.hookspecs.hookimpl)"),
@@ -354,7 +357,8 @@ def test_a_plugin_that_fails_to_load_is_skipped_with_a_warning_naming_it(install
     assert specla.cli.main(["plugins"]) == 0
     listing = capsys.readouterr().out
     assert listing.startswith("name ") and "\ngdn " in listing
-    assert listing.endswith(f"\n\nfailed to load (skipped):\nbad           broken-dist              2.5        {error}\n")
+    assert listing.endswith(f"\n\nfailed to load (skipped):\n"
+                            f"bad           broken-dist              2.5        {error}\n")
 
 
 def test_models_still_run_beside_broken_plugins_and_naming_one_is_a_one_line_error(install, capsys):
@@ -372,6 +376,45 @@ def test_models_still_run_beside_broken_plugins_and_naming_one_is_a_one_line_err
     assert capsys.readouterr().err == ("specla: error: plugin 'worse' (broken-dist 2.5) failed to load: "
                                        "specla_architectures() returned NoneType, not a list of ArchitecturePlugin "
                                        "instances\n")
+
+
+def test_a_third_party_plugin_claiming_a_built_in_model_type_is_used_by_name_only(install, capsys):
+    install("gdn-fork", "0.3", fork=gdn_fork("gdnfork", ("gated_deltanet",)))
+    with pytest.warns(specla.PluginConflictWarning) as caught:
+        assert detect_plugin(TINY).name == "gdn"
+    assert [str(w.message) for w in caught] == [
+        "specla plugin 'gdnfork' (gdn-fork 0.3) declares model_type 'gated_deltanet', which the built-in plugin "
+        "'gdn' runs: auto-detection picks the built-in one; pass plugin='gdnfork' (--plugin gdnfork) to use 'gdnfork'"]
+    assert detect_plugin(make_model()).name == "gdn"
+    assert SpecDecoder(TINY).plugin.name == "gdn"
+    assert SpecDecoder(TINY, "gdnfork").plugin.name == "gdnfork"
+    assert {p.name: p.notes for p in plugin_infos()}["gdnfork"] == (
+        "gated_deltanet: auto-detection picks gdn (built-in)",)
+    assert specla.cli.main(["plugins"]) == 0
+    assert ("\ngdnfork       gdn-fork                 0.3        gated_deltanet  (gated_deltanet: auto-detection "
+            "picks gdn (built-in))\n") in capsys.readouterr().out
+
+
+AMBIGUOUS = ("the plugins 'forka' (fork-a 1.0) and 'forkb' (fork-b 2.0) all run model_type 'fork_type' and their "
+             "claims() do not single one out for this model: pass plugin= (the CLI's --plugin) naming one")
+
+
+@pytest.mark.parametrize("claims_a, claims_b, picked", [("True", "True", AMBIGUOUS), ("False", "False", AMBIGUOUS),
+                                                        ("False", "True", "forkb"), ("True", "False", "forka")])
+def test_third_party_plugins_sharing_a_model_type_need_claims_or_a_name(install, tmp_path, claims_a, claims_b, picked):
+    install("fork-a", "1.0", forka=gdn_fork("forka", ("fork_type",), claims_a))
+    install("fork-b", "2.0", forkb=gdn_fork("forkb", ("fork_type",), claims_b))
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"model_type": "fork_type"}')
+    if picked == AMBIGUOUS:
+        with pytest.raises(UnsupportedModelError) as err:
+            detect_plugin(checkpoint)
+        assert str(err.value) == AMBIGUOUS
+    else:
+        assert detect_plugin(checkpoint).name == picked
+    assert get_plugin("forka").name == "forka" and get_plugin("forkb").name == "forkb"
+    assert {p.name: p.notes for p in plugin_infos()}["forka"] == ("fork_type: shared with forkb; claims() decides",)
 
 
 def test_a_taken_architecture_or_entry_point_name_skips_the_later_plugin_only(install, capsys):
@@ -397,8 +440,15 @@ def test_a_taken_architecture_or_entry_point_name_skips_the_later_plugin_only(in
         "gdn           twin-dist                1.1        the architecture name 'gdn' is taken by specla 0.1.0\n")
 
 
+def test_the_demo_runs_the_built_in_checkpoint_beside_a_third_party_plugin_that_ships_one(install):
+    from specla.demo import default_checkpoint
+
+    install("gdn-fork", "0.3", fork=gdn_fork("agdn", ("agdn_type",)))  # sorts before gdn, inherits its demo
+    assert get_plugin("agdn").demo_checkpoint == TINY
+    assert default_checkpoint() == ("gdn", TINY)
+
 def test_the_fake_distributions_leave_the_process_registry_as_it_was():
     """``install`` ran in earlier tests of this module: the plugin objects held since import are
     still the registered ones (test_mamba2_hybrid compares them by identity)."""
     assert get_plugin("gdn") is GDN
-    assert "twin" not in available() and registry.failed_plugins() == []
+    assert "agdn" not in available() and registry.failed_plugins() == []
