@@ -46,11 +46,9 @@ versions), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import os
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +62,9 @@ from specla.interfaces import Drafter
 from specla.tree import DraftTree
 from specla_gdn.adapter import GDNAdapter
 from specla_gdn.reference import expand_heads, tree_gdn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import library_versions, source_commit  # noqa: E402
 
 VOCAB = 32000
 CHAIN = dict(num_draft_tokens=6, max_depth=6, top_k=1)
@@ -495,33 +496,6 @@ def exact_rate(outputs: list[list[int]], ref: list[list[int]]) -> float:
     if any(len(o) > len(r) for o, r in zip(outputs, ref)):
         raise ValueError("an output is longer than its reference: it cannot be checked")
     return sum(o == r[: len(o)] for o, r in zip(outputs, ref)) / len(ref)
-
-
-def library_versions() -> dict[str, str]:
-    """The installed versions of the libraries a run's figures depend on (``not installed``
-    for a missing one): torch, triton, transformers and FLA's two packages."""
-    out = {}
-    for name in ("torch", "triton", "transformers", "flash-linear-attention", "fla-core"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-def source_commit() -> str:
-    """The commit the run measures: ``$SPECLA_COMMIT`` (for a copy of the tree without ``.git``),
-    else ``git rev-parse HEAD`` (with ``+dirty`` for uncommitted changes), else ``unknown``."""
-    if os.environ.get("SPECLA_COMMIT"):
-        return os.environ["SPECLA_COMMIT"]
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def measured_profile(spec: str, D: int = 6) -> list[float]:

@@ -86,7 +86,7 @@ def compiled_kernels_loaded() -> bool:
     def compiled(v) -> bool:
         while isinstance(v, KernelInterface) and not isinstance(v, (JITFunction, InterpretedFunction)):
             v = getattr(v, "fn", None)  # autotuners and heuristics wrap the kernel
-        return isinstance(v, JITFunction)
+        return type(v) is JITFunction  # @triton.jit's; Gluon's subclass is never interpreted
 
     # the modules that imported Triton as a name of their own: those that define kernels
     mods = [m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get("triton") is triton]

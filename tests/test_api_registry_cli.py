@@ -368,7 +368,6 @@ def test_models_still_run_beside_broken_plugins_and_naming_one_is_a_one_line_err
     assert dec.plugin.name == "gdn"
     out = dec.generate([[5, 6, 7]])
     assert out.outputs == [naive_greedy_decode(dec.model, [5, 6, 7], 5)]
-    assert get_plugin("gdn").demo_checkpoint == TINY
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         specla.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "worse"])
@@ -443,9 +442,10 @@ def test_a_taken_architecture_or_entry_point_name_skips_the_later_plugin_only(in
 def test_the_demo_runs_the_built_in_checkpoint_beside_a_third_party_plugin_that_ships_one(install):
     from specla.demo import default_checkpoint
 
-    install("gdn-fork", "0.3", fork=gdn_fork("agdn", ("agdn_type",)))  # sorts before gdn, inherits its demo
+    demo = "from specla_gdn.plugin import TINY_TARGET\nFork.demo_checkpoint = TINY_TARGET\n"
+    install("gdn-fork", "0.3", fork=gdn_fork("agdn", ("agdn_type",)) + demo)  # sorts before qwen
     assert get_plugin("agdn").demo_checkpoint == TINY
-    assert default_checkpoint() == ("gdn", TINY)
+    assert default_checkpoint() == ("qwen", get_plugin("qwen").demo_checkpoint)
 
 def test_the_fake_distributions_leave_the_process_registry_as_it_was():
     """``install`` ran in earlier tests of this module: the plugin objects held since import are

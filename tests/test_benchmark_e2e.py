@@ -5,6 +5,7 @@ fixed-shape (graph) step, measured profiles are read as they were recorded, and 
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,8 @@ def test_runs_record_the_commit_they_measure(monkeypatch):
     monkeypatch.delenv("SPECLA_COMMIT")
     got = e2e.source_commit()
     assert got == "unknown" or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", got), got
-    monkeypatch.setattr(e2e.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
+    monkeypatch.setattr(sys.modules["provenance"].subprocess, "run",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
     assert e2e.source_commit() == "unknown"
 
 
