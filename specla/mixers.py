@@ -135,6 +135,13 @@ class Mixer(ABC):
         lists); none by default."""
         return []
 
+    def state_names(self) -> list[str]:
+        """What each tensor of :meth:`state` holds, in its order, for messages (the conformance
+        suite names the state that differs from plain decoding's): by default ``'recurrent'``
+        for those :meth:`recurrent_states` lists, ``'state j'`` for the others."""
+        recurrent = {id(t) for t in self.recurrent_states()}
+        return ["recurrent" if id(t) in recurrent else f"state {j}" for j, t in enumerate(self.state())]
+
     def check(self, tp: TreePass) -> None:
         """Raise :class:`SpecError` if this pass cannot run from the current state; called for
         every mixer before any of them runs, so that a refused pass leaves every state as it
@@ -218,6 +225,9 @@ class RecurrentMixer(Mixer):
 
     def recurrent_states(self) -> list[Tensor]:
         return [self.S]
+
+    def state_names(self) -> list[str]:
+        return ["recurrent"] + (["conv window"] if self.conv is not None else [])
 
     def commit_window(self, x: Tensor, path: Tensor, path_len: Tensor, kernel: bool) -> None:
         """Move the conv window (``conv [B, C - 1, Dc]``, a no-op without one) along an accepted
@@ -303,6 +313,11 @@ class AttentionMixer(Mixer):
         if self.shared_kv:
             return [self.k_cache, self.cache_len]
         return [self.k_cache, self.v_cache, self.cache_len]
+
+    def state_names(self) -> list[str]:
+        if self.shared_kv:
+            return ["key/value cache", "cache length"]
+        return ["key cache", "value cache", "cache length"]
 
     def empty_record(self, B: int, T: int) -> KVRecord:
         k = torch.zeros(B, T, self.HKV, self.Dh, dtype=self.dtype, device=self.device)

@@ -1,11 +1,14 @@
-"""The conformance suite's entry points: --specla-plugin through pytest, check_plugin, errors."""
+"""The conformance suite's entry points: --specla-plugin through pytest, check_plugin, errors;
+what the mixers call their states."""
 
 import subprocess
 import sys
 
 import pytest
 
+from specla.config import SpecConfig
 from specla.errors import UnknownPluginError
+from specla.registry import available, get_plugin
 from specla.testing import check_plugin
 
 
@@ -70,3 +73,14 @@ def test_a_known_failure_naming_no_suite_test_fails_the_run():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1
     assert "declares known failures for tests the suite does not have: ['test_no_such_check']" in proc.stdout
+
+
+@pytest.mark.parametrize("plugin", available())
+def test_every_installed_mixer_names_each_of_its_states(plugin):
+    """What a diagnosis calls each state tensor of every tiny variant's mixers."""
+    arch = get_plugin(plugin)
+    known = {"recurrent", "conv window", "key cache", "value cache", "key/value cache", "cache length"}
+    for variant in arch.tiny_variants:
+        for m in arch.make_adapter(arch.tiny_model(variant), SpecConfig()).mixers:
+            names = m.state_names()
+            assert len(names) == len(m.state()) and set(names) <= known, (variant, type(m).__name__, names)

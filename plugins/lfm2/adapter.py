@@ -73,6 +73,9 @@ class ShortConvMixer(Mixer):
     def state(self) -> list[Tensor]:
         return [self.conv]
 
+    def state_names(self) -> list[str]:
+        return ["conv window"]
+
     def set_state(self, tensors) -> None:
         self.conv = next(tensors)
 
