@@ -1,15 +1,25 @@
 """The conformance suite's entry points: --specla-plugin through pytest, check_plugin, errors;
-what the mixers call their states."""
+its diagnosis of a failed token comparison (specla.testing.diagnose) on deliberately broken
+commits of the gdn plugin."""
 
+import math
+import random
+import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnknownPluginError
+from specla.layerwise import LayerwiseAdapter
+from specla.mixers import AttentionMixer
 from specla.registry import available, get_plugin
-from specla.testing import check_plugin
+from specla.testing import OracleDrafter, PluginSuite, check_plugin, diagnose
+from specla.testing.diagnosis import compare_states
+from specla_gdn.adapter import GDNAdapter
 
 
 def run(code: str) -> subprocess.CompletedProcess:
@@ -73,6 +83,174 @@ def test_a_known_failure_naming_no_suite_test_fails_the_run():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1
     assert "declares known failures for tests the suite does not have: ['test_no_such_check']" in proc.stdout
+
+
+# ---------------------------------------------------------------- the diagnosis of a failed comparison
+# Broken commits of the gdn adapter (LayerwiseAdapter._commit: the decoding steps' commit; the
+# prefill, plain decoding's state in the diagnosis, commits through the mixers alone).
+
+
+def commit_next_node(self, tree, out, acceptance):
+    """Commits the state of the node after the last accepted one (the first rejected draft,
+    where there is one) instead of the last accepted node's."""
+    last = acceptance.num_accepted[:, None]
+    end = acceptance.path.gather(1, last)
+    path = acceptance.path.scatter(1, last, torch.minimum(end + 1, tree.num_nodes[:, None]))
+    LayerwiseAdapter._commit(self, tree, out, replace(acceptance, path=path))
+
+
+def commit_keeping_windows(self, tree, out, acceptance):
+    """Moves the recurrent states but leaves every conv window where it was."""
+    windows = [m.conv for m in self.mixers]
+    LayerwiseAdapter._commit(self, tree, out, acceptance)
+    self.flush()  # a delayed commit moves the windows when it is applied
+    for m, window in zip(self.mixers, windows):
+        m.conv = window
+
+
+def commit_one_draft_less(self, tree, out, acceptance):
+    """Off by one in the accepted length: the last accepted draft never reaches the state."""
+    fewer = (acceptance.num_accepted - 1).clamp(min=0)
+    LayerwiseAdapter._commit(self, tree, out, replace(acceptance, num_accepted=fewer))
+
+
+def commit_root_into_caches(self, tree, out, acceptance):
+    """The attention layers' cache length grows by the root alone, whatever was accepted."""
+    lengths = [m.cache_len if isinstance(m, AttentionMixer) else None for m in self.mixers]
+    LayerwiseAdapter._commit(self, tree, out, acceptance)
+    self.flush()
+    for m, length in zip(self.mixers, lengths):
+        if length is not None:
+            m.cache_len = length + 1
+
+
+def forced_acceptance_failure(monkeypatch, commit) -> str:
+    """The message of the suite's forced-acceptance test (factor commit) on the gdn plugin
+    with ``commit`` as its adapter's commit."""
+    monkeypatch.setattr(GDNAdapter, "_commit", commit)
+    with pytest.raises(AssertionError) as failure:
+        PluginSuite().test_forced_acceptance_patterns_token_identical(get_plugin("gdn"), random.Random(1234), "factor")
+    return str(failure.value)
+
+
+def assert_finite_difference(message: str) -> None:
+    """The message's ``max |d| X (rel Y)`` has finite positive X and Y."""
+    (x, y), = re.findall(r"max \|d\| (\S+) \(rel (\S+)\)", message)
+    assert 0 < float(x) < math.inf and 0 < float(y) < math.inf, message
+
+
+@pytest.mark.parametrize("commit, pattern, accepted, state, mismatch", [
+    (commit_next_node, "none", "0 accepted drafts", "recurrent", "position 1: 15 != 31"),
+    (commit_keeping_windows, "all", "6 accepted drafts", "conv window", "position 7: 44 != 4"),
+])
+def test_a_broken_commit_fails_the_suite_naming_the_sequence_step_layer_and_state(monkeypatch, commit, pattern,
+                                                                                   accepted, state, mismatch):
+    """The suite's forced acceptance patterns against a gdn adapter that commits the wrong node,
+    or skips the conv window: the first pattern that fails names where it left plain decoding."""
+    message = forced_acceptance_failure(monkeypatch, commit)
+    assert re.fullmatch(rf"pattern '{pattern}': speculative output differs from plain decoding: sequence 0, step 1 "
+                        rf"\(after committing {accepted}\): layer 0 '{state}' state differs from plain decoding's by "
+                        rf"max \|d\| \S+ \(rel \S+\); first token mismatch at {mismatch}", message), message
+    assert_finite_difference(message)
+
+
+def test_the_accepted_count_check_names_the_state_that_differs(monkeypatch):
+    """The adapter-level check (commit a chain of a accepted drafts, compare the next logits with
+    a fresh prefill's) names the state too, not only ``a``."""
+    monkeypatch.setattr(GDNAdapter, "_commit", commit_keeping_windows)
+    with pytest.raises(AssertionError) as failure:
+        PluginSuite().test_every_accepted_count_commits_exactly_the_accepted_tokens(get_plugin("gdn"),
+                                                                                    random.Random(1234), "factor")
+    message = str(failure.value)
+    assert re.fullmatch(r"a = 0: after committing 0 accepted drafts the next logits differ from a fresh prefill's of "
+                        r"the same tokens by max \|d\| \S+; layer 0 'conv window' state differs from plain decoding's "
+                        r"by max \|d\| \S+ \(rel \S+\)", message), message
+    assert_finite_difference(message)
+
+
+def mixed_batch(variant="base"):
+    """A tiny gdn model, a ragged batch, its reference continuations and the oracle drafter of the
+    ``mixed`` pattern (sequence 0 drafts nothing, the others their whole right chain)."""
+    arch = get_plugin("gdn")
+    model = arch.tiny_model(variant)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(61) for _ in range(n)] for n in (4, 9, 2)]
+    refs = [arch.reference_decode(model, p, 18) for p in prompts]
+    return model, prompts, refs, OracleDrafter(prompts, refs, "mixed", 61)
+
+
+def test_diagnose_names_the_first_sequence_whose_state_differs(monkeypatch):
+    """One draft less: sequence 0 drafts nothing, so sequence 1 is the first to diverge."""
+    monkeypatch.setattr(GDNAdapter, "_commit", commit_one_draft_less)
+    model, prompts, refs, drafter = mixed_batch()
+    cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12)
+    found = diagnose("gdn", model, prompts, [r[:12] for r in refs], drafter=drafter, config=cfg)
+    d = found.difference
+    assert (found.sequence, found.step, found.accepted, d.layer, d.state) == (1, 1, 6, 0, "recurrent")
+    assert 0 < d.max_abs < math.inf and 0 < d.rel < math.inf
+    assert (found.position, found.token, found.expected) == (7, 15, 47)
+
+
+def test_diagnose_names_a_hybrids_attention_layer_and_its_cache():
+    """gdn's ``attn`` variant holds softmax attention at layer 1: a commit that grows its cache
+    by the root alone is named there, by the state the attention mixer calls it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GDNAdapter, "_commit", commit_root_into_caches)
+        model, prompts, refs, drafter = mixed_batch("attn")
+        found = diagnose("gdn", model, prompts, drafter=drafter, config=dict(num_draft_tokens=6, max_new_tokens=12))
+    # sequence 1: 9 prompt tokens and 7 committed, 15 in the state; its cache holds 9
+    assert str(found) == ("sequence 1, step 1 (after committing 6 accepted drafts): layer 1 'cache length' state "
+                          "differs from plain decoding's by max |d| 6 (rel 0.4); first token mismatch at position 10: "
+                          "5 != 19")
+
+
+def test_diagnose_refuses_expected_outputs_that_do_not_match_the_prompts():
+    with pytest.raises(ValueError, match="^expected holds 1 outputs for 2 prompts$"):
+        diagnose("no-such-plugin", None, [[1], [2]], [[3]])
+
+
+def verify_with_shifted_draft_logits(self, tree):
+    """The draft nodes' logits moved one token up the vocabulary (the root's stay right)."""
+    out = LayerwiseAdapter._verify(self, tree)
+    return replace(out, logits=torch.cat([out.logits[:, :1], out.logits[:, 1:].roll(1, dims=-1)], 1))
+
+
+def test_diagnose_without_a_state_difference_names_the_first_token_mismatch(monkeypatch):
+    """Wrong logits with right states: the tokens differ while every committed state is plain
+    decoding's after the same tokens."""
+    monkeypatch.setattr(GDNAdapter, "_verify", verify_with_shifted_draft_logits)
+    model, prompts, refs, drafter = mixed_batch()
+    found = diagnose("gdn", model, prompts, drafter=drafter, config=dict(num_draft_tokens=6, max_new_tokens=12))
+    assert str(found) == ("sequence 1: every state equals plain decoding's before every verify (the verify's logits or "
+                          "the acceptance differ); first token mismatch at position 1: 47 != 46")
+
+
+@pytest.mark.parametrize("commit", ["factor", "replay"])
+@pytest.mark.parametrize("cuda_graphs", ["off", "unrecorded"])
+def test_diagnose_finds_nothing_in_a_correct_plugin(commit, cuda_graphs):
+    """The gdn plugin as shipped: every state and token equals plain decoding's, in eager steps and
+    in the fixed-shape (graph) step whose batches keep finished rows as dead copies."""
+    model, prompts, refs, drafter = mixed_batch()
+    stop = refs[2][3]  # sequence 2 stops early
+    cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12, commit=commit, cuda_graphs=cuda_graphs,
+                     stop_token_ids=(stop,))
+    assert diagnose("gdn", model, prompts, drafter=drafter, config=cfg) is None
+    assert diagnose("gdn", model, prompts, drafter=OracleDrafter(prompts, refs, "tree", 61), config=cfg) is None
+
+
+def test_compare_states_names_the_model_layer_of_a_hybrids_mixer():
+    """Nemotron-H's tiny model: Mamba2 at layers 0 and 4, attention at 1, MLP and MoE layers
+    between (no mixer): the third mixer's state is named as layer 4's, with the exact difference."""
+    arch = get_plugin("mamba2_hybrid")
+    model = arch.tiny_model("nemotron_h")
+    got, want = (arch.make_adapter(model, SpecConfig()) for _ in range(2))
+    for adapter in (got, want):
+        adapter.prefill([[5, 3, 8, 1], [2, 7]])
+    got.mixers[2].S[1, 0, 0, 0] += 0.5
+    found = compare_states(got, want, 1e-8, got_row=1, want_row=1)
+    assert (found.layer, found.state, found.max_abs) == (4, "recurrent", pytest.approx(0.5, abs=1e-12))
+    assert found.rel == pytest.approx(0.5 / want.mixers[2].S[1].abs().max().item(), rel=1e-12)
+    assert compare_states(got, want, 1e-8) is None  # row 0 untouched
 
 
 @pytest.mark.parametrize("plugin", available())

@@ -4,6 +4,8 @@
   (``class TestMyArch(PluginSuite): plugin = "myarch"``).
 - ``pytest --pyargs specla.testing --specla-plugin=NAME``: the suite against any installed plugin.
 - :func:`check_plugin`: the same without writing a pytest command line.
+- :func:`diagnose`: where a speculative run first leaves plain decoding (sequence, step, layer,
+  state), what the suite reports when a token comparison fails.
 - :class:`OracleDrafter`: a drafter that forces acceptance patterns.
 """
 
@@ -11,16 +13,21 @@ from __future__ import annotations
 
 from .drafters import OracleDrafter
 
-__all__ = ["OracleDrafter", "PluginSuite", "check_plugin"]
+__all__ = ["Divergence", "OracleDrafter", "PluginSuite", "check_plugin", "diagnose"]
 
 
 def __getattr__(name: str):
-    """``PluginSuite`` on first use: the suite imports pytest (the ``test`` extra), which the
-    runtime helpers of this package (the transformers oracle, :class:`OracleDrafter`) do not need."""
+    """``PluginSuite`` and the diagnosis on first use: the suite imports pytest (the ``test``
+    extra) and the diagnosis the decoder, which the runtime helpers of this package (the
+    transformers oracle, which plugins import, and :class:`OracleDrafter`) do not need."""
     if name == "PluginSuite":
         from .suite import PluginSuite
 
         return PluginSuite
+    if name in ("Divergence", "diagnose"):
+        from . import diagnosis
+
+        return getattr(diagnosis, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -13,7 +13,9 @@ or, without writing a file, ``pytest --pyargs specla.testing --specla-plugin=mya
 (``reference_decode``); every check goes through the public contract only (``specla.run``,
 ``TargetAdapter``), so it applies to any architecture. Capabilities gate the tree tests (a plugin
 without ``"trees"`` must reject tree drafts with a clear error); ``known_failures`` turn named
-tests into strict xfails.
+tests into strict xfails. A failed token comparison runs the batch again step by step and names
+where it first left plain decoding (:func:`specla.testing.diagnose`): the sequence, the step,
+the layer and the state, and by how much.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from hypothesis.control import current_build_context
 
 from ..acceptance import accept_greedy
 from ..config import SpecConfig
 from ..errors import InvalidTokenError, InvalidTreeError, SpecError, UnsupportedModelError
 from ..registry import get_plugin
 from ..tree import DraftTree
+from .diagnosis import compare_states, diagnose, state_tolerance
 from .drafters import OracleDrafter, ScriptedDrafter
 
 N = 6  # draft budget of the suite's runs
@@ -80,6 +84,23 @@ class PluginSuite:
     def _vocab(model) -> int:
         return model.get_input_embeddings().weight.shape[0]
 
+    @staticmethod
+    def _check_outputs(arch, model, prompts, outputs, expected, what: str, *, drafter="ngram", config=None,
+                       diagnosed: bool = True) -> None:
+        """``outputs == expected``, else an AssertionError naming ``what`` and, when
+        ``diagnosed``, where a step-by-step re-run of the batch with the same drafter and config
+        first left plain decoding (:func:`specla.testing.diagnose`; run only on failure)."""
+        if outputs == expected:
+            return
+        found = "not diagnosed"
+        if diagnosed:
+            try:
+                found = diagnose(arch, model, prompts, expected, drafter=drafter, config=config)
+            except Exception as err:  # the failure is reported whatever the re-run meets
+                found = f"the step-by-step re-run raised {type(err).__name__}: {err}"
+        raise AssertionError(f"{what}: speculative output differs from plain decoding: "
+                             f"{found or 'a step-by-step re-run matched plain decoding throughout'}")
+
     # ------------------------------------------------------------------ 5. end to end
     def test_greedy_ngram_token_identical_every_variant(self, arch, rng):
         """Prompts of length 1, N, N+1 and 40 (and a repeated motif, so the ngram drafter
@@ -97,7 +118,7 @@ class PluginSuite:
             for top_k in (1, 3) if "trees" in arch.capabilities else (1,):
                 cfg = dict(num_draft_tokens=N, max_depth=4, top_k=top_k, max_new_tokens=16)
                 out = specla.run(model, arch.name, prompts=prompts, config=cfg).outputs
-                assert out == refs, f"variant {variant!r}, top_k {top_k}: speculative output differs"
+                self._check_outputs(arch, model, prompts, out, refs, f"variant {variant!r}, top_k {top_k}", config=cfg)
 
     @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
     def test_forced_acceptance_patterns_token_identical(self, arch, rng, commit):
@@ -117,7 +138,8 @@ class PluginSuite:
             # fixed: every step drafts, so each pattern happens on every device
             cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit, budget_policy="fixed")
             out = specla.run(model, arch.name, prompts=prompts, drafter=drafter, config=cfg)
-            assert out.outputs == [r[:new] for r in refs], f"pattern {pattern!r}"
+            self._check_outputs(arch, model, prompts, out.outputs, [r[:new] for r in refs], f"pattern {pattern!r}",
+                                drafter=drafter, config=cfg)
             hist = out.stats.accepted_histogram  # the pattern really happened
             if pattern == "all":
                 assert out.stats.mean_accepted_tokens > N - 2
@@ -138,14 +160,15 @@ class PluginSuite:
         refs = [arch.reference_decode(model, p, 24 + N) for p in prompts]
         stop = refs[1][5]
         cfg = dict(num_draft_tokens=N, max_depth=N, max_new_tokens=24, stop_token_ids=[stop])
-        batch = specla.run(model, arch.name, prompts=prompts, config=cfg,
-                           drafter=OracleDrafter(prompts, refs, "alternating", V)).outputs
+        want = [r[: r.index(stop) + 1 if stop in r[:24] else 24] for r in refs]
+        drafter = OracleDrafter(prompts, refs, "alternating", V)
+        batch = specla.run(model, arch.name, prompts=prompts, config=cfg, drafter=drafter).outputs
+        self._check_outputs(arch, model, prompts, batch, want, "ragged batch", drafter=drafter, config=cfg)
         for b, p in enumerate(prompts):
-            alone = specla.run(model, arch.name, prompts=[p], config=cfg,
-                               drafter=OracleDrafter([p], [refs[b]], "all", V)).outputs[0]
-            assert batch[b] == alone
-            end = refs[b].index(stop) + 1 if stop in refs[b][:24] else 24
-            assert alone == refs[b][:end]
+            drafter = OracleDrafter([p], [refs[b]], "all", V)
+            alone = specla.run(model, arch.name, prompts=[p], config=cfg, drafter=drafter).outputs
+            self._check_outputs(arch, model, [p], alone, want[b : b + 1], f"sequence {b} alone", drafter=drafter,
+                                config=cfg)
 
     @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
     def test_cuda_graph_step_token_identical_or_refused(self, arch, rng, commit):
@@ -173,9 +196,10 @@ class PluginSuite:
         for pattern in patterns:
             cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit, cuda_graphs="unrecorded",
                              stop_token_ids=tuple(stops))
-            out = specla.run(model, arch.name, prompts=prompts, drafter=OracleDrafter(prompts, refs, pattern, V),
-                             config=cfg)
-            assert out.outputs == [r[:e] for r, e in zip(refs, ends)], f"pattern {pattern!r}"
+            drafter = OracleDrafter(prompts, refs, pattern, V)
+            out = specla.run(model, arch.name, prompts=prompts, drafter=drafter, config=cfg)
+            self._check_outputs(arch, model, prompts, out.outputs, [r[:e] for r, e in zip(refs, ends)],
+                                f"pattern {pattern!r}", drafter=drafter, config=cfg)
 
     def test_tree_drafts_supported_or_rejected_clearly(self, arch):
         """A plugin without the ``trees`` capability must refuse a branching draft with a
@@ -186,8 +210,9 @@ class PluginSuite:
         cfg = dict(num_draft_tokens=N, max_depth=3, top_k=3, max_new_tokens=8)
         prompt = [1, 2, 3, 1, 2, 3, 1, 2]
         if "trees" in arch.capabilities:
-            assert specla.run(model, arch.name, prompts=[prompt], config=cfg).outputs == \
-                [arch.reference_decode(model, prompt, 8)]
+            out = specla.run(model, arch.name, prompts=[prompt], config=cfg).outputs
+            self._check_outputs(arch, model, [prompt], out, [arch.reference_decode(model, prompt, 8)], "tree drafts",
+                                config=cfg)
         else:
             with pytest.raises(SpecError):
                 specla.run(model, arch.name, prompts=[prompt], config=cfg)
@@ -212,9 +237,10 @@ class PluginSuite:
         model = self._model(arch, dtype=torch.float32, seed=3)
         V = self._vocab(model)
         prompt = [rng.randrange(V) for _ in range(9)] * 2
-        dec = SpecDecoder(model, arch.name, config=dict(max_new_tokens=120, num_draft_tokens=N, max_depth=N))
-        out = dec.generate([prompt]).outputs
-        assert out == [arch.reference_decode(model, prompt, 120)]
+        cfg = dict(max_new_tokens=120, num_draft_tokens=N, max_depth=N)
+        dec = SpecDecoder(model, arch.name, config=cfg)
+        self._check_outputs(arch, model, [prompt], dec.generate([prompt]).outputs,
+                            [arch.reference_decode(model, prompt, 120)], "120 tokens in float32", config=cfg)
         self._assert_float32_finite_states(dec.adapter)
 
     # ------------------------------------------------------------------ 2-4, 7: the adapter contract
@@ -248,12 +274,17 @@ class PluginSuite:
             acc = accept_greedy(tree, out.logits)
             assert int(acc.num_accepted[0]) == a and int(acc.bonus[0]) == ref[a]
             adapter.commit(tree, out, acc)
-            got = self._root_logits(adapter)
+            got = self._root_logits(adapter)  # the verify applies a delayed commit
             fresh = self._adapter(arch, model, commit)
             fresh.prefill([prompt + ref[: a + 1]])
             want = self._root_logits(fresh)
             tol = arch.logits_tolerance
-            assert torch.allclose(got, want, rtol=tol, atol=tol), f"a = {a}"
+            if not torch.allclose(got, want, rtol=tol, atol=tol):
+                state = (compare_states(adapter, fresh, state_tolerance(arch, adapter.dtype))
+                         or "every state equals plain decoding's")
+                raise AssertionError(f"a = {a}: after committing {a} accepted drafts the next logits differ from a "
+                                     f"fresh prefill's of the same tokens by max |d| {(got - want).abs().max():.3g}; "
+                                     f"{state}")
 
     def test_empty_commit_lays_out_what_a_step_leaves_and_changes_nothing(self, arch, rng):
         """Just after a prefill, ``empty_commit(N, D)`` (what lets a CUDA graph be recorded
@@ -402,8 +433,10 @@ class PluginSuite:
         histograms = []
         for graphs in ("off", "unrecorded") if "cuda_graphs" in arch.capabilities else ("off",):
             cfg = SpecConfig(max_new_tokens=new, cuda_graphs=graphs, stop_token_ids=tuple(stops), **tree)
-            out = specla.run(model, arch.name, prompts=prompts, drafter=EagleDrafter(head), config=cfg)
-            assert out.outputs == [r[:e] for r, e in zip(refs, ends)], f"cuda_graphs={graphs}"
+            drafter = EagleDrafter(head)
+            out = specla.run(model, arch.name, prompts=prompts, drafter=drafter, config=cfg)
+            self._check_outputs(arch, model, prompts, out.outputs, [r[:e] for r, e in zip(refs, ends)],
+                                f"cuda_graphs={graphs}", drafter=drafter, config=cfg)
             histograms.append(out.stats.accepted_histogram)
         assert all(h == histograms[0] for h in histograms), histograms
 
@@ -432,9 +465,12 @@ class PluginSuite:
         prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
         refs = [arch.reference_decode(model, p, 18) for p in prompts]
         cfg = SpecConfig(num_draft_tokens=budget, max_depth=depth, max_new_tokens=10, commit=commit)
+        drafter = ScriptedDrafter(prompts, refs, script, V)
         try:
-            dec = SpecDecoder(model, arch.name, drafter=ScriptedDrafter(prompts, refs, script, V), config=cfg)
+            dec = SpecDecoder(model, arch.name, drafter=drafter, config=cfg)
         except UnsupportedModelError:
             assume(False)
-        assert dec.generate(prompts).outputs == [r[:10] for r in refs]
+        # shrinking re-runs failing examples: only the final, minimal one is diagnosed
+        self._check_outputs(arch, model, prompts, dec.generate(prompts).outputs, [r[:10] for r in refs], "fuzzed run",
+                            drafter=drafter, config=cfg, diagnosed=current_build_context().is_final)
 
