@@ -469,7 +469,7 @@ def hf_generate_outputs(model, prompts: list[list[int]], n: int, use_cache: bool
         prompts: ``B`` prompts of one length (no padding).
         n: new tokens per prompt.
         use_cache: passed to ``generate``; FLA 0.6's cached ``generate`` restarts from an empty
-            state at every step with transformers >= 5.24 (docs/status.md), ``False`` re-reads the
+            state at every step with transformers >= 5.24 (docs/usage.md), ``False`` re-reads the
             whole sequence each step.
     Returns:
         ``B`` lists of ``n`` token ids.

@@ -200,7 +200,8 @@ def test_library_versions_are_the_installed_ones():
 def test_the_transformers_generate_row_is_checked_against_ar():
     """The row's ``exact`` is the share of its tokens equal to specla's AR tokens: 1.0 with
     FLA's uncached ``generate``; its cached ``generate`` (what the row times) matches AR only
-    with transformers < 5.24, where the cache still reaches FLA's model (docs/status.md)."""
+    with transformers < 5.24, where the cache still reaches FLA's model (docs/usage.md,
+    "Precision and exactness")."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # FLA's kernels on the CPU
         from fla_oracle import enable_fla_interpreter
 

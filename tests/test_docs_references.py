@@ -68,8 +68,8 @@ def test_the_checker_sees_a_missing_path():
     assert not exists("benchmarks/results/no-such-run/x.json")
     assert not exists("0000000:benchmarks/e2e.py")
     assert exists("benchmarks/e2e.py") and exists("specla/{api,config}.py")
-    assert cited("see `benchmarks/e2e.py --out benchmarks/new.json` and [x](docs/status.md)") == \
-        ["benchmarks/e2e.py", "docs/status.md"]
+    assert cited("see `benchmarks/e2e.py --out benchmarks/new.json` and [x](docs/usage.md)") == \
+        ["benchmarks/e2e.py", "docs/usage.md"]
 
 
 def test_docs_and_code_do_not_narrate_work_periods():

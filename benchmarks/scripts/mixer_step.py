@@ -1,5 +1,5 @@
 """Step cost of FLA's pure models through specla, to compare two installed versions (the mixer-core
-migration's before/after rows, docs/status.md).
+migration's before/after rows; BENCHMARKS.md, "Reproducing the runs", names their raw files).
 
     python benchmarks/scripts/mixer_step.py gdn|gla|mamba2 LABEL >> steps.jsonl
 
