@@ -1,6 +1,6 @@
-"""The documents cite only files that exist: every repository path in BENCHMARKS.md, README.md and
-docs/*.md (in backticks or as a link target) names a file of the tree, a raw result under
-benchmarks/results/, or, written ``COMMIT:PATH``, a file of git history."""
+"""The documents cite only files that exist: every repository path in BENCHMARKS.md, CHANGELOG.md,
+README.md and docs/*.md (in backticks or as a link target) names a file of the tree, a raw result
+under benchmarks/results/, or, written ``COMMIT:PATH``, a file of git history."""
 
 import glob
 import re
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "BENCHMARKS.md", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "BENCHMARKS.md", ROOT / "CHANGELOG.md", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RESULTS = sorted(p for p in (ROOT / "benchmarks" / "results").glob("*") if p.is_dir())
 BASES = [ROOT, *RESULTS, *(d for r in RESULTS for d in sorted(r.glob("run*")))]  # where run-relative names live
 PATH = re.compile(r"^([0-9a-f]{7,40}:)?(benchmarks|specla|plugins|tests|docs|examples|run\d)/")
