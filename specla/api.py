@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from .config import SpecConfig
-from .drafters import make_drafter
+from .drafters import make_drafter, model_drafter_owners
 from .engine import Engine, RunStats
 from .errors import ConfigError, DrafterError, InvalidTokenError, TokenTypeError, UnsupportedModelError
 from .interfaces import ArchitecturePlugin, Drafter
-from .registry import available, detect_plugin, get_plugin
+from .registry import detect_plugin, get_plugin
 
 # transformers' from_pretrained is not thread-safe: two threads loading at once can leave a tied
 # weight on the meta device; checkpoints load one at a time
@@ -70,8 +70,10 @@ class SpecDecoder:
             directory in transformers format.
         plugin: architecture plugin name (``"gdn"``), or ``None`` (the default) to detect it
             from the model's ``config.model_type``.
-        drafter: ``"ngram"``, a drafter directory written by ``specla train-drafter``, or a
-            :class:`~specla.interfaces.Drafter` instance.
+        drafter: ``"ngram"``, a model's own drafter (``"mtp"``), a drafter directory written by
+            ``specla train-drafter``, or a :class:`~specla.interfaces.Drafter` instance. A name is
+            never read as a path (give a folder ``ngram/`` as ``"./ngram"``); the rule is
+            :func:`specla.drafters.make_drafter`'s.
         config: a :class:`SpecConfig` or a dict of its fields.
         tokenizer: a transformers tokenizer, a tokenizer directory, or ``None`` (a checkpoint
             directory's own tokenizer is used when it has one).
@@ -103,7 +105,7 @@ class SpecDecoder:
         model: ModelLike,
         plugin: str | None = None,
         *,
-        drafter: str | Drafter = "ngram",
+        drafter: str | Path | Drafter = "ngram",
         config: SpecConfig | dict[str, Any] | None = None,
         tokenizer: Any = None,
     ):
@@ -113,8 +115,7 @@ class SpecDecoder:
         self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin is not None else detect_plugin(model)
         own_drafter = isinstance(drafter, str) and drafter in self.plugin.model_drafters  # the model's own (MTP)
         if not own_drafter:  # before any checkpoint loads: a wrong name or directory fails fast
-            if isinstance(drafter, str) and (owners := [n for n in available()
-                                                        if drafter in get_plugin(n).model_drafters]):
+            if isinstance(drafter, str) and (owners := model_drafter_owners(drafter)):
                 raise DrafterError(f"drafter={drafter!r} is a model's own drafter, and the {self.plugin.name} "
                                    f"plugin's models bring none (the {', '.join(owners)} plugins' do)")
             self.drafter = make_drafter(drafter)
@@ -252,7 +253,7 @@ def run(
     plugin: str | None = None,
     *,
     prompts: Any,
-    drafter: str | Drafter = "ngram",
+    drafter: str | Path | Drafter = "ngram",
     config: SpecConfig | dict[str, Any] | None = None,
     tokenizer: Any = None,
 ) -> RunResult:

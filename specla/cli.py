@@ -17,6 +17,10 @@ from .config import SpecConfig
 from .errors import SpecError, UnsupportedModelError
 
 
+# make_drafter's rule, said once for every --drafter flag
+_DRAFTER_RULE = "a name is never read as a folder: give a folder named like a drafter as ./ngram"
+
+
 def _auto_device() -> str:
     import torch
 
@@ -311,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
     gen.add_argument("--drafter", default="ngram", help="ngram, a drafter directory (specla train-drafter), or a "
                      "model's own drafter its plugin names (mtp: the MTP layer Qwen3.5 / Qwen3-Next and Nemotron-H "
-                     "checkpoints ship)")
+                     "checkpoints ship); " + _DRAFTER_RULE)
     gen.add_argument("--tokenizer", default=None, metavar="DIR",
                      help="tokenizer directory (default: the checkpoint's own tokenizer.json)")
     gen.add_argument("--config", default=None, metavar="JSON|FILE", help=config_help)
@@ -358,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Progress goes to stderr; generations, then a JSON summary line, to stdout.")
     demo.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     demo.add_argument("--max-new-tokens", type=_positive, default=96, metavar="N", help="tokens generated per prompt")
-    demo.add_argument("--drafter", default="ngram", help="ngram, eagle (shipped with the demo target) or a directory")
+    demo.add_argument("--drafter", default="ngram", help="ngram, eagle (shipped with the demo target) or a drafter "
+                      "directory; " + _DRAFTER_RULE)
     demo.set_defaults(func=_demo)
 
     tr = sub.add_parser("train-drafter", help="train an EAGLE drafter on a target's own features",
@@ -409,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "writes the JSON report.")
     bench.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (transformers format)")
     bench.add_argument("--drafter", default="ngram", help="ngram, a drafter directory (specla train-drafter), or a "
-                       "model's own drafter its plugin names (mtp)")
+                       "model's own drafter its plugin names (mtp); " + _DRAFTER_RULE)
     bench.add_argument("--prompts", required=True, metavar="FILE",
                        help="JSONL, a row per prompt: prompt; optional: id (kept in the report's samples), "
                             "category, answer (GSM8K: scored), test and entry_point (HumanEval: run)")

@@ -7,7 +7,6 @@ import json
 import sys
 import time
 from importlib import resources
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -15,6 +14,7 @@ from tqdm.auto import tqdm
 from . import registry
 from .api import SpecDecoder
 from .config import SpecConfig
+from .drafters import make_drafter
 from .errors import UnknownPluginError
 
 
@@ -81,12 +81,14 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
         max_new_tokens: tokens per prompt.
         drafter: ``ngram`` (the default: on the tiny target it accepts more than the shipped
             EAGLE drafter, docs/targets.md), ``eagle`` (the drafter shipped with the demo
-            target), or a drafter directory.
-    Raises:
-        UnknownPluginError: another drafter name or a path that is not a directory, before the
-            target is loaded.
+            target), or a drafter directory; a name is never read as a folder (a folder named
+            ``ngram`` is ``./ngram``), as in :func:`specla.drafters.make_drafter`.
         echo: where lines go, one call per line (``None``: stdout, flushed at each line).
         progress: show a progress bar on stderr (loading, warm-up, then one update per prompt).
+    Raises:
+        UnknownPluginError: another drafter name, before the target is loaded.
+        DrafterError: a model's own drafter name (``mtp``), or a path that is not a trained
+            drafter directory, before the target is loaded.
     Returns:
         ``exact_match`` (speculative == autoregressive tokens for every prompt),
         ``mean_accepted_tokens`` (drafts accepted per step), ``tokens_per_s`` and
@@ -98,16 +100,16 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
     rows = demo_prompts()
     plugin, path = default_checkpoint()
     shipped = registry.get_plugin(plugin).demo_drafters
-    if drafter != "ngram" and drafter not in shipped and not Path(drafter).expanduser().is_dir():
-        # before the target loads and the progress bar starts
+    try:  # before the target loads and the progress bar starts
+        proposer = make_drafter(shipped.get(drafter, drafter))
+    except UnknownPluginError:
         raise UnknownPluginError(f"unknown demo drafter {drafter!r}: use {', '.join(['ngram', *sorted(shipped)])} "
-                                 "or a directory saved by `specla train-drafter`")
-    drafter_arg = shipped.get(drafter, drafter)
+                                 "or a directory saved by `specla train-drafter`") from None
     bar = tqdm(total=len(rows), desc="demo: loading the target", unit="prompt", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     cfg = SpecConfig(num_draft_tokens=8, max_depth=6, top_k=2, max_new_tokens=max_new_tokens,
                      dtype="float32", device=device)
-    spec = SpecDecoder(path, plugin, drafter=str(drafter_arg), config=cfg)
+    spec = SpecDecoder(path, plugin, drafter=proposer, config=cfg)
     ar = SpecDecoder(spec.model, plugin, config=cfg.model_copy(update={"num_draft_tokens": 0}),
                      tokenizer=spec.tokenizer)
     params = sum(p.numel() for p in spec.model.parameters())

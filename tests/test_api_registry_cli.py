@@ -3,6 +3,7 @@
 import functools
 import importlib
 import json
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,8 @@ import specla
 import specla.cli
 from specla import registry
 from specla import SpecConfig, SpecDecoder, UnknownPluginError, UnsupportedModelError
-from specla.drafters import NgramDrafter, make_drafter
+from specla.cli import main
+from specla.drafters import EagleDrafter, NgramDrafter, make_drafter
 from specla.registry import available, detect_plugin, get_plugin, plugin_infos
 from specla_gdn.naive import naive_greedy_decode
 from specla_gdn.plugin import TINY_TARGET
@@ -452,3 +454,43 @@ def test_the_fake_distributions_leave_the_process_registry_as_it_was():
     still the registered ones (test_mamba2_hybrid compares them by identity)."""
     assert get_plugin("gdn") is GDN
     assert "agdn" not in available() and registry.failed_plugins() == []
+def test_a_folder_never_shadows_a_drafter_name(tmp_path, monkeypatch, capsys):
+    """``"ngram"`` is the n-gram drafter beside an empty folder ``ngram/`` and beside a trained
+    drafter copied there (``"./ngram"`` is that folder), in the API, ``specla generate`` and
+    ``specla demo``; ``"mtp"`` is never a folder; a bare string naming no drafter still names a
+    directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ngram").mkdir()
+    assert isinstance(make_drafter("ngram"), NgramDrafter)
+    with pytest.raises(specla.DrafterError, match=r"^\./ngram is not a trained drafter directory$"):
+        make_drafter("./ngram")
+    assert isinstance(SpecDecoder(TINY, drafter="ngram").drafter, NgramDrafter)
+    assert main(["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "2",
+                            "--device", "cpu", "--drafter", "ngram"]) == 0
+    capsys.readouterr()
+    eagle = TINY.parent / "tiny-eagle"
+    for folder in ("ngram", "mtp", "my-drafter"):
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(eagle, folder)
+    assert isinstance(make_drafter("ngram"), NgramDrafter)
+    assert isinstance(make_drafter("./ngram"), EagleDrafter)
+    assert isinstance(make_drafter(tmp_path / "ngram"), EagleDrafter)
+    assert isinstance(make_drafter("my-drafter"), EagleDrafter)
+    with pytest.raises(specla.DrafterError, match=r"^drafter 'mtp' is a model's own drafter \(the mamba2_hybrid, qwen "
+                                                  r"plugins' models bring it\): pass it to SpecDecoder with such a "
+                                                  r"model$"):
+        make_drafter("mtp")
+    assert isinstance(make_drafter("./mtp"), EagleDrafter)
+    from specla import demo
+
+    class Built(Exception):
+        """The demo's drafter, raised where the demo would load its target."""
+
+    def built(*args, drafter, **kwargs):
+        raise Built(drafter)
+
+    monkeypatch.setattr(demo, "SpecDecoder", built)
+    for name, kind in (("ngram", NgramDrafter), ("./ngram", EagleDrafter)):
+        with pytest.raises(Built) as got:
+            demo.run_demo(device="cpu", drafter=name, progress=False)
+        assert isinstance(got.value.args[0], kind)
