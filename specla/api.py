@@ -85,7 +85,9 @@ class SpecDecoder:
         UnknownPluginError: unknown plugin or drafter name (lists the available ones).
         UnsupportedModelError: the plugin cannot run the model (or none matches it), a path is
             not a checkpoint directory, or its files cannot be loaded (a corrupt config.json or
-            weights file: the message names the directory and the loader's error).
+            weights file: the message names the directory and the loader's error), or its
+            weights do not fit its config.json (missing, unexpected or of another shape: the
+            message names the directory, the counts and the first few weight names).
         FileNotFoundError: a tokenizer directory that does not exist.
         pydantic.ValidationError: invalid config fields (e.g. ``temperature < 0``).
         ConfigError: ``cuda_graphs="on"`` for a plugin without the ``cuda_graphs`` capability,

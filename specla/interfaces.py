@@ -299,10 +299,14 @@ class ArchitecturePlugin(ABC):
 
     @abstractmethod
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
-        """Load a checkpoint directory (transformers format) into a model object.
+        """Load a checkpoint directory (transformers format) into a model object. Plugins of
+        transformers model classes load through :func:`specla.hf.load_pretrained`, which refuses
+        weights that do not fit the checkpoint's ``config.json``.
 
         Raises:
-            UnsupportedModelError: the checkpoint is not one this plugin runs.
+            UnsupportedModelError: the checkpoint is not one this plugin runs, or its weights do
+                not fit its config (missing, unexpected or of another shape: the message names
+                them).
         """
 
     @abstractmethod

@@ -494,3 +494,57 @@ def test_a_folder_never_shadows_a_drafter_name(tmp_path, monkeypatch, capsys):
         with pytest.raises(Built) as got:
             demo.run_demo(device="cpu", drafter=name, progress=False)
         assert isinstance(got.value.args[0], kind)
+
+
+def _edited_checkpoint(directory, layers=None, tensors=None):
+    """A copy of TINY in ``directory`` with ``num_hidden_layers`` set to ``layers`` and its weights
+    passed through ``tensors`` (a function of the state dict)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(TINY, directory)
+    if layers is not None:
+        cfg = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=layers)))
+    if tensors is not None:
+        weights = load_file(directory / "model.safetensors")
+        save_file(tensors(weights), directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def _renamed(weights):
+    weights["model.final_norm.weight"] = weights.pop("model.norm.weight")
+    return weights
+
+
+def _cut(weights):
+    weights["model.norm.weight"] = weights["model.norm.weight"][:255].clone()
+    return weights
+
+
+LAYER_6 = "model.layers.6.attn.A_log, model.layers.6.attn.a_proj.weight, model.layers.6.attn.b_proj.weight, ..."
+
+
+@pytest.mark.parametrize("layers, tensors, problems", [
+    (7, None, f"18 missing from the files ({LAYER_6})"),
+    (5, None, f"18 in the files but not in the model ({LAYER_6.replace('.6.', '.5.')})"),
+    (None, _renamed, "1 missing from the files (model.norm.weight); 1 in the files but not in the model "
+                     "(model.final_norm.weight)"),
+    (None, _cut, "1 of another shape (model.norm.weight: [255] in the files, [256] in the model)"),
+], ids=["more-layers", "fewer-layers", "renamed", "reshaped"])
+def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused(tmp_path, capsys, layers, tensors, problems):
+    """``num_hidden_layers`` above or below the layers the weights hold, a renamed tensor, a tensor of
+    another shape: the API and ``specla generate`` refuse the directory by name and list the weights
+    (transformers would fill the gaps with random weights and drop the rest); the unedited copy
+    (tied LM head, bfloat16) loads."""
+    path = _edited_checkpoint(tmp_path / "ckpt", layers, tensors)
+    message = (f"{path}: its weights do not fit its config.json (the model would run on random or dropped "
+               f"weights): {problems}")
+    with pytest.raises(UnsupportedModelError) as err:
+        SpecDecoder(path)
+    assert str(err.value) == message
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(path), "--prompt", "hi", "--device", "cpu"])
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2 and stderr.strip().splitlines()[-1] == f"specla: error: {message}"
+    assert "Traceback" not in stderr
+    assert isinstance(SpecDecoder(_edited_checkpoint(tmp_path / "unedited")).model, torch.nn.Module)

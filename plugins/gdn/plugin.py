@@ -9,6 +9,7 @@ import torch
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.fla_attention import fla_models, is_fla_attention, spread_attention_biases, without_flash_attn
+from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -52,7 +53,7 @@ class GDNPlugin(ArchitecturePlugin):
         from transformers import AutoModelForCausalLM
 
         with without_flash_attn():  # a hybrid config's attention layers: specla runs them itself
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+            model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype)
         return model.to(device) if device else model
 
     @staticmethod

@@ -8,6 +8,7 @@ import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
+from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -45,7 +46,7 @@ class KimiLinearPlugin(ArchitecturePlugin):
         self.checkpoint_config(path)
         from transformers import KimiLinearForCausalLM
 
-        model = KimiLinearForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+        model = load_pretrained(KimiLinearForCausalLM, path, dtype=dtype)
         self.check_model(model)
         return model.to(device) if device else model
 

@@ -8,6 +8,7 @@ import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
+from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -40,7 +41,7 @@ class Lfm2Plugin(ArchitecturePlugin):
         self.checkpoint_config(path)
         from transformers import Lfm2ForCausalLM
 
-        model = Lfm2ForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+        model = load_pretrained(Lfm2ForCausalLM, path, dtype=dtype)
         return model.to(device) if device else model
 
     def check_model(self, model: torch.nn.Module) -> None:

@@ -9,6 +9,7 @@ import torch
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.fla_attention import fla_models
+from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -58,7 +59,7 @@ class Mamba2Plugin(ArchitecturePlugin):
         except (ValueError, TypeError) as err:
             raise UnsupportedModelError(f"{cfg_file}: not a valid Mamba2 config: {err}") from err
         self.check_config(config.to_dict())  # before loading any weights
-        model = Mamba2ForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
+        model = load_pretrained(Mamba2ForCausalLM, path, dtype=dtype)
         return model.to(device) if device else model
 
     @staticmethod

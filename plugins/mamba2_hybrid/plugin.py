@@ -9,6 +9,7 @@ import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
+from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -75,7 +76,7 @@ class Mamba2HybridPlugin(ArchitecturePlugin):
 
         # the class by name: FLA registers its own Mamba2ForCausalLM with transformers' Auto classes
         cls = getattr(transformers, f"{CLASSES[cfg['model_type']]}ForCausalLM")
-        model = cls.from_pretrained(str(path), dtype=dtype or "auto")
+        model = load_pretrained(cls, path, dtype=dtype)
         self.check_model(model)
         return model.to(device) if device else model
 

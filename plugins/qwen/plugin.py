@@ -9,6 +9,7 @@ import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
+from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
@@ -58,7 +59,7 @@ class QwenPlugin(ArchitecturePlugin):
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         auto = AutoModelForImageTextToText if cfg["model_type"] in ("qwen3_5", "qwen3_5_moe") else AutoModelForCausalLM
-        model = auto.from_pretrained(str(path), dtype=dtype or "auto")
+        model = load_pretrained(auto, path, dtype=dtype)
         self.check_model(model)
         from .adapter import eager_experts_for_float64
 

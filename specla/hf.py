@@ -1,0 +1,73 @@
+"""transformers glue the plugins of transformers-format checkpoints share."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .errors import UnsupportedModelError
+
+# weight names an error shows of each kind; the count says how many there are
+_SHOWN = 3
+
+
+def _count(kind: str, names: list[str]) -> str:
+    """``"15 missing from the files (a, b, c, ...)"``: the count and the first few names."""
+    more = ", ..." if len(names) > _SHOWN else ""
+    return f"{len(names)} {kind} ({', '.join(names[:_SHOWN])}{more})"
+
+
+class _DropLoadReport(logging.Filter):
+    """Drops transformers' table of missing, unexpected and reshaped weights: :func:`load_pretrained`
+    raises an error that names them whenever there is one to show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_load_report() -> Iterator[None]:
+    logger, dropped = logging.getLogger("transformers.modeling_utils"), _DropLoadReport()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
+
+
+def load_pretrained(model_class, path: Path, *, dtype: torch.dtype | None) -> torch.nn.Module:
+    """``model_class.from_pretrained(path)`` (``dtype`` ``None``: the checkpoint's own), refusing a
+    checkpoint whose weights do not fill the model its ``config.json`` describes: transformers
+    gives such a model random weights where the file has none (``num_hidden_layers`` larger than
+    the weights, a renamed tensor), drops weights it has no place for, and only logs a report.
+    What transformers itself accounts for is not counted: weights tied to another
+    (``tie_word_embeddings``), and the keys the model class declares ignorable.
+
+    Args:
+        model_class: a transformers model class or Auto class.
+        path: the checkpoint directory.
+        dtype: the dtype to load in.
+    Raises:
+        UnsupportedModelError: weights missing from the files, unexpected in them, or of another
+            shape than the config gives; the message names the directory and, for each kind, the
+            count and the first few names (sorted).
+    """
+    # mismatched shapes are kept as a report rather than transformers' RuntimeError, whose text
+    # does not name the tensors
+    with _without_load_report():
+        model, info = model_class.from_pretrained(str(path), dtype=dtype or "auto", output_loading_info=True,
+                                                  ignore_mismatched_sizes=True)
+    shapes = [f"{name}: {list(file)} in the files, {list(want)} in the model"
+              for name, file, want in sorted(info["mismatched_keys"])]
+    problems = [_count(kind, names) for kind, names in (("missing from the files", sorted(info["missing_keys"])),
+                                                        ("in the files but not in the model",
+                                                         sorted(info["unexpected_keys"])),
+                                                        ("of another shape", shapes)) if names]
+    if problems:
+        raise UnsupportedModelError(f"{path}: its weights do not fit its config.json (the model would run on "
+                                    f"random or dropped weights): {'; '.join(problems)}")
+    return model
