@@ -14,6 +14,7 @@ from .errors import (
     DrafterError,
     InvalidTokenError,
     InvalidTreeError,
+    NonFiniteLogitsError,
     PluginConflictWarning,
     PluginLoadWarning,
     SpecError,
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "DrafterError", "DraftTree", "Drafter", "Engine",
-    "InvalidTokenError", "InvalidTreeError", "PendingCommit", "PluginConflictWarning", "PluginLoadWarning", "Record",
-    "RunResult", "RunStats", "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter", "TokenTypeError",
-    "UnknownPluginError", "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",
+    "InvalidTokenError", "InvalidTreeError", "NonFiniteLogitsError", "PendingCommit", "PluginConflictWarning",
+    "PluginLoadWarning", "Record", "RunResult", "RunStats", "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter",
+    "TokenTypeError", "UnknownPluginError", "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",
 ]

@@ -215,6 +215,9 @@ def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor |
             tokens[:, d] = torch.where(accept, x, tokens[:, d])
         r = torch.where(moved[:, None], target_probs[rows, cur].float(), r)
         done |= ~moved
-    bonus = torch.multinomial(r, 1, generator=generator).squeeze(-1)
+    # r is no distribution only where the target's logits were not finite, which the step reports
+    # (specla.step.nonfinite_rows); multinomial refuses such rows, so they draw from a stand-in
+    usable = torch.isfinite(r).all(-1, keepdim=True) & (r.sum(-1, keepdim=True) > 0)
+    bonus = torch.multinomial(torch.where(usable, r, 1.0), 1, generator=generator).squeeze(-1)
     num_accepted = (path >= 0).sum(-1) - 1
     return Acceptance(path=path, num_accepted=num_accepted, bonus=bonus, tokens=tokens)

@@ -229,6 +229,9 @@ class SpecDecoder:
         Raises:
             InvalidTokenError: an empty prompt or an out-of-vocabulary id (state untouched).
             TokenTypeError: a token id that is not an integer.
+            NonFiniteLogitsError: the model's logits for a prompt at a decode step hold NaN or
+                +inf, or are -inf for every token (the message names the prompts and the step;
+                the decoder stays usable).
         Thread-safe: concurrent calls run one after another.
         """
         ids = self.encode(prompts)

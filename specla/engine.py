@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .config import SpecConfig
-from .errors import ConfigError
+from .errors import ConfigError, NonFiniteLogitsError
 from .graphs import GraphRunner, batch_bucket, graph_problem
 from .interfaces import Drafter, TargetAdapter
 from .policy import BudgetPolicy, resolve_budget_policy
@@ -158,6 +158,8 @@ class Engine:
         Raises:
             InvalidTokenError: empty prompt or id outside the vocabulary (nothing is run).
             InvalidTreeError / BudgetError: the drafter produced an invalid tree.
+            NonFiniteLogitsError: the model's logits for a prompt at a step are NaN or +inf, or
+                -inf for every token (the call's outputs are lost; the engine stays usable).
         Thread-safe: concurrent calls run one after another (see the class docstring).
         Afterwards the adapter holds the state after the accepted tokens; with the ``factor``
         commit the last step's commit is still pending: ``adapter.recurrent_states()`` (and
@@ -230,8 +232,9 @@ class Engine:
             if c != self._current:
                 self._current = c
                 stats.budget_switches += 1
-            num, drafted, bonus, (t1, t2, t3) = self._eager_step(run.row_contexts(), room, generator,
-                                                                 self.configs[c])
+            num, drafted, bonus, nonfinite, (t1, t2, t3) = self._eager_step(run.row_contexts(), room, generator,
+                                                                            self.configs[c])
+            run.check_logits(nonfinite)
             stats.draft_s += t1 - t
             stats.verify_s += t2 - t1
             stats.commit_s += t3 - t2
@@ -262,8 +265,9 @@ class Engine:
                 run.stats.budget_switches += 1
             runner = self._graph_runner(c)
             t_step = time.perf_counter()
-            num, drafted, bonus = runner.step(run.row_contexts())  # synchronises
+            num, drafted, bonus, nonfinite = runner.step(run.row_contexts())  # synchronises
             done = time.perf_counter()
+            run.check_logits(nonfinite)
             if switched:
                 run.stats.switch_s += done - t
             self._observe(run, num, None if first else done - t_step, c)
@@ -302,8 +306,8 @@ class Engine:
         """The host drafter's checked tree (the device drafters build theirs inside ``propose``),
         then :func:`specla.step.speculative_step`, op by op, with ``budget``'s draft budget and
         the run's sampling options. ``room[r]``: drafts row ``r`` may still use (deeper nodes are
-        cut). Returns ``(num_accepted, accepted tokens, bonus)`` per row (host lists) and the
-        clock after drafting, verify+accept and commit."""
+        cut). Returns ``(num_accepted, accepted tokens, bonus, nonfinite)`` per row (host lists)
+        and the clock after drafting, verify+accept and commit."""
         adapter = self.adapter
         tree = host_proposal(self.drafter, contexts, budget, vocab_size=adapter.vocab_size)
         # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
@@ -367,6 +371,20 @@ class _Decoding:
 
     def live(self) -> list[int]:
         return [r for r, seq in enumerate(self.rows) if seq is not None]
+
+    def check_logits(self, nonfinite: list[bool]) -> None:
+        """Refuse a step whose tokens some live row chose from logits with no usable maximum
+        (:func:`specla.step.nonfinite_rows`); dead rows are ignored.
+
+        Raises:
+            NonFiniteLogitsError: naming those rows' prompts and the step.
+        """
+        bad = [seq for seq, flag in zip(self.rows, nonfinite) if flag and seq is not None]
+        if bad:
+            raise NonFiniteLogitsError(
+                f"prompt{'s' * (len(bad) > 1)} {', '.join(map(str, bad))}: the model's logits at decode step "
+                f"{self.stats.steps + 1} hold NaN or +inf, or are -inf for every token: no token can be chosen "
+                "from them")
 
     def absorb(self, num: list[int], drafted: list[list[int]], bonus: list[int]) -> None:
         """One step's outcome per row: append the accepted drafts and the bonus token, up to a stop

@@ -2,7 +2,8 @@
 
 Every error a user can trigger with bad input derives from :class:`SpecError`, and also from the
 builtin class a caller would naturally catch (``ValueError``, ``LookupError``, ``TypeError``), so
-``except ValueError`` keeps working. They are raised before any recurrent state is touched.
+``except ValueError`` keeps working. They are raised before any recurrent state is touched; only
+:class:`NonFiniteLogitsError`, which a model raises while decoding, comes later.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ class UnknownPluginError(SpecError, LookupError):
 class DrafterError(SpecError, ValueError):
     """A drafter cannot be used: a drafter directory that is incomplete or malformed, or one
     trained for a target of another shape, or training data that yields nothing to train on."""
+
+
+class NonFiniteLogitsError(SpecError, FloatingPointError):
+    """The target's logits for a prompt at a decode step hold NaN or ``+inf``, or are ``-inf`` for
+    every token, so no token can be chosen from them (greedy decoding would take whichever id the
+    argmax lands on, sampling the last id). The message names the prompts (their indices in the
+    call) and the step (``1``: the first after the prefill). That call's outputs are lost; the
+    decoder stays usable."""
 
 
 class ConfigError(SpecError, ValueError):

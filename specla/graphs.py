@@ -112,7 +112,7 @@ class _Graph:
     state: list[Tensor]  # static copies of adapter.graph_state()
     drafter_state: list[Tensor]  # static copies of drafter.graph_state()
     tree: tuple[Tensor, Tensor, Tensor] | None  # static host-drafter tree (tokens, parents, num_nodes)
-    outcome: Tensor  # [B, 2 + D] int64: num_accepted, bonus, accepted tokens
+    outcome: Tensor  # [B, 3 + D] int64: num_accepted, bonus, non-finite logits (0 / 1), accepted tokens
     uniforms: Tensor | None = None  # [B, N + 1] float32 draws of a sampling step, filled before each replay
     graph: torch.cuda.CUDAGraph | None = None
     host: Tensor | None = None  # [2 B N + B] int64 pinned staging of the host tree, reused every step
@@ -161,7 +161,7 @@ class GraphRunner:
         """:func:`specla.step.speculative_step` on the bound state, with fixed shapes; ``tree``
         ``None``: the drafter builds it on the device; ``uniforms`` ``[B, N + 1]``: a sampling
         step's draws (the drafts count as deterministic proposals). Returns the outcome rows
-        ``[B, 2 + D]``."""
+        ``[B, 3 + D]``."""
         ad, dr, cfg = self.adapter, self.drafter, self.config
         ad.static_shapes = True
         try:
@@ -204,7 +204,7 @@ class GraphRunner:
                     torch.full((B, N), -1, dtype=torch.int64, device=dev),
                     torch.zeros(B, dtype=torch.int64, device=dev))
         g = _Graph([static_like(t) for t in state], [static_like(t) for t in drafter_state], tree,
-                   torch.zeros(B, 2 + self.depth, dtype=torch.int64, device=dev))
+                   torch.zeros(B, 3 + self.depth, dtype=torch.int64, device=dev))
         if self.sampling:
             g.uniforms = torch.rand(B, self.config.num_draft_tokens + 1, device=dev)  # overwritten before each step
         if tree is not None:  # the host tree's staging, once per graph: a pinned allocation synchronises
@@ -231,7 +231,8 @@ class GraphRunner:
             contexts: per row of the adapter's batch, the tokens so far (what a host drafter
                 reads; dead rows may show any valid context).
         Returns:
-            ``(num_accepted, accepted draft tokens, bonus)`` per row, on the host.
+            ``(num_accepted, accepted draft tokens, bonus, nonfinite)`` per row, on the host
+            (:func:`specla.step.read_outcome`).
         Raises:
             BudgetError / InvalidTokenError / InvalidTreeError / ValueError: a host drafter's
                 tree is invalid (checked on the CPU before anything runs).

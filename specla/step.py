@@ -4,8 +4,10 @@ CUDA-graph step (:class:`specla.graphs.GraphRunner`), and the checked proposals 
 that both take.
 
 The body reads nothing on the host: acceptance walks at most ``depth`` levels, and its outcome
-comes back as one ``[B, 2 + depth]`` tensor (:func:`outcome_rows`) that the caller reads once
-(:func:`read_outcome`), which is the step's only host synchronisation.
+comes back as one ``[B, 3 + depth]`` tensor (:func:`outcome_rows`) that the caller reads once
+(:func:`read_outcome`), which is the step's only host synchronisation. That tensor also says which
+rows chose their tokens from logits with no usable maximum (:func:`nonfinite_rows`), so the
+check costs no synchronisation of its own.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def speculative_step(adapter: TargetAdapter, drafter: Drafter, tree: DraftTree, 
         uniforms: ``[B, >= N + 1]`` float32 draws from ``U[0, 1)`` (the recorded sampling step).
         after_accept: called between acceptance and commit (the eager step's clock).
     Returns:
-        ``[B, 2 + D]`` int64 on the device (:func:`outcome_rows`), ``D`` = :func:`step_depth`.
+        ``[B, 3 + D]`` int64 on the device (:func:`outcome_rows`), ``D`` = :func:`step_depth`.
     """
     depth = step_depth(config)
     out = adapter._verify(tree)
@@ -67,22 +69,40 @@ def speculative_step(adapter: TargetAdapter, drafter: Drafter, tree: DraftTree, 
         after_accept()
     adapter._commit(tree, out, acceptance)
     drafter.on_commit(acceptance, out)
-    return outcome_rows(acceptance, depth)
+    return outcome_rows(acceptance, depth, nonfinite_rows(out.logits, acceptance.path))
 
 
-def outcome_rows(acceptance: Acceptance, depth: int) -> Tensor:
-    """One step's outcome as ``[B, 2 + depth]`` int64 rows: ``num_accepted``, the bonus token,
-    then the accepted draft tokens, padded with ``-1``."""
+def nonfinite_rows(logits: Tensor, path: Tensor) -> Tensor:
+    """Which rows chose this step's tokens from logits with no usable maximum: at a node of the
+    accepted path (the root included; the bonus token comes from the last one), a NaN or ``+inf``,
+    or ``-inf`` for every token. ``-inf`` for some tokens (masked ones) is fine. No host read: the
+    recorded step computes it too.
+
+    Args:
+        logits: ``[B, N + 1, vocab]`` the verify logits. path: ``[B, D + 1]`` the accepted nodes,
+            root-explicit, ``-1`` padded (:class:`~specla.records.Acceptance`).
+    Returns:
+        ``[B]`` bool.
+    """
+    peak = logits.amax(-1)  # NaN where an entry is NaN, +inf where one is +inf, -inf where all are
+    return (~torch.isfinite(peak.gather(1, path.clamp(min=0))) & (path >= 0)).any(-1)
+
+
+def outcome_rows(acceptance: Acceptance, depth: int, nonfinite: Tensor) -> Tensor:
+    """One step's outcome as ``[B, 3 + depth]`` int64 rows: ``num_accepted``, the bonus token,
+    ``nonfinite`` (``[B]`` bool, :func:`nonfinite_rows`) as 0 / 1, then the accepted draft tokens,
+    padded with ``-1``."""
     tokens = acceptance.tokens
     pad = torch.full((tokens.shape[0], depth - tokens.shape[1]), -1, dtype=torch.int64, device=tokens.device)
-    return torch.cat([acceptance.num_accepted[:, None], acceptance.bonus[:, None], tokens, pad], 1)
+    return torch.cat([acceptance.num_accepted[:, None], acceptance.bonus[:, None], nonfinite[:, None].long(),
+                      tokens, pad], 1)
 
 
-def read_outcome(rows: Tensor) -> tuple[list[int], list[list[int]], list[int]]:
+def read_outcome(rows: Tensor) -> tuple[list[int], list[list[int]], list[int], list[bool]]:
     """:func:`outcome_rows` on the host (the step's one synchronisation): ``(num_accepted,
-    accepted draft tokens (padded), bonus)`` per row."""
+    accepted draft tokens (padded), bonus, nonfinite)`` per row."""
     rows = rows.tolist()
-    return [r[0] for r in rows], [r[2:] for r in rows], [r[1] for r in rows]
+    return [r[0] for r in rows], [r[3:] for r in rows], [r[1] for r in rows], [bool(r[2]) for r in rows]
 
 
 def host_proposal(drafter: Drafter, contexts: list[list[int]], config: SpecConfig, *, vocab_size: int) -> DraftTree:

@@ -56,6 +56,26 @@ _install_hopper_compile()
 MODEL_CONFIGS = tuple(v for v in get_plugin("gdn").tiny_variants if v != "attn")
 
 
+EVERY_TOKEN = slice(None)  # poison_logits: every token id
+
+
+def poison_logits(monkeypatch, adapter, step: int, rows: list[int], value: float, tokens=7) -> None:
+    """From here on, the adapter's ``step``-th LM head call (counted from 1; with the ngram drafter
+    one call per decode step) returns ``value`` for ``tokens`` (an id or :data:`EVERY_TOKEN`) at
+    every node of batch ``rows``: the verify pass's own logits, which acceptance reads."""
+    calls, lm_logits = [0], adapter.lm_logits
+
+    def poisoned(hidden):
+        out = lm_logits(hidden)
+        calls[0] += 1
+        if calls[0] == step:
+            out = out.clone()
+            out[rows, :, tokens] = value
+        return out
+
+    monkeypatch.setattr(adapter, "lm_logits", poisoned)
+
+
 def make_model(name: str = "base", dtype: torch.dtype = torch.float64, seed: int = 0):
     """A random-initialised FLA GatedDeltaNetForCausalLM of shape ``name`` in ``dtype``
     (the gdn plugin's conformance test models)."""

@@ -6,7 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specla import DraftTree, accept_greedy
+from specla.acceptance import accept_sampling, sampling_probs
 from specla.records import Acceptance
+from specla.step import nonfinite_rows
 from trees import DEV
 
 
@@ -130,3 +132,36 @@ def test_the_walk_kernel_writes_every_output_and_checks_shapes():
         accept_triton.greedy_walk(parents, tokens, num, target, -1)
     with pytest.raises(ValueError, match=r"out must be 1 contiguous tensors of shape \(37, 7\)"):
         accept_triton.greedy_walk(parents, tokens, num, target, 6, out=Acceptance(out.path[:, :3], out.num_accepted, out.bonus, out.tokens))
+
+
+def test_nonfinite_rows_flag_the_logits_the_tokens_were_chosen_from():
+    """A NaN or +inf at a node of the accepted path (the root included), or -inf for every token
+    there, flags the row; a NaN at a node off the path, or -inf for some tokens, does not."""
+    nan, inf = float("nan"), float("inf")
+    tree = DraftTree.from_lists([([4, 5], [-1, -1])] * 6)
+    logits = logits_for([[5, 0, 2]] * 6)  # the root's argmax 5 accepts node 1; its own argmax 2 is the bonus
+    logits[1, 2, 3] = nan  # at node 1, on the path
+    logits[2, 0, 5] = inf  # at the root (still choosing 5)
+    logits[3, 1, :] = nan  # at node 0, off the path
+    logits[4, 2, :] = -inf  # every token at node 1
+    logits[5, 0, :4] = -inf  # some tokens at the root
+    acc = accept_greedy(tree, logits)
+    assert acc.path.tolist() == [[0, 2]] * 6
+    assert nonfinite_rows(logits, acc.path).tolist() == [False, True, True, False, True, False]
+    padded = DraftTree.from_lists([([4], [-1]), ([], [])])  # row 1's path is the root, then -1
+    assert nonfinite_rows(logits_for([[0, 9], [1, 9]]), accept_greedy(padded, logits_for([[0, 9], [1, 9]])).path
+                          ).tolist() == [False, False]
+
+
+def test_sampling_with_draft_probabilities_leaves_nan_logits_to_the_step_flag():
+    """With the drafter's q (the walk that draws the bonus with multinomial), a row of NaN target
+    probabilities draws from a stand-in instead of failing inside torch, so the step reports it
+    by prompt; the other rows draw what they draw without it."""
+    tree = DraftTree.from_lists([([4], [-1])] * 2)
+    logits = torch.randn(2, 2, 10, generator=torch.Generator().manual_seed(0))
+    q = torch.softmax(torch.randn(2, 1, 10, generator=torch.Generator().manual_seed(1)), -1)
+    clean = accept_sampling(tree, sampling_probs(logits, 0.7), q, torch.Generator().manual_seed(2))
+    logits[1, 0, 3] = float("nan")
+    acc = accept_sampling(tree, sampling_probs(logits, 0.7), q, torch.Generator().manual_seed(2))
+    assert nonfinite_rows(logits, acc.path).tolist() == [False, True]
+    assert (acc.path[0].tolist(), int(acc.bonus[0])) == (clean.path[0].tolist(), int(clean.bonus[0]))

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import specla
-from specla import SpecDecoder
+from specla import NonFiniteLogitsError, SpecDecoder
+from specla.registry import get_plugin
 from specla_gdn.naive import naive_greedy_decode
-from conftest import make_model
+from conftest import EVERY_TOKEN, make_model, poison_logits
 from specla.testing import OracleDrafter
 
 N = 6
@@ -65,3 +66,42 @@ def test_stats_are_consistent(rng):
     assert s.wall_s >= s.draft_s + s.verify_s + s.commit_s > 0
     d = s.to_dict()
     assert d["tokens_per_step"] == pytest.approx(s.mean_accepted_tokens + 1)
+
+
+TINY = get_plugin("gdn").demo_checkpoint
+# on TINY their greedy outputs start [6, 7, 5, ...], [9, 8, 9, ...], [90, 15, 84, ...]
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 3], [100, 200, 300]]
+@pytest.mark.parametrize("config, step, rows, value, tokens, named", [
+    # prompt 0 stops at its token 7 in step 2: from step 3 on, batch row 0 is prompt 1
+    (dict(num_draft_tokens=0, stop_token_ids=[7]), 3, [0], float("nan"), 7, "prompt 1"),
+    (dict(num_draft_tokens=0), 1, [0, 2], float("-inf"), EVERY_TOKEN, "prompts 0, 2"),
+    (dict(), 2, [1], float("inf"), 7, "prompt 1"),
+    (dict(temperature=0.7, seed=1), 2, [2], float("nan"), 7, "prompt 2"),
+], ids=["autoregressive-nan", "autoregressive-all-minus-inf", "greedy-inf", "sampled-nan"])
+def test_nonfinite_logits_raise_naming_the_prompt_and_the_step(monkeypatch, config, step, rows, value, tokens,
+                                                               named):
+    """NaN or +inf logits, or -inf for every token, at one step of some prompts (autoregressive,
+    speculative greedy and sampled decoding with the ngram drafter, eager): generate raises
+    NonFiniteLogitsError naming those prompts and the step, where greedy decoding took the id
+    the argmax landed on and sampling the last id; the next call decodes as before."""
+    dec = SpecDecoder(TINY, config=dict(max_new_tokens=8, dtype="float32", **config))
+    clean = dec.generate(PROMPTS).outputs
+    poison_logits(monkeypatch, dec.adapter, step, rows, value, tokens)
+    with pytest.raises(NonFiniteLogitsError, match=rf"^{named}: the model's logits at decode step {step} hold NaN "
+                                                   r"or \+inf, or are -inf for every token: no token can be chosen "
+                                                   r"from them$"):
+        dec.generate(PROMPTS)
+    monkeypatch.undo()
+    assert dec.generate(PROMPTS).outputs == clean
+
+
+def test_logits_minus_inf_for_some_tokens_decode_as_without_them(monkeypatch):
+    """-inf for some tokens (masked ones) is no error: token 7, masked at every step, is never
+    chosen, and prompt 0 continues with the model's second choice instead."""
+    dec = SpecDecoder(TINY, config=dict(max_new_tokens=4, dtype="float32", num_draft_tokens=0))
+    clean = dec.generate(PROMPTS).outputs
+    lm_logits = dec.adapter.lm_logits
+    monkeypatch.setattr(dec.adapter, "lm_logits", lambda h: lm_logits(h).index_fill(-1, torch.tensor([7]),
+                                                                                    float("-inf")))
+    masked = dec.generate(PROMPTS).outputs
+    assert masked[1:] == clean[1:] and masked[0][0] == clean[0][0] == 6 and masked[0][1] != 7

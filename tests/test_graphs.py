@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specla import DraftTree, SpecConfig
+from specla import DraftTree, NonFiniteLogitsError, SpecConfig
 from specla.api import SpecDecoder
 from specla.drafters.ngram import NgramDrafter
 from specla.errors import ConfigError
+from conftest import EVERY_TOKEN, poison_logits
 
 ASSETS = Path(__file__).resolve().parents[1] / "plugins" / "gdn" / "assets"
 TREES = {"chain": dict(num_draft_tokens=6, max_depth=6, top_k=1), "tree": dict(num_draft_tokens=16, max_depth=6, top_k=4)}
@@ -296,7 +297,7 @@ def test_runner_notices_a_state_replaced_outside_it():
         runner.release()
         contexts = [list(p) for p in prompts]
         for _ in range(2):  # a step from the empty commit, then one on the bound buffers
-            num, drafted, bonus = runner.step(contexts)
+            num, drafted, bonus, _ = runner.step(contexts)
             for c, n, d, b in zip(contexts, num, drafted, bonus):
                 c += d[:n] + [b]
         swap = torch.tensor([1, 0])
@@ -463,3 +464,44 @@ def test_a_capture_survives_an_older_graph_awaiting_collection():
         assert gc.isenabled()
     finally:
         gc.set_threshold(*thresholds)
+
+
+NONFINITE_PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 3], [100, 200, 300]]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("temperature", [0, 0.7])
+def test_a_graph_step_reports_nonfinite_logits_at_its_one_read(device, temperature):
+    """The fixed-shape step (recorded on a GPU, unrecorded on the CPU) computes which rows' logits
+    are not finite and the host raises at the step's outcome read: a NaN in the LM head's row of
+    token 7, written in place after the graphs were recorded, makes every row's logits NaN; the 3
+    prompts run in a graph of 4 rows whose dead row is not named. With the weight restored the
+    decoder decodes as before."""
+    cfg = dict(device=device, dtype="float32", max_new_tokens=8, temperature=temperature, seed=1,
+               cuda_graphs="on" if device == "cuda" else "unrecorded", budget_policy="fixed")
+    dec = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=cfg)
+    clean = dec.generate(NONFINITE_PROMPTS).outputs
+    head = dec.adapter.lm_head
+    saved = head[7].clone()
+    with torch.no_grad():
+        head[7] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match=r"^prompts 0, 1, 2: the model's logits at decode step 1 hold NaN"):
+        dec.generate(NONFINITE_PROMPTS)
+    with torch.no_grad():
+        head[7] = saved
+    assert dec.generate(NONFINITE_PROMPTS).outputs == clean
+
+
+@pytest.mark.parametrize("row, named", [(3, None), (1, "prompt 1")])
+def test_only_live_graph_rows_are_named_for_nonfinite_logits(monkeypatch, row, named):
+    """3 prompts fill 4 graph rows: NaN logits in the dead row 3 (unrecorded step, on the CPU)
+    change nothing; in row 1 they raise naming prompt 1 and the step."""
+    cfg = dict(dtype="float32", max_new_tokens=8, cuda_graphs="unrecorded", budget_policy="fixed")
+    dec = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=cfg)
+    clean = dec.generate(NONFINITE_PROMPTS).outputs
+    poison_logits(monkeypatch, dec.adapter, 2, [row], float("nan"), EVERY_TOKEN)
+    if named is None:
+        assert dec.generate(NONFINITE_PROMPTS).outputs == clean
+        return
+    with pytest.raises(NonFiniteLogitsError, match=rf"^{named}: the model's logits at decode step 2 hold NaN"):
+        dec.generate(NONFINITE_PROMPTS)
