@@ -5,12 +5,14 @@ batch 1, prefill included.
     python benchmarks/scripts/cpu_threads.py --threads 1,2 --repeats 3 [--busy 2] > threads.json
 
 ``--busy K`` starts K processes that spin on the CPU for the whole run, as other work on a shared
-machine would. Prints one JSON object: ``meta`` (benchmarks/provenance.py) and per thread count the
+machine would. Prints one JSON object: ``meta`` (benchmarks/provenance.py, the spinning processes and
+the 1-minute load average at the end, which counts work outside the run too) and per thread count the
 median and every repeat's tokens/s of both decodes, and the speedup of the medians.
 """
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -64,7 +66,8 @@ def main() -> None:
     finally:
         for p in busy:
             p.terminate()
-    print(json.dumps(dict(meta=dict(provenance("cpu"), busy=args.busy, plugin=plugin, config=cfg), threads=rows),
+    meta = dict(provenance("cpu"), busy=args.busy, load_average_1min=os.getloadavg()[0], plugin=plugin, config=cfg)
+    print(json.dumps(dict(meta=meta, threads=rows),
                      indent=1))
 
 
