@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -87,7 +88,9 @@ class SpecDecoder:
             not a checkpoint directory, or its files cannot be loaded (a corrupt config.json or
             weights file: the message names the directory and the loader's error), or its
             weights do not fit its config.json (missing, unexpected or of another shape: the
-            message names the directory, the counts and the first few weight names).
+            message names the directory, the counts and the first few weight names); a model
+            whose weights are on the ``meta`` device (built under ``torch.device("meta")`` or
+            loaded with ``device_map="meta"``), refused before anything else.
         FileNotFoundError: a tokenizer directory that does not exist.
         pydantic.ValidationError: invalid config fields (e.g. ``temperature < 0``).
         ConfigError: ``cuda_graphs="on"`` for a plugin without the ``cuda_graphs`` capability,
@@ -112,6 +115,8 @@ class SpecDecoder:
         tokenizer: Any = None,
     ):
         self.config = _as_config(config)
+        if isinstance(model, torch.nn.Module):
+            _refuse_meta_weights(model)
         if isinstance(model, (str, Path)) and not (Path(model) / "config.json").is_file():
             raise UnsupportedModelError(f"{model} is not a checkpoint directory (no config.json in it)")
         self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin is not None else detect_plugin(model)
@@ -175,7 +180,8 @@ class SpecDecoder:
             TypeError: ``prompts`` is none of the above, or a tensor that is not 2-D.
             TokenTypeError: a tensor or array of non-integer dtype.
             ValueError: string prompts without a tokenizer.
-            InvalidTokenError: no prompts.
+            InvalidTokenError: no prompts; a string prompt that is not valid Unicode text (a lone
+                surrogate, as bytes that are not UTF-8 become in ``sys.argv``).
         """
         if isinstance(prompts, Mapping) and "input_ids" in prompts:
             ids, mask = prompts["input_ids"], prompts.get("attention_mask")
@@ -200,6 +206,11 @@ class SpecDecoder:
         if all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer: pass tokenizer= or token-id lists")
+            for i, p in enumerate(prompts):
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError as err:  # the tokenizers would refuse it with a TypeError
+                    raise InvalidTokenError(f"prompt {i} is not valid text: {err}") from None
             return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
         for p in prompts:
             if hasattr(p, "dtype") and _not_integer_dtype(p):
@@ -238,6 +249,17 @@ class SpecDecoder:
         outputs, stats = self.engine.generate(ids)
         texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if self.tokenizer else None
         return RunResult(outputs=outputs, texts=texts, stats=stats)
+
+
+def _refuse_meta_weights(model: torch.nn.Module) -> None:
+    """Raises UnsupportedModelError naming a model's tensors on the meta device (shapes without
+    data: every read of them fails deep inside the adapter)."""
+    tensors = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+    meta = [name for name, t in tensors if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (", ..." if len(meta) > 3 else "")
+        raise UnsupportedModelError(f"{len(meta)} of the model's {len(tensors)} weights are on the meta device: "
+                                    f"load them first ({shown})")
 
 
 def _kind(x: Any) -> str:

@@ -33,6 +33,12 @@ with the root) verify in one 64-row tile of every plugin's parallel kernel and i
 costs grow with ``N**2`` per layer and drafting with ``D`` levels, for acceptance that rarely
 passes 10 tokens per step (docs/DESIGN.md section 8)."""
 
+MAX_NEW_TOKENS = 2**31 - 1
+"""The largest ``max_new_tokens`` a run accepts: a 32-bit signed integer, so that every token
+count and position derived from it fits the integer types of torch's and Triton's index
+arithmetic. Even at 10,000 tokens/s a sequence this long takes 2.5 days; a larger value is a
+typo (from ``2**63`` on, one overflows the int64 tensors of a step)."""
+
 
 class SpecConfig(BaseModel):
     """Options of one speculative-decoding run.
@@ -64,7 +70,8 @@ class SpecConfig(BaseModel):
             Either one set with ``temperature == 0`` is refused (greedy decoding ignores them).
         seed: with sampling, seeds the run's generator so that it repeats exactly (``None``: a
             fresh random seed); ``0 <= seed < 2**64`` (what ``torch.Generator.manual_seed`` takes).
-        max_new_tokens: generated tokens per prompt, bonus tokens included.
+        max_new_tokens: generated tokens per prompt, bonus tokens included; at most
+            :data:`MAX_NEW_TOKENS` (``2**31 - 1``).
         stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
             output).
         stop_at_eos: also stop at the model's ``eos_token_id`` (as ``generate`` does).
@@ -140,7 +147,7 @@ class SpecConfig(BaseModel):
     sampling_top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, lt=2**64)
-    max_new_tokens: StrictInt = Field(64, ge=1)
+    max_new_tokens: StrictInt = Field(64, ge=1, le=MAX_NEW_TOKENS)
     stop_token_ids: tuple[StrictInt, ...] = ()
     stop_at_eos: bool = True
     dtype: DType | None = None

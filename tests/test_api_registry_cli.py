@@ -548,3 +548,41 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused(tmp_path, c
     assert exit_.value.code == 2 and stderr.strip().splitlines()[-1] == f"specla: error: {message}"
     assert "Traceback" not in stderr
     assert isinstance(SpecDecoder(_edited_checkpoint(tmp_path / "unedited")).model, torch.nn.Module)
+def test_max_new_tokens_is_at_most_a_32_bit_integer(capsys):
+    """``max_new_tokens`` beyond 2**31 - 1 is refused by the config (from 2**63 on it would
+    overflow inside a step), from the API and from ``--max-new-tokens`` in one line, before loading."""
+    assert SpecConfig(max_new_tokens=2**31 - 1).max_new_tokens == 2**31 - 1
+    with pytest.raises(pydantic.ValidationError, match="max_new_tokens\n  Input should be less than or equal to "
+                                                       "2147483647"):
+        SpecConfig(max_new_tokens=10**30)
+    with pytest.raises(SystemExit) as exit_:
+        specla.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", str(10**30),
+                         "--device", "cpu"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("specla: error: max_new_tokens: Input should be less than or equal to "
+                                       "2147483647\n")
+
+
+def test_a_model_on_the_meta_device_is_refused_before_anything_else():
+    model = make_model()
+    total = len(list(model.parameters())) + len(list(model.buffers()))
+    with torch.device("meta"):
+        empty = type(model)(model.config)
+    with pytest.raises(UnsupportedModelError, match=rf"^{total} of the model's {total} weights are on the meta "
+                                                    r"device: load them first \(model.embeddings.weight, "
+                                                    r"model.layers.0.attn_norm.weight, model.layers.0.attn.A_log, "
+                                                    r"\.\.\.\)$"):
+        SpecDecoder(empty, "nonexistent-plugin")  # refused before the plugin is looked up
+    model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight, device="meta"))
+    with pytest.raises(UnsupportedModelError, match=rf"^1 of the model's {total} weights are on the meta device: "
+                                                    r"load them first \(lm_head.weight\)$"):
+        SpecDecoder(model)
+
+
+def test_string_prompts_that_are_not_unicode_text_are_refused():
+    """A lone surrogate (what bytes that are not UTF-8 become in ``sys.argv``) in a string prompt
+    is an InvalidTokenError naming the prompt, not the tokenizer's TypeError."""
+    dec = SpecDecoder(TINY, config=dict(device="cpu", max_new_tokens=2))
+    with pytest.raises(specla.InvalidTokenError, match=r"^prompt 1 is not valid text: 'utf-8' codec can't encode "
+                                                       r"characters in position 2-3: surrogates not allowed$"):
+        dec.generate(["hi", "ab\udcff\udcfe"])

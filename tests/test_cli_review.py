@@ -4,6 +4,7 @@ drafters, and the demo's progress and prompt echo. In-process ``specla.cli.main`
 tiny target shipped with the gdn plugin."""
 
 import json
+import re
 import shutil
 from importlib import resources
 
@@ -253,6 +254,19 @@ def test_missing_drafter_directories_say_so(capsys, tmp_path, monkeypatch):
     code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", "hi", "--device", "cpu", "--drafter",
                        "./missing")
     assert code == 2 and last_error(err) == "specla: error: drafter directory ./missing does not exist"
+
+
+def test_a_truncated_drafter_weights_file_is_a_drafter_error_naming_it(capsys, tmp_path):
+    drafter = tmp_path / "eagle"
+    shutil.copytree(TINY.parent / "tiny-eagle", drafter)
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    message = (rf"{re.escape(str(weights))} cannot be read \(Error while deserializing header: [^)]+\): the drafter's "
+               r"weights file is truncated or corrupt")
+    with pytest.raises(DrafterError, match=f"^{message}$"):
+        SpecDecoder(TINY, drafter=str(drafter), config=dict(device="cpu"))
+    code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", "hi", "--device", "cpu", "--drafter", drafter)
+    assert code == 2 and re.fullmatch(f"specla: error: {message}\n", err)
 
 
 def test_cli_asks_for_the_tokenizer_flag(capsys, tmp_path):

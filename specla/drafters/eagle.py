@@ -188,8 +188,10 @@ class EagleHead(nn.Module):
         """Load a head saved by :meth:`save` (format v2, or v1: the attention-free head).
 
         Raises:
-            DrafterError: the directory is not a complete EAGLE drafter of these formats.
+            DrafterError: the directory is not a complete EAGLE drafter of these formats; its
+                ``model.safetensors`` cannot be read (truncated or corrupt: the message names it).
         """
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         d = Path(directory)
@@ -201,6 +203,9 @@ class EagleHead(nn.Module):
             head = cls(cfg["hidden_size"], cfg["intermediate_size"], heads, cfg["eps"])
             head.load_state_dict(load_file(str(d / "model.safetensors")))
             head.target_vocab_size = cfg.get("target_vocab_size")  # written by train-drafter
+        except SafetensorError as err:
+            raise DrafterError(f"{d / 'model.safetensors'} cannot be read ({err}): the drafter's weights file is "
+                               "truncated or corrupt") from err
         except (KeyError, ValueError, OSError, RuntimeError) as err:
             if isinstance(err, DrafterError):
                 raise
