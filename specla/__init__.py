@@ -2,12 +2,15 @@
 
 The core is architecture-agnostic; architectures arrive as plugins through the
 ``specla.plugins`` entry-point group (see ``docs/architecture.md``).
+
+The names below are imported on first use (PEP 562), so that ``import specla`` (and the
+``specla`` command's argument parsing, ``--help`` and ``--version``) does not load torch.
 """
 
-from .acceptance import accept_greedy
-from .api import RunResult, SpecDecoder, run
-from .config import SpecConfig
-from .engine import Engine, RunStats
+from __future__ import annotations
+
+import importlib.util
+
 from .errors import (
     BudgetError,
     ConfigError,
@@ -22,11 +25,16 @@ from .errors import (
     UnknownPluginError,
     UnsupportedModelError,
 )
-from .interfaces import ArchitecturePlugin, Drafter, TargetAdapter, VerifyOutput
-from .records import Acceptance, PendingCommit, Record
-from .tree import DraftTree
 
 __version__ = "0.1.0"
+
+# name -> the submodule that defines it
+_LAZY = {
+    "accept_greedy": "acceptance", "RunResult": "api", "SpecDecoder": "api", "run": "api", "SpecConfig": "config",
+    "Engine": "engine", "RunStats": "engine", "ArchitecturePlugin": "interfaces", "Drafter": "interfaces",
+    "TargetAdapter": "interfaces", "VerifyOutput": "interfaces", "Acceptance": "records", "PendingCommit": "records",
+    "Record": "records", "DraftTree": "tree",
+}
 
 __all__ = [
     "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "DrafterError", "DraftTree", "Drafter", "Engine",
@@ -34,3 +42,18 @@ __all__ = [
     "PluginLoadWarning", "Record", "RunResult", "RunStats", "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter",
     "TokenTypeError", "UnknownPluginError", "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)  # ``specla.engine`` after ``import specla``
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

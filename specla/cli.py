@@ -1,4 +1,8 @@
-"""Command line: ``specla demo | generate | bench | train-drafter | plugins``."""
+"""Command line: ``specla demo | generate | bench | train-drafter | plugins``.
+
+Arguments are parsed, and checked where no model is needed, before torch and the plugins are
+imported (only the subcommands that run import them): ``--help``, ``--version`` and argument
+errors answer at once."""
 
 from __future__ import annotations
 
@@ -12,7 +16,6 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from . import registry
 from .config import SpecConfig
 from .errors import SpecError, UnsupportedModelError
 
@@ -84,7 +87,37 @@ def stop_string_ids(tokenizer, stops: list[str]) -> list[int]:
     return ids
 
 
+def _text_argument(flag: str, index: int, text: str) -> str:
+    """A text flag's value as the tokenizer reads it: ``sys.argv`` holds bytes that do not decode
+    in the locale's encoding as lone surrogates, which are decoded here as UTF-8.
+
+    Raises:
+        ValueError: bytes that are not UTF-8 text (the message names the flag and the bytes).
+    """
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeError as err:
+        raise ValueError(f"{flag} {index} is not UTF-8 text ({err})") from None
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """``--prompt``'s texts, checked before anything loads.
+
+    Raises:
+        ValueError: an empty or whitespace-only prompt, or one that is not UTF-8 text (each named
+            by its position among the ``--prompt`` flags, from 0).
+    """
+    prompts = [_text_argument("--prompt", i, text) for i, text in enumerate(args.prompt)]
+    for i, text in enumerate(prompts):
+        if not text.strip():
+            raise ValueError(f"--prompt {i} is empty{' (only whitespace)' if text else ''}: give the text to continue")
+    return prompts
+
+
 def _generate(args: argparse.Namespace) -> int:
+    prompts = _prompts(args)  # before torch is imported: a typo answers at once
+    stop_texts = [_text_argument("--stop", i, text) for i, text in enumerate(args.stop or [])]
+
     from .api import SpecDecoder
 
     flags = {"max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
@@ -105,12 +138,12 @@ def _generate(args: argparse.Namespace) -> int:
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
     if args.stop_token_id is not None or args.stop is not None:
-        if args.stop:  # the config needs their ids before the decoder is built
+        if stop_texts:  # the config needs their ids before the decoder is built
             tokenizer = _load_tokenizer(tokenizer)
-        stops = list(args.stop_token_id or []) + stop_string_ids(tokenizer, args.stop or [])
+        stops = list(args.stop_token_id or []) + stop_string_ids(tokenizer, stop_texts)
         config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops})
     decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
-    result = decoder.generate(list(args.prompt))
+    result = decoder.generate(prompts)
     for text in result.texts:
         print(text)
         print("-" * 40)
@@ -188,6 +221,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
+    from . import registry
+
     infos, failed = registry.plugin_infos(), registry.failed_plugins()
     w = max([len("name"), *(len(p.name) for p in infos + failed)])
     print(f"{'name':<{w}} {'distribution':<24} {'version':<10} model types")
@@ -301,6 +336,7 @@ def _spec_default(field: str):
 def build_parser() -> argparse.ArgumentParser:
     """The ``specla`` argument parser."""
     parser = argparse.ArgumentParser(prog="specla", description="Speculative decoding for linear-attention models")
+    parser.add_argument("--version", action="version", version=f"specla {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = ("SpecConfig fields as a JSON object, inline ('{\"temperature\": 0.8}') or the path of a file "
                    "holding one; the flags of this command override its fields")
@@ -439,6 +475,18 @@ def build_parser() -> argparse.ArgumentParser:
                                       "failed to load, with the error.")
     plug.set_defaults(func=_plugins)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's own when run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specla")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """Public API, plugin registry, configuration and CLI."""
 
+import argparse
 import functools
 import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -586,3 +588,56 @@ def test_string_prompts_that_are_not_unicode_text_are_refused():
     with pytest.raises(specla.InvalidTokenError, match=r"^prompt 1 is not valid text: 'utf-8' codec can't encode "
                                                        r"characters in position 2-3: surrogates not allowed$"):
         dec.generate(["hi", "ab\udcff\udcfe"])
+
+
+def test_cli_refuses_a_prompt_that_is_not_utf8_before_loading():
+    """Bytes that are not UTF-8 in ``--prompt`` (a real argv, through a subprocess): one line
+    naming the flag and the byte, exit 2, and torch never imported."""
+    script = ("import sys, specla.cli\n"
+              "try:\n    specla.cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+              "    print(e.code, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script, "generate", "--model", str(TINY).encode(), "--prompt", "ok",
+                          "--prompt", b"ab\xff\xfe"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LC_ALL": "C.UTF-8"})
+    assert out.stdout == "2 False\n"
+    assert out.stderr == ("specla: error: --prompt 1 is not UTF-8 text ('utf-8' codec can't decode byte 0xff in "
+                          "position 2: invalid start byte)\n")
+
+
+def test_cli_reads_utf8_bytes_that_argv_escaped_as_text():
+    """Where the locale did not decode UTF-8 (argv then holds each byte as a lone surrogate), the
+    bytes are read as UTF-8: ``café`` reaches the tokenizer, not ``caf\\udcc3\\udca9``."""
+    args = argparse.Namespace(prompt=["caf\udcc3\udca9", "tea"])
+    assert specla.cli._prompts(args) == ["café", "tea"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt", ""], "--prompt 0 is empty: give the text to continue"),
+    (["--prompt", "def f():", "--prompt", " \n\t"], "--prompt 1 is empty (only whitespace): give the text to continue"),
+    (["--prompt", "hi", "--stop", "\udcff"], "--stop 0 is not UTF-8 text ('utf-8' codec can't decode byte 0xff in "
+                                             "position 0: invalid start byte)"),
+])
+def test_cli_refuses_an_empty_prompt_or_a_stop_that_is_not_text_before_loading(monkeypatch, capsys, flags, message):
+    import specla.api
+
+    monkeypatch.setattr(specla.api, "SpecDecoder", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["generate", "--model", str(TINY), "--device", "cpu", *flags]
+    with pytest.raises(SystemExit) as exit_:
+        specla.cli.main(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"specla: error: {message}\n"
+
+
+def test_version_and_argument_errors_answer_without_importing_torch():
+    """``specla --version`` prints the installed version; argument errors (argparse's and an
+    empty prompt) exit 2; none of them imports torch or the plugins (seconds each)."""
+    from importlib.metadata import version
+
+    script = ("import json, sys, specla.cli\ncodes = []\n"
+              f"for argv in (['--version'], ['generate', '--bogus'], ['generate', '--model', {str(TINY)!r}, "
+              "'--prompt', '']):\n"
+              "    try:\n        specla.cli.main(argv)\n    except SystemExit as e:\n        codes.append(e.code)\n"
+              "print(json.dumps([codes, 'torch' in sys.modules, 'specla.registry' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout.splitlines()[-1]) == [[0, 2, 2], False, False], out.stderr
+    assert out.stdout.splitlines()[0] == f"specla {version('specla')}"
+    assert "unrecognized arguments: --bogus" in out.stderr or "required: --model, --prompt" in out.stderr
