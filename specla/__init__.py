@@ -15,6 +15,7 @@ from .errors import (
     BudgetError,
     ConfigError,
     DrafterError,
+    GenerationInterrupted,
     InvalidTokenError,
     InvalidTreeError,
     NonFiniteLogitsError,
@@ -38,8 +39,9 @@ _LAZY = {
 
 __all__ = [
     "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "DrafterError", "DraftTree", "Drafter", "Engine",
-    "InvalidTokenError", "InvalidTreeError", "NonFiniteLogitsError", "PendingCommit", "PluginConflictWarning",
-    "PluginLoadWarning", "Record", "RunResult", "RunStats", "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter",
+    "GenerationInterrupted", "InvalidTokenError", "InvalidTreeError", "NonFiniteLogitsError", "PendingCommit",
+    "PluginConflictWarning", "PluginLoadWarning", "Record", "RunResult", "RunStats", "SpecConfig", "SpecDecoder",
+    "SpecError", "TargetAdapter",
     "TokenTypeError", "UnknownPluginError", "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",
 ]
 

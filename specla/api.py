@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import torch
 from .config import SpecConfig
 from .drafters import make_drafter, model_drafter_owners
 from .engine import Engine, RunStats
-from .errors import ConfigError, DrafterError, InvalidTokenError, TokenTypeError, UnsupportedModelError
+from .errors import (ConfigError, DrafterError, GenerationInterrupted, InvalidTokenError,
+                     TokenTypeError, UnsupportedModelError)
 from .interfaces import ArchitecturePlugin, Drafter
 from .registry import detect_plugin, get_plugin
 
@@ -231,24 +233,57 @@ class SpecDecoder:
         dropped. Arguments and errors as :meth:`generate`; thread-safe."""
         self.engine.warm_up(self.encode(prompts))
 
-    def generate(self, prompts: Any) -> RunResult:
+    def generate(self, prompts: Any, progress: bool | Callable[[RunStats], None] = False) -> RunResult:
         """Decode ``prompts`` (strings with a tokenizer, or token-id lists) as one batch.
 
         Args:
             prompts: see :meth:`encode` (lists of ids, strings, a ``[B, T]`` tensor, a
                 tokenizer's output).
+            progress: ``True`` shows a progress bar of the generated tokens (and tokens/s) on
+                stderr; a callable is called after every step with the call's
+                :class:`~specla.engine.RunStats` so far (``steps`` and ``generated_tokens``
+                current); ``False``: neither.
         Raises:
             InvalidTokenError: an empty prompt or an out-of-vocabulary id (state untouched).
             TokenTypeError: a token id that is not an integer.
             NonFiniteLogitsError: the model's logits for a prompt at a decode step hold NaN or
                 +inf, or are -inf for every token (the message names the prompts and the step;
                 the decoder stays usable).
+            TypeError: ``progress`` neither a bool nor a callable.
+            GenerationInterrupted: a ``KeyboardInterrupt`` (Ctrl-C, or raised by ``progress``)
+                during decoding; it carries the outputs (and texts) decoded until then, and the
+                decoder stays usable.
         Thread-safe: concurrent calls run one after another.
         """
+        if not (isinstance(progress, bool) or callable(progress)):
+            raise TypeError(f"progress must be a bool or a callable, got {type(progress).__name__}")
         ids = self.encode(prompts)
-        outputs, stats = self.engine.generate(ids)
-        texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if self.tokenizer else None
-        return RunResult(outputs=outputs, texts=texts, stats=stats)
+        on_step = _TokenBar(len(ids) * self.config.max_new_tokens) if progress is True else progress or None
+        try:
+            outputs, stats = self.engine.generate(ids, on_step)
+        except GenerationInterrupted as interrupted:
+            interrupted.texts = self._texts(interrupted.outputs)
+            raise
+        finally:
+            if isinstance(on_step, _TokenBar):
+                on_step.bar.close()
+        return RunResult(outputs=outputs, texts=self._texts(outputs), stats=stats)
+
+    def _texts(self, outputs: list[list[int]]) -> list[str] | None:
+        return [self.tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if self.tokenizer else None
+
+
+class _TokenBar:
+    """A tqdm bar on stderr of the tokens a ``generate`` call has generated, all prompts
+    together, moved after every step (tqdm redraws it at most 10 times a second)."""
+
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="generate", unit="tok", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def __call__(self, stats: RunStats) -> None:
+        self.bar.update(stats.generated_tokens - self.bar.n)
 
 
 def _refuse_meta_weights(model: torch.nn.Module) -> None:

@@ -17,7 +17,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .config import SpecConfig
-from .errors import SpecError, UnsupportedModelError
+from .errors import GenerationInterrupted, SpecError, UnsupportedModelError
+
+# generate shows a progress bar (on a terminal, or with --progress) from this many tokens per
+# prompt: the default 64 and other short completions end within seconds and print nothing more
+PROGRESS_FROM_TOKENS = 256
 
 
 # make_drafter's rule, said once for every --drafter flag
@@ -114,6 +118,17 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def _print_result(texts: list[str], stats, decoder) -> None:
+    """Each generation, then a JSON line of the run's statistics and the config used."""
+    for text in texts:
+        print(text)
+        print("-" * 40)
+    stats = stats.to_dict()
+    stats.update(device=decoder.config.device or str(decoder.adapter.device), plugin=decoder.plugin.name,
+                 config=decoder.config.model_dump(mode="json"))
+    print(json.dumps(stats), flush=True)
+
+
 def _generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args)  # before torch is imported: a typo answers at once
     stop_texts = [_text_argument("--stop", i, text) for i, text in enumerate(args.stop or [])]
@@ -143,14 +158,17 @@ def _generate(args: argparse.Namespace) -> int:
         stops = list(args.stop_token_id or []) + stop_string_ids(tokenizer, stop_texts)
         config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops})
     decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
-    result = decoder.generate(prompts)
-    for text in result.texts:
-        print(text)
-        print("-" * 40)
-    stats = result.stats.to_dict()
-    stats.update(device=decoder.config.device or str(decoder.adapter.device), plugin=decoder.plugin.name,
-                 config=decoder.config.model_dump(mode="json"))
-    print(json.dumps(stats))
+    progress = args.progress
+    if progress is None:
+        progress = sys.stderr.isatty() and decoder.config.max_new_tokens >= PROGRESS_FROM_TOKENS
+    try:
+        result = decoder.generate(prompts, progress=progress)
+    except GenerationInterrupted as interrupted:
+        _print_result(interrupted.texts, interrupted.stats, decoder)  # what was decoded until Ctrl-C
+        print(f"specla: interrupted: the output above is what was decoded until then "
+              f"({interrupted.stats.generated_tokens} tokens)", file=sys.stderr)
+        return 130
+    _print_result(result.texts, result.stats, decoder)
     return 0
 
 
@@ -360,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="(default: the model's; half precision runs in float32 on a CPU)")
     gen.add_argument("--max-new-tokens", type=_integer, default=None, metavar="N",
                      help=f"tokens generated per prompt (default: {_spec_default('max_new_tokens')})")
+    gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="show a progress bar of the generated tokens and tokens/s on stderr (default: when "
+                          f"stderr is a terminal and --max-new-tokens is at least {PROGRESS_FROM_TOKENS})")
     samp = gen.add_argument_group("sampling (all need --temperature > 0, except --seed)")
     samp.add_argument("--temperature", type=_number, default=None, metavar="T",
                       help="0 decodes greedily; above 0 samples losslessly from softmax(logits / T) "
@@ -490,11 +511,14 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``specla`` console script."""
+    """Entry point of the ``specla`` console script. Errors exit with one line on stderr: 2 for
+    a user's mistake, 130 for Ctrl-C (``generate`` first prints what it decoded until then)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        parser.exit(130, "specla: interrupted\n")
     except ValidationError as err:
         # user mistakes (bad paths, options, prompts) get one line, not a traceback
         fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())

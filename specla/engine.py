@@ -6,12 +6,13 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .config import SpecConfig
-from .errors import ConfigError, NonFiniteLogitsError
+from .errors import ConfigError, GenerationInterrupted, NonFiniteLogitsError
 from .graphs import GraphRunner, batch_bucket, graph_problem
 from .interfaces import Drafter, TargetAdapter
 from .policy import BudgetPolicy, resolve_budget_policy
@@ -148,11 +149,15 @@ class Engine:
             torch.cuda.synchronize(self.adapter.device)
         return time.perf_counter()
 
-    def generate(self, prompts: list[list[int]]) -> tuple[list[list[int]], RunStats]:
+    def generate(self, prompts: list[list[int]],
+                 on_step: Callable[[RunStats], None] | None = None) -> tuple[list[list[int]], RunStats]:
         """Decode every prompt until ``max_new_tokens`` or a stop token.
 
         Args:
             prompts: ``B`` non-empty lists of token ids.
+            on_step: called after every step with the call's :class:`RunStats` so far (``steps``
+                and ``generated_tokens`` are current; the times are filled in at the end), e.g.
+                to show progress; ``None``: nothing is called.
         Returns:
             ``(outputs, stats)``: the new token ids per prompt (stop token included when hit).
         Raises:
@@ -160,13 +165,16 @@ class Engine:
             InvalidTreeError / BudgetError: the drafter produced an invalid tree.
             NonFiniteLogitsError: the model's logits for a prompt at a step are NaN or +inf, or
                 -inf for every token (the call's outputs are lost; the engine stays usable).
+            GenerationInterrupted: a ``KeyboardInterrupt`` (Ctrl-C, or raised by ``on_step``)
+                during the call, carrying the tokens generated until then; the next call runs
+                as on a fresh engine (its prefill replaces the state).
         Thread-safe: concurrent calls run one after another (see the class docstring).
         Afterwards the adapter holds the state after the accepted tokens; with the ``factor``
         commit the last step's commit is still pending: ``adapter.recurrent_states()`` (and
         :meth:`TargetAdapter.flush`) apply it, the next call's prefill discards it.
         """
         with self._lock:
-            return self._generate(prompts)
+            return self._generate(prompts, on_step)
 
     def warm_up(self, prompts: list[list[int]]) -> None:
         """Decode ``prompts`` as a server does before it serves: under the adaptive policy, once
@@ -193,11 +201,28 @@ class Engine:
                         self._forced = None
             self._generate(prompts)
 
-    def _generate(self, prompts: list[list[int]]) -> tuple[list[list[int]], RunStats]:
-        cfg, adapter = self.config, self.adapter
-        stats = RunStats(accepted_histogram=[0] * (step_depth(cfg) + 1))
-        runner = self._graph_runner()
+    def _generate(self, prompts: list[list[int]],
+                  on_step: Callable[[RunStats], None] | None = None) -> tuple[list[list[int]], RunStats]:
+        stats = RunStats(accepted_histogram=[0] * (step_depth(self.config) + 1))
+        run = _Decoding(prompts, self.config, self.adapter.eos_token_ids, stats, on_step)
         start = self._clock()
+        try:
+            self._decode(run, start)
+        except KeyboardInterrupt as interrupt:
+            # what the steps before it accepted is kept; the state is left as the interrupt found
+            # it, and the next call's prefill replaces it
+            raise GenerationInterrupted(*self._finish(run, start)) from interrupt
+        return self._finish(run, start)
+
+    def _finish(self, run: _Decoding, start: float) -> tuple[list[list[int]], RunStats]:
+        run.stats.wall_s = self._clock() - start
+        run.stats.generated_tokens = sum(len(o) for o in run.outputs)
+        return run.outputs, run.stats
+
+    def _decode(self, run: _Decoding, start: float) -> None:
+        """Prefill ``run``'s prompts, then decode them to the end."""
+        cfg, adapter, stats, prompts = self.config, self.adapter, run.stats, run.prompts
+        runner = self._graph_runner()
         adapter.prefill(prompts)
         stats.prefill = adapter.prefill_form
         self.drafter.reset(prompts)
@@ -206,7 +231,6 @@ class Engine:
         if runner is not None:
             for r in self._runners():
                 r.release()  # the state was replaced: the next step loads it into its graph
-        run = _Decoding(prompts, cfg, adapter.eos_token_ids, stats)
         if runner is not None and batch_bucket(len(run.rows)) > len(run.rows):  # graphs run power-of-two batches
             self._gather(run, list(range(len(run.rows))), batch_bucket(len(run.rows)))
         t = self._clock()
@@ -218,9 +242,6 @@ class Engine:
             self._decode_eager(run, t)
         # the last step's commit stays pending: reading the state applies it (recurrent_states
         # flushes) and the next prefill discards it, so no call pays an eager commit it never uses
-        stats.wall_s = self._clock() - start
-        stats.generated_tokens = sum(len(o) for o in run.outputs)
-        return run.outputs, stats
 
     def _decode_eager(self, run: _Decoding, t: float) -> None:
         """Eager steps until every sequence is done; finished rows leave the batch at once."""
@@ -354,10 +375,12 @@ class Engine:
 class _Decoding:
     """The host's bookkeeping of one ``generate`` call: outputs and contexts per prompt, and which
     prompt each row of the adapter's batch decodes (``rows[r]``: ``None`` for a finished row a
-    CUDA graph keeps until the batch is gathered; ``shown[r]``: whose context row ``r`` shows)."""
+    CUDA graph keeps until the batch is gathered; ``shown[r]``: whose context row ``r`` shows), and
+    the caller's ``on_step`` (:meth:`Engine.generate`), called after each step is absorbed."""
 
-    def __init__(self, prompts: list[list[int]], cfg: SpecConfig, eos: tuple[int, ...], stats: RunStats):
-        self.cfg, self.stats = cfg, stats
+    def __init__(self, prompts: list[list[int]], cfg: SpecConfig, eos: tuple[int, ...], stats: RunStats,
+                 on_step: Callable[[RunStats], None] | None = None):
+        self.cfg, self.stats, self.prompts, self.on_step = cfg, stats, prompts, on_step
         self.contexts = [list(p) for p in prompts]
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.rows: list[int | None] = list(range(len(prompts)))
@@ -403,3 +426,6 @@ class _Decoding:
                 if tok in self.stops or len(self.outputs[seq]) >= cfg.max_new_tokens:
                     self.rows[row] = None
                     break
+        if self.on_step is not None:  # counted only for it: a step without one pays nothing
+            stats.generated_tokens = sum(len(o) for o in self.outputs)
+            self.on_step(stats)

@@ -70,3 +70,19 @@ class PluginLoadWarning(UserWarning):
 class PluginConflictWarning(UserWarning):
     """A third-party plugin declares a ``model_type`` a built-in plugin runs: it stays usable by
     name (``plugin=``), and auto-detection picks the built-in one."""
+class GenerationInterrupted(KeyboardInterrupt):
+    """A ``KeyboardInterrupt`` (Ctrl-C) stopped a ``generate`` call; it carries what had been
+    decoded by then. Being a ``KeyboardInterrupt``, it still ends a program that does not catch it.
+    The decoder stays usable: the next call's prefill replaces the state the interrupt left.
+
+    Attributes:
+        outputs: the tokens generated per prompt until the interrupt (accepted tokens only:
+            under greedy decoding, a prefix of what the whole call returns).
+        stats: :class:`~specla.engine.RunStats` of the steps that ran.
+        texts: the decoded ``outputs`` (from :meth:`specla.api.SpecDecoder.generate` with a
+            tokenizer), else ``None``.
+    """
+
+    def __init__(self, outputs: list[list[int]], stats, texts: list[str] | None = None):
+        super().__init__(f"generation interrupted after {sum(map(len, outputs))} generated tokens")
+        self.outputs, self.stats, self.texts = outputs, stats, texts

@@ -5,9 +5,13 @@ import functools
 import importlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pydantic
 import numpy
@@ -641,3 +645,75 @@ def test_version_and_argument_errors_answer_without_importing_torch():
     assert json.loads(out.stdout.splitlines()[-1]) == [[0, 2, 2], False, False], out.stderr
     assert out.stdout.splitlines()[0] == f"specla {version('specla')}"
     assert "unrecognized arguments: --bogus" in out.stderr or "required: --model, --prompt" in out.stderr
+
+
+@pytest.mark.parametrize("cuda_graphs", ["off", "unrecorded"])
+def test_progress_callback_and_an_interrupt_that_leaves_the_decoder_usable(cuda_graphs):
+    """``generate(progress=f)`` calls ``f`` after every step with the counts so far; a
+    KeyboardInterrupt it raises becomes a GenerationInterrupted carrying the tokens accepted by
+    then (prefixes of the whole run's), and the next call decodes as a fresh decoder does."""
+    prompts = [[5, 6, 7, 5, 6], [9, 3, 9, 3, 9, 3, 9]]
+    config = dict(max_new_tokens=20, num_draft_tokens=4, max_depth=4, cuda_graphs=cuda_graphs, budget_policy="fixed")
+    full = SpecDecoder(make_model(), "gdn", config=config).generate(prompts)
+    dec = SpecDecoder(make_model(), "gdn", config=config)
+    seen = []
+    result = dec.generate(prompts, progress=lambda s: seen.append((s.steps, s.generated_tokens)))
+    assert result.outputs == full.outputs
+    assert [s for s, _ in seen] == list(range(1, result.stats.steps + 1)) and result.stats.steps > 2
+    assert seen[-1][1] == result.stats.generated_tokens == 40
+
+    def interrupt(stats):
+        if stats.steps == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(specla.GenerationInterrupted, match=r"^generation interrupted after \d+ generated tokens$") \
+            as stopped:
+        dec.generate(prompts, progress=interrupt)
+    err = stopped.value
+    assert isinstance(err, KeyboardInterrupt) and err.stats.steps == 2 and err.texts is None
+    assert err.stats.generated_tokens == sum(map(len, err.outputs)) == seen[1][1]
+    assert all(0 < len(o) < 20 and f[: len(o)] == o for o, f in zip(err.outputs, full.outputs))
+    assert dec.generate(prompts).outputs == full.outputs
+    with pytest.raises(TypeError, match="progress must be a bool or a callable, got str"):
+        dec.generate(prompts, progress="yes")
+
+
+def test_progress_true_shows_a_bar_of_tokens_on_stderr(capsys):
+    dec = SpecDecoder(make_model(), "gdn", config=dict(max_new_tokens=6))
+    dec.generate([[5, 6, 7]], progress=True)
+    err = capsys.readouterr().err
+    assert "generate:   0%|          | 0/6 [00:00<?, ?tok/s]" in err
+    dec.generate([[5, 6, 7]])
+    assert capsys.readouterr().err == ""
+
+
+def test_sigint_during_a_long_generate_prints_what_was_decoded():
+    """A real Ctrl-C (SIGINT) once the progress bar shows tokens: exit 130, the partial text and
+    its statistics on stdout, one line on stderr, no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "specla.cli", "generate", "--model", str(TINY), "--prompt",
+                             "def add(a, b):", "--max-new-tokens", "100000000", "--device", "cpu", "--progress",
+                             "--config", '{"stop_at_eos": false}'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err, started = bytearray(), threading.Event()
+
+    def read():
+        while chunk := proc.stderr.read1(4096):
+            err.extend(chunk)
+            if re.search(rb"generate: [^\r]*\| [1-9][0-9]*/100000000", err):  # the bar has counted tokens
+                started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while not started.wait(0.5) and reader.is_alive() and time.monotonic() < deadline:
+        pass
+    assert started.is_set(), err.decode()
+    proc.send_signal(signal.SIGINT)
+    out = proc.stdout.read().decode()
+    assert proc.wait(60) == 130
+    reader.join()
+    stats = json.loads(out.splitlines()[-1])
+    assert 0 < stats["generated_tokens"] < 100000000 and out.splitlines()[-2] == "-" * 40
+    last = err.decode().splitlines()[-1].split("\r")[-1]
+    assert last == ("specla: interrupted: the output above is what was decoded until then "
+                    f"({stats['generated_tokens']} tokens)") and "Traceback" not in err.decode()

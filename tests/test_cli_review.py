@@ -337,3 +337,65 @@ def test_the_demo_runs_torch_on_one_thread_on_a_cpu_unless_told(monkeypatch, cap
     assert main(["demo", "--device", device]) == 0
     assert calls == threads
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["device"] == device
+
+
+# Ctrl-C and progress
+
+
+def _interrupt_after(monkeypatch, steps):
+    """Makes ``SpecDecoder.generate`` raise KeyboardInterrupt after ``steps`` steps, as Ctrl-C
+    during decoding does; records the ``progress`` each call was given."""
+    given = []
+    real = SpecDecoder.generate
+
+    def interrupted(self, prompts, progress=False):
+        given.append(progress)
+
+        def stop(stats):
+            if stats.steps == steps:
+                raise KeyboardInterrupt
+
+        return real(self, prompts, progress=stop)
+
+    monkeypatch.setattr(SpecDecoder, "generate", interrupted)
+    return given
+
+
+def test_ctrl_c_during_generate_prints_the_partial_output_and_exits_130(capsys, monkeypatch):
+    _interrupt_after(monkeypatch, 2)
+    code, out, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu",
+                         "--max-new-tokens", "12", "--num-draft-tokens", "0")  # one token a step
+    assert code == 130 and "Traceback" not in err
+    text, rule, stats = out.rstrip("\n").rsplit("\n", 2)
+    tokenizer = SpecDecoder(TINY, config=dict(device="cpu")).tokenizer
+    assert text == tokenizer.decode(GREEDY[:2], skip_special_tokens=True) and rule == "-" * 40
+    assert json.loads(stats)["generated_tokens"] == 2
+    assert err.splitlines()[-1] == "specla: interrupted: the output above is what was decoded until then (2 tokens)"
+
+
+def test_ctrl_c_before_decoding_exits_130_in_one_line(capsys, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SpecDecoder, "__init__", interrupt)
+    code, out, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu")
+    assert (code, out, err) == (130, "", "specla: interrupted\n")
+
+
+@pytest.mark.parametrize("flags, tty, shown", [
+    ([], False, False), ([], True, True), (["--max-new-tokens", "3"], True, False), (["--progress"], False, True),
+    (["--no-progress"], True, False),
+])
+def test_generate_shows_progress_on_a_terminal_for_long_decodes_or_when_asked(capsys, monkeypatch, flags, tty,
+                                                                             shown):
+    """The bar appears from ``PROGRESS_FROM_TOKENS`` tokens per prompt when stderr is a
+    terminal, or with ``--progress``; ``--no-progress`` hides it (decoding stopped at once here)."""
+    import sys
+
+    import specla.cli
+
+    given = _interrupt_after(monkeypatch, 1)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    code, _, _ = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu",
+                     "--max-new-tokens", str(specla.cli.PROGRESS_FROM_TOKENS), *flags)
+    assert code == 130 and given == [shown]
