@@ -14,6 +14,7 @@ import importlib.util
 from .errors import (
     BudgetError,
     ConfigError,
+    ContextLengthWarning,
     DrafterError,
     GenerationInterrupted,
     InvalidTokenError,
@@ -38,10 +39,10 @@ _LAZY = {
 }
 
 __all__ = [
-    "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "DrafterError", "DraftTree", "Drafter", "Engine",
-    "GenerationInterrupted", "InvalidTokenError", "InvalidTreeError", "NonFiniteLogitsError", "PendingCommit",
-    "PluginConflictWarning", "PluginLoadWarning", "Record", "RunResult", "RunStats", "SpecConfig", "SpecDecoder",
-    "SpecError", "TargetAdapter",
+    "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "ContextLengthWarning", "DrafterError",
+    "DraftTree", "Drafter", "Engine", "GenerationInterrupted", "InvalidTokenError", "InvalidTreeError",
+    "NonFiniteLogitsError", "PendingCommit", "PluginConflictWarning", "PluginLoadWarning", "Record", "RunResult",
+    "RunStats", "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter",
     "TokenTypeError", "UnknownPluginError", "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",
 ]
 

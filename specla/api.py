@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from .config import SpecConfig
 from .drafters import make_drafter, model_drafter_owners
 from .engine import Engine, RunStats
-from .errors import (ConfigError, DrafterError, GenerationInterrupted, InvalidTokenError,
+from .errors import (ConfigError, ContextLengthWarning, DrafterError, GenerationInterrupted, InvalidTokenError,
                      TokenTypeError, UnsupportedModelError)
 from .interfaces import ArchitecturePlugin, Drafter
 from .registry import detect_plugin, get_plugin
@@ -253,11 +254,15 @@ class SpecDecoder:
             GenerationInterrupted: a ``KeyboardInterrupt`` (Ctrl-C, or raised by ``progress``)
                 during decoding; it carries the outputs (and texts) decoded until then, and the
                 decoder stays usable.
+        Warns:
+            ContextLengthWarning: the longest prompt + ``max_new_tokens`` exceeds the model's
+                ``config.max_position_embeddings`` (once per call).
         Thread-safe: concurrent calls run one after another.
         """
         if not (isinstance(progress, bool) or callable(progress)):
             raise TypeError(f"progress must be a bool or a callable, got {type(progress).__name__}")
         ids = self.encode(prompts)
+        self._warn_past_context(max(len(p) for p in ids))
         on_step = _TokenBar(len(ids) * self.config.max_new_tokens) if progress is True else progress or None
         try:
             outputs, stats = self.engine.generate(ids, on_step)
@@ -271,6 +276,17 @@ class SpecDecoder:
 
     def _texts(self, outputs: list[list[int]]) -> list[str] | None:
         return [self.tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if self.tokenizer else None
+
+    def _warn_past_context(self, longest: int) -> None:
+        config = getattr(self.model, "config", None)
+        if hasattr(config, "get_text_config"):  # a multimodal config keeps the language model's apart
+            config = config.get_text_config()
+        trained = getattr(config, "max_position_embeddings", None)
+        if isinstance(trained, int) and longest + self.config.max_new_tokens > trained:
+            warnings.warn(f"the longest prompt ({longest} tokens) + max_new_tokens ({self.config.max_new_tokens}) "
+                          f"exceeds the model's trained context (max_position_embeddings {trained}): decoding goes on "
+                          "past it, but the quality of the tokens beyond it is unknown",
+                          ContextLengthWarning, stacklevel=3)
 
 
 class _TokenBar:

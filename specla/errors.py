@@ -70,6 +70,14 @@ class PluginLoadWarning(UserWarning):
 class PluginConflictWarning(UserWarning):
     """A third-party plugin declares a ``model_type`` a built-in plugin runs: it stays usable by
     name (``plugin=``), and auto-detection picks the built-in one."""
+
+
+class ContextLengthWarning(UserWarning):
+    """A run would go past the context the model was trained on (its config's
+    ``max_position_embeddings``): recurrent layers decode past it (they keep no positions), but
+    the quality of what a model generates there is unknown."""
+
+
 class GenerationInterrupted(KeyboardInterrupt):
     """A ``KeyboardInterrupt`` (Ctrl-C) stopped a ``generate`` call; it carries what had been
     decoded by then. Being a ``KeyboardInterrupt``, it still ends a program that does not catch it.

@@ -687,6 +687,20 @@ def test_progress_true_shows_a_bar_of_tokens_on_stderr(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_run_past_the_trained_context_warns_once(recwarn):
+    model = make_model()
+    model.config.max_position_embeddings = 8
+    dec = SpecDecoder(model, "gdn", config=dict(max_new_tokens=4))
+    dec.generate([[5, 6, 7, 5], [1, 2, 3, 4, 5]])
+    assert [str(w.message) for w in recwarn if w.category is specla.ContextLengthWarning] == [
+        "the longest prompt (5 tokens) + max_new_tokens (4) exceeds the model's trained context "
+        "(max_position_embeddings 8): decoding goes on past it, but the quality of the tokens beyond it is unknown"]
+    assert recwarn[0].filename == __file__  # points at the caller's generate
+    recwarn.clear()
+    dec.generate([[5, 6, 7, 5]])  # 4 + 4 = 8: within it
+    assert not [w for w in recwarn if w.category is specla.ContextLengthWarning]
+
+
 def test_sigint_during_a_long_generate_prints_what_was_decoded():
     """A real Ctrl-C (SIGINT) once the progress bar shows tokens: exit 130, the partial text and
     its statistics on stdout, one line on stderr, no traceback."""
