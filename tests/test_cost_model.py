@@ -1,8 +1,10 @@
 """``benchmarks/cost_model.py``: speedups from the formula on synthetic raw reports, the depth
-cap, "not measured" cells and which report a cell comes from."""
+cap, "not measured" cells, which report a cell comes from, and that ``docs/cost-model.md`` and
+the committed JSON hold what the script makes of the committed reports."""
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,12 @@ def test_the_plot_needs_matplotlib(tmp_path, monkeypatch, capsys):
         "error: the plot needs matplotlib: pip install matplotlib (or pass --no-plot)\n")
     assert not (tmp_path / "out").exists()
 
+
+def test_the_doc_and_the_json_hold_what_the_script_makes_of_the_committed_reports():
+    cs = cm.cells(cm.select(cm.reports(ROOT / "benchmarks" / "results")))
+    doc = (ROOT / "docs" / "cost-model.md").read_text()
+    m = re.search(r"<!-- table: python benchmarks/cost_model.py -->\n\n(.*?)<!-- end of table -->", doc, re.S)
+    assert m, "docs/cost-model.md lost its table markers"
+    assert m.group(1) == cm.table(cs), "docs/cost-model.md: paste the table benchmarks/cost_model.py prints"
+    committed = json.loads((ROOT / "benchmarks" / "results" / "cost-model" / "cost-model.json").read_text())
+    assert committed["cells"] == cs, "benchmarks/results/cost-model/cost-model.json: run benchmarks/cost_model.py"
