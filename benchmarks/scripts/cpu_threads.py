@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=0, help="CPU-spinning processes beside the run")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
+    meta = provenance("cpu")  # before anything runs: the tree may change while the run lasts
     plugin, path = default_checkpoint()
     prompts = [r["prompt"] for r in demo_prompts()]
     cfg = dict(max_new_tokens=args.max_new_tokens, dtype="float32", device="cpu", num_draft_tokens=8, max_depth=6,
@@ -66,7 +67,7 @@ def main() -> None:
     finally:
         for p in busy:
             p.terminate()
-    meta = dict(provenance("cpu"), busy=args.busy, load_average_1min=os.getloadavg()[0], plugin=plugin, config=cfg)
+    meta.update(busy=args.busy, load_average_1min=os.getloadavg()[0], plugin=plugin, config=cfg)
     print(json.dumps(dict(meta=meta, threads=rows),
                      indent=1))
 
