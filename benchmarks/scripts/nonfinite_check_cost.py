@@ -2,7 +2,7 @@
 
     python benchmarks/scripts/nonfinite_check_cost.py [--runs 7] [--new-tokens 32]
 
-The tiny GDN target shipped with the gdn plugin (float32, PyTorch reference kernels, one thread),
+The demo target (the tiny GDN target in Qwen3.5 form; float32, PyTorch reference kernels, one thread),
 greedy speculative decoding with the ngram drafter (8 draft tokens, depth 8, chains), batches 1 and
 32 of the bundled demo prompts (cycled), no stop at EOS, fixed budget. A step's time is a call's
 decode time (wall minus prefill) over its steps. "without" replaces ``nonfinite_rows`` with a
@@ -23,8 +23,7 @@ import torch
 
 import specla.step
 from specla import SpecDecoder
-from specla.demo import demo_prompts
-from specla.registry import get_plugin
+from specla.demo import default_checkpoint, demo_prompts
 
 
 def step_ms(dec: SpecDecoder, prompts: list[list[int]]) -> float:
@@ -58,7 +57,8 @@ def main() -> None:
 
     cfg = dict(device="cpu", dtype="float32", kernels="reference", num_draft_tokens=8, max_depth=8, top_k=1,
                max_new_tokens=args.new_tokens, stop_at_eos=False, budget_policy="fixed")
-    dec = SpecDecoder(get_plugin("gdn").demo_checkpoint, drafter="ngram", config=cfg)
+    plugin, path = default_checkpoint()
+    dec = SpecDecoder(path, plugin, drafter="ngram", config=cfg)
     texts = [row["prompt"] for row in demo_prompts()]
     result = {"torch": torch.__version__, "runs": args.runs, "new_tokens": args.new_tokens}
     for batch in (1, 32):
