@@ -9,14 +9,16 @@ Each run decodes its suite speculatively and autoregressively side by side, batc
 stops starting new batches after ``--time-per-run`` seconds (batches alternate categories, so a
 cut run covers as many categories as batches it decoded; the report says how many prompts were
 decoded). Every run name and option is checked before the model loads. Writes every report in
-one JSON file (rewritten after each run, so a run cut short by a time limit keeps the others) and
-prints a markdown table of the ``all`` rows.
+one JSON file, keyed by run name, with a ``meta`` block (commit, device, library versions, date,
+command: benchmarks/provenance.py), rewritten after each run, so a run cut short by a time limit
+keeps the others; prints a markdown table of the ``all`` rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +26,9 @@ import torch
 
 from specla import SpecConfig
 from specla.bench import run_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import add_allow_dirty, provenance  # noqa: E402
 
 SUITES = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl", "mixed": "specbench_like.jsonl"}
 DRAFTERS = {  # drafter source and draft-tree settings
@@ -83,7 +88,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", help="float32: greedy outputs comparable token for token")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
+    args = add_allow_dirty(ap).parse_args()
 
     from specla.api import SpecDecoder
 
@@ -98,6 +103,7 @@ def main() -> None:
         ap.error(f"--out {args.out}: its directory does not exist")
     if any(kind == "eagle" for _, kind, _ in plan.values()) and not Path(args.drafter).is_dir():
         ap.error(f"--drafter {args.drafter}: not a directory")
+    meta = provenance(args.device, args.allow_dirty)
     loaded = SpecDecoder(args.model, config=SpecConfig(**base))  # loaded once for every run
     reports, out = {}, Path(args.out)
     for name, (suite, kind, cfg) in plan.items():
@@ -106,9 +112,8 @@ def main() -> None:
                            config=cfg, batch_size=args.batch_size, time_limit_s=args.time_per_run,
                            plugin=loaded.plugin.name, tokenizer=loaded.tokenizer)
         report["wall_s"] = time.time() - t0
-        report["gpu"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
         reports[name] = report
-        out.write_text(json.dumps(reports, indent=1))
+        out.write_text(json.dumps({"meta": meta, **reports}, indent=1))
         a = report["categories"]["all"]
         print(json.dumps({"run": name, "prompts": a["prompts"], "mean_accepted": round(a["mean_accepted_tokens"], 3),
                           "speedup": round(a["speedup"], 3), "exact": a["exact_match_rate"],

@@ -39,8 +39,8 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
   token is the input token whatever the recurrent state holds, so ``exact`` catches wrong tokens
   and lost or reordered sequences, not a wrong state (the conformance tests check states).
 
-Writes ``DIR/e2e.json`` (every row; ``meta.versions``: torch, triton, transformers and FLA
-versions), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots).
+Writes ``DIR/e2e.json`` (every row; ``meta``: commit, GPU, library versions, date and command,
+benchmarks/provenance.py), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from specla_gdn.adapter import GDNAdapter
 from specla_gdn.reference import expand_heads, tree_gdn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import library_versions, source_commit  # noqa: E402
+from provenance import add_allow_dirty, provenance  # noqa: E402
 
 VOCAB = 32000
 CHAIN = dict(num_draft_tokens=6, max_depth=6, top_k=1)
@@ -604,7 +604,7 @@ def main() -> None:
     ap.add_argument("--no-eagle", dest="eagle", action="store_false", help="do not count an EAGLE head's cost")
     ap.add_argument("--replot", nargs="+", metavar="JSON", help="write the tables and plots of earlier runs' "
                     "e2e.json files (rows merged) into --out; nothing is measured")
-    args = ap.parse_args()
+    args = add_allow_dirty(ap).parse_args()
     if args.replot:
         rows = [r for f in args.replot for r in json.loads(Path(f).read_text())["rows"]]
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -623,13 +623,11 @@ def main() -> None:
     if args.hf_tokens > args.tokens:  # generate's tokens are checked against the AR row's first ones
         ap.error(f"--hf-tokens {args.hf_tokens} exceeds --tokens {args.tokens}")
     profiles = {"SpecLA tree": measured_profile(args.profile), "SpecLA chain": measured_profile(args.chain_profile)}
+    meta = provenance("cuda", args.allow_dirty)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     h = Harness(args)
-    meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), params=h.params,
-                torch=torch.__version__, versions=library_versions(), commit=source_commit(),
-                args={k: v for k, v in vars(args).items()},
-                gsm8k_profiles=profiles)
+    meta.update(params=h.params, args=dict(vars(args)), gsm8k_profiles=profiles)
     print(json.dumps(meta), flush=True)
     h.dump = lambda rows: (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     for study in studies:

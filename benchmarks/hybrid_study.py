@@ -20,7 +20,8 @@ speculative row's ``vs_best_ar`` is against the faster of the two plain-decoding
 the fraction of sequences equal to specla's AR output; ``record_mib`` the MiB per sequence one
 verify of the tree keeps for its commit, for the ``factor`` and ``snapshot`` strategies.
 
-Writes ``DIR/hybrid.json`` (rows, versions, commit, GPU) and prints one JSON line per row.
+Writes ``DIR/hybrid.json`` (rows; ``meta``: commit, device, library versions, date and command,
+benchmarks/provenance.py) and prints one JSON line per row.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import (CHAIN, TREE, ProfileDrafter, exact_rate, geometric, library_versions,  # noqa: E402
-                 measured_profile, source_commit)
+from e2e import CHAIN, TREE, ProfileDrafter, exact_rate, geometric, measured_profile  # noqa: E402
+from provenance import add_allow_dirty, provenance  # noqa: E402
 
 from specla import SpecConfig, SpecDecoder  # noqa: E402
 from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
@@ -198,14 +199,13 @@ def main() -> None:
     ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree")
     ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json"
                     ":gsm8k/eagle-chain")
-    a = ap.parse_args()
+    a = add_allow_dirty(ap).parse_args()
+    meta = provenance(a.device, a.allow_dirty)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     profiles = {"tree": measured_profile(a.profile), "chain": measured_profile(a.chain_profile)}
     graphs = "on" if a.device == "cuda" else "off"
     rows = []
-    meta = dict(command=" ".join(sys.argv), commit=source_commit(), versions=library_versions(),
-                gpu=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", date=time.strftime("%Y-%m-%d"))
 
     def add(**row):
         row.pop("outputs", None)

@@ -50,7 +50,6 @@ GLA and Mamba2 (``--plugin gla|mamba2``; no hybrid kernel, no fused or sweep stu
 from __future__ import annotations
 
 import argparse
-import datetime
 import heapq
 import json
 import math
@@ -61,6 +60,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from e2e import replay_ms  # this folder is on sys.path when the script runs
+from provenance import add_allow_dirty, provenance
 from specla.graphs import record_graph
 from specla.records import LayerCommit
 from specla.tree import inclusive_ancestor_mask
@@ -584,7 +584,8 @@ def bench_commit_layer(layer, batches: list[int], bw: float) -> list[dict]:
 def markdown(report: dict) -> str:
     """The tables of ``BENCHMARKS.md`` from a report."""
     names = [n for n in ("serial", "parallel", "hybrid") if any(f"{n}_ms" in r for r in report["verify"])]
-    lines = [f"{report.get('plugin', 'gdn')} {report['shape']}; GPU: {report['gpu']}, {report['date']}; "
+    meta = report["meta"]
+    lines = [f"{report.get('plugin', 'gdn')} {report['shape']}; GPU: {meta['device']}, {meta['date']}; "
              f"copy bandwidth {report['bandwidth_GBps']:.0f} GB/s.", "",
              "| tree | T | batch | replay ms | " + " | ".join(f"{n} ms" for n in names) + " | best vs replay | "
              "best x floor |", "|---|---|---|---|" + "---|" * len(names) + "---|---|"]
@@ -617,14 +618,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--only", default=None, help="any of verify,commit,fused,sweep (fused and sweep: gdn only); "
                     "default: verify,commit,fused for gdn, verify,commit otherwise")
-    args = ap.parse_args()
+    args = add_allow_dirty(ap).parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     only = (args.only or ("verify,commit,fused" if args.plugin == "gdn" else "verify,commit")).split(",")
     if args.plugin != "gdn" and not set(only) <= {"verify", "commit"}:
         ap.error(f"--plugin {args.plugin} has only the verify and commit studies")
+    meta = provenance("cuda", args.allow_dirty)
     bw = copy_bandwidth()
-    report = dict(plugin=args.plugin, gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, bandwidth_GBps=bw / 1e9)
+    report = dict(meta=meta, plugin=args.plugin, bandwidth_GBps=bw / 1e9)
     if args.plugin == "gdn":
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 

@@ -1,56 +1,47 @@
-"""What every raw benchmark report records about the run that made it: the commit measured (and
-whether the tree was dirty), the device, the library versions, the date and the full command."""
+"""What every raw benchmark report records about the run that made it: the commit measured (a
+tree with uncommitted changes is refused unless ``--allow-dirty``, and then reads ``<sha>+dirty``),
+the device, the library versions, the date and the full command. One implementation:
+:func:`specla.bench.provenance`, pointed at this repository's checkout.
+
+Each script adds the option with :func:`add_allow_dirty` and calls :func:`provenance` (or
+:func:`print_meta`, for scripts that print JSON lines) before it measures anything.
+"""
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
-import os
-import platform
-import subprocess
+import argparse
+import json
 import sys
 from pathlib import Path
 
-import torch
+from specla.bench import library_versions, provenance as _provenance  # noqa: F401 (library_versions: re-exported)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def library_versions() -> dict[str, str]:
-    """The installed versions of the libraries a run's figures depend on (``not installed``
-    for a missing one): torch, triton, transformers and FLA's two packages."""
-    out = {}
-    for name in ("torch", "triton", "transformers", "flash-linear-attention", "fla-core"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+def add_allow_dirty(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--allow-dirty`` to a script's parser."""
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="run on a working tree with uncommitted changes (refused otherwise); the report's "
+                             "commit then reads <sha>+dirty")
+    return parser
 
 
-def source_commit() -> str:
-    """The commit the run measures: ``$SPECLA_COMMIT`` (for a copy of the tree without ``.git``),
-    else ``git rev-parse HEAD`` (with ``+dirty`` for uncommitted changes), else ``unknown``."""
-    if os.environ.get("SPECLA_COMMIT"):
-        return os.environ["SPECLA_COMMIT"]
-    here = Path(__file__).resolve().parent
+def provenance(device: str, allow_dirty: bool = False) -> dict:
+    """The ``meta`` block of a raw report for ``device`` (``cuda``, ``cuda:N`` or ``cpu``).
+
+    A checkout with uncommitted changes and no ``allow_dirty`` ends the script: one line on
+    stderr naming the changed files, exit status 2."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("+dirty" if dirty else "")
+        return _provenance(device, root=ROOT, allow_dirty=allow_dirty)
+    except ValueError as err:
+        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
-def device_name(device: str) -> str:
-    """The GPU's name for a CUDA device, else the CPU's (``platform.processor()`` or the machine
-    type) with its core count."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def provenance(device: str) -> dict:
-    """The ``meta`` of a raw report: commit, device, versions, UTC date and the command line."""
-    return dict(commit=source_commit(), device=device_name(device), versions=library_versions(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command=" ".join([Path(sys.executable).name, *sys.argv]))
+def print_meta(device: str, allow_dirty: bool = False) -> dict:
+    """:func:`provenance`, printed first as one JSON line ``{"meta": {...}}`` (the scripts whose
+    output is JSON lines or text); returns it."""
+    meta = provenance(device, allow_dirty)
+    print(json.dumps({"meta": meta}), flush=True)
+    return meta

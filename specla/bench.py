@@ -6,13 +6,21 @@ isolates speculation. Reports per category: the acceptance-length histogram and 
 both runs and their ratio, the exact-match rate, and task checks that must agree between the runs:
 GSM8K final-answer accuracy (rows with an ``answer`` ending in ``#### N``) and HumanEval pass@1
 (rows with ``test`` and ``entry_point``, executed in a subprocess with a timeout).
+
+:func:`provenance` is what every raw report records about the run that made it (``specla bench``'s
+``meta`` block, and the scripts under ``benchmarks/`` through ``benchmarks/provenance.py``).
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import json
 import lzma
+import os
+import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -22,6 +30,7 @@ from collections.abc import Iterator
 from itertools import zip_longest
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from .api import SpecDecoder
@@ -30,6 +39,84 @@ from .graphs import batch_bucket
 from .step import step_depth
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# the libraries a run's figures depend on, in the order ``meta.versions`` lists them
+PROVENANCE_LIBRARIES = ("torch", "triton", "transformers", "flash-linear-attention", "fla-core", "specla")
+
+
+def library_versions() -> dict[str, str]:
+    """The installed version of each of :data:`PROVENANCE_LIBRARIES` (``not installed`` for a
+    missing one)."""
+    out = {}
+    for name in PROVENANCE_LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+
+def checkout_root() -> Path | None:
+    """The git checkout of specla this package runs from (an editable install or a run from the
+    tree: the package is the checkout's ``specla/`` folder), else None (an installed copy, even
+    one inside some other repository's virtual environment)."""
+    package = Path(__file__).resolve().parent
+    try:
+        top = Path(_git(package, "rev-parse", "--show-toplevel").strip()).resolve()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return top if top / "specla" == package else None
+
+
+def source_commit(root: Path | None, *, allow_dirty: bool = False) -> str | None:
+    """The commit a run measures: ``$SPECLA_COMMIT`` when set (a copy of the tree without git,
+    taken as given), else the ``HEAD`` of the checkout at ``root`` (40 hex digits, ``+dirty``
+    when tracked files have uncommitted changes); None without a root or without git (an
+    installed package: ``meta.versions["specla"]`` names it).
+
+    Raises:
+        ValueError: naming the checkout and the changed files: tracked files differ from
+            ``HEAD`` and ``allow_dirty`` is false (the figures would belong to no commit).
+    """
+    if os.environ.get("SPECLA_COMMIT"):
+        return os.environ["SPECLA_COMMIT"]
+    if root is None:
+        return None
+    try:
+        head = _git(root, "rev-parse", "HEAD").strip()
+        changed = _git(root, "status", "--porcelain", "--untracked-files=no").splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    if changed and not allow_dirty:
+        names = ", ".join(line[3:] for line in changed[:5]) + (", ..." if len(changed) > 5 else "")
+        raise ValueError(f"the checkout {root} has uncommitted changes ({names}): commit them, or pass "
+                         "--allow-dirty to record the commit as <sha>+dirty")
+    return head + ("+dirty" if changed else "")
+
+
+def device_name(device: str) -> str:
+    """The GPU's name for a CUDA device, else the CPU's (``platform.processor()`` or the machine
+    type) with its core count."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def provenance(device: str, *, root: Path | None, allow_dirty: bool = False, command: str | None = None) -> dict:
+    """The ``meta`` block of a raw report: ``commit`` (:func:`source_commit` of ``root``),
+    ``device`` (:func:`device_name`), ``versions`` (:func:`library_versions`), ``date`` (UTC,
+    ISO 8601, seconds) and ``command`` (default: this process's command line).
+
+    Raises:
+        ValueError: see :func:`source_commit` (checked first, before anything else is read).
+    """
+    commit = source_commit(root, allow_dirty=allow_dirty)
+    return dict(commit=commit, device=device_name(device), versions=library_versions(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=command or shlex.join([Path(sys.executable).name, *sys.argv]))
 
 
 def gsm8k_answer(text: str) -> str | None:

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -211,7 +212,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, run_bench
+    from .bench import checkout_root, format_table, load_prompts, provenance, run_bench
 
     config = _spec_config({"max_new_tokens": 256, "device": _auto_device()}, read_config_option(args.config),
                           {"max_new_tokens": args.max_new_tokens, "device": args.device})
@@ -230,11 +231,15 @@ def _bench(args: argparse.Namespace) -> int:
                 tempfile.TemporaryFile(dir=out.parent).close()
         except OSError as e:
             raise ValueError(f"--out {args.out}: not writable ({e.strerror})") from None
+    # the user's input first, then the checkout: a report of uncommitted code is refused before decoding
+    load_prompts(args.prompts, args.limit)
+    meta = provenance(config.device, root=checkout_root(), allow_dirty=args.allow_dirty,
+                      command=shlex.join(["specla", *args.argv]))
     report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
                        batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit)
     print(format_table(report))
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta, **report}, indent=1))
     return 0
 
 
@@ -488,7 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "batch). The report counts the prompts decoded. Default: no limit")
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     bench.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
-    bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here (default: none)")
+    bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here, with a 'meta' "
+                       "block: commit, device, library versions, date, command (default: none)")
+    bench.add_argument("--allow-dirty", action="store_true",
+                       help="run from a specla checkout with uncommitted changes (refused otherwise); the report's "
+                            "commit then reads <sha>+dirty")
     bench.set_defaults(func=_bench)
     plug = sub.add_parser("plugins", help="list registered architecture plugins",
                           description="List the registered architecture plugins, the model types each runs (with the "
@@ -515,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     a user's mistake, 130 for Ctrl-C (``generate`` first prints what it decoded until then)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # the command a report records
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -1,19 +1,26 @@
 """specla bench: task checks and the side-by-side report (tiny target, bundled prompts)."""
 
+import datetime
 import json
+import re
 import subprocess
 import sys
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
+import specla.bench
 from specla import SpecConfig
-from specla.bench import format_table, gsm8k_answer, humaneval_passes, load_prompts, run_bench
+from specla.bench import (device_name, format_table, gsm8k_answer, humaneval_passes, library_versions, load_prompts,
+                          run_bench, source_commit)
+from specla.cli import main
 from specla.registry import get_plugin
 from specla_gdn.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
 DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -59,9 +66,11 @@ def test_bench_cli(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "specla.cli", "bench", "--model", str(TINY), "--prompts", DATA,
                            "--limit", "2", "--max-new-tokens", "8", "--device", "cpu", "--out", str(out),
-                           "--config", '{"dtype": "float32"}'], capture_output=True, text=True, timeout=600)
+                           "--config", '{"dtype": "float32"}', "--allow-dirty"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
+    assert list(report)[0] == "meta"
     assert "speedup" in proc.stdout and report["categories"]["all"]["prompts"] == 2
     assert report["dtype"] == report["config"]["dtype"] == "float32"  # the run's dtype, by name
 
@@ -194,3 +203,87 @@ def test_bench_flags_are_checked_before_decoding(args, match):
 def test_a_missing_prompts_file_is_named():
     proc = _cli("bench", "--model", str(TINY), "--prompts", "/nonexistent.jsonl", "--device", "cpu")
     assert proc.returncode == 2 and "--prompts /nonexistent.jsonl: no such file" in proc.stderr
+
+
+def _git(cwd, *args):
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A git repository with one committed file (no ``$SPECLA_COMMIT``)."""
+    monkeypatch.delenv("SPECLA_COMMIT", raising=False)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "f.py").write_text("x = 1\n")
+    _git(repo, "add", "f.py")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "one")
+    return repo
+
+
+def _dirty(repo):
+    return (f"the checkout {repo} has uncommitted changes (f.py): commit them, or pass --allow-dirty to record "
+            "the commit as <sha>+dirty")
+
+
+def test_the_commit_is_refused_for_a_dirty_checkout_unless_allowed(checkout, monkeypatch, tmp_path):
+    """Untracked files are not measured code; a changed tracked file is refused, or with
+    ``allow_dirty`` recorded as ``<sha>+dirty``; ``$SPECLA_COMMIT`` (a copy of the tree without
+    git) is taken as given; no checkout, or no git: None."""
+    head = _git(checkout, "rev-parse", "HEAD")
+    (checkout / "notes.txt").write_text("untracked")
+    assert source_commit(checkout) == head
+    (checkout / "f.py").write_text("x = 2\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(_dirty(checkout))}$"):
+        source_commit(checkout)
+    assert source_commit(checkout, allow_dirty=True) == head + "+dirty"
+    monkeypatch.setenv("SPECLA_COMMIT", "abc1234")
+    assert source_commit(checkout) == "abc1234"
+    monkeypatch.delenv("SPECLA_COMMIT")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert source_commit(None) is None and source_commit(plain) is None
+
+
+def test_only_specla_s_own_checkout_has_a_commit(checkout, monkeypatch):
+    """An editable install (the package is the checkout's ``specla/``) is a checkout; a copy
+    installed into a virtual environment inside some repository is not."""
+    if (ROOT / ".git").exists():
+        assert specla.bench.checkout_root() == ROOT
+    installed = checkout / ".venv" / "site-packages" / "specla"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(specla.bench, "__file__", str(installed / "bench.py"))
+    assert specla.bench.checkout_root() is None
+
+
+def test_bench_refuses_a_dirty_checkout_before_decoding(checkout, monkeypatch, capsys, tmp_path):
+    (checkout / "f.py").write_text("x = 2\n")
+    monkeypatch.setattr(specla.bench, "checkout_root", lambda: checkout)
+    monkeypatch.setattr(specla.bench, "run_bench", lambda *a, **k: pytest.fail("decoded a dirty checkout"))
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", "--out", str(out)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"specla: error: {_dirty(checkout)}\n"
+    assert not out.exists()
+
+
+def test_bench_report_meta_names_commit_device_versions_date_command(checkout, monkeypatch, tmp_path):
+    (checkout / "f.py").write_text("x = 2\n")
+    monkeypatch.setattr(specla.bench, "checkout_root", lambda: checkout)
+    monkeypatch.setattr(specla.bench, "run_bench", lambda *a, **k: {"categories": {}})
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", "--out", str(out), "--allow-dirty"]
+    assert main(argv) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert list(meta) == ["commit", "device", "versions", "date", "command"]
+    assert meta["commit"] == _git(checkout, "rev-parse", "HEAD") + "+dirty"
+    assert meta["device"] == device_name("cpu")
+    assert list(meta["versions"]) == ["torch", "triton", "transformers", "flash-linear-attention", "fla-core",
+                                      "specla"]
+    assert meta["versions"] == library_versions()
+    assert meta["command"] == "specla " + " ".join(argv)
+    date = datetime.datetime.fromisoformat(meta["date"])
+    assert date.utcoffset() == datetime.timedelta(0)
+    assert abs(datetime.datetime.now(datetime.timezone.utc) - date) < datetime.timedelta(minutes=5)

@@ -106,22 +106,6 @@ def test_fla_sd_baseline_decodes_like_the_reference_replay(variant, monkeypatch)
         fla.adapter.verify(DraftTree.from_lists([([1, 2, 3], [-1, 0, 0])]))
 
 
-def test_runs_record_the_commit_they_measure(monkeypatch):
-    """``meta.commit`` of an e2e run: ``$SPECLA_COMMIT`` when set (a copy of the tree without
-    git), else this checkout's ``HEAD`` (40 hex digits, ``+dirty`` with uncommitted changes),
-    else ``unknown``."""
-    import re
-
-    monkeypatch.setenv("SPECLA_COMMIT", "abc123")
-    assert e2e.source_commit() == "abc123"
-    monkeypatch.delenv("SPECLA_COMMIT")
-    got = e2e.source_commit()
-    assert got == "unknown" or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", got), got
-    monkeypatch.setattr(sys.modules["provenance"].subprocess, "run",
-                        lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
-    assert e2e.source_commit() == "unknown"
-
-
 def test_baseline_tables_show_the_ratio_to_the_best_ar_row():
     """The baselines table has a ``vs best AR`` column (the faster of specla's graph AR and FLA's
     graph-captured model); rows measured before it existed read ``nan``."""

@@ -189,9 +189,11 @@ def test_exact_rate_compares_each_output_with_its_reference_prefix():
 
 
 def test_library_versions_are_the_installed_ones():
-    e2e = load_e2e()
-    v = e2e.library_versions()
-    assert list(v) == ["torch", "triton", "transformers", "flash-linear-attention", "fla-core"]
+    from specla.bench import library_versions
+
+    v = library_versions()
+    assert list(v) == ["torch", "triton", "transformers", "flash-linear-attention", "fla-core", "specla"]
+    assert v["specla"] == importlib.metadata.version("specla")
     assert v["transformers"] == importlib.metadata.version("transformers")
     assert v["flash-linear-attention"] == importlib.metadata.version("flash-linear-attention")
     assert v["torch"] == importlib.metadata.version("torch") and v["triton"] == importlib.metadata.version("triton")

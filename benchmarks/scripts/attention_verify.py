@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import replay_ms  # noqa: E402
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 from kernels import pruned_tree  # noqa: E402
 
 from specla.graphs import record_graph  # noqa: E402
@@ -112,7 +113,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--variants", default="sdpa_mask,commit_kv,flex")
     ap.add_argument("--check-dtype", default="float32", help="the inputs of the output check")
-    a = ap.parse_args()
+    a = add_allow_dirty(ap).parse_args()
+    print_meta(a.device, a.allow_dirty)
     a.check_dtype = getattr(torch, a.check_dtype)
     names = [n for n in SHAPES if n != "tiny"] if a.shapes == "all" else a.shapes.split(",")
     parents = pruned_tree(a.nodes, 4, 6, random.Random(0))

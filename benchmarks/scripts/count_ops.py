@@ -33,7 +33,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
 import specla.graphs as G  # noqa: E402
@@ -97,7 +99,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", choices=("tiny", "small", "small-hybrid"),
                    help="the model shape: a preset of train_target.py")
-    a = p.parse_args()
+    a = add_allow_dirty(p).parse_args()
+    print_meta("cpu", a.allow_dirty)  # counted on the CPU
     kernels = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
     if kernels == "triton":
         count_launches()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from provenance import provenance  # noqa: E402
+from provenance import add_allow_dirty, provenance  # noqa: E402
 
 import specla  # noqa: E402
 from specla.demo import default_checkpoint, demo_prompts  # noqa: E402
@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--busy", type=int, default=0, help="CPU-spinning processes beside the run")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    args = ap.parse_args()
-    meta = provenance("cpu")  # before anything runs: the tree may change while the run lasts
+    args = add_allow_dirty(ap).parse_args()
+    meta = provenance("cpu", args.allow_dirty)  # before anything runs: the tree may change while the run lasts
     plugin, path = default_checkpoint()
     prompts = [r["prompt"] for r in demo_prompts()]
     cfg = dict(max_new_tokens=args.max_new_tokens, dtype="float32", device="cpu", num_draft_tokens=8, max_depth=6,

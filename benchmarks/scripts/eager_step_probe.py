@@ -8,22 +8,27 @@ of 128, expand_v 2, vocab 32,000), 100-token random prompts, 48 new tokens, ``Sp
 CUDA graphs off. For float32 and bfloat16, each kernel path and batches 1 and 32: an
 autoregressive step (N = 0, ngram drafter) and a verify of a 16-draft chain whose drafts are all
 wrong (``OracleDrafter`` pattern ``none``: every step verifies 17 nodes and commits one token).
-Two warm-up runs, then one timed run; prints one JSON line per configuration, writes them to
-``OUT_DIR/e2e-probe.json`` and torch profiler tables of float32, batch 32, N = 16 to
+Two warm-up runs, then one timed run; prints the run's ``meta`` (benchmarks/provenance.py) and one
+JSON line per configuration, writes them to ``OUT_DIR/e2e-probe.json`` (``meta`` and ``rows``) and
+torch profiler tables of float32, batch 32, N = 16 to
 ``OUT_DIR/prof-{reference,triton}-float32-B32-N16.txt``. One CUDA GPU; FLA installed.
 """
-import json, sys, time
+import argparse, json, sys, time
 from pathlib import Path
 import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from provenance import add_allow_dirty, print_meta
 import fla  # noqa
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 from specla import SpecConfig
 from specla.api import SpecDecoder
 from specla.testing.drafters import OracleDrafter
 
-if len(sys.argv) != 2:
-    sys.exit("usage: python benchmarks/scripts/eager_step_probe.py OUT_DIR")
-out = sys.argv[1]
+ap = add_allow_dirty(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+ap.add_argument("out", metavar="OUT_DIR")
+a = ap.parse_args()
+out = a.out
+meta = print_meta("cuda", a.allow_dirty)
 Path(out).mkdir(parents=True, exist_ok=True)
 cfg = GatedDeltaNetConfig(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_heads=4, head_dim=128,
                           expand_v=2, tie_word_embeddings=True)
@@ -57,4 +62,4 @@ for dtype in ("float32", "bfloat16"):
         for B in (1, 32):
             for N in (0, 16):
                 run(dtype, kernels, B, N, profile=(dtype == "float32" and B == 32 and N == 16))
-json.dump(rows, open(f"{out}/e2e-probe.json", "w"), indent=1)
+json.dump(dict(meta=meta, rows=rows), open(f"{out}/e2e-probe.json", "w"), indent=1)

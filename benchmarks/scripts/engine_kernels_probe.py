@@ -45,6 +45,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import GDN13B_SHAPE  # noqa: E402
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
@@ -213,11 +214,12 @@ def main():
     p.add_argument("--shapes", default="small:32,gdn-1.3b:64", help="shape:batch, comma-separated")
     p.add_argument("--device", default="cuda", help="cpu: check the script's logic on the tiny shape")
     p.add_argument("--tiles", action="store_true", help="also sweep the tree kernel's launch parameters")
-    a = p.parse_args()
+    a = add_allow_dirty(p).parse_args()
     global CUDA
     CUDA = torch.device(a.device).type == "cuda"
     if not CUDA and a.shapes != p.get_default("shapes"):
         p.error("--shapes needs a CUDA device (the CPU check runs the tiny shape)")
+    print_meta(a.device, a.allow_dirty)
     shapes = [s.split(":") for s in (a.shapes if CUDA else "tiny:2").split(",")]
     caps = {}
     for name, B in shapes:

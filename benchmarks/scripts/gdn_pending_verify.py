@@ -21,6 +21,8 @@ V-tile width ``BV`` and warps) and the parallel kernel with a pending commit (``
 """
 import argparse
 import copy
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,9 @@ from specla.records import LayerCommit
 from specla.tree import inclusive_ancestor_mask
 from specla_gdn.records import GDNFactorRecord
 from specla_gdn import verify as vk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 
 SHAPE = {"1.3b": (8, 256, 256), "small": (4, 128, 256)}  # (H = HV, K, V)
 H = HV = 8
@@ -124,12 +129,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="time launch settings instead of the kernel table")
     ap.add_argument("--shape", choices=sorted(SHAPE), default="1.3b", help="layer shape (default 1.3b)")
-    a = ap.parse_args()
+    a = add_allow_dirty(ap).parse_args()
     global H, HV, K, V
     H, K, V = SHAPE[a.shape]
     HV = H
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
+    print_meta("cuda", a.allow_dirty)
     sweep() if a.sweep else kernel_table()
 
 

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybrid_study import SHAPES  # noqa: E402  (the published shapes the speed study builds in full)
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 
 SMALL = dict(vocab_size=512, intermediate_size=64)
 
@@ -118,11 +119,12 @@ def main() -> None:
     ap.add_argument("--models", default="all", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
     ap.add_argument("--nodes", type=int, default=8, help="draft nodes N of the verified tree (root excluded)")
     ap.add_argument("--dtype", default="bfloat16", help="activation dtype (the recurrent state stays float32)")
-    a = ap.parse_args()
+    a = add_allow_dirty(ap).parse_args()
     names = list(MODELS) if a.models == "all" else a.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+    print_meta("cpu", a.allow_dirty)  # measured on the CPU
     rows = [r for n in names for r in measure(n, a.nodes, a.dtype)]
     print(f"| model | committed recurrent state (MiB) | KV cache (KiB / token) | records of one {a.nodes}-node verify "
           "(MiB): factor / snapshot / replay | snapshot / factor |", file=sys.stderr)

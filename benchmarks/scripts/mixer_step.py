@@ -7,18 +7,25 @@ ms per step (median of 7 runs after a warm-up, prefill excluded) of specla's gra
 a SpecLA tree step (N 15, depth 6, the oracle drafter of ``benchmarks/e2e.py`` at the ``small``
 target's GSM8K profile, no EAGLE head) at batches 1 and 32: FLA's GDN (GDN-1.3B shape), GLA
 (hidden 2048, 24 layers, 4 heads) or Mamba2 (Mamba2-1.3B shape) with random bf16 weights and the
-embedding trick of ``e2e.py``. One JSON line per row with the first 24 tokens of 3 sequences, for a
+embedding trick of ``e2e.py``. The run's ``meta`` first (benchmarks/provenance.py), then one JSON line per row with the first 24 tokens of 3 sequences, for a
 token comparison between the two runs. Put the version to measure first on ``PYTHONPATH``.
 """
-import json, statistics, sys, warnings
+import argparse, json, statistics, sys, warnings
+from pathlib import Path
 warnings.simplefilter("ignore")
 import torch
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import TREE, ProfileDrafter, measured_profile
+from provenance import add_allow_dirty, print_meta
 from specla import SpecConfig, SpecDecoder
 import fla  # noqa
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM, Mamba2Config, Mamba2ForCausalLM
-plugin, label = sys.argv[1], sys.argv[2]
+ap = add_allow_dirty(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+ap.add_argument("plugin", choices=("gdn", "gla", "mamba2"))
+ap.add_argument("label", help="names the installed version in every row")
+a = ap.parse_args()
+plugin, label = a.plugin, a.label
+print_meta("cuda", a.allow_dirty)
 torch.manual_seed(0)
 if plugin == "gdn":
     model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_heads=8, head_dim=256, expand_v=1, tie_word_embeddings=False))

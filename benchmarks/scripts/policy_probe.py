@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import CHAIN, TREE, ProfileDrafter, measured_profile  # noqa: E402
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
@@ -50,7 +51,8 @@ def main():
     p.add_argument("--device", default="cuda", help="cpu: a check of the script (float32, no graphs)")
     p.add_argument("--preset", default="small", choices=("tiny", "small"),
                    help="the model shape: a GDN preset of train_target.py")
-    a = p.parse_args()
+    a = add_allow_dirty(p).parse_args()
+    print_meta(a.device, a.allow_dirty)
     cuda = a.device == "cuda"
     torch.manual_seed(0)
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -33,7 +33,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 from step_anatomy import ROWS as ANATOMY_ROWS  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
@@ -60,7 +62,8 @@ def main():
     p.add_argument("--lengths", type=int, default=48)
     p.add_argument("--pair-pass", type=int, default=eagle.PAIR_PASS)
     p.add_argument("--pair-round", type=int, default=eagle.PAIR_ROUND)
-    a = p.parse_args()
+    a = add_allow_dirty(p).parse_args()
+    print_meta("cuda", a.allow_dirty)
     eagle.PAIR_PASS, eagle.PAIR_ROUND = a.pair_pass, a.pair_round
     torch.manual_seed(0)
     model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS["small"]["model"]))

@@ -21,14 +21,16 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import CHAIN, TREE, Harness, geometric  # noqa: E402
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--batches", default="1,64")
 p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence")
 p.add_argument("--rows", type=int, default=16, help="kernels listed per profile table")
-a = p.parse_args()
+a = add_allow_dirty(p).parse_args()
 if not torch.cuda.is_available():
     p.error("needs a CUDA GPU")
+print_meta("cuda", a.allow_dirty)
 args = argparse.Namespace(layers=24, embed_scale=32.0, batches=[int(x) for x in a.batches.split(",")], prompt_len=32,
                           eagle=True, tokens=a.tokens, repeats=3)
 h = Harness(args)

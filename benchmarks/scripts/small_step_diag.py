@@ -9,11 +9,14 @@ top-k 2), EAGLE chain (N 6) and tree (N 16, top-k 4) with a random attention hea
 with an attention-free head (``num_heads=0``). Each row decodes 60-200-token prompts twice (warm-up,
 timed) and 300-400-token prompts once, printing one JSON line per call: wall time, steps, prefill,
 graphs recorded and their recording time, median and first step time. Then torch profiler tables
-(by CUDA and by CPU time) of one EAGLE-tree and one ngram ``generate``. One CUDA GPU; FLA installed.
+(by CUDA and by CPU time) of one EAGLE-tree and one ngram ``generate``. The run's ``meta``
+(benchmarks/provenance.py) is the first line. One CUDA GPU; FLA installed.
 """
-import sys, time, json, torch
+import argparse, sys, time, json, torch
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from provenance import add_allow_dirty, print_meta
 import fla  # noqa
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 from train_target import PRESETS
@@ -21,6 +24,8 @@ from specla import SpecDecoder
 from specla.drafters.eagle import EagleDrafter, EagleHead
 import specla.graphs as G
 
+ap = add_allow_dirty(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+print_meta("cuda", ap.parse_args().allow_dirty)
 torch.manual_seed(0)
 m = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **PRESETS["small"]["model"])).cuda().float().eval()
 g = torch.Generator().manual_seed(0)

@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "targets"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e import GDN13B_SHAPE, fla_graph_step, graph_time  # noqa: E402
+from provenance import add_allow_dirty, print_meta  # noqa: E402
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
@@ -206,7 +207,8 @@ def main():
     p.add_argument("--prefill", action="store_true", help="also time and profile the prefill's halves")
     p.add_argument("--kernel-names", action="store_true",
                    help="each part's kernels by name: launches and device µs in one profiled replay")
-    a = p.parse_args()
+    a = add_allow_dirty(p).parse_args()
+    print_meta(a.device, a.allow_dirty)
     global CUDA, NAMES
     CUDA, NAMES = a.device == "cuda", a.kernel_names
     torch.manual_seed(0)
