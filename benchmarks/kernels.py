@@ -619,6 +619,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="any of verify,commit,fused,sweep (fused and sweep: gdn only); "
                     "default: verify,commit,fused for gdn, verify,commit otherwise")
     args = add_allow_dirty(ap).parse_args()
+    if not torch.cuda.is_available():  # every study times CUDA graphs
+        ap.exit(2, f"{ap.prog}: error: needs a CUDA GPU; torch sees none\n")
     batches = [int(b) for b in args.batches.split(",")]
     only = (args.only or ("verify,commit,fused" if args.plugin == "gdn" else "verify,commit")).split(",")
     if args.plugin != "gdn" and not set(only) <= {"verify", "commit"}:
