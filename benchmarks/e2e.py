@@ -40,7 +40,8 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
   and lost or reordered sequences, not a wrong state (the conformance tests check states).
 
 Writes ``DIR/e2e.json`` (every row; ``meta``: commit, GPU, library versions, date and command,
-benchmarks/provenance.py), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots).
+benchmarks/provenance.py), ``DIR/e2e.md`` (tables) and ``DIR/*.png`` (plots; matplotlib, the
+``bench`` extra: ``pip install 'specla[bench]'``).
 """
 
 from __future__ import annotations
@@ -605,6 +606,10 @@ def main() -> None:
     ap.add_argument("--replot", nargs="+", metavar="JSON", help="write the tables and plots of earlier runs' "
                     "e2e.json files (rows merged) into --out; nothing is measured")
     args = add_allow_dirty(ap).parse_args()
+    try:  # the plots: found missing before a run, not after it
+        import matplotlib  # noqa: F401
+    except ImportError:
+        ap.error("the plots need matplotlib, which is not installed: pip install 'specla[bench]'")
     if args.replot:
         rows = [r for f in args.replot for r in json.loads(Path(f).read_text())["rows"]]
         Path(args.out).mkdir(parents=True, exist_ok=True)

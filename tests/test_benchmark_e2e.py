@@ -106,6 +106,20 @@ def test_fla_sd_baseline_decodes_like_the_reference_replay(variant, monkeypatch)
         fla.adapter.verify(DraftTree.from_lists([([1, 2, 3], [-1, 0, 0])]))
 
 
+def test_the_plots_name_the_bench_extra_when_matplotlib_is_missing(monkeypatch, capsys, tmp_path):
+    """Without matplotlib, ``--replot`` (and a run, before it measures) stops with one line naming
+    the extra to install, and writes nothing."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # ``import matplotlib`` raises ImportError
+    run = ROOT / "benchmarks/results/2026-12-04/gdn13b-e2e-core-b2b1fbd.json"
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--out", str(tmp_path), "--replot", str(run)])
+    with pytest.raises(SystemExit) as stop:
+        e2e.main()
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("e2e.py: error: the plots need matplotlib, which is not "
+                                                         "installed: pip install 'specla[bench]'")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_baseline_tables_show_the_ratio_to_the_best_ar_row():
     """The baselines table has a ``vs best AR`` column (the faster of specla's graph AR and FLA's
     graph-captured model); rows measured before it existed read ``nan``."""
