@@ -64,10 +64,11 @@ from .records import GDNFactorRecord
 # (test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding); "tf32x3" passes it.
 # "commit": the pending commit's product (float32 runs: "ieee"). "tiles": (BV, BKC) per form of
 # the prepare. On the engine's inputs at GDN-1.3B, batch 64, 16 nodes, separate prepare
-# (2026-12-04, engine_kernels_probe.py's form kept as probe-code/tree_sweep.py with the raw
-# reports, BENCHMARKS.md section 5): the commit in "tf32x3" instead of "ieee" 206 vs 248 us, with
-# the committed state's error against float64 unchanged (9.2e-8); then 64-column tiles in K blocks
-# of 32 on 4 warps and 3 stages 140 us (32 x 64: 206; 8 warps: 246.6 or more; 2 stages: 164); at
+# (2026-12-04, the form of engine_kernels_probe.py that is `git show
+# 305e6b7:benchmarks/results/2026-12-04/probe-code/tree_sweep.py`; BENCHMARKS.md section 5): the
+# commit in "tf32x3" instead of "ieee" 206 vs 248 us, with the committed state's error against
+# float64 unchanged (9.2e-8); then 64-column tiles in K blocks of 32 on 4 warps and 3 stages
+# 140 us (32 x 64: 206; 8 warps: 246.6 or more; 2 stages: 164); at
 # `small`, batch 32: 26.7 vs 36.9. At batch 1 (fused) 64 x 32 was slower on random inputs with a
 # 4-node pending path: GDN-1.3B 18.3 vs 13.9 us for 32 x 64, `small` 13.5 vs 11.2.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps": 4},
