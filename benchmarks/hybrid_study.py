@@ -21,7 +21,7 @@ the fraction of sequences equal to specla's AR output; ``record_mib`` the MiB pe
 verify of the tree keeps for its commit, for the ``factor`` and ``snapshot`` strategies.
 
 Writes ``DIR/hybrid.json`` (rows; ``meta``: commit, device, library versions, date and command,
-benchmarks/provenance.py) and prints one JSON line per row.
+benchmarks/provenance.py, and the options as ``args``) and prints one JSON line per row.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json"
                     ":gsm8k/eagle-chain")
     a = add_allow_dirty(ap).parse_args()
-    meta = provenance(a.device, a.allow_dirty)
+    meta = dict(provenance(a.device, a.allow_dirty), args=dict(vars(a)))
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     profiles = {"tree": measured_profile(a.profile), "chain": measured_profile(a.chain_profile)}
