@@ -4,7 +4,9 @@ the device, the library versions, the date and the full command. One implementat
 :func:`specla.bench.provenance`, pointed at this repository's checkout.
 
 Each script adds the option with :func:`add_allow_dirty` and calls :func:`provenance` (or
-:func:`print_meta`, for scripts that print JSON lines) before it measures anything.
+:func:`print_meta`, for scripts that print JSON lines) before it measures anything. Run as
+``python benchmarks/provenance.py [--allow-dirty]``, it is that check alone (the shell recipes run
+it before they train).
 """
 
 from __future__ import annotations
@@ -45,3 +47,8 @@ def print_meta(device: str, allow_dirty: bool = False) -> dict:
     meta = provenance(device, allow_dirty)
     print(json.dumps({"meta": meta}), flush=True)
     return meta
+
+
+if __name__ == "__main__":
+    provenance("cpu", add_allow_dirty(argparse.ArgumentParser(description=__doc__.split("\n\n")[0])).parse_args()
+               .allow_dirty)

@@ -12,7 +12,8 @@
 # (default 32), STEPS (target steps, default 434: what a 220 s throughput probe chose on an
 # H200), TIME_BUDGET (seconds: train the target for as many steps as a throughput probe says fit
 # instead of STEPS; the chosen count is in its training.json), MTP_TIME_BUDGET (likewise for the
-# MTP layer) and DRAFTER_STEPS (EAGLE drafter steps, default 3000) can be set in the environment.
+# MTP layer) and DRAFTER_STEPS (EAGLE drafter steps, default 3000) can be set in the environment;
+# ALLOW_DIRTY=1 lets acceptance.py run on a tree with uncommitted changes (--allow-dirty).
 # A stage whose output finished is kept (run again to finish a cut-off run; rm -r OUT_DIR to rebuild). Writes OUT_DIR/{small,eagle,acceptance.json,*.log}.
 set -euo pipefail
 out=${1:?usage: bash benchmarks/small_target.sh OUT_DIR [DATA_DIR] [RUNS]}
@@ -21,6 +22,9 @@ runs=${3:-}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 preset=${PRESET:-small}
+dirty=${ALLOW_DIRTY:+--allow-dirty}
+# acceptance.py refuses a checkout with uncommitted changes: found before the training, not after it
+[ "$runs" = none ] || python "$here/provenance.py" $dirty
 # a stage whose output is finished (its training.json is written last) is kept, so a run that
 # stopped part-way is finished by running the same command again; a retrained target retrains
 # everything after it (rm -r OUT_DIR to rebuild from nothing)
@@ -50,4 +54,4 @@ fi
 [ "$runs" = none ] && exit 0
 python "$here/acceptance.py" --model "$out/$preset" --drafter "$out/eagle" --prompts "$data/prompts" \
     --out "$out/acceptance.json" --time-per-run "${TIME_PER_RUN:-90}" --batch-size "${BATCH_SIZE:-32}" \
-    --max-new-tokens 128 ${runs:+--runs "$runs"} 2>&1 | tee "$out/acceptance.log"
+    --max-new-tokens 128 ${runs:+--runs "$runs"} $dirty 2>&1 | tee "$out/acceptance.log"

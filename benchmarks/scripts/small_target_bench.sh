@@ -19,7 +19,7 @@
 # ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS, TIME_BUDGET,
 # MTP_TIME_BUDGET and DRAFTER_STEPS (passed to small_target.sh: its training lengths), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
 # already holds PRESET/ and what DRAFTER reads, e.g. copies of plugins/gdn/assets/tiny and tiny-eagle: a check
-# of the script). Writes OUT_DIR/bench-ROW.json (the `specla bench` report, ':' as '-') and
+# of the script), ALLOW_DIRTY=1 (the rows run on a tree with uncommitted changes: --allow-dirty). Writes OUT_DIR/bench-ROW.json (the `specla bench` report, ':' as '-') and
 # OUT_DIR/bench.log; the models stay in OUT_DIR/PRESET and OUT_DIR/eagle (one OUT_DIR per preset), small_target.sh's logs
 # beside them.
 set -uo pipefail
@@ -52,6 +52,9 @@ if [ "$drafter" = mtp ] && [ "$preset" != small-hybrid ]; then
   echo "DRAFTER=mtp needs PRESET=small-hybrid (the small GDN target has no MTP layer)" >&2; exit 2
 fi
 mkdir -p "$out"
+dirty=${ALLOW_DIRTY:+--allow-dirty}
+# each row's report refuses a checkout with uncommitted changes: found before the training, not after it
+python "$here/provenance.py" $dirty || exit 2
 # the recipe, without its acceptance runs: it keeps the stages OUT_DIR already holds finished and
 # trains the rest (every DRAFTER's rows share one OUT_DIR)
 PRESET=$preset bash "$here/small_target.sh" "$out" "$data" none >> "$out/recipe.log" 2>&1 ||
@@ -66,7 +69,8 @@ for row in "${rows[@]}"; do
   name=${row//:/-}${DRAFTER:+-$DRAFTER}${CONFIG:+-$(tr -dc 'a-z0-9' <<< "${CONFIG//:/-}")}
   timeout "${ROW_TIMEOUT:-100}" python -m specla.cli bench --model "$out/$preset" --drafter "$drafter" \
       --prompts "$data/prompts/${suite[$s]}" --limit "${LIMIT:-64}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
-      --batch-size "$b" --device "${DEVICE:-cuda}" --config "$config" --out "$out/bench-$name.json" > "$out/bench-$name.log" 2>&1
+      --batch-size "$b" --device "${DEVICE:-cuda}" --config "$config" --out "$out/bench-$name.json" $dirty \
+      > "$out/bench-$name.log" 2>&1
   rc=$?
   echo "== $row rc=$rc $config"
   [ $rc -eq 0 ] || failed=$((failed + 1))
