@@ -5,7 +5,10 @@ autoregressive run is the same engine with no drafts (``num_draft_tokens = 0``),
 isolates speculation. Reports per category: the acceptance-length histogram and mean, tokens/s of
 both runs and their ratio, the exact-match rate, and task checks that must agree between the runs:
 GSM8K final-answer accuracy (rows with an ``answer`` ending in ``#### N``) and HumanEval pass@1
-(rows with ``test`` and ``entry_point``, executed in a subprocess with a timeout).
+(rows with ``test`` and ``entry_point``). The HumanEval check runs the row's own ``prompt`` and
+``test`` code with the model's completion, so whoever wrote the prompts file chooses what runs: it
+runs only when asked (``execute_code=True``, ``specla bench --execute-code``), in an isolated
+Python subprocess with an empty environment, a temporary directory and a timeout (no sandbox).
 
 :func:`provenance` is what every raw report records about the run that made it (``specla bench``'s
 ``meta`` block, and the scripts under ``benchmarks/`` through ``benchmarks/provenance.py``).
@@ -131,13 +134,16 @@ def gsm8k_answer(text: str) -> str | None:
 
 
 def humaneval_passes(row: dict, completion: str, timeout_s: float = 10.0) -> bool:
-    """Run ``prompt + completion + test + check(entry_point)`` in a fresh Python subprocess."""
+    """Run ``prompt + completion + test + check(entry_point)`` in a fresh, isolated Python
+    subprocess (``-I``: no user site or ``PYTHON*`` variables) with an empty environment (the
+    caller's secrets stay out), in a temporary directory, for at most ``timeout_s`` seconds."""
     program = f"{row['prompt']}{completion}\n\n{row['test']}\n\ncheck({row['entry_point']})\n"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "candidate.py"
         path.write_text(program)
         try:
-            proc = subprocess.run([sys.executable, str(path)], cwd=tmp, capture_output=True, timeout=timeout_s)
+            proc = subprocess.run([sys.executable, "-I", str(path)], cwd=tmp, capture_output=True, timeout=timeout_s,
+                                  env={})
         except subprocess.TimeoutExpired:
             return False
     return proc.returncode == 0
@@ -214,7 +220,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
 
 def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | None = None,
               batch_size: int = 1, plugin: str | None = None, time_limit_s: float | None = None,
-              tokenizer=None) -> dict:
+              tokenizer=None, execute_code: bool = False) -> dict:
     """Decode a suite speculatively and autoregressively; return the report (see module doc;
     ``speculative_calls`` sums the timed speculative calls' :class:`~specla.engine.RunStats`
     steps, budget-policy figures, recorded graphs, prefill and wall seconds, and the prefill forms
@@ -227,6 +233,9 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
         config: the speculative configuration (the baseline uses it with no drafts).
         batch_size: prompts decoded together (both runs use the same batches, which never mix
             categories; batches of different categories alternate).
+        execute_code: run the HumanEval rows' code (theirs and the model's: see the module doc);
+            without it those rows are decoded and timed, and the report counts them in
+            ``code_tests_not_run`` instead of scoring them.
         time_limit_s: start no new batch after this many seconds (wall clock, both runs counted;
             the first batch always runs);
             the report says how many prompts were decoded (``prompts_decoded``) and whether the
@@ -234,8 +243,9 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     Raises:
         ValueError: see :func:`load_prompts`; ``batch_size < 1``; ``time_limit_s <= 0``.
 
-    HumanEval rows execute model-written code in a subprocess of this machine (no sandbox beyond
-    a temporary directory and a timeout).
+    With ``execute_code``, HumanEval rows execute the prompts file's code and model-written code
+    in a subprocess of this machine (no sandbox beyond isolation, an empty environment, a
+    temporary directory and a timeout).
     """
     rows = load_prompts(prompts_file, limit)
     spec = SpecDecoder(model, plugin, drafter=drafter, config=config, tokenizer=tokenizer)
@@ -244,7 +254,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
     per = defaultdict(lambda: {"prompts": 0, "exact": 0, "spec_tokens": 0, "ar_tokens": 0, "spec_s": 0.0, "ar_s": 0.0,
                                "hist": [0] * (step_depth(config) + 1),
                                "gsm8k": [0, 0, 0], "humaneval": [0, 0, 0]})
-    samples = []
+    samples, not_run = [], 0
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     # batches never mix categories, so every per-category figure is measured, not apportioned
@@ -305,7 +315,9 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
                 c["gsm8k"][0] += 1
                 c["gsm8k"][1] += gsm8k_answer(s.texts[j]) == gold
                 c["gsm8k"][2] += gsm8k_answer(a.texts[j]) == gold
-            if "test" in row and "entry_point" in row:
+            if "test" in row and "entry_point" in row and not execute_code:
+                not_run += 1
+            elif "test" in row and "entry_point" in row:
                 c["humaneval"][0] += 1
                 c["humaneval"][1] += humaneval_passes(row, s.texts[j])
                 c["humaneval"][2] += humaneval_passes(row, a.texts[j])
@@ -330,6 +342,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
                 cats[name][task] = {"speculative": ok_spec / n, "autoregressive": ok_ar / n, "n": n}
     return {"prompts_file": str(prompts_file), "drafter": str(drafter), "batch_size": batch_size,
             "prompts_total": len(rows), "prompts_decoded": done, "stopped_early": done < len(rows),
+            "code_tests_not_run": not_run,
             "config": config.model_dump(mode="json"), "device": str(spec.adapter.device),
             "dtype": str(spec.adapter.dtype).removeprefix("torch."), "categories": cats,
             "speculative_calls": {**spent, "prefill": ",".join(sorted(forms[0]))},
@@ -359,6 +372,9 @@ def format_table(report: dict) -> str:
                      f"{c['ar_tokens_per_s']:>10.1f}{c['speedup']:>9.3f}{c['exact_match_rate']:>8.3f}  {tasks}")
     if report.get("stopped_early"):
         lines.append(f"time limit: {report['prompts_decoded']} of {report['prompts_total']} prompts decoded")
+    if report.get("code_tests_not_run"):
+        lines.append(f"{report['code_tests_not_run']} rows hold code tests (HumanEval): not run; --execute-code runs "
+                     "the prompts file's code and the model's in a subprocess (no sandbox)")
     if report.get("config", {}).get("temperature", 0) > 0:
         lines.append("sampling: 'exact' is not expected to be 1 (both runs draw their own samples; "
                      "the output distribution is what stays lossless)")

@@ -236,7 +236,8 @@ def _bench(args: argparse.Namespace) -> int:
     meta = provenance(config.device, root=checkout_root(), allow_dirty=args.allow_dirty,
                       command=shlex.join(["specla", *args.argv]))
     report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
-                       batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit)
+                       batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit,
+                       execute_code=args.execute_code)
     print(format_table(report))
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, **report}, indent=1))
@@ -495,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
     bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here, with a 'meta' "
                        "block: commit, device, library versions, date, command (default: none)")
+    bench.add_argument("--execute-code", action="store_true",
+                       help="score HumanEval rows (with 'test' and 'entry_point') by running the prompts file's "
+                            "code and the model's completion in an isolated subprocess with an empty environment "
+                            "and a timeout, not a sandbox: only for prompts files you trust (default: not run)")
     bench.add_argument("--allow-dirty", action="store_true",
                        help="run from a specla checkout with uncommitted changes (refused otherwise); the report's "
                             "commit then reads <sha>+dirty")

@@ -42,7 +42,7 @@ def test_humaneval_execution():
 
 def test_bench_report_is_side_by_side_and_exact():
     cfg = SpecConfig(max_new_tokens=24, dtype="float32", top_k=2, budget_policy="fixed")
-    report = run_bench(TINY, "ngram", DATA, config=cfg, limit=6, batch_size=2)
+    report = run_bench(TINY, "ngram", DATA, config=cfg, limit=6, batch_size=2, execute_code=True)
     cats = report["categories"]
     assert set(cats) == {"gsm8k", "humaneval", "all"}
     for c in cats.values():
@@ -287,3 +287,25 @@ def test_bench_report_meta_names_commit_device_versions_date_command(checkout, m
     date = datetime.datetime.fromisoformat(meta["date"])
     assert date.utcoffset() == datetime.timedelta(0)
     assert abs(datetime.datetime.now(datetime.timezone.utc) - date) < datetime.timedelta(minutes=5)
+
+
+def test_a_prompts_files_code_runs_only_when_asked_and_without_the_environment(tmp_path, monkeypatch):
+    """A HumanEval row's ``prompt`` and ``test`` are code chosen by whoever wrote the file: without
+    ``execute_code`` nothing of it runs (the report counts the row as not run, the table says how
+    to run it); with it, it runs in a subprocess that sees none of the caller's environment."""
+    marker = tmp_path / "ran.txt"
+    test = (f"'''\nimport os, pathlib\npathlib.Path({str(marker)!r}).write_text(repr(os.environ.get('SECRET')))\n"
+            "def check(fn):\n    pass\n")
+    row = {"id": "evil", "category": "humaneval", "prompt": "def f():\n    '''", "test": test, "entry_point": "f"}
+    path = tmp_path / "evil.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    monkeypatch.setenv("SECRET", "token-123")
+    cfg = SpecConfig(max_new_tokens=4, dtype="float32")
+    report = run_bench(TINY, "ngram", path, config=cfg)
+    assert not marker.exists() and report["code_tests_not_run"] == 1
+    assert "humaneval_pass_at_1" not in report["categories"]["humaneval"]
+    assert format_table(report).endswith("1 rows hold code tests (HumanEval): not run; --execute-code runs the "
+                                         "prompts file's code and the model's in a subprocess (no sandbox)")
+    report = run_bench(TINY, "ngram", path, config=cfg, execute_code=True)
+    assert marker.read_text() == "None" and report["code_tests_not_run"] == 0
+    assert report["categories"]["humaneval"]["humaneval_pass_at_1"]["n"] == 1

@@ -70,6 +70,7 @@ for row in "${rows[@]}"; do
   timeout "${ROW_TIMEOUT:-100}" python -m specla.cli bench --model "$out/$preset" --drafter "$drafter" \
       --prompts "$data/prompts/${suite[$s]}" --limit "${LIMIT:-64}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
       --batch-size "$b" --device "${DEVICE:-cuda}" --config "$config" --out "$out/bench-$name.json" $dirty \
+      --execute-code \
       > "$out/bench-$name.log" 2>&1
   rc=$?
   echo "== $row rc=$rc $config"
