@@ -335,7 +335,8 @@ def run(
     config: SpecConfig | dict[str, Any] | None = None,
     tokenizer: Any = None,
 ) -> RunResult:
-    """Greedy speculative decoding of ``prompts`` with ``model``: one-shot form of
-    :class:`SpecDecoder` (same arguments and errors). The outputs are token-identical to greedy
-    autoregressive decoding of the same model (float32; see docs/DESIGN.md section 7)."""
+    """Speculative decoding of ``prompts`` with ``model``: one-shot form of :class:`SpecDecoder`
+    (same arguments and errors). Greedy outputs are token-identical to greedy autoregressive
+    decoding of the same model (float32; see docs/DESIGN.md section 7); with a ``temperature``
+    above 0 they are samples of the model's own distribution (lossless sampling)."""
     return SpecDecoder(model, plugin, drafter=drafter, config=config, tokenizer=tokenizer).generate(prompts)

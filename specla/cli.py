@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -151,6 +152,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{' and '.join(sampling_only)} {verbs} --temperature > 0 (greedy decoding ignores "
                          f"{it}){hint}")
     config = _spec_config({"device": _auto_device()}, overrides, flags)  # options fail before any load
+    _cpu_threads(args, torch_device_type(config.device))
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
     if args.stop_token_id is not None or args.stop is not None:
@@ -173,15 +175,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _cpu_threads(args: argparse.Namespace, device: str) -> None:
+    """torch's CPU threads for a command that decodes on ``device``: ``--threads N``, else one
+    thread on a CPU unless ``OMP_NUM_THREADS`` is set. torch's default, a thread per core,
+    oversubscribes cores that other work is using: on a shared 2-core machine the demo target ran
+    20x slower with two threads than with one (README, "CPU threads"). The library itself leaves
+    the process-wide pool as its caller set it; a command owns its process."""
+    if args.threads is None and (device != "cpu" or "OMP_NUM_THREADS" in os.environ):
+        return
     import torch
 
+    torch.set_num_threads(args.threads or 1)
+
+
+def torch_device_type(device: str | None) -> str:
+    """``"cpu"``, ``"cuda"``...: the type of a device string (``"cuda:1"`` -> ``"cuda"``)."""
+    return (device or _auto_device()).split(":")[0]
+
+
+def _add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_positive, default=None, metavar="N",
+                        help="torch threads on a CPU (default: 1 unless OMP_NUM_THREADS is set; torch's own "
+                             "default, a thread per core, was 20x slower on a busy 2-core machine)")
+
+
+def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    if (args.device or _auto_device()) == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # the bundled 7.7M-parameter target's operators are too small to split across threads, and
-        # torch's thread pool, competing with other work for the cores, turned 20 s into minutes
-        torch.set_num_threads(1)
+    _cpu_threads(args, args.device or _auto_device())
     summary = run_demo(device=args.device, max_new_tokens=args.max_new_tokens, drafter=args.drafter)
     print(json.dumps(summary), flush=True)
     return 0 if summary["exact_match"] else 1
@@ -218,6 +239,7 @@ def _bench(args: argparse.Namespace) -> int:
                           {"max_new_tokens": args.max_new_tokens, "device": args.device})
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
+    _cpu_threads(args, torch_device_type(config.device))
     if args.out:  # found before decoding, not after
         out = Path(args.out).resolve()
         if not out.parent.is_dir():
@@ -380,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokenizer directory (default: the checkpoint's own tokenizer.json)")
     gen.add_argument("--config", default=None, metavar="JSON|FILE", help=config_help)
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    _add_threads(gen)
     gen.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"],
                      help="(default: the model's; half precision runs in float32 on a CPU)")
     gen.add_argument("--max-new-tokens", type=_integer, default=None, metavar="N",
@@ -424,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=_HelpFormatter,
                           description="Progress goes to stderr; generations, then a JSON summary line, to stdout.")
     demo.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
+    _add_threads(demo)
     demo.add_argument("--max-new-tokens", type=_positive, default=96, metavar="N", help="tokens generated per prompt")
     demo.add_argument("--drafter", default="ngram", help="ngram, eagle (shipped with the demo target) or a drafter "
                       "directory; " + _DRAFTER_RULE)
@@ -493,6 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "untimed warm-up comes on top (the longest prompt at every graph batch, each size's first "
                             "batch). The report counts the prompts decoded. Default: no limit")
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    _add_threads(bench)
     bench.add_argument("--plugin", default=None, help="architecture plugin (default: detected from config.json)")
     bench.add_argument("--out", default=None, metavar="FILE", help="write the JSON report here, with a 'meta' "
                        "block: commit, device, library versions, date, command (default: none)")
@@ -524,6 +549,19 @@ def _version() -> str:
         return __version__
 
 
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """specla's own warnings as one line (``specla: warning: ...``), as its errors are; other
+    libraries' warnings as Python formats them, with their source line. Only how a warning is
+    printed changes: recorded warnings (``pytest.warns``, ``catch_warnings(record=True)``) and
+    filters are untouched."""
+    if category.__module__ == __package__ + ".errors":
+        return f"specla: warning: {message}\n"
+    return _FORMAT_WARNING(message, category, filename, lineno, line)
+
+
+_FORMAT_WARNING = warnings.formatwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``specla`` console script. Errors exit with one line on stderr: 2 for
     a user's mistake, 130 for Ctrl-C (``generate`` first prints what it decoded until then)."""
@@ -531,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # the command a report records
     try:
+        warnings.formatwarning = _format_warning
         return args.func(args)
     except KeyboardInterrupt:
         parser.exit(130, "specla: interrupted\n")
@@ -541,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, OSError, RuntimeError, ValueError) as err:
         # ValueError covers malformed JSON (configs, prompt files) and bad argument values
         parser.exit(2, f"specla: error: {err}\n")
+    finally:
+        warnings.formatwarning = _FORMAT_WARNING
 
 
 if __name__ == "__main__":

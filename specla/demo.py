@@ -114,8 +114,8 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
                      tokenizer=spec.tokenizer)
     params = sum(p.numel() for p in spec.model.parameters())
     echo(f"target: the {plugin} plugin's demo model, {type(spec.model).__name__} with {params / 1e6:.0f}M parameters, "
-         "trained for minutes on a small corpus: its text loops and is not the point; exact_match (speculative "
-         "tokens equal plain decoding's) and the speedup are")
+         "trained for minutes on a small corpus: its text loops; what the demo shows is exact_match (speculative "
+         "tokens equal plain decoding's) and the speedup, in the JSON line at the end")
     bar.set_description("demo: warm-up")
     spec.generate([rows[0]["prompt"]])  # warm-up: first-call allocations stay out of the timing
     ar.generate([rows[0]["prompt"]])

@@ -6,6 +6,8 @@ tiny target shipped with the gdn plugin."""
 import json
 import re
 import shutil
+import subprocess
+import sys
 from importlib import resources
 
 import pytest
@@ -399,3 +401,47 @@ def test_generate_shows_progress_on_a_terminal_for_long_decodes_or_when_asked(ca
     code, _, _ = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu",
                      "--max-new-tokens", str(specla.cli.PROGRESS_FROM_TOKENS), *flags)
     assert code == 130 and given == [shown]
+
+
+def test_the_commands_that_decode_on_a_cpu_take_one_torch_thread_unless_told(monkeypatch, capsys):
+    """``generate`` (and ``bench``, ``demo``) on a CPU set torch to one thread unless
+    ``OMP_NUM_THREADS`` is set, and to ``--threads N`` when given: torch's thread per core
+    oversubscribes cores that other work uses (README, "CPU threads")."""
+    import torch
+
+    import specla.cli
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    argv = ["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert specla.cli.main(argv) == 0 and calls == [1]
+    assert specla.cli.main([*argv, "--threads", "2"]) == 0 and calls == [1, 2]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert specla.cli.main(argv) == 0 and calls == [1, 2]
+    assert specla.cli.main([*argv, "--threads", "4"]) == 0 and calls == [1, 2, 4]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        specla.cli.main([*argv, "--threads", "0"])
+    assert exit_.value.code == 2 and "--threads: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_command_line_prints_speclas_warnings_in_one_line_and_leaves_others_as_they_are():
+    """Run in a fresh process: pytest records warnings instead of printing them."""
+    code = (
+        "import warnings, specla.cli, specla.registry\n"
+        "from specla.errors import ContextLengthWarning\n"
+        "def warn_both():\n"
+        "    warnings.warn('past the trained context', ContextLengthWarning)\n"
+        "    warnings.warn(\"a library's own\", UserWarning)\n"
+        "    return []\n"
+        "specla.registry.plugin_infos = warn_both\n"
+        "before = warnings.formatwarning\n"
+        "assert specla.cli.main(['plugins']) == 0\n"
+        "assert warnings.formatwarning is before\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    err = out.stderr.splitlines()
+    assert out.returncode == 0, out.stderr
+    assert err[0] == "specla: warning: past the trained context"
+    assert err[1].endswith("UserWarning: a library's own") and err[1].startswith("<string>:5: ")

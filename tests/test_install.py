@@ -53,4 +53,4 @@ def test_an_fla_checkpoint_without_fla_names_the_extra():
         "    print('ERROR', err)\n")
     assert "ERROR FLA's model classes need flash-linear-attention, which is not installed" in out.stdout, \
         out.stdout + out.stderr
-    assert "pip install 'specla[fla]'" in out.stdout
+    assert "pip install 'specla[fla]' (from a clone of specla: pip install '.[fla]')" in out.stdout
