@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import torch
 
-from .config import SpecConfig
+from .config import SpecConfig, validation_message
 from .drafters import make_drafter, model_drafter_owners
 from .engine import Engine, RunStats
 from .errors import (ConfigError, ContextLengthWarning, DrafterError, GenerationInterrupted, InvalidTokenError,
@@ -49,7 +50,10 @@ def _as_config(config: SpecConfig | dict[str, Any] | None) -> SpecConfig:
     if isinstance(config, SpecConfig):
         return config
     if isinstance(config, dict):
-        return SpecConfig.model_validate(config)
+        try:
+            return SpecConfig.model_validate(config)
+        except pydantic.ValidationError as err:  # one specla error class for every bad option
+            raise ConfigError(f"config: {validation_message(err)}") from err
     raise TypeError(f"config must be a SpecConfig, a dict of its fields or None, got {type(config).__name__}")
 
 
@@ -95,7 +99,9 @@ class SpecDecoder:
             whose weights are on the ``meta`` device (built under ``torch.device("meta")`` or
             loaded with ``device_map="meta"``), refused before anything else.
         FileNotFoundError: a tokenizer directory that does not exist.
-        pydantic.ValidationError: invalid config fields (e.g. ``temperature < 0``).
+        ConfigError: invalid config fields given as a dict (e.g. ``temperature < 0``, an unknown
+            key: the message names each field and its problem; a ``SpecConfig`` built directly
+            raises pydantic's ``ValidationError``).
         ConfigError: ``cuda_graphs="on"`` for a plugin without the ``cuda_graphs`` capability,
             or without a CUDA device, or a configuration graphs cannot run (sampling, a budget
             over the recorded verify's); a ``stop_token_ids`` entry outside the vocabulary.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .config import SpecConfig
+from .config import SpecConfig, validation_message
 from .errors import GenerationInterrupted, SpecError, UnsupportedModelError
 
 # generate shows a progress bar (on a terminal, or with --progress) from this many tokens per
@@ -575,8 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(130, "specla: interrupted\n")
     except ValidationError as err:
         # user mistakes (bad paths, options, prompts) get one line, not a traceback
-        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())
-        parser.exit(2, f"specla: error: {fields}\n")
+        parser.exit(2, f"specla: error: {validation_message(err)}\n")
     except (SpecError, OSError, RuntimeError, ValueError) as err:
         # ValueError covers malformed JSON (configs, prompt files) and bad argument values
         parser.exit(2, f"specla: error: {err}\n")

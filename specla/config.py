@@ -40,6 +40,11 @@ arithmetic. Even at 10,000 tokens/s a sequence this long takes 2.5 days; a large
 typo (from ``2**63`` on, one overflows the int64 tensors of a step)."""
 
 
+def validation_message(err) -> str:
+    """A pydantic ``ValidationError`` in one line: ``field: message; field: message``."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())
+
+
 class SpecConfig(BaseModel):
     """Options of one speculative-decoding run.
 

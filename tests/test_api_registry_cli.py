@@ -732,3 +732,18 @@ def test_sigint_during_a_long_generate_prints_what_was_decoded():
     last = err.decode().splitlines()[-1].split("\r")[-1]
     assert last == ("specla: interrupted: the output above is what was decoded until then "
                     f"({stats['generated_tokens']} tokens)") and "Traceback" not in err.decode()
+
+
+def test_bad_options_given_as_a_dict_are_a_config_error_naming_each_field():
+    """``config={...}`` errors are specla's ``ConfigError`` (a ``SpecError`` and a ``ValueError``),
+    naming every bad field, before anything loads; ``SpecConfig(...)`` itself keeps pydantic's
+    ``ValidationError``."""
+    from specla import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        SpecDecoder("no/such/dir", config={"max_new_tokens": -1, "temperature": -0.5, "tempature": 1})
+    assert str(err.value) == ("config: temperature: Input should be greater than or equal to 0; max_new_tokens: "
+                              "Input should be greater than or equal to 1; tempature: Extra inputs are not permitted")
+    assert isinstance(err.value, specla.SpecError) and isinstance(err.value, ValueError)
+    with pytest.raises(ConfigError, match=r"^config: max_new_tokens: Input should be greater than or equal to 1$"):
+        specla.run(TINY, prompts=[[1, 2]], config={"max_new_tokens": 0})
