@@ -255,13 +255,13 @@ def test_a_drafter_cache_too_large_for_memory_is_refused_with_its_size():
     dr = dec.drafter
     before = (dr.capacity, dr.cache_k)
     with pytest.raises(specla.ConfigError, match=r"the EAGLE drafter's key/value cache would take [0-9.]+ GiB"):
-        dr.adapter.config = dr.adapter.config.model_copy(update=dict(max_new_tokens=10**13))
+        dr.adapter.config = dr.adapter.config.model_copy(update=dict(max_new_tokens=2**31 - 1))
         dr.reset(prompt)
     dr.adapter.config = dr.adapter.config.model_copy(update=dict(max_new_tokens=6))
     assert (dr.capacity, dr.cache_k) == before
     assert dec.generate(prompt).outputs == first
     with pytest.raises(specla.ConfigError, match="drafter's key/value cache"):
-        specla.run(TINY, prompts=prompt, drafter=str(TINY_EAGLE), config=dict(cfg, max_new_tokens=10**13))
+        specla.run(TINY, prompts=prompt, drafter=str(TINY_EAGLE), config=dict(cfg, max_new_tokens=2**31 - 1))
 
 
 def test_train_drafter_checks_its_options_before_reading_data(tmp_path):

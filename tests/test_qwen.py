@@ -101,11 +101,11 @@ def test_caches_too_large_for_memory_are_refused_before_anything_changes():
     prompt = [5, 17, 33, 9, 44]
     dec = SpecDecoder(model, None, config=dict(max_new_tokens=4, dtype="float32"))
     first = dec.generate([prompt]).outputs
-    big = SpecDecoder(model, None, config=dict(max_new_tokens=10**12, dtype="float32"))
+    big = SpecDecoder(model, None, config=dict(max_new_tokens=2**31 - 1, dtype="float32"))  # the most it takes
     capacity = big.adapter.capacity
     for _ in range(2):
         with pytest.raises(specla.ConfigError, match=r"the attention layers' KV caches would take [0-9.]+ GiB for "
-                                                     r"max_new_tokens=1000000000000 .* lower max_new_tokens"):
+                                                     r"max_new_tokens=2147483647 .* lower max_new_tokens"):
             big.generate([prompt])
     assert big.adapter.capacity == capacity
     assert dec.generate([prompt]).outputs == first == [ARCH.reference_decode(model, prompt, 4)]
