@@ -20,6 +20,7 @@ from .engine import Engine, RunStats
 from .errors import (ConfigError, ContextLengthWarning, DrafterError, GenerationInterrupted, InvalidTokenError,
                      TokenTypeError, UnsupportedModelError)
 from .interfaces import ArchitecturePlugin, Drafter
+from .layerwise import weaken_hook_cycles
 from .registry import detect_plugin, get_plugin
 
 # transformers' from_pretrained is not thread-safe: two threads loading at once can leave a tied
@@ -143,7 +144,7 @@ class SpecDecoder:
             dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
             try:
                 with _LOAD_LOCK:
-                    model = self.plugin.load_model(path, dtype=dtype, device=self.config.device)
+                    model = weaken_hook_cycles(self.plugin.load_model(path, dtype=dtype, device=self.config.device))
             except (UnsupportedModelError, ConfigError):
                 raise
             except Exception as err:  # transformers, huggingface_hub and safetensors each raise their own

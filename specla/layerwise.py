@@ -5,6 +5,7 @@ a commit moves its states (:meth:`LayerwiseAdapter._apply`) and empty states."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from abc import abstractmethod
 from collections.abc import Iterable
@@ -67,6 +68,30 @@ def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
         if isinstance(t, bool) or not isinstance(t, Integral):
             raise UnsupportedModelError(f"{source}.eos_token_id must be an int or a list of ints, got {eos!r}")
     return tuple(dict.fromkeys(int(t) for t in ids))
+
+
+def weaken_hook_cycles(model: torch.nn.Module) -> torch.nn.Module:
+    """Make the hooks of ``model``'s modules that are bound methods of one of its modules hold
+    that module weakly, as torch's own ``with_module`` hooks do; each is called as before. A
+    module's own bound method in its hook table is a reference cycle (transformers' and FLA's
+    ``Mamba2Model`` register ``self.load_hook`` as a ``load_state_dict`` pre-hook), which keeps
+    the whole model alive after its last user drops it, until Python's cyclic garbage collector
+    runs. Only for models specla owns (loaded or copied by it).
+
+    Returns:
+        ``model``, changed in place.
+    """
+    from torch.nn.modules.module import _WrappedHook
+
+    owners = {id(m) for m in model.modules()}
+    for module in model.modules():
+        tables = [t for name, t in vars(module).items() if name.endswith("hooks") and isinstance(t, dict)]
+        for table in tables:
+            for key, hook in table.items():
+                fn = hook.hook if isinstance(hook, _WrappedHook) and not hook.with_module else hook
+                if inspect.ismethod(fn) and id(fn.__self__) in owners:
+                    table[key] = _WrappedHook(fn.__func__, fn.__self__)
+    return model
 
 
 def compiled_kernels_loaded() -> bool:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .errors import SpecError
 from .graphs import cache_capacity, check_cache_memory
-from .layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids
+from .layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids, weaken_hook_cycles
 from .ops import kernels
 from .ops.attention import commit_kv, tree_attention
 from .ops.conv import conv_ancestors, conv_window_after
@@ -484,7 +484,7 @@ class MixerAdapter(LayerwiseAdapter):
         (made once; the caller's model is never modified)."""
         self._place(config, head)
         if head.device != self.device or head.dtype != self.dtype or model.training:
-            model = copy.deepcopy(model).to(self.device, self.dtype).eval()
+            model = weaken_hook_cycles(copy.deepcopy(model).to(self.device, self.dtype).eval())
         return model
 
     def _act(self, p: Tensor | None) -> Tensor | None:
