@@ -127,6 +127,11 @@ class LayerwiseAdapter(TargetAdapter):
     ``state_dtype`` and ``config`` (and ``differentiable`` when they can train), call
     :meth:`_init_state` in ``__init__``, and implement :meth:`_empty_state`, :meth:`forward` and
     :meth:`_apply`.
+
+    What the adapter holds (its mixers, their ``project`` / ``output`` closures) refers to values
+    (dtypes, flags, weights, the model's modules), never back to the adapter: a dropped decoder
+    then frees the adapter, its model copy, states and caches at once, by reference counting,
+    rather than whenever Python's cyclic garbage collector next runs.
     """
 
     differentiable = False  # True: forward keeps autograd graphs (target training)

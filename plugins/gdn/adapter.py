@@ -102,6 +102,8 @@ class GDNAdapter(MixerAdapter):
             w_qkv, w_a, w_b, w_g = act(torch.cat(ins[:3])), act(ins[3]), act(ins[4]), act(ins[-1])
         w_g = w_g if a.use_gate else None
         o_norm, o_eps, gate_act = act(a.o_norm.weight), a.o_norm.eps, getattr(a.o_norm, "activation", "swish")
+        # values, not self, in the mixer's closures (see LayerwiseAdapter)
+        dtype, state_dtype = self.dtype, self.state_dtype
 
         def project(h: Tensor, kernels: bool):
             if kernels and w_in is not None:  # one GEMM for every input projection
@@ -116,10 +118,10 @@ class GDNAdapter(MixerAdapter):
             B, T = o.shape[:2]
             og = z.reshape(B, T, HV, V) if z is not None else None
             if kernels:  # one Triton launch, out in the activation dtype
-                return norm_kernels.rms_norm(o, o_norm, o_eps, og, gate_act, out_dtype=self.dtype)
+                return norm_kernels.rms_norm(o, o_norm, o_eps, og, gate_act, out_dtype=dtype)
             if og is not None:
                 return gated_rms_norm(o, o_norm, o_eps, og, gate_act)
-            return rms_norm(o, o_norm, o_eps).to(self.state_dtype)
+            return rms_norm(o, o_norm, o_eps).to(state_dtype)
 
         mixer = GDNMixer(project=project,
                          conv_w=act(torch.cat([c.weight[:, 0] for c in conv])) if conv else None,

@@ -68,7 +68,8 @@ class GLAAdapter(MixerAdapter):
         w_gk1, w_gk2 = act(a.gk_proj[0].weight), act(a.gk_proj[1].weight)
         w_g = act(a.g_proj.weight) if a.use_output_gate else None
         o_norm, o_eps, w_o = act(onorm.weight), onorm.eps, act(a.o_proj.weight)
-        H, V = a.num_heads, a.head_v_dim
+        # values, not self, in the mixer's closures (see LayerwiseAdapter)
+        H, V, dtype = a.num_heads, a.head_v_dim, self.dtype
 
         def project(h: Tensor):
             return h @ w_qkv.T, (h @ w_gk1.T) @ w_gk2.T, (h @ w_g.T if w_g is not None else None)
@@ -78,7 +79,7 @@ class GLAAdapter(MixerAdapter):
             o = _rms(o, o_norm, o_eps)
             if gate is not None:  # FusedRMSNormGated(swish), or g_norm then gate_fn = swish
                 o = o * F.silu(gate.view(B, T, H, V).to(o.dtype))
-            return o.reshape(B, T, -1).to(self.dtype) @ w_o.T
+            return o.reshape(B, T, -1).to(dtype) @ w_o.T
 
         b_gk = (a.gk_proj[1].bias if self.differentiable else a.gk_proj[1].bias.detach()).to(self.device,
                                                                                                   self.state_dtype)

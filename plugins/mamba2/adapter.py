@@ -51,13 +51,14 @@ class Mamba2Adapter(MixerAdapter):
                                                              m.out_proj.bias))
         gnorm = self._act(m.norm.weight) if m.rmsnorm else None
         gnorm_eps, group, before = (m.norm.eps, m.norm.group_size, m.norm_before_gate) if m.rmsnorm else (0, 0, False)
+        dtype = self.dtype  # a value, not self, in the mixer's closures (see LayerwiseAdapter)
 
         def project(h: Tensor):
             return F.linear(h, w_in, b_in).split([Di, Dc, H], dim=-1)
 
         def output(y: Tensor, z: Tensor) -> Tensor:
             o = gated_rms_norm(y, z, gnorm, gnorm_eps, group, before) if gnorm is not None else y * F.silu(z.to(y.dtype))
-            return F.linear(o.to(self.dtype), w_out, b_out)
+            return F.linear(o.to(dtype), w_out, b_out)
 
         return Mamba2Mixer(project=project, conv_w=self._act(m.conv1d.weight[:, 0]), conv_b=self._act(m.conv1d.bias),
                            A_log=st(m.A_log), dt_bias=st(m.dt_bias), D=st(m.D).view(H, m.head_dim) if m.D_has_hdim else st(m.D),

@@ -95,6 +95,7 @@ class Mamba2HybridAdapter(MixerAdapter):
         in_mult = float(getattr(m, "ssm_in_multiplier", 1.0))
         mup = getattr(m, "mup_vector", None)  # Falcon-H1's per-channel multipliers of in_proj's output
         gated_norm = not isinstance(m.norm, torch.nn.Identity)
+        dtype = self.dtype  # a value, not self, in the mixer's closures (see LayerwiseAdapter)
 
         def project(h: Tensor):
             z = m.in_proj(h * in_mult if in_mult != 1.0 else h)
@@ -105,7 +106,7 @@ class Mamba2HybridAdapter(MixerAdapter):
         def output(y: Tensor, z: Tensor) -> Tensor:
             # reshaped: some transformers versions' Falcon-H1 norm drops a length-1 sequence axis
             o = m.norm(y, z).reshape(y.shape) if gated_norm else y * torch.nn.functional.silu(z.to(y.dtype))
-            return m.out_proj(o.to(self.dtype))
+            return m.out_proj(o.to(dtype))
 
         lo, hi = m.time_step_limit
         conv = m.conv1d

@@ -157,17 +157,18 @@ class QwenAdapter(MixerAdapter):
                 return torch.cat([flat(q), flat(k), flat(v)], -1), a, b, flat(z)
             return lin.in_proj_qkv(h), lin.in_proj_a(h), lin.in_proj_b(h), lin.in_proj_z(h)
 
-        gated = lin.norm
+        # values, not self, in the mixer's closures (see LayerwiseAdapter)
+        gated, dtype, triton_norms = lin.norm, self.dtype, self.triton_kernels
 
         def output(o: Tensor, z: Tensor, kernels: bool) -> Tensor:
             B, T = o.shape[:2]  # transformers' gated norm takes o in the activation dtype
-            o, z = o.to(self.dtype).reshape(-1, Vd), z.reshape(-1, Vd)
+            o, z = o.to(dtype).reshape(-1, Vd), z.reshape(-1, Vd)
             # the same formula in one launch, chosen as every norm of the model is (see :func:`norm`)
-            if self.triton_kernels and not torch.is_grad_enabled() and gated.activation in ("silu", "swish", "sigmoid"):
+            if triton_norms and not torch.is_grad_enabled() and gated.activation in ("silu", "swish", "sigmoid"):
                 from specla.ops import norm_triton
 
                 y = norm_triton.rms_norm(o, gated.weight, gated.variance_epsilon, z, gated.activation,
-                                         out_dtype=self.dtype)
+                                         out_dtype=dtype)
             else:
                 y = gated(o, z)
             return lin.out_proj(y.reshape(B, T, -1))
