@@ -6,6 +6,7 @@ transformers families run without either."""
 import subprocess
 import sys
 from importlib.metadata import requires
+from pathlib import Path
 
 from packaging.requirements import Requirement
 
@@ -54,3 +55,16 @@ def test_an_fla_checkpoint_without_fla_names_the_extra():
     assert "ERROR FLA's model classes need flash-linear-attention, which is not installed" in out.stdout, \
         out.stdout + out.stderr
     assert "pip install 'specla[fla]' (from a clone of specla: pip install '.[fla]')" in out.stdout
+
+
+def test_every_package_folder_of_the_tree_is_installed():
+    """pyproject names its packages one by one (the plugins install from plugins/<folder> under
+    other names, which setuptools' package discovery cannot give them): every folder with an
+    ``__init__.py`` under a package-dir folder must be listed, or a non-editable install lacks it."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join([name, *init.parent.relative_to(root / folder).parts])
+             for name, folder in conf["package-dir"].items() for init in (root / folder).rglob("__init__.py")}
+    assert sorted(conf["packages"]) == sorted(found)

@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .errors import SpecError
-from .graphs import cache_capacity, check_cache_memory
-from .layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids, weaken_hook_cycles
-from .ops import kernels
-from .ops.attention import commit_kv, tree_attention
-from .ops.conv import conv_ancestors, conv_window_after
-from .records import PendingCommit, Record
-from .tree import inclusive_ancestor_mask
+from ..errors import SpecError
+from ..graphs import cache_capacity, check_cache_memory
+from ..layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids, weaken_hook_cycles
+from ..ops import kernels
+from ..ops.attention import commit_kv, tree_attention
+from ..ops.conv import conv_ancestors, conv_window_after
+from ..records import PendingCommit, Record
+from ..tree import inclusive_ancestor_mask
 
 conv_kernels = kernels("specla.ops.conv_triton")
 
@@ -588,7 +588,7 @@ class MixerAdapter(LayerwiseAdapter):
         Returns ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records)``, one record
         per mixer."""
         if self.triton_kernels:  # one launch (a recorded step is bound by its launches)
-            from .ops.tree_triton import ancestor_mask  # on first use: TRITON_INTERPRET is read when kernels are defined
+            from ..ops.tree_triton import ancestor_mask  # on first use: TRITON_INTERPRET is read when kernels are defined
 
             mask, depth = ancestor_mask(parents)
         else:
