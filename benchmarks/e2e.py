@@ -62,7 +62,7 @@ from specla.graphs import record_graph
 from specla.interfaces import Drafter
 from specla.tree import DraftTree
 from specla_gdn.adapter import GDNAdapter
-from specla_gdn.reference import expand_heads, tree_gdn
+from specla.mixers.gdn.reference import expand_heads, tree_gdn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import add_allow_dirty, provenance  # noqa: E402
@@ -95,7 +95,7 @@ def gdn13b(layers: int, embed_scale: float, seed: int = 0):
 
 
 def fla_recurrence(q, k, v, g, beta, S0, mask, scale, records):
-    """FLA-SD's verify recurrence (:attr:`specla_gdn.mixer.GDNMixer.recurrence`): FLA's stock
+    """FLA-SD's verify recurrence (:attr:`specla.mixers.gdn.mixer.GDNMixer.recurrence`): FLA's stock
     ``fused_recurrent_gated_delta_rule`` over the chain as one sequence, from the committed state,
     for ``replay`` passes; prefill (factor records) stays on specla's path (it is not timed)."""
     if records != "replay":
@@ -111,7 +111,7 @@ def fla_recurrence(q, k, v, g, beta, S0, mask, scale, records):
 
 
 def fla_replay(S0, rec, path, path_len):
-    """FLA-SD's replay commit (:attr:`specla_gdn.mixer.GDNMixer.replay`): the accepted tokens run
+    """FLA-SD's replay commit (:attr:`specla.mixers.gdn.mixer.GDNMixer.replay`): the accepted tokens run
     through FLA's fused recurrent kernel again (``output_final_state``)."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 

@@ -64,9 +64,9 @@ from provenance import add_allow_dirty, provenance
 from specla.graphs import record_graph
 from specla.records import LayerCommit
 from specla.tree import inclusive_ancestor_mask
-from specla_gdn.commit import flush_commit
-from specla_gdn.records import GDNFactorRecord
-from specla_gdn.verify import MAX_TREE_NODES, hybrid_plan, hybrid_verify, serial_verify, tree_verify
+from specla.mixers.gdn.commit import flush_commit
+from specla.mixers.gdn.records import GDNFactorRecord
+from specla.mixers.gdn.verify import MAX_TREE_NODES, hybrid_plan, hybrid_verify, serial_verify, tree_verify
 
 H = HV = 8
 K = V = 256
@@ -334,7 +334,7 @@ def bench_fused(batches: list[int], bw: float) -> list[dict]:
 
 def sweep(batches: list[int]) -> list[dict]:
     """Launch-parameter sweep (``verify.TUNING``): V-tile width and warps per kernel."""
-    from specla_gdn import verify as vk
+    from specla.mixers.gdn import verify as vk
 
     rows, scale = [], K**-0.5
     cases = [("serial", "chain T=8"), ("serial", "chain T=16"), ("chain", "chain T=16"), ("chain", "topk4 depth4 T=32"),

@@ -343,7 +343,7 @@ class ArchitecturePlugin(ABC):
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
         """Greedy autoregressive decoding, one token at a time with the plain sequential
-        recurrence (the plugin's ``naive.py``): the suite's oracle.
+        recurrence (the gdn plugin's ``oracle.py``, for one): the suite's oracle.
 
         Raises:
             NotImplementedError: the plugin provides no reference decoder.

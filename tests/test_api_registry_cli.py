@@ -25,7 +25,7 @@ from specla import SpecConfig, SpecDecoder, UnknownPluginError, UnsupportedModel
 from specla.cli import main
 from specla.drafters import EagleDrafter, NgramDrafter, make_drafter
 from specla.registry import available, detect_plugin, get_plugin, plugin_infos
-from specla_gdn.naive import naive_greedy_decode
+from specla_gdn.oracle import naive_greedy_decode
 from specla_gdn.plugin import TINY_TARGET
 from conftest import make_model
 

@@ -16,7 +16,7 @@ import specla.drafters.eagle as eagle_module
 from specla.drafters.eagle import EagleHead, is_eagle_dir
 from specla.drafters.training import DrafterTrainConfig, train_drafter
 from specla.registry import get_plugin
-from specla_gdn.naive import naive_greedy_decode
+from specla_gdn.oracle import naive_greedy_decode
 from specla_gdn.plugin import TINY_TARGET
 
 TINY = TINY_TARGET

@@ -133,7 +133,7 @@ def test_hybrid_score_is_teacher_forced_decoding():
     """``score`` (used to train drafters) over a GDN hybrid (the plugin's whole-sequence form
     gives way to the chunked pass): every position's logits equal the sequential twin's after
     the same tokens, float64."""
-    from specla_gdn.naive import NaiveGDN
+    from specla_gdn.oracle import NaiveGDN
 
     model = get_plugin("gdn").tiny_model("attn", seed=3, dtype=torch.float64)
     tokens = torch.randint(0, 61, (1, 70), generator=torch.Generator().manual_seed(1))

@@ -6,7 +6,7 @@ import torch
 from specla import Acceptance, BudgetError, DraftTree, InvalidTokenError, InvalidTreeError, SpecConfig
 from specla.records import PendingCommit
 from specla.registry import get_plugin
-from specla_gdn.naive import NaiveGDN
+from specla_gdn.oracle import NaiveGDN
 from conftest import make_model
 from trees import SHAPES, tree_parents
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from specla.ops.naive import root_path
-from specla_gdn.naive import naive_tree_gdn
-from specla_gdn.verify import hybrid_verify, serial_verify
+from specla.mixers.gdn.naive import naive_tree_gdn
+from specla.mixers.gdn.verify import hybrid_verify, serial_verify
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -18,7 +18,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def layer_commit(k, delta, G, path, path_len):
     """A pending commit on ``DEV`` as the verify kernels take it."""
     from specla.records import LayerCommit
-    from specla_gdn.records import GDNFactorRecord
+    from specla.mixers.gdn.records import GDNFactorRecord
 
     return LayerCommit(GDNFactorRecord(k=k.to(DEV), delta=delta.to(DEV), G=G.to(DEV), conv_x=None), path.to(DEV),
                        path_len.to(DEV))
@@ -109,8 +109,8 @@ def test_serial_verify_rejects_bad_input():
 
 
 from specla.tree import inclusive_ancestor_mask  # noqa: E402
-from specla_gdn.verify import tree_verify  # noqa: E402
-import specla_gdn.verify as gdn_verify  # noqa: E402
+from specla.mixers.gdn.verify import tree_verify  # noqa: E402
+import specla.mixers.gdn.verify as gdn_verify  # noqa: E402
 from trees import SHAPES, f64, ragged_pending, rel_err, tree_parents  # noqa: E402
 
 
@@ -230,7 +230,7 @@ import specla  # noqa: E402
 from conftest import make_model  # noqa: E402
 from specla.testing import OracleDrafter  # noqa: E402
 from specla import SpecConfig  # noqa: E402
-from specla_gdn.naive import naive_greedy_decode  # noqa: E402
+from specla_gdn.oracle import naive_greedy_decode  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -242,7 +242,7 @@ from specla_gdn.naive import naive_greedy_decode  # noqa: E402
 def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monkeypatch):
     """The whole engine with kernels="triton" (fused delayed commit inside the verify kernel) is
     token-identical to sequential decoding, and its states match the reference path's."""
-    import specla_gdn.verify as adapter_mod  # the mixer looks its verify kernels up there at each call
+    import specla.mixers.gdn.verify as adapter_mod  # the mixer looks its verify kernels up there at each call
 
     calls = {"fused": 0, "plain": 0, "serial": 0, "parallel": 0, "hybrid": 0}
 
@@ -277,8 +277,8 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
         assert calls["hybrid"] > 0  # forced serial falls back to hybrid on real trees
 
 
-from specla_gdn.commit import flush_commit  # noqa: E402
-from specla_gdn.reference import gdn_commit_factor  # noqa: E402
+from specla.mixers.gdn.commit import flush_commit  # noqa: E402
+from specla.mixers.gdn.reference import gdn_commit_factor  # noqa: E402
 
 
 def test_flush_kernel_equals_closed_form_and_skips_empty_paths():
@@ -385,7 +385,7 @@ def test_kernels_at_gdn13b_layer_shape_bf16(kernel, qk):
 def test_tree_verify_visits_the_state_in_k_blocks(monkeypatch, prepare):
     """K = 40 in blocks of 16 (the last one partial) and V = 20 in two tiles, with a ragged pending
     commit: the same outputs, records and committed state as the naive reference."""
-    from specla_gdn import verify as vk
+    from specla.mixers.gdn import verify as vk
 
     monkeypatch.setitem(vk.TUNING, "tree", {**vk.TUNING["tree"], "tiles": {"separate": (16, 16), "fused": (16, 16)},
                                             "num_warps": 4})
@@ -476,7 +476,7 @@ def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
     """Plain decoding (no budget) with ``cuda_graphs="on"`` (unrecorded on the CPU) and the Triton
     kernels: the fixed-shape one-token verify runs the serial kernel (the parallel one is for
     trees) and the output equals sequential decoding."""
-    import specla_gdn.verify as adapter_mod  # the mixer looks its verify kernels up there at each call
+    import specla.mixers.gdn.verify as adapter_mod  # the mixer looks its verify kernels up there at each call
 
     calls = []  # (kernel, nodes per row) of every verify call
     for fn, kind in ((serial_verify, "serial"), (tree_verify, "parallel")):
@@ -643,7 +643,7 @@ def test_default_prefill_takes_the_passes_in_half_precision(monkeypatch):
     ad.prefill(prompts)
     assert ad.prefill_form == "chain" and not calls
     if DEV == "cpu":  # runs are float32 on a CPU: the rule alone, on the adapter's activation dtype
-        from specla_gdn.mixer import GDNMixer
+        from specla.mixers.gdn.mixer import GDNMixer
 
         for dtype, form in ((torch.bfloat16, True), (torch.float16, True), (torch.float64, False)):
             monkeypatch.setattr(ad, "dtype", dtype)

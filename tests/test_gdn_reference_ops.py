@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from specla.tree import inclusive_ancestor_mask
 from specla.ops.naive import root_path
-from specla_gdn.naive import naive_tree_gdn
-from specla_gdn.reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
+from specla.mixers.gdn.naive import naive_tree_gdn
+from specla.mixers.gdn.reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
 from trees import SHAPES, TOL, batch_parents, rel_err
 
 

@@ -9,7 +9,7 @@ import torch
 import specla
 from specla import DraftTree, SpecConfig
 from specla.registry import get_plugin
-from specla_gdn.naive import naive_greedy_decode
+from specla_gdn.oracle import naive_greedy_decode
 from conftest import make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -119,9 +119,9 @@ def _assert_same(full_state, sliced_state, full_out, sliced_outs):
 def test_gdn_kernels_beyond_65535_programs(kernel):
     from specla.records import LayerCommit
     from specla.tree import inclusive_ancestor_mask
-    from specla_gdn.commit import flush_commit
-    from specla_gdn.records import GDNFactorRecord
-    from specla_gdn.verify import hybrid_verify, serial_verify, tree_verify
+    from specla.mixers.gdn.commit import flush_commit
+    from specla.mixers.gdn.records import GDNFactorRecord
+    from specla.mixers.gdn.verify import hybrid_verify, serial_verify, tree_verify
 
     B, T, Tp, H, HV, K, V = 32800, 4, 3, 1, 2, 16, 16  # B * HV = 65600 programs per V tile
     gen = torch.Generator("cuda").manual_seed(7)

@@ -54,10 +54,10 @@ from specla import SpecDecoder  # noqa: E402
 from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
 from specla.ops.conv import conv_ancestors  # noqa: E402
 from specla.records import LayerCommit  # noqa: E402
-import specla_gdn.verify as gdn_verify  # noqa: E402  (the mixer looks its kernels up there at each call)
-import specla_gdn.verify as vk  # noqa: E402
-from specla_gdn.naive import naive_tree_gdn  # noqa: E402
-from specla_gdn.reference import gdn_commit_factor  # noqa: E402
+import specla.mixers.gdn.verify as gdn_verify  # noqa: E402  (the mixer looks its kernels up there at each call)
+import specla.mixers.gdn.verify as vk  # noqa: E402
+from specla.mixers.gdn.naive import naive_tree_gdn  # noqa: E402
+from specla.mixers.gdn.reference import gdn_commit_factor  # noqa: E402
 
 PRECISIONS = (("ieee", "ieee"), ("tf32x3", "ieee"), ("tf32x3", "tf32x3"), ("tf32", "ieee"), ("tf32", "tf32"))
 FORMS = ("separate", "fused")

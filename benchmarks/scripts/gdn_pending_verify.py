@@ -30,8 +30,8 @@ import triton
 
 from specla.records import LayerCommit
 from specla.tree import inclusive_ancestor_mask
-from specla_gdn.records import GDNFactorRecord
-from specla_gdn import verify as vk
+from specla.mixers.gdn.records import GDNFactorRecord
+from specla.mixers.gdn import verify as vk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from provenance import add_allow_dirty, print_meta  # noqa: E402

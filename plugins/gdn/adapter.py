@@ -2,7 +2,7 @@
 the mixer core.
 
 FLA's modules are Triton-only, so they cannot serve CPU users: each block's sequence mixer is a
-:class:`specla_gdn.mixer.GDNMixer` (its reference path in PyTorch, or the plugin's Triton kernels
+:class:`specla.mixers.gdn.mixer.GDNMixer` (its reference path in PyTorch, or the op's Triton kernels
 with the fused delayed commit) built from the block's own weights: q/k/v/a/b/g projections,
 tree-aware short convolution + SiLU, L2-normalised q/k, gates ``g = -exp(A_log) * softplus(a +
 dt_bias)`` and ``beta = sigmoid(b)``, tree-masked GDN with factor records, gated RMSNorm. The block
@@ -26,7 +26,7 @@ from specla.mixers import Mixer, MixerAdapter
 from specla.ops import kernels
 from specla.ops.norm import gated_rms_norm, rms_norm
 
-from .mixer import GDNMixer
+from specla.mixers.gdn.mixer import GDNMixer
 
 act_kernels = kernels("specla.ops.act_triton")
 norm_kernels = kernels("specla.ops.norm_triton")

@@ -107,7 +107,7 @@ class GDNPlugin(ArchitecturePlugin):
         return model
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-        from .naive import naive_greedy_decode
+        from .oracle import naive_greedy_decode
 
         return naive_greedy_decode(model, prompt, max_new_tokens)
 

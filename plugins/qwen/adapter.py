@@ -6,7 +6,7 @@ Qwen3.5 and Qwen3-Next interleave Gated DeltaNet layers (``linear_attention``) w
 attention (``full_attention``, every fourth layer by default); they differ in the GDN layer's
 projection layout (Qwen3-Next groups q, k, v, z and b, a per key head) and in the rotary
 module's position form. Only the sequence mixers are specla's: each
-GDN layer runs :class:`specla_gdn.mixer.GDNMixer` (the gdn plugin's tree verify, records and
+GDN layer runs :class:`specla.mixers.gdn.mixer.GDNMixer` (the GDN op's tree verify, records and
 kernels) from the layer's own weights, each attention layer :class:`QwenAttention` (the core's
 tree attention over a KV cache). Everything position-wise (embeddings, the zero-centred RMSNorms,
 the MLP or the MoE block, the gated output norm, q/k norms, the rotary embedding, the LM head) is
@@ -25,7 +25,7 @@ from torch import Tensor
 from specla.config import SpecConfig
 from specla.layerwise import eos_token_ids
 from specla.mixers import AttentionMixer, MixerAdapter, experts_graph_problem
-from specla_gdn.mixer import GDNMixer
+from specla.mixers.gdn.mixer import GDNMixer
 
 
 def text_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:

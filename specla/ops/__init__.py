@@ -17,7 +17,7 @@ class kernels:  # noqa: N801 (used like a module: ``conv_kernels = kernels("spec
     kernel is defined, so kernels are defined where they are first used, not at import.
 
     Args:
-        module: the absolute module name (``"specla.ops.conv_triton"``, ``"specla_gdn.verify"``).
+        module: the absolute module name (``"specla.ops.conv_triton"``, ``"specla.mixers.gdn.verify"``).
     Raises:
         ImportError: at the first attribute read, when the module or Triton cannot be imported.
     """

@@ -1,6 +1,6 @@
-"""Gated DeltaNet as a sequence mixer (:class:`specla.mixers.Mixer`): what a hybrid model's GDN
-layers run (Qwen3.5, Qwen3-Next), with the same records, reference path and Triton kernels as the
-gdn plugin's own adapter, which shares :func:`run_verify_kernel` and :func:`commit_layer` with it.
+"""Gated DeltaNet as a sequence mixer (:class:`specla.mixers.Mixer`): what every GDN layer runs,
+FLA's (the gdn plugin) and the hybrids' (Qwen3.5, Qwen3-Next), with its records, reference path
+and Triton kernels (this package's ``records``, ``reference``, ``verify`` and ``commit``).
 
 Shapes: ``B`` sequences, ``T`` verified nodes (root explicit), ``H`` key heads, ``HV`` value heads
 (a multiple of ``H``; value head ``j`` reads key head ``j // (HV / H)``, FLA's and transformers'
@@ -29,8 +29,8 @@ from .reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_sta
 act_kernels = kernels("specla.ops.act_triton")
 conv_kernels = kernels("specla.ops.conv_triton")
 norm_kernels = kernels("specla.ops.norm_triton")
-verify_kernels = kernels("specla_gdn.verify")
-commit_kernels = kernels("specla_gdn.commit")
+verify_kernels = kernels("specla.mixers.gdn.verify")
+commit_kernels = kernels("specla.mixers.gdn.commit")
 
 
 def kernel_plan(tp_choose: Callable, parents: Tensor, counts: Tensor):
@@ -71,7 +71,7 @@ def layer_record(kind: str, S0: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
                  G: Tensor | None, mask: Tensor, proj: Tensor, win: Tensor | None, anc: Tensor | None,
                  state_dtype: torch.dtype) -> Record:
     """The record of one layer's verify pass for the commit strategy ``kind`` (``factor``,
-    ``snapshot``, ``replay``; shapes in :mod:`specla_gdn.records`): ``proj [B, T, Dc]`` the
+    ``snapshot``, ``replay``; shapes in :mod:`specla.mixers.gdn.records`): ``proj [B, T, Dc]`` the
     pre-conv projections, ``win`` the committed conv window, ``anc`` the conv ancestors (``None``
     without short conv)."""
     conv_x = proj if anc is not None else None

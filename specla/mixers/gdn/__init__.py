@@ -1,0 +1,2 @@
+"""The gated delta rule (Gated DeltaNet): its mixer, Triton kernels, batched PyTorch reference and
+sequential twin."""
