@@ -374,7 +374,7 @@ class GLALayer:
 
     def __init__(self, H: int = 4, K: int = 256, V: int = 512):
         from fla.ops.gla import fused_recurrent_gla
-        from specla_gla import commit, verify
+        from specla.mixers.gla import commit, verify
 
         self.H, self.K, self.V, self.scale = H, K, V, K**-0.5
         self.kernels, self.flush_commit, self.fla = verify, commit.flush_commit, fused_recurrent_gla

@@ -198,7 +198,7 @@ def whole_prompt_prefill_calls(monkeypatch) -> list:
     import torch
     from fla.ops import gated_delta_rule, gla, kda, simple_gla
     from specla.mixers.gdn.mixer import GDNMixer
-    from specla_gla.mixer import GLAMixer
+    from specla.mixers.gla.mixer import GLAMixer
     from specla_kimi.adapter import KDAMixer
     from specla_mamba2.mixer import Mamba2Mixer
 

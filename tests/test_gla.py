@@ -1,4 +1,4 @@
-"""Gated Linear Attention plugin (specla_gla): reference ops vs their sequential twins, the model
+"""Gated Linear Attention (the op, specla.mixers.gla, and the gla plugin): reference ops vs their sequential twins, the model
 path vs plain sequential decoding and vs FLA's own GLAForCausalLM, every commit strategy, end to
 end token identity, bad inputs, and the Triton kernels (CPU: Triton interpreter)."""
 
@@ -19,10 +19,11 @@ from specla.records import PendingCommit
 from specla.registry import get_plugin
 from specla.tree import inclusive_ancestor_mask
 from specla.ops.naive import root_path
-from specla_gla.naive import NaiveGLA, naive_greedy_decode, naive_tree_gla
-from specla_gla.plugin import TINY_BASE, TINY_VARIANTS
-from specla_gla.reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
+from specla.mixers.gla.naive import naive_tree_gla
+from specla.mixers.gla.reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
 from specla.testing import OracleDrafter
+from specla_gla.oracle import NaiveGLA, naive_greedy_decode
+from specla_gla.plugin import TINY_BASE, TINY_VARIANTS
 from trees import SHAPES, f64, ragged_pending, rel_err, tree_parents
 
 BASE = TINY_BASE
@@ -413,7 +414,7 @@ def on_dev(*xs):
 def layer_commit(k, v, Gk, path, path_len):
     """A pending commit as the verify kernels take it."""
     from specla.records import LayerCommit
-    from specla_gla.records import GLAFactorRecord
+    from specla.mixers.gla.records import GLAFactorRecord
 
     return LayerCommit(GLAFactorRecord(k=k, v=v, Gk=Gk, conv_x=None), path, path_len)
 
@@ -421,7 +422,7 @@ def layer_commit(k, v, Gk, path, path_len):
 @needs_triton
 @pytest.mark.parametrize("shape", [(3, 5, 2, 5, 6), (2, 4, 1, 16, 8), (1, 1, 1, 4, 4)])
 def test_serial_verify_kernel_equals_naive_chains(shape):
-    from specla_gla.verify import serial_verify
+    from specla.mixers.gla.verify import serial_verify
 
     B, T, H, K, V = shape
     q, k, v, gk, S0 = op_inputs(B, T, H, K, V, torch.float32, torch.Generator().manual_seed(sum(shape)))
@@ -441,7 +442,7 @@ def test_serial_verify_kernel_equals_naive_chains(shape):
 @needs_triton
 @pytest.mark.parametrize("kind", SHAPES)
 def test_tree_verify_kernel_equals_naive(kind):
-    from specla_gla.verify import tree_verify
+    from specla.mixers.gla.verify import tree_verify
 
     rng = random.Random(len(kind) * 7)
     sizes = [1, 1] if kind == "single" else [9, 5]
@@ -464,8 +465,8 @@ def test_fused_pending_commit_ragged(kernel):
     """Batch with ragged pending commits (0..D accepted): the committed state equals the state
     after walking each accepted path serially; nothing accepted leaves it bit-identical (not even
     written); then verify continues from the committed state."""
-    from specla_gla.commit import flush_commit
-    from specla_gla.verify import serial_verify, tree_verify
+    from specla.mixers.gla.commit import flush_commit
+    from specla.mixers.gla.verify import serial_verify, tree_verify
 
     B, Tp, T, H, K, V = 4, 6, 3, 2, 5, 6
     gen = torch.Generator().manual_seed(5)
@@ -505,7 +506,7 @@ def test_fused_pending_commit_ragged(kernel):
 def test_verify_with_a_pending_path_of_width_zero_commits_nothing(kernel):
     """A pending commit whose path is ``[B, 0]`` (accepted by ``check_layer_commit``): the same
     outputs as without a pending commit, and the state bit-identical."""
-    from specla_gla.verify import serial_verify, tree_verify
+    from specla.mixers.gla.verify import serial_verify, tree_verify
 
     B, Tp, T, H, K, V = 2, 3, 4, 2, 5, 6
     gen = torch.Generator().manual_seed(29)
@@ -528,8 +529,8 @@ def test_verify_with_a_pending_path_of_width_zero_commits_nothing(kernel):
 
 @needs_triton
 def test_kernels_reject_bad_input():
-    from specla_gla.commit import flush_commit
-    from specla_gla.verify import serial_verify, tree_verify
+    from specla.mixers.gla.commit import flush_commit
+    from specla.mixers.gla.verify import serial_verify, tree_verify
 
     q, k, v, gk, S0 = on_dev(*op_inputs(1, 3, 1, 4, 4, torch.float32, torch.Generator().manual_seed(0)))
     n = torch.full((1,), 3, device=DEV)
@@ -557,7 +558,7 @@ def test_kernels_reject_bad_input():
 def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monkeypatch):
     """The whole engine with kernels="triton" (fused delayed commit inside the verify kernel) is
     token-identical to sequential decoding, and its states match the reference path's."""
-    import specla_gla.verify as adapter_mod  # the mixer looks its verify kernels up there at each call
+    import specla.mixers.gla.verify as adapter_mod  # the mixer looks its verify kernels up there at each call
 
     calls = {"fused": 0, "plain": 0, "serial": 0, "parallel": 0}
 
@@ -624,8 +625,8 @@ def test_kernels_at_gla13b_layer_shape_bf16(kernel):
     state float32), ragged pending commits (0..3 accepted): outputs within 1e-2 of the float64
     naive reference on the same bf16-rounded inputs, Gk records and the committed state within
     1e-5; a sequence with nothing pending keeps its state bit-identical."""
-    from specla_gla.commit import flush_commit
-    from specla_gla.verify import serial_verify, tree_verify
+    from specla.mixers.gla.commit import flush_commit
+    from specla.mixers.gla.verify import serial_verify, tree_verify
 
     B, H, K, V, Tp = 4, 4, 256, 512, 4
     rng = random.Random(13)

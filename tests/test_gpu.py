@@ -163,9 +163,9 @@ def test_gla_mamba2_kernels_beyond_65535_programs(plugin, kernel):
     gen = torch.Generator("cuda").manual_seed(11)
     mask = inclusive_ancestor_mask(_tree(B, T, gen))
     if plugin == "gla":
-        from specla_gla.commit import flush_commit
-        from specla_gla.records import GLAFactorRecord as Record
-        from specla_gla.verify import serial_verify, tree_verify
+        from specla.mixers.gla.commit import flush_commit
+        from specla.mixers.gla.records import GLAFactorRecord as Record
+        from specla.mixers.gla.verify import serial_verify, tree_verify
 
         K = V = 8
         inputs = [_rand(gen, B, T, H, K), _rand(gen, B, T, H, K), _rand(gen, B, T, H, V), _rand(gen, B, T, H, K, low=0.5)]

@@ -1,7 +1,7 @@
 """Turns an FLA ``GLAForCausalLM`` into a :class:`specla.TargetAdapter` on the mixer core.
 
 FLA's modules are Triton-only, so they cannot serve CPU users: each block's sequence mixer is a
-:class:`specla_gla.mixer.GLAMixer` (its reference path in PyTorch, or the plugin's Triton kernels
+:class:`specla.mixers.gla.mixer.GLAMixer` (its reference path in PyTorch, or the op's Triton kernels
 with the fused delayed commit) built from the block's own weights, following
 ``fla/layers/gla.py``: q/k/v projections, optional tree-aware short convolution + SiLU,
 key/value/decay heads repeated to the query heads (``num_kv_heads``), the low-rank decay
@@ -20,10 +20,10 @@ from torch import Tensor
 from specla.config import SpecConfig
 from specla.fla_attention import fla_attention_mixer, is_fla_attention
 from specla.mixers import Mixer, MixerAdapter
+from specla.mixers.gla.mixer import GLAMixer
 from specla.ops.norm import rms_norm
 
-from .mixer import GLAMixer
-from .naive import FEATURE_MAPS
+from .plugin import FEATURE_MAPS
 
 
 def _rms(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:

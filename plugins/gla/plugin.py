@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
@@ -13,7 +14,8 @@ from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
-from .naive import FEATURE_MAPS
+# feature maps FLA's GatedLinearAttention may apply to q and k (config.feature_map), in PyTorch
+FEATURE_MAPS = {None: lambda x: x, "relu": F.relu, "sigmoid": torch.sigmoid, "swish": F.silu, "silu": F.silu}
 
 TINY_BASE = dict(hidden_size=32, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1, vocab_size=61,
                  eos_token_id=None, initializer_range=0.1)
@@ -107,8 +109,8 @@ class GLAPlugin(ArchitecturePlugin):
         return model
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-        """Greedy decoding one token at a time with :class:`specla_gla.naive.NaiveGLA`."""
-        from .naive import naive_greedy_decode
+        """Greedy decoding one token at a time with :class:`specla_gla.oracle.NaiveGLA`."""
+        from .oracle import naive_greedy_decode
 
         return naive_greedy_decode(model, prompt, max_new_tokens)
 

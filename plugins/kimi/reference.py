@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specla_gla.reference import gla_commit_factor, node_states
+from specla.mixers.gla.reference import gla_commit_factor, node_states
 
 
 def tree_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, mask: Tensor
@@ -62,7 +62,7 @@ def tree_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tenso
 
 def kda_node_states(S0: Tensor, k: Tensor, delta: Tensor, Gk: Tensor, mask: Tensor) -> Tensor:
     """The state after every node's root path (the ``snapshot`` strategy), from the factors:
-    GLA's :func:`specla_gla.reference.node_states` with ``delta`` as the written values.
+    GLA's :func:`specla.mixers.gla.reference.node_states` with ``delta`` as the written values.
     Returns ``[B, T, H, K, V]`` in ``S0.dtype``."""
     return node_states(S0, k, delta, Gk, mask)
 
@@ -72,7 +72,7 @@ def kda_commit_factor(S0: Tensor, k: Tensor, delta: Tensor, Gk: Tensor, path: Te
 
         S_new = diag(exp(Gk_a)) S0 + sum_{j on path(a)} diag(exp(Gk_a - Gk_j)) k_j delta_j^T
 
-    which is GLA's commit (:func:`specla_gla.reference.gla_commit_factor`) with ``delta`` as
+    which is GLA's commit (:func:`specla.mixers.gla.reference.gla_commit_factor`) with ``delta`` as
     the written values: the delta rule's correction is already inside ``delta``.
 
     Args: ``S0 [B, H, K, V]``; ``k, Gk [B, T, H, K]``, ``delta [B, T, H, V]`` from

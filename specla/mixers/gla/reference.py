@@ -2,8 +2,7 @@
 
 Batched, factorized forms of docs/DESIGN.md section 5 (no loops over nodes). ``naive.py`` holds the
 sequential per-path twins they are tested against; the Triton kernels are tested against the same
-twins. The short-convolution helpers are architecture-independent and shared with the GDN plugin
-(re-exported here so this plugin's code reads as one unit).
+twins.
 
 Shapes: ``B`` sequences, ``T`` tree nodes (root-explicit trees have ``T = N + 1``), ``H`` heads
 (keys, values and decays already repeated to the query heads, as FLA's layer does for

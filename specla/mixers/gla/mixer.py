@@ -1,5 +1,6 @@
-"""Gated Linear Attention as a sequence mixer (:class:`specla.mixers.Mixer`), with the plugin's
-records, reference path and Triton kernels.
+"""Gated Linear Attention as a sequence mixer (:class:`specla.mixers.Mixer`), with its records,
+reference path and Triton kernels (this package's ``records``, ``reference``, ``verify`` and
+``commit``).
 
 Shapes: ``B`` sequences, ``T`` verified nodes (root explicit), ``H`` query heads, ``groups``
 query heads per key/value head, ``K``/``V`` head dims, ``Dc = H K + (H K + H V) / groups`` conv
@@ -24,8 +25,8 @@ from .records import GLAFactorRecord, GLAReplayRecord, GLASnapshotRecord
 from .reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
 
 conv_kernels = kernels("specla.ops.conv_triton")
-verify_kernels = kernels("specla_gla.verify")
-commit_kernels = kernels("specla_gla.commit")
+verify_kernels = kernels("specla.mixers.gla.verify")
+commit_kernels = kernels("specla.mixers.gla.commit")
 
 
 class GLAMixer(RecurrentMixer):

@@ -1,0 +1,2 @@
+"""Gated linear attention (GLA): its mixer, Triton kernels, batched PyTorch reference and sequential
+twin."""
