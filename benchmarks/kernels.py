@@ -430,7 +430,7 @@ class Mamba2Layer:
 
     def __init__(self, H: int = 64, P: int = 64, N: int = 128, NG: int = 1):
         from fla.ops.simple_gla import fused_recurrent_simple_gla
-        from specla_mamba2 import commit, verify
+        from specla.mixers.mamba2 import commit, verify
 
         self.H, self.P, self.N, self.NG = H, P, N, NG
         self.kernels, self.flush_commit, self.fla = verify, commit.flush_commit, fused_recurrent_simple_gla

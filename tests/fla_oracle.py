@@ -200,7 +200,7 @@ def whole_prompt_prefill_calls(monkeypatch) -> list:
     from specla.mixers.gdn.mixer import GDNMixer
     from specla.mixers.gla.mixer import GLAMixer
     from specla_kimi.adapter import KDAMixer
-    from specla_mamba2.mixer import Mamba2Mixer
+    from specla.mixers.mamba2.mixer import Mamba2Mixer
 
     if not torch.cuda.is_available():
         enable_fla_interpreter()

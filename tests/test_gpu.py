@@ -172,9 +172,9 @@ def test_gla_mamba2_kernels_beyond_65535_programs(plugin, kernel):
         pending = [_rand(gen, B, Tp, H, K), _rand(gen, B, Tp, H, V), _rand(gen, B, Tp, H, K, low=0.5).cumsum(1)]
         S0, extra = _rand(gen, B, H, K, V), [K**-0.5]
     else:
-        from specla_mamba2.commit import flush_commit
-        from specla_mamba2.records import Mamba2FactorRecord as Record
-        from specla_mamba2.verify import serial_verify, tree_verify
+        from specla.mixers.mamba2.commit import flush_commit
+        from specla.mixers.mamba2.records import Mamba2FactorRecord as Record
+        from specla.mixers.mamba2.verify import serial_verify, tree_verify
 
         P, N = 8, 8
         dt = torch.rand(B, T, H, generator=gen, device="cuda")

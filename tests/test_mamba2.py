@@ -15,9 +15,10 @@ from specla.registry import get_plugin
 from specla.tree import inclusive_ancestor_mask
 from specla.ops.conv import conv_window_after
 from specla.ops.naive import root_path
-from specla_mamba2.naive import NaiveMamba2, naive_greedy_decode, naive_tree_ssd
-from specla_mamba2.reference import node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
+from specla.mixers.mamba2.naive import naive_tree_ssd
+from specla.mixers.mamba2.reference import node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 from specla.testing import OracleDrafter
+from specla_mamba2.oracle import NaiveMamba2, naive_greedy_decode
 from trees import SHAPES, TOL, batch_parents, f64, ragged_pending, rel_err, tree_parents
 
 
@@ -30,7 +31,7 @@ MODEL_CONFIGS = get_plugin("mamba2").tiny_variants
 def layer_commit(Bm, u, G, path, path_len):
     """A pending commit as the verify kernels take it."""
     from specla.records import LayerCommit
-    from specla_mamba2.records import Mamba2FactorRecord
+    from specla.mixers.mamba2.records import Mamba2FactorRecord
 
     return LayerCommit(Mamba2FactorRecord(Bm=Bm, u=u, G=G, conv_x=None), path, path_len)
 
@@ -505,7 +506,7 @@ def test_verify_kernels_with_fused_ragged_commit_equal_naive(kind, shape):
     """serial_verify (chains, ragged lengths) and tree_verify (random trees) from a state with a
     pending ragged commit: the committed state equals the naive state after each accepted path (0
     accepted: bit-identical), outputs and records equal the naive per-path recurrence from it."""
-    from specla_mamba2.verify import serial_verify, tree_verify
+    from specla.mixers.mamba2.verify import serial_verify, tree_verify
 
     B, T, H, P, NG, N, d_hdim = shape
     rng = random.Random(sum(shape[:6]))
@@ -544,7 +545,7 @@ def test_verify_kernels_with_fused_ragged_commit_equal_naive(kind, shape):
 def test_verify_with_a_pending_path_of_width_zero_commits_nothing(kind):
     """A pending commit whose path is ``[B, 0]`` (accepted by ``check_layer_commit``): the same
     outputs as without a pending commit, and the state bit-identical."""
-    from specla_mamba2.verify import serial_verify, tree_verify
+    from specla.mixers.mamba2.verify import serial_verify, tree_verify
 
     B, T, H, P, NG, N = 2, 4, 2, 3, 1, 5
     rng = random.Random(31)
@@ -569,7 +570,7 @@ def test_verify_with_a_pending_path_of_width_zero_commits_nothing(kind):
 
 @needs_triton
 def test_flush_commit_equals_naive_and_bad_inputs_raise():
-    from specla_mamba2.commit import flush_commit
+    from specla.mixers.mamba2.commit import flush_commit
 
     rng = random.Random(9)
     gen = torch.Generator().manual_seed(9)
@@ -635,8 +636,8 @@ def test_kernels_at_mamba2_13b_layer_shape_bf16(kernel):
     outputs (float32) within 1e-4 of the float64 naive reference on the same bf16-rounded inputs,
     u and G records and the committed state within 1e-5; a sequence with nothing pending keeps its
     state bit-identical."""
-    from specla_mamba2.commit import flush_commit
-    from specla_mamba2.verify import serial_verify, tree_verify
+    from specla.mixers.mamba2.commit import flush_commit
+    from specla.mixers.mamba2.verify import serial_verify, tree_verify
 
     B, H, P, NG, N, Tp = 4, 64, 64, 1, 128, 4
     rng = random.Random(13)

@@ -1,8 +1,8 @@
 """Turns an FLA ``Mamba2ForCausalLM`` into a :class:`specla.TargetAdapter` on the mixer core.
 
 FLA's cached path takes one new token per step, so tree verify is specla's: each block's
-sequence mixer is a :class:`specla_mamba2.mixer.Mamba2Mixer` (tree-aware conv, tree-masked SSD,
-factor/snapshot/replay records; its reference path in PyTorch, or the plugin's Triton kernels with
+sequence mixer is a :class:`specla.mixers.mamba2.mixer.Mamba2Mixer` (tree-aware conv, tree-masked SSD,
+factor/snapshot/replay records; its reference path in PyTorch, or the op's Triton kernels with
 the fused delayed commit when ``SpecConfig.kernels`` allows), built from the block's own weights.
 The block around it follows FLA's ``Mamba2Block``: RMSNorm, mixer (``in_proj`` split into ``z, xBC,
 dt``; gated RMSNorm with ``z``, or ``y * silu(z)`` without it; ``out_proj``), residual (added in
@@ -17,10 +17,9 @@ from torch import Tensor
 
 from specla.config import SpecConfig
 from specla.mixers import MixerAdapter
+from specla.mixers.mamba2.mixer import Mamba2Mixer
+from specla.mixers.mamba2.reference import gated_rms_norm
 from specla.ops.norm import rms_norm
-
-from .mixer import Mamba2Mixer
-from .reference import gated_rms_norm
 
 
 class Mamba2Adapter(MixerAdapter):

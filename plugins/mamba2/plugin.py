@@ -127,7 +127,7 @@ class Mamba2Plugin(ArchitecturePlugin):
         return model.to(dtype)
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-        from .naive import naive_greedy_decode
+        from .oracle import naive_greedy_decode
 
         return naive_greedy_decode(model, prompt, max_new_tokens)
 

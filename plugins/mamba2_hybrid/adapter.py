@@ -2,8 +2,8 @@
 ``Mamba2ForCausalLM``, ``BambaForCausalLM``, ``GraniteMoeHybridForCausalLM`` (Granite 4.0-H),
 ``NemotronHForCausalLM`` and ``FalconH1ForCausalLM``.
 
-Only the sequence mixers are specla's: every Mamba2 layer runs the mamba2 plugin's
-:class:`specla_mamba2.mixer.Mamba2Mixer` (tree-aware conv, tree-masked SSD, factor records, its
+Only the sequence mixers are specla's: every Mamba2 layer runs the Mamba2 op's
+:class:`specla.mixers.mamba2.mixer.Mamba2Mixer` (tree-aware conv, tree-masked SSD, factor records, its
 Triton kernels on a GPU) from the layer's own weights, with the layer's own input projection,
 gated RMSNorm and output projection; every attention layer runs the core's
 :class:`specla.mixers.ProjectedAttention` (tree attention over a KV cache) with the layer's own
@@ -33,7 +33,7 @@ from torch import Tensor
 from specla.config import SpecConfig
 from specla.layerwise import eos_token_ids
 from specla.mixers import MixerAdapter, ProjectedAttention, experts_graph_problem
-from specla_mamba2.mixer import Mamba2Mixer
+from specla.mixers.mamba2.mixer import Mamba2Mixer
 
 FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1")
 

@@ -1,6 +1,7 @@
 """Mamba2 (SSD) as a sequence mixer (:class:`specla.mixers.Mixer`): what every Mamba2 layer runs,
 in FLA's pure Mamba2 models and in the hybrids of transformers' classes (Bamba, Granite 4.0-H,
-Nemotron-H, Falcon-H1), with the plugin's records, reference path and Triton kernels.
+Nemotron-H, Falcon-H1), with its records, reference path and Triton kernels (this package's ``records``,
+``reference``, ``verify`` and ``commit``).
 
 Shapes: ``B`` sequences, ``T`` verified nodes (root explicit), ``H`` SSM heads, ``P`` head dim,
 ``N`` state size, ``G`` groups of the SSM matrices, ``Di = H P``, ``Dc = Di + 2 G N`` conv
@@ -25,8 +26,8 @@ from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecor
 from .reference import discretize, expand_groups, node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 
 conv_kernels = kernels("specla.ops.conv_triton")
-verify_kernels = kernels("specla_mamba2.verify")
-commit_kernels = kernels("specla_mamba2.commit")
+verify_kernels = kernels("specla.mixers.mamba2.verify")
+commit_kernels = kernels("specla.mixers.mamba2.commit")
 
 
 class Mamba2Mixer(RecurrentMixer):
