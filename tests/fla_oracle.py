@@ -199,7 +199,7 @@ def whole_prompt_prefill_calls(monkeypatch) -> list:
     from fla.ops import gated_delta_rule, gla, kda, simple_gla
     from specla.mixers.gdn.mixer import GDNMixer
     from specla.mixers.gla.mixer import GLAMixer
-    from specla_kimi.adapter import KDAMixer
+    from specla.mixers.kda.mixer import KDAMixer
     from specla.mixers.mamba2.mixer import Mamba2Mixer
 
     if not torch.cuda.is_available():

@@ -27,7 +27,7 @@ def test_kda_tree_and_commit_equal_transformers_recurrence_along_each_path(shape
     accepted bit-identical."""
     from transformers.models.kimi_linear import modeling_kimi_linear as mk
 
-    from specla_kimi.naive import kda_commit_replay, kda_tree
+    from specla.mixers.kda.naive import kda_commit_replay, kda_tree
 
     recurrent = getattr(mk.recurrent_kimi_delta_attention, "__wrapped__", mk.recurrent_kimi_delta_attention)
     rng, g = random.Random(7), torch.Generator().manual_seed(7)
@@ -80,8 +80,8 @@ def test_factorized_kda_and_its_factor_commit_equal_the_token_by_token_recurrenc
     ``kda_commit_factor`` of every node's root path equals the twin's state after that node and
     ``kda_commit_replay``; a row with nothing accepted keeps its state bit-identical."""
     from specla.tree import inclusive_ancestor_mask
-    from specla_kimi.naive import kda_commit_replay, kda_tree
-    from specla_kimi.reference import kda_commit_factor, kda_node_states, tree_kda
+    from specla.mixers.kda.naive import kda_commit_replay, kda_tree
+    from specla.mixers.kda.reference import kda_commit_factor, kda_node_states, tree_kda
 
     rng = random.Random(11)
     B, H, K, Vd = 2, 3, 8, 5

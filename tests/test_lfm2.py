@@ -42,7 +42,7 @@ def test_the_window_follows_the_accepted_branch_only():
     ad.commit(tree, out, acc)
     ad.flush()
     fresh.prefill([prompt + [11, 12, 20]])
-    from specla_lfm2.adapter import ShortConvMixer
+    from specla.mixers.shortconv.mixer import ShortConvMixer
 
     convs = [(a, b) for a, b in zip(ad.mixers, fresh.mixers) if isinstance(a, ShortConvMixer)]
     assert len(convs) == 2

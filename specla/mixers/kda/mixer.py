@@ -1,0 +1,114 @@
+"""Kimi Delta Attention (KDA, Kimi team 2025, "Kimi Linear") as a sequence mixer
+(:class:`specla.mixers.Mixer`), with its records, factorized reference (``reference``) and
+token-by-token twins (``naive``). PyTorch only: no Triton kernels for KDA yet."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+from specla.fla_attention import fla_installed
+from specla.mixers import RecurrentMixer, TreePass
+from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
+from specla.records import Record, take_accepted
+
+from .naive import kda_commit_replay
+from .records import KDAFactorRecord, KDAReplayRecord, KDASnapshotRecord
+from .reference import kda_commit_factor, kda_node_states, tree_kda
+
+
+class KDAMixer(RecurrentMixer):
+    """One Kimi Delta Attention layer (``KimiLinearDeltaAttention``) under draft trees: ``q, k, v``
+    projections through a tree-aware short convolution + SiLU, the layer's forget gate (per-channel
+    log decay) and ``beta = sigmoid(b_proj h)``, q and k L2-normalised (transformers' ``l2norm``)
+    and q scaled by ``K ** -0.5``, the recurrence along each root path, then the layer's gated
+    RMSNorm and output projection.
+
+    State: ``S [B, H, K, V]`` in ``state_dtype`` and the conv window ``[B, C - 1, 3 H D]``.
+
+    Args:
+        layer: the layer's ``KimiLinearDeltaAttention`` module.
+        dtype, state_dtype, device: activations, recurrent state, device.
+    """
+
+    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device):
+        self.m, self.dtype, self.state_dtype, self.device = layer, dtype, state_dtype, device
+        self.H, self.D = layer.num_heads, layer.head_dim
+        self.conv_w = layer.conv1d.weight.detach()[:, 0]
+        self.conv_b = layer.conv1d.bias.detach() if layer.conv1d.bias is not None else None
+        self.C = self.conv_w.shape[1]
+        self.l2norm = sys.modules[type(layer).__module__].l2norm
+        self.empty_state(0, 0)
+
+    def empty_record(self, B: int, T: int) -> KDAFactorRecord:
+        z = lambda *s, dtype=self.state_dtype: torch.zeros(B, T, *s, dtype=dtype, device=self.device)  # noqa: E731
+        H, D = self.H, self.D
+        return KDAFactorRecord(k=z(H, D), delta=z(H, D), Gk=z(H, D), conv_x=z(3 * H * D, dtype=self.dtype))
+
+    def empty_state(self, B: int, capacity: int) -> None:
+        self.S = torch.zeros(B, self.H, self.D, self.D, dtype=self.state_dtype, device=self.device)
+        self.conv = torch.zeros(B, self.C - 1, 3 * self.H * self.D, dtype=self.dtype, device=self.device)
+
+    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+        if pending is not None:  # the delayed commit of the previous step
+            self.commit(pending, tp.path, tp.path_len, False)
+        m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
+        mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
+        anc = tp.conv_ancestors(self.C)
+        q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, anc).split(H * D, dim=-1)
+        # float32 (or wider) from here, as transformers' KDA: norms, decays and the state
+        q = self.l2norm(q.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6) * D**-0.5
+        k = self.l2norm(k.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6)
+        v = v.reshape(B, T, H, D).to(st)
+        g, beta = m.forget_gate(h).to(st), torch.sigmoid(m.b_proj(h)).to(st)
+        o, delta, Gk = tree_kda(q, k, v, g, beta, self.S, tp.mask)
+        if tp.records == "factor":
+            rec = KDAFactorRecord(k=k, delta=delta, Gk=Gk, conv_x=mixed)
+        elif tp.records == "snapshot":
+            rec = KDASnapshotRecord(kda_node_states(self.S, k, delta, Gk, tp.mask),
+                                    conv_windows_per_node(mixed, self.conv, anc))
+        else:
+            rec = KDAReplayRecord(k=k, v=v, g=g, beta=beta, conv_x=mixed)
+        gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
+        return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1)), rec
+
+    def prefills_whole(self, kernels: bool) -> bool:
+        # FLA's chunk kernels run on a GPU (their autotuner needs a driver); the layer's own
+        # steps run on PyTorch either way (no specla kernel for KDA)
+        return self.device.type == "cuda" and fla_installed()
+
+    def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
+        """Whole prompts from the state the layer holds (:meth:`specla.mixers.Mixer.prefill`): the short
+        convolution along each prompt and its window at ``tp.counts``, then FLA's chunked KDA
+        (``chunk_kda``, the per-channel gated delta rule; q already scaled, so scale 1) in
+        float32. Padding rows get ``g = 0`` and ``beta = 0``, which leave the state as it is."""
+        from fla.ops.kda import chunk_kda
+
+        m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
+        path, pad = tp.chain()
+        mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
+        q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, tp.conv_ancestors(self.C)).split(
+            H * D, dim=-1)
+        self.conv = conv_window_after(mixed, self.conv, path, tp.counts)
+        q = self.l2norm(q.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6) * D**-0.5
+        k = self.l2norm(k.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6)
+        v = v.reshape(B, T, H, D).to(st)
+        g = m.forget_gate(h).to(st).masked_fill(pad[..., None, None], 0.0)
+        beta = torch.sigmoid(m.b_proj(h)).to(st).masked_fill(pad[..., None], 0.0)
+        o, S = chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=self.S, output_final_state=True)
+        self.S = S.to(st)
+        gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
+        return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1))
+
+    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        if isinstance(record, KDASnapshotRecord):
+            self.S = take_accepted(record.states, self.S, path, path_len)
+            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
+            return
+        if isinstance(record, KDAFactorRecord):
+            self.S = kda_commit_factor(self.S, record.k, record.delta, record.Gk, path, path_len)
+        else:
+            self.S = kda_commit_replay(self.S, record.k, record.v, record.g, record.beta, path, path_len)
+        self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
