@@ -1,5 +1,8 @@
 """Sequence mixers: the contract every mixer meets, the softmax-attention mixer and the layer loop
-that runs a stack of them (:mod:`specla.mixers.base`)."""
+that runs a stack of them (:mod:`specla.mixers.base`, exported here), and the op tier: one
+subpackage per recurrence (``gdn``, ``gla``, ``mamba2``, ``kda``, ``shortconv``) with its mixer,
+records, batched PyTorch reference, sequential twins and Triton kernels side by side. Model plugins
+build their layers from these; nothing here names a model plugin."""
 
 from .base import (
     AttentionMixer,
