@@ -152,7 +152,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{' and '.join(sampling_only)} {verbs} --temperature > 0 (greedy decoding ignores "
                          f"{it}){hint}")
     config = _spec_config({"device": _auto_device()}, overrides, flags)  # options fail before any load
-    _cpu_threads(args, torch_device_type(config.device))
+    _cpu_threads(args, _device_type(config.device))
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
     if args.stop_token_id is not None or args.stop is not None:
@@ -188,7 +188,7 @@ def _cpu_threads(args: argparse.Namespace, device: str) -> None:
     torch.set_num_threads(args.threads or 1)
 
 
-def torch_device_type(device: str | None) -> str:
+def _device_type(device: str | None) -> str:
     """``"cpu"``, ``"cuda"``...: the type of a device string (``"cuda:1"`` -> ``"cuda"``)."""
     return (device or _auto_device()).split(":")[0]
 
@@ -202,7 +202,7 @@ def _add_threads(parser: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    _cpu_threads(args, args.device or _auto_device())
+    _cpu_threads(args, _device_type(args.device))
     summary = run_demo(device=args.device, max_new_tokens=args.max_new_tokens, drafter=args.drafter)
     print(json.dumps(summary), flush=True)
     return 0 if summary["exact_match"] else 1
@@ -239,7 +239,7 @@ def _bench(args: argparse.Namespace) -> int:
                           {"max_new_tokens": args.max_new_tokens, "device": args.device})
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
-    _cpu_threads(args, torch_device_type(config.device))
+    _cpu_threads(args, _device_type(config.device))
     if args.out:  # found before decoding, not after
         out = Path(args.out).resolve()
         if not out.parent.is_dir():
@@ -504,7 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "model's own drafter its plugin names (mtp); " + _DRAFTER_RULE)
     bench.add_argument("--prompts", required=True, metavar="FILE",
                        help="JSONL, a row per prompt: prompt; optional: id (kept in the report's samples), "
-                            "category, answer (GSM8K: scored), test and entry_point (HumanEval: run)")
+                            "category, answer (GSM8K: scored), test and entry_point (HumanEval: run with "
+                            "--execute-code)")
     bench.add_argument("--limit", type=_positive, default=None, metavar="N",
                        help="decode only this many prompts, taken round-robin over the categories (default: all)")
     bench.add_argument("--config", default=None, metavar="JSON|FILE", help=config_help)

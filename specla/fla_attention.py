@@ -55,7 +55,8 @@ def fla_models():
             return importlib.import_module("fla.models")
     except ImportError as err:
         raise UnsupportedModelError(f"FLA's model classes need flash-linear-attention, which is not installed "
-                                    f"({err}): pip install 'specla[fla]' (from a clone of specla: pip install '.[fla]')") from err
+                                    f"({err}): pip install 'specla[fla]' (from a clone of specla: "
+                                    "pip install '.[fla]')") from err
 
 
 def _flash_attn_absent(*args, **kwargs):

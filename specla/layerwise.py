@@ -162,8 +162,8 @@ class LayerwiseAdapter(TargetAdapter):
                                   "'reference'")
             if compiled_kernels_loaded():
                 raise ConfigError(f"kernels='triton' on {self.device.type}: TRITON_INTERPRET=1 was set after "
-                                  "Triton kernels (specla's or FLA's) were loaded as compiled kernels (Triton decides when a "
-                                  "kernel is defined); set it before Python starts")
+                                  "Triton kernels (specla's or FLA's) were loaded as compiled kernels (Triton "
+                                  "decides when a kernel is defined); set it before Python starts")
         self.recurrent: list[Tensor] = []
         self.conv: list[Tensor | None] = []
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)

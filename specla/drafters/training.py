@@ -224,7 +224,8 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
             ``out`` holds drafter files and neither ``overwrite`` nor ``resume`` with a
             checkpoint there (the message names the folder); a checkpoint that cannot be read
             or holds anything but tensors, containers and numbers (it is loaded with
-            ``weights_only=True``: no code in it runs), was written with other options (each named), or has already passed ``cfg.steps``.
+            ``weights_only=True``: no code in it runs), was written with other options (each
+            named), or has already passed ``cfg.steps``.
     """
     out = Path(out)
     if resume and overwrite:

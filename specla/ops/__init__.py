@@ -22,13 +22,15 @@ class kernels:  # noqa: N801 (used like a module: ``conv_kernels = kernels("spec
         ImportError: at the first attribute read, when the module or Triton cannot be imported.
     """
 
-    __slots__ = ("_name",)
+    __slots__ = ("_name", "_module")
 
     def __init__(self, module: str):
-        self._name = module
+        self._name, self._module = module, None
 
     def __getattr__(self, attr: str):
-        return getattr(importlib.import_module(self._name), attr)
+        if self._module is None:  # imported once; later reads go straight to the module's attribute
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
 
     def __repr__(self) -> str:
         return f"kernels({self._name!r})"
