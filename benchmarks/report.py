@@ -335,7 +335,7 @@ def tables(results: Path, git) -> str:
     rows = newest(all_rows(results), git)
     note = (f"Made by `python benchmarks/report.py --write` from the raw reports; code ages count the commits "
             f"to `specla/` and `plugins/` up to `{git.anchor}`. Not to be edited by hand "
-            "(`tests/test_benchmarks_report.py` compares it with the script's output).")
+            "(`tests/apps/test_benchmarks_report.py` compares it with the script's output).")
     return "\n\n".join([note, *(table(q, rows, git) for q in QUESTIONS)])
 
 

@@ -17,7 +17,7 @@ convolutions and SiLU, against transformers' ``Qwen3_5GatedDeltaNet``):
   final norms store ``w - 1``: exact in the checkpoint's dtype for every weight here (checked);
 - the MLP (SwiGLU), the embeddings tied to the LM head, ``A_log`` and ``dt_bias`` carry over.
 
-The test ``tests/test_qwen.py::test_the_demo_target_is_the_fla_target_in_qwen3_5_form`` checks
+The test ``tests/plugins/test_qwen.py::test_the_demo_target_is_the_fla_target_in_qwen3_5_form`` checks
 that both models give the same logits.
 """
 

@@ -42,7 +42,7 @@ class GLAPlugin(ArchitecturePlugin):
     name = "gla"
     model_types = ("gla",)
     # "cuda_graphs": the recorded step ran token-identical to eager decoding on an H200
-    # (tests/test_graphs.py, factor and snapshot commits; BENCHMARKS.md section 5, GPU tests)
+    # (tests/core/test_graphs.py, factor and snapshot commits; BENCHMARKS.md section 5, GPU tests)
     capabilities = frozenset({"trees", "cuda_graphs"})
     known_failures: dict[str, str] = {}
     tiny_variants = tuple(TINY_VARIANTS)

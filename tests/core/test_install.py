@@ -63,7 +63,7 @@ def test_every_package_folder_of_the_tree_is_installed():
     ``__init__.py`` under a package-dir folder must be listed, or a non-editable install lacks it."""
     import tomllib
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = {".".join([name, *init.parent.relative_to(root / folder).parts])
              for name, folder in conf["package-dir"].items() for init in (root / folder).rglob("__init__.py")}

@@ -387,7 +387,7 @@ def reference(model, prompts, n):
 
 
 # acceptance patterns and the ngram drafter on every shape: the packaged conformance suite
-# (tests/test_conformance_mamba2.py)
+# (tests/plugins/test_conformance_mamba2.py)
 
 
 # ---------------------------------------------------------------------------- FLA as the oracle

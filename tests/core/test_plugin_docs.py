@@ -8,7 +8,7 @@ import pytest
 from specla import hookspecs
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
 
-DOC = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
 
 
 def hook_names():

@@ -371,7 +371,7 @@ def test_the_demo_target_is_the_fla_target_in_qwen3_5_form(tmp_path):
     from specla_gdn.plugin import TINY_TARGET
 
     enable_fla_interpreter()
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "targets" / "gdn_to_qwen3_5.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "targets" / "gdn_to_qwen3_5.py"
     spec = importlib.util.spec_from_file_location("gdn_to_qwen3_5", script)
     convert = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(convert)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "BENCHMARKS.md", ROOT / "CHANGELOG.md", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RESULTS = sorted(p for p in (ROOT / "benchmarks" / "results").glob("*") if p.is_dir())
 BASES = [ROOT, *RESULTS, *(d for r in RESULTS for d in sorted(r.glob("run*")))]  # where run-relative names live

@@ -15,7 +15,7 @@ from specla import SpecConfig
 from specla.api import SpecDecoder
 from specla.registry import get_plugin
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e.py")
 e2e = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(e2e)

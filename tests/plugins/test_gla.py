@@ -356,7 +356,7 @@ def reference(model, prompts, n):
 
 
 # every acceptance pattern per commit strategy and the ngram drafter on every shape: the packaged
-# conformance suite (tests/test_conformance_gla.py)
+# conformance suite (tests/plugins/test_conformance_gla.py)
 
 
 def test_float32_token_identical(rng):

@@ -1,7 +1,7 @@
 """End to end: greedy speculative output is token-identical to plain autoregressive decoding.
 
 The acceptance patterns, every model shape with the ngram drafter and ragged batches are in the
-packaged conformance suite (tests/test_conformance_gdn.py); these are the GDN-specific extras."""
+packaged conformance suite (tests/plugins/test_conformance_gdn.py); these are the GDN-specific extras."""
 
 import pytest
 import torch

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import specla
 from specla.errors import DrafterError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "plugins" / "gdn" / "assets" / "tiny"
 FILES = ("python_stdlib", "python_docs", "linux_docs", "sharegpt_chat", "gsm8k_train")
 

@@ -20,7 +20,7 @@ from specla_gdn.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
 DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
