@@ -1,12 +1,16 @@
 """The CPU-checkable parts of ``benchmarks/e2e.py`` (the GDN-1.3B study itself needs a GPU): the
 oracle drafter's acceptance follows its profile, greedy output stays exact with and without the
-fixed-shape (graph) step, measured profiles are read as they were recorded, and the tables say
-"not run" for missing cells instead of failing."""
+fixed-shape (graph) step, measured profiles are read as they were recorded, the tables say
+"not run" for missing cells instead of failing, and the transformers ``generate`` row is checked
+against the AR row with the installed library versions recorded."""
 
+import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -141,3 +145,65 @@ def test_fla_graph_step_times_the_models_cached_one_token_forward():
     model = get_plugin("gdn").tiny_model("base", seed=0, dtype=torch.float32).cuda()
     ms, kernels = e2e.fla_graph_step(model, [[3, 4, 5, 6]] * 2, replays=5)
     assert ms > 0 and kernels > 0
+
+
+# ------------------------------------------------------------------ the transformers generate row
+
+
+def load_e2e():
+    spec = importlib.util.spec_from_file_location("e2e_bench_compat", ROOT / "benchmarks" / "e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_exact_rate_compares_each_output_with_its_reference_prefix():
+    e2e = load_e2e()
+    assert e2e.exact_rate([[1, 2], [3, 4]], [[1, 2, 9], [3, 5, 9]]) == 0.5
+    assert e2e.exact_rate([[1, 2, 9]], [[1, 2, 9]]) == 1.0
+    with pytest.raises(ValueError, match="longer than its reference"):
+        e2e.exact_rate([[1, 2, 3]], [[1, 2]])
+    with pytest.raises(ValueError, match="2 outputs against 1 references"):
+        e2e.exact_rate([[1], [2]], [[1]])
+
+
+def test_library_versions_are_the_installed_ones():
+    from specla.bench import library_versions
+
+    v = library_versions()
+    assert list(v) == ["torch", "triton", "transformers", "flash-linear-attention", "fla-core", "specla"]
+    assert v["specla"] == importlib.metadata.version("specla")
+    assert v["transformers"] == importlib.metadata.version("transformers")
+    assert v["flash-linear-attention"] == importlib.metadata.version("flash-linear-attention")
+    assert v["torch"] == importlib.metadata.version("torch") and v["triton"] == importlib.metadata.version("triton")
+
+
+def test_the_transformers_generate_row_is_checked_against_ar():
+    """The row's ``exact`` is the share of its tokens equal to specla's AR tokens: 1.0 with
+    FLA's uncached ``generate``; its cached ``generate`` (what the row times) matches AR only
+    with transformers < 5.24, where the cache still reaches FLA's model (docs/usage.md,
+    "Precision and exactness")."""
+    if os.environ.get("TRITON_INTERPRET") == "1":  # FLA's kernels on the CPU
+        from fla_oracle import enable_fla_interpreter
+
+        enable_fla_interpreter()
+        dev = "cpu"
+    elif torch.cuda.is_available():  # FLA's kernels compiled
+        dev = "cuda"
+    else:
+        pytest.skip("FLA's kernels need CUDA or TRITON_INTERPRET=1")
+    e2e = load_e2e()
+    model = get_plugin("gdn").tiny_model("base", seed=0, dtype=torch.float32).to(dev)
+    prompts = [[3, 17, 5, 9], [40, 2, 33, 8]]
+    n = 6
+    ar = SpecDecoder(model, "gdn", config=dict(num_draft_tokens=0, max_new_tokens=8, stop_at_eos=False,
+                                               dtype="float32", device=dev)).generate(prompts).outputs
+    assert e2e.exact_rate(e2e.hf_generate_outputs(model, prompts, n, use_cache=False), ar) == 1.0
+    h = e2e.Harness.__new__(e2e.Harness)  # the row's own code, on the tiny model (no GPU)
+    h.model, h.prompts, h.args = model, prompts, SimpleNamespace(hf_tokens=n, repeats=1)
+    row = h.hf_generate(2, 100.0, ar)
+    assert set(row) == {"tokens_per_s", "vs_ar_graph", "ms_per_step", "exact"}
+    tf = tuple(int(x) for x in importlib.metadata.version("transformers").split(".")[:2])
+    assert row["exact"] == (1.0 if tf < (5, 24) else 0.0)
+    with pytest.raises(ValueError, match="prompts of one length"):
+        e2e.hf_generate_outputs(model, [[1, 2], [3]], n)

@@ -50,7 +50,7 @@ def last_error(err: str) -> str:
     return err.strip().splitlines()[-1]
 
 
-# item 9: generate's sampling, stop and --config flags
+# generate's sampling, stop and --config flags
 
 
 def test_generate_samples_from_the_command_line_as_the_api_does(capsys):
@@ -124,7 +124,7 @@ def test_generate_and_bench_share_the_config_parser(capsys, tmp_path):
                                    "starts with '{')")
 
 
-# item 10: train-drafter
+# train-drafter
 
 
 SMALL = ["--steps", "2", "--batch-windows", "2", "--window", "32", "--max-tokens", "300", "--distill-prompts", "0",
@@ -222,7 +222,7 @@ def test_train_drafter_help_shows_every_default(capsys, monkeypatch):
         assert lines[flag].endswith(text), lines[flag]
 
 
-# item 11: broken checkpoints, missing drafters, --tokenizer
+# broken checkpoints, missing drafters, --tokenizer
 
 
 def test_corrupt_config_json_is_an_unsupported_model_naming_the_file(capsys, tmp_path):
@@ -282,7 +282,7 @@ def test_cli_asks_for_the_tokenizer_flag(capsys, tmp_path):
     assert stats["generated_tokens"] == 3
 
 
-# item 12: the demo
+# the demo
 
 
 def test_demo_reports_progress_on_stderr_and_ends_stdout_with_its_json(capsys):

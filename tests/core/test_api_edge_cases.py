@@ -1,5 +1,8 @@
-"""Defects an outside review found in the engine, the public API and the options (issue 15):
-each test fails on the defect and asserts the exact output, error type or message."""
+"""The engine, the public API and the options at their edges: trusted trees out of topological
+order or padded past the budget, one decoder shared by threads, vanishing temperatures, plugin
+detection, prompts as tensors and token ids of the wrong type, option bounds, a sampling drafter's
+``q``, corrupt checkpoints and checkpoints loaded from several threads at once. Each test asserts
+the exact output, error type or message."""
 
 import threading
 
