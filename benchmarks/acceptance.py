@@ -3,7 +3,7 @@
     python benchmarks/acceptance.py --model DIR --drafter DIR --prompts ../shared/data/prompts \
         --out acceptance.json [--runs gsm8k/eagle-tree,...] [--time-per-run 60] [--batch-size 16]
 
-Loads the target once and calls :func:`specla.bench.run_bench` (the code of ``specla bench``)
+Loads the target once and calls :func:`specla.apps.bench.run_bench` (the code of ``specla bench``)
 for each run of :data:`RUNS`: a prompt suite, a drafter and its tree settings, a temperature.
 Each run decodes its suite speculatively and autoregressively side by side, batch by batch, and
 stops starting new batches after ``--time-per-run`` seconds (batches alternate categories, so a
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from specla import SpecConfig
-from specla.bench import run_bench
+from specla.apps.bench import run_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import add_allow_dirty, provenance  # noqa: E402

@@ -1,7 +1,7 @@
 """What every raw benchmark report records about the run that made it: the commit measured (a
 tree with uncommitted changes is refused unless ``--allow-dirty``, and then reads ``<sha>+dirty``),
 the device, the library versions, the date and the full command. One implementation:
-:func:`specla.bench.provenance`, pointed at this repository's checkout.
+:func:`specla.apps.bench.provenance`, pointed at this repository's checkout.
 
 Each script adds the option with :func:`add_allow_dirty` and calls :func:`provenance` (or
 :func:`print_meta`, for scripts that print JSON lines) before it measures anything. Run as
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from specla.bench import library_versions, provenance as _provenance  # noqa: F401 (library_versions: re-exported)
+from specla.apps.bench import library_versions, provenance as _provenance  # noqa: F401 (library_versions: re-exported)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -47,7 +47,7 @@ fi
 if [ $fresh = 0 ] && [ -f "$out/eagle/training.json" ]; then
   echo "keeping the trained EAGLE drafter in $out/eagle"
 else
-  python -m specla.cli train-drafter --model "$out/$preset" --data "$data"/corpus/*.xz --out "$out/eagle" \
+  python -m specla.apps.cli train-drafter --model "$out/$preset" --data "$data"/corpus/*.xz --out "$out/eagle" \
       --steps "${DRAFTER_STEPS:-3000}" --batch-windows 32 --window 128 --max-tokens 400000 --distill-prompts 2048 \
       --ce-weight 1.0 --unroll 3 --device cuda --overwrite 2>&1 | tee "$out/drafter.log"
 fi

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from provenance import add_allow_dirty, provenance  # noqa: E402
 
 import specla  # noqa: E402
-from specla.demo import default_checkpoint, demo_prompts  # noqa: E402
+from specla.apps.demo import default_checkpoint, demo_prompts  # noqa: E402
 
 
 def spin() -> None:

@@ -23,7 +23,7 @@ import torch
 
 import specla.step
 from specla import SpecDecoder
-from specla.demo import default_checkpoint, demo_prompts
+from specla.apps.demo import default_checkpoint, demo_prompts
 
 
 def step_ms(dec: SpecDecoder, prompts: list[list[int]]) -> float:

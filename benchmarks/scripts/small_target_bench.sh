@@ -67,7 +67,7 @@ for row in "${rows[@]}"; do
   IFS=: read -r s t b p temp <<< "$row"
   config="{${shape[$t]},\"dtype\":\"bfloat16\",\"budget_policy\":\"${p:-fixed}\",\"temperature\":${temp:-0},\"seed\":0${CONFIG:+,$CONFIG}}"
   name=${row//:/-}${DRAFTER:+-$DRAFTER}${CONFIG:+-$(tr -dc 'a-z0-9' <<< "${CONFIG//:/-}")}
-  timeout "${ROW_TIMEOUT:-100}" python -m specla.cli bench --model "$out/$preset" --drafter "$drafter" \
+  timeout "${ROW_TIMEOUT:-100}" python -m specla.apps.cli bench --model "$out/$preset" --drafter "$drafter" \
       --prompts "$data/prompts/${suite[$s]}" --limit "${LIMIT:-64}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
       --batch-size "$b" --device "${DEVICE:-cuda}" --config "$config" --out "$out/bench-$name.json" $dirty \
       --execute-code \

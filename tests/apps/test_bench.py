@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-import specla.bench
+import specla.apps.bench
 from specla import SpecConfig
-from specla.bench import (device_name, format_table, gsm8k_answer, humaneval_passes, library_versions, load_prompts,
-                          run_bench, source_commit)
-from specla.cli import main
+from specla.apps.bench import (device_name, format_table, gsm8k_answer, humaneval_passes, library_versions,
+                               load_prompts, run_bench, source_commit)
+from specla.apps.cli import main
 from specla.registry import get_plugin
 from specla_gdn.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
-DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
+DATA = str(resources.files("specla.apps").joinpath("data/demo_prompts.jsonl"))
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -64,7 +64,7 @@ def test_bench_report_is_side_by_side_and_exact():
 
 def test_bench_cli(tmp_path):
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "specla.cli", "bench", "--model", str(TINY), "--prompts", DATA,
+    proc = subprocess.run([sys.executable, "-m", "specla.apps.cli", "bench", "--model", str(TINY), "--prompts", DATA,
                            "--limit", "2", "--max-new-tokens", "8", "--device", "cpu", "--out", str(out),
                            "--config", '{"dtype": "float32"}', "--allow-dirty"],
                           capture_output=True, text=True, timeout=600)
@@ -76,7 +76,7 @@ def test_bench_cli(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "specla.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "specla.apps.cli", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_bench_cli_user_errors_are_one_line(tmp_path):
@@ -117,7 +117,7 @@ def test_the_warm_up_covers_cache_sizes_graph_batches_and_ragged_prefill(tmp_pat
     drafter's capacity after the first warm-up call is the largest the run reaches); then at every
     smaller power-of-two graph batch a batch's tail gathers into; then each size's first batch
     as it is timed (its ragged prefill)."""
-    import specla.bench
+    import specla.apps.bench
 
     rows = [{"prompt": "Q: 1 + 1?", "category": "gsm8k"},
             {"prompt": "Q: " + "count the apples and the pears again, " * 30, "category": "gsm8k"},
@@ -134,8 +134,8 @@ def test_the_warm_up_covers_cache_sizes_graph_batches_and_ragged_prefill(tmp_pat
             return out
         return called
 
-    monkeypatch.setattr(specla.bench.SpecDecoder, "generate", spy(specla.bench.SpecDecoder.generate))
-    monkeypatch.setattr(specla.bench.SpecDecoder, "warm_up", spy(specla.bench.SpecDecoder.warm_up))
+    monkeypatch.setattr(specla.apps.bench.SpecDecoder, "generate", spy(specla.apps.bench.SpecDecoder.generate))
+    monkeypatch.setattr(specla.apps.bench.SpecDecoder, "warm_up", spy(specla.apps.bench.SpecDecoder.warm_up))
     cfg = SpecConfig(max_new_tokens=8, dtype="float32", num_draft_tokens=4, max_depth=3)
     long, p = rows[1]["prompt"], [r["prompt"] for r in rows]
     run_bench(TINY, str(TINY.parent / "tiny-eagle"), path, config=cfg, batch_size=1)
@@ -250,17 +250,17 @@ def test_only_specla_s_own_checkout_has_a_commit(checkout, monkeypatch):
     """An editable install (the package is the checkout's ``specla/``) is a checkout; a copy
     installed into a virtual environment inside some repository is not."""
     if (ROOT / ".git").exists():
-        assert specla.bench.checkout_root() == ROOT
+        assert specla.apps.bench.checkout_root() == ROOT
     installed = checkout / ".venv" / "site-packages" / "specla"
     installed.mkdir(parents=True)
-    monkeypatch.setattr(specla.bench, "__file__", str(installed / "bench.py"))
-    assert specla.bench.checkout_root() is None
+    monkeypatch.setattr(specla.apps.bench, "__file__", str(installed / "apps" / "bench.py"))
+    assert specla.apps.bench.checkout_root() is None
 
 
 def test_bench_refuses_a_dirty_checkout_before_decoding(checkout, monkeypatch, capsys, tmp_path):
     (checkout / "f.py").write_text("x = 2\n")
-    monkeypatch.setattr(specla.bench, "checkout_root", lambda: checkout)
-    monkeypatch.setattr(specla.bench, "run_bench", lambda *a, **k: pytest.fail("decoded a dirty checkout"))
+    monkeypatch.setattr(specla.apps.bench, "checkout_root", lambda: checkout)
+    monkeypatch.setattr(specla.apps.bench, "run_bench", lambda *a, **k: pytest.fail("decoded a dirty checkout"))
     out = tmp_path / "r.json"
     with pytest.raises(SystemExit) as stop:
         main(["bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", "--out", str(out)])
@@ -271,8 +271,8 @@ def test_bench_refuses_a_dirty_checkout_before_decoding(checkout, monkeypatch, c
 
 def test_bench_report_meta_names_commit_device_versions_date_command(checkout, monkeypatch, tmp_path):
     (checkout / "f.py").write_text("x = 2\n")
-    monkeypatch.setattr(specla.bench, "checkout_root", lambda: checkout)
-    monkeypatch.setattr(specla.bench, "run_bench", lambda *a, **k: {"categories": {}})
+    monkeypatch.setattr(specla.apps.bench, "checkout_root", lambda: checkout)
+    monkeypatch.setattr(specla.apps.bench, "run_bench", lambda *a, **k: {"categories": {}})
     out = tmp_path / "r.json"
     argv = ["bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", "--out", str(out), "--allow-dirty"]
     assert main(argv) == 0

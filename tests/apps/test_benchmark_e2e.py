@@ -168,7 +168,7 @@ def test_exact_rate_compares_each_output_with_its_reference_prefix():
 
 
 def test_library_versions_are_the_installed_ones():
-    from specla.bench import library_versions
+    from specla.apps.bench import library_versions
 
     v = library_versions()
     assert list(v) == ["torch", "triton", "transformers", "flash-linear-attention", "fla-core", "specla"]

@@ -1,6 +1,6 @@
 """The command line's options and messages: generate's sampling, stop and --config flags,
 train-drafter's checks before it writes, clear errors for broken checkpoints and missing
-drafters, and the demo's progress and prompt echo. In-process ``specla.cli.main`` calls on the
+drafters, and the demo's progress and prompt echo. In-process ``specla.apps.cli.main`` calls on the
 tiny target shipped with the gdn plugin."""
 
 import json
@@ -14,16 +14,16 @@ import pytest
 
 import specla
 from specla import DrafterError, SpecDecoder, UnsupportedModelError
-from specla.cli import main, read_config_option
-from specla.demo import shown_prompt
+from specla.apps.cli import main, read_config_option
+from specla.apps.demo import shown_prompt
 from specla.drafters import make_drafter
 from specla.drafters.eagle import EagleHead
-from specla.drafters.training import DrafterTrainConfig, read_texts, train_drafter
+from specla.apps.train_drafter import DrafterTrainConfig, read_texts, train_drafter
 from specla.registry import detect_plugin, get_plugin
 from specla_gdn.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
-DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
+DATA = str(resources.files("specla.apps").joinpath("data/demo_prompts.jsonl"))
 PROMPT = "def add(a, b):"
 # the greedy continuation of PROMPT on TINY: [332 '\n   ', 618 ' return', 293 ' b', 201 '\n', 201, 1042 'def', ...]
 GREEDY = [332, 618, 293, 201, 201, 1042, 835, 65, 68, 347, 65, 68]
@@ -327,11 +327,11 @@ def test_the_demo_runs_torch_on_one_thread_on_a_cpu_unless_told(monkeypatch, cap
     a GPU it leaves torch's threads alone (the demo itself replaced by a stub here)."""
     import torch
 
-    import specla.demo
+    import specla.apps.demo
 
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    monkeypatch.setattr(specla.demo, "run_demo", lambda **kw: {"exact_match": True, "device": kw["device"]})
+    monkeypatch.setattr(specla.apps.demo, "run_demo", lambda **kw: {"exact_match": True, "device": kw["device"]})
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
@@ -394,12 +394,12 @@ def test_generate_shows_progress_on_a_terminal_for_long_decodes_or_when_asked(ca
     terminal, or with ``--progress``; ``--no-progress`` hides it (decoding stopped at once here)."""
     import sys
 
-    import specla.cli
+    import specla.apps.cli
 
     given = _interrupt_after(monkeypatch, 1)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
     code, _, _ = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu",
-                     "--max-new-tokens", str(specla.cli.PROGRESS_FROM_TOKENS), *flags)
+                     "--max-new-tokens", str(specla.apps.cli.PROGRESS_FROM_TOKENS), *flags)
     assert code == 130 and given == [shown]
 
 
@@ -409,27 +409,27 @@ def test_the_commands_that_decode_on_a_cpu_take_one_torch_thread_unless_told(mon
     oversubscribes cores that other work uses (README, "CPU threads")."""
     import torch
 
-    import specla.cli
+    import specla.apps.cli
 
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     argv = ["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert specla.cli.main(argv) == 0 and calls == [1]
-    assert specla.cli.main([*argv, "--threads", "2"]) == 0 and calls == [1, 2]
+    assert specla.apps.cli.main(argv) == 0 and calls == [1]
+    assert specla.apps.cli.main([*argv, "--threads", "2"]) == 0 and calls == [1, 2]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert specla.cli.main(argv) == 0 and calls == [1, 2]
-    assert specla.cli.main([*argv, "--threads", "4"]) == 0 and calls == [1, 2, 4]
+    assert specla.apps.cli.main(argv) == 0 and calls == [1, 2]
+    assert specla.apps.cli.main([*argv, "--threads", "4"]) == 0 and calls == [1, 2, 4]
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
-        specla.cli.main([*argv, "--threads", "0"])
+        specla.apps.cli.main([*argv, "--threads", "0"])
     assert exit_.value.code == 2 and "--threads: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_the_command_line_prints_speclas_warnings_in_one_line_and_leaves_others_as_they_are():
     """Run in a fresh process: pytest records warnings instead of printing them."""
     code = (
-        "import warnings, specla.cli, specla.registry\n"
+        "import warnings, specla.apps.cli, specla.registry\n"
         "from specla.errors import ContextLengthWarning\n"
         "def warn_both():\n"
         "    warnings.warn('past the trained context', ContextLengthWarning)\n"
@@ -437,7 +437,7 @@ def test_the_command_line_prints_speclas_warnings_in_one_line_and_leaves_others_
         "    return []\n"
         "specla.registry.plugin_infos = warn_both\n"
         "before = warnings.formatwarning\n"
-        "assert specla.cli.main(['plugins']) == 0\n"
+        "assert specla.apps.cli.main(['plugins']) == 0\n"
         "assert warnings.formatwarning is before\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

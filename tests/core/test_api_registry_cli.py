@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import specla
-import specla.cli
+import specla.apps.cli
 from specla import registry
 from specla import SpecConfig, SpecDecoder, UnknownPluginError, UnsupportedModelError
-from specla.cli import main
+from specla.apps.cli import main
 from specla.drafters import EagleDrafter, NgramDrafter, make_drafter
 from specla.registry import available, detect_plugin, get_plugin, plugin_infos
 from specla_gdn.oracle import naive_greedy_decode
@@ -154,7 +154,7 @@ def test_ngram_drafter_trees():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "specla.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "specla.apps.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_cli_plugins_and_generate():
@@ -187,7 +187,7 @@ def test_cli_errors_are_one_line(args, message):
 
 
 def test_demo_is_exact_and_reports_figures():
-    from specla.demo import run_demo
+    from specla.apps.demo import run_demo
 
     lines = []
     summary = run_demo(device="cpu", max_new_tokens=24, echo=lines.append)
@@ -203,12 +203,12 @@ def test_demo_is_exact_and_reports_figures():
 def test_demo_refuses_an_unknown_drafter_before_loading_anything(monkeypatch):
     """``specla demo --drafter bogus`` names the choices (the shipped ``eagle`` included) and
     fails before the target loads (nothing is decoded, no progress bar is left open)."""
-    import specla.demo
+    import specla.apps.demo
 
-    monkeypatch.setattr(specla.demo, "SpecDecoder", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(specla.apps.demo, "SpecDecoder", lambda *a, **k: pytest.fail("the target was loaded"))
     with pytest.raises(specla.UnknownPluginError, match=r"unknown demo drafter 'bogus': use ngram, eagle or a "
                                                         r"directory saved by `specla train-drafter`"):
-        specla.demo.run_demo(device="cpu", drafter="bogus")
+        specla.apps.demo.run_demo(device="cpu", drafter="bogus")
 
 
 def test_input_robustness():
@@ -363,7 +363,7 @@ def test_a_plugin_that_fails_to_load_is_skipped_with_a_warning_naming_it(install
     with pytest.raises(UnknownPluginError) as err:
         get_plugin("bad")
     assert str(err.value) == f"plugin 'bad' (broken-dist 2.5) failed to load: {error}"
-    assert specla.cli.main(["plugins"]) == 0
+    assert specla.apps.cli.main(["plugins"]) == 0
     listing = capsys.readouterr().out
     assert listing.startswith("name ") and "\ngdn " in listing
     assert listing.endswith(f"\n\nfailed to load (skipped):\n"
@@ -379,7 +379,7 @@ def test_models_still_run_beside_broken_plugins_and_naming_one_is_a_one_line_err
     assert out.outputs == [naive_greedy_decode(dec.model, [5, 6, 7], 5)]
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
-        specla.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "worse"])
+        specla.apps.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "worse"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("specla: error: plugin 'worse' (broken-dist 2.5) failed to load: "
                                        "specla_architectures() returned NoneType, not a list of ArchitecturePlugin "
@@ -398,7 +398,7 @@ def test_a_third_party_plugin_claiming_a_built_in_model_type_is_used_by_name_onl
     assert SpecDecoder(TINY, "gdnfork").plugin.name == "gdnfork"
     assert {p.name: p.notes for p in plugin_infos()}["gdnfork"] == (
         "gated_deltanet: auto-detection picks gdn (built-in)",)
-    assert specla.cli.main(["plugins"]) == 0
+    assert specla.apps.cli.main(["plugins"]) == 0
     assert ("\ngdnfork       gdn-fork                 0.3        gated_deltanet  (gated_deltanet: auto-detection "
             "picks gdn (built-in))\n") in capsys.readouterr().out
 
@@ -440,7 +440,7 @@ def test_a_taken_architecture_or_entry_point_name_skips_the_later_plugin_only(in
         "taken by specla 0.1.0"]
     assert "twin" in names and "gdn2" not in names and get_plugin("twin").model_types == ("twin_type",)
     assert type(get_plugin("gdn")).__module__ == "specla_gdn.plugin"
-    assert specla.cli.main(["plugins"]) == 0
+    assert specla.apps.cli.main(["plugins"]) == 0
     assert capsys.readouterr().out.endswith(
         "failed to load (skipped):\n"
         "gdn           clash-dist               1.0        the entry point name is taken by specla 0.1.0\n"
@@ -449,7 +449,7 @@ def test_a_taken_architecture_or_entry_point_name_skips_the_later_plugin_only(in
 
 
 def test_the_demo_runs_the_built_in_checkpoint_beside_a_third_party_plugin_that_ships_one(install):
-    from specla.demo import default_checkpoint
+    from specla.apps.demo import default_checkpoint
 
     demo = "from specla_gdn.plugin import TINY_TARGET\nFork.demo_checkpoint = TINY_TARGET\n"
     install("gdn-fork", "0.3", fork=gdn_fork("agdn", ("agdn_type",)) + demo)  # sorts before qwen
@@ -488,7 +488,7 @@ def test_a_folder_never_shadows_a_drafter_name(tmp_path, monkeypatch, capsys):
                                                   r"model$"):
         make_drafter("mtp")
     assert isinstance(make_drafter("./mtp"), EagleDrafter)
-    from specla import demo
+    from specla.apps import demo
 
     class Built(Exception):
         """The demo's drafter, raised where the demo would load its target."""
@@ -563,7 +563,7 @@ def test_max_new_tokens_is_at_most_a_32_bit_integer(capsys):
                                                        "2147483647"):
         SpecConfig(max_new_tokens=10**30)
     with pytest.raises(SystemExit) as exit_:
-        specla.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", str(10**30),
+        specla.apps.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", str(10**30),
                          "--device", "cpu"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("specla: error: max_new_tokens: Input should be less than or equal to "
@@ -598,8 +598,8 @@ def test_string_prompts_that_are_not_unicode_text_are_refused():
 def test_cli_refuses_a_prompt_that_is_not_utf8_before_loading():
     """Bytes that are not UTF-8 in ``--prompt`` (a real argv, through a subprocess): one line
     naming the flag and the byte, exit 2, and torch never imported."""
-    script = ("import sys, specla.cli\n"
-              "try:\n    specla.cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+    script = ("import sys, specla.apps.cli\n"
+              "try:\n    specla.apps.cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
               "    print(e.code, 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", script, "generate", "--model", str(TINY).encode(), "--prompt", "ok",
                           "--prompt", b"ab\xff\xfe"], capture_output=True, text=True, timeout=120,
@@ -613,7 +613,7 @@ def test_cli_reads_utf8_bytes_that_argv_escaped_as_text():
     """Where the locale did not decode UTF-8 (argv then holds each byte as a lone surrogate), the
     bytes are read as UTF-8: ``café`` reaches the tokenizer, not ``caf\\udcc3\\udca9``."""
     args = argparse.Namespace(prompt=["caf\udcc3\udca9", "tea"])
-    assert specla.cli._prompts(args) == ["café", "tea"]
+    assert specla.apps.cli._prompts(args) == ["café", "tea"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -628,7 +628,7 @@ def test_cli_refuses_an_empty_prompt_or_a_stop_that_is_not_text_before_loading(m
     monkeypatch.setattr(specla.api, "SpecDecoder", lambda *a, **k: pytest.fail("the model was loaded"))
     argv = ["generate", "--model", str(TINY), "--device", "cpu", *flags]
     with pytest.raises(SystemExit) as exit_:
-        specla.cli.main(argv)
+        specla.apps.cli.main(argv)
     assert exit_.value.code == 2 and capsys.readouterr().err == f"specla: error: {message}\n"
 
 
@@ -637,10 +637,11 @@ def test_version_and_argument_errors_answer_without_importing_torch():
     empty prompt) exit 2; none of them imports torch or the plugins (seconds each)."""
     from importlib.metadata import version
 
-    script = ("import json, sys, specla.cli\ncodes = []\n"
+    script = ("import json, sys, specla.apps.cli\ncodes = []\n"
               f"for argv in (['--version'], ['generate', '--bogus'], ['generate', '--model', {str(TINY)!r}, "
               "'--prompt', '']):\n"
-              "    try:\n        specla.cli.main(argv)\n    except SystemExit as e:\n        codes.append(e.code)\n"
+              "    try:\n        specla.apps.cli.main(argv)\n"
+              "    except SystemExit as e:\n        codes.append(e.code)\n"
               "print(json.dumps([codes, 'torch' in sys.modules, 'specla.registry' in sys.modules]))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert json.loads(out.stdout.splitlines()[-1]) == [[0, 2, 2], False, False], out.stderr
@@ -705,7 +706,7 @@ def test_a_run_past_the_trained_context_warns_once(recwarn):
 def test_sigint_during_a_long_generate_prints_what_was_decoded():
     """A real Ctrl-C (SIGINT) once the progress bar shows tokens: exit 130, the partial text and
     its statistics on stdout, one line on stderr, no traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "specla.cli", "generate", "--model", str(TINY), "--prompt",
+    proc = subprocess.Popen([sys.executable, "-m", "specla.apps.cli", "generate", "--model", str(TINY), "--prompt",
                              "def add(a, b):", "--max-new-tokens", "100000000", "--device", "cpu", "--progress",
                              "--config", '{"stop_at_eos": false}'],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -14,14 +14,14 @@ from specla import SpecDecoder
 from specla.drafters import EagleDrafter, make_drafter
 import specla.drafters.eagle as eagle_module
 from specla.drafters.eagle import EagleHead, is_eagle_dir
-from specla.drafters.training import DrafterTrainConfig, train_drafter
+from specla.apps.train_drafter import DrafterTrainConfig, train_drafter
 from specla.registry import get_plugin
 from specla_gdn.oracle import naive_greedy_decode
 from specla_gdn.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
 TINY_EAGLE = TINY.parent / "tiny-eagle"
-DATA = str(resources.files("specla").joinpath("data/demo_prompts.jsonl"))
+DATA = str(resources.files("specla.apps").joinpath("data/demo_prompts.jsonl"))
 
 
 def test_shipped_drafter_is_exact_in_float64():
@@ -71,9 +71,9 @@ def test_training_resume_equals_uninterrupted(tmp_path):
 def test_train_drafter_cli_and_use(tmp_path):
     out = tmp_path / "cli"
     proc = subprocess.run(
-        [sys.executable, "-m", "specla.cli", "train-drafter", "--model", str(TINY), "--data", DATA, "--out", str(out),
-         "--steps", "4", "--batch-windows", "4", "--window", "32", "--max-tokens", "500", "--distill-prompts", "2",
-         "--device", "cpu"], capture_output=True, text=True, timeout=600)
+        [sys.executable, "-m", "specla.apps.cli", "train-drafter", "--model", str(TINY), "--data", DATA,
+         "--out", str(out), "--steps", "4", "--batch-windows", "4", "--window", "32", "--max-tokens", "500",
+         "--distill-prompts", "2", "--device", "cpu"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["out"] == str(out)
     vocab = SpecDecoder(TINY, None, config=dict(dtype="float32")).adapter.vocab_size
@@ -169,7 +169,7 @@ def test_unrolled_training_levels_see_what_draft_levels_see(heads):
     """The training loss's level-``k`` prediction at pair ``P`` equals what drafting computes for
     a depth-``k`` node: the cache holding the true pairs before ``P - k + 1``, the root pair
     there, then ``k - 1`` levels fed their own predictions (float64, fresh random weights)."""
-    from specla.drafters.training import unrolled_loss
+    from specla.apps.train_drafter import unrolled_loss
 
     g = torch.Generator().manual_seed(3)
     torch.manual_seed(3)
@@ -371,7 +371,7 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
     """--resume reads out/checkpoint.pt with weights_only=True: a pickle in a drafter folder
     someone else wrote is refused with a DrafterError and the code in it never runs."""
     from specla import DrafterError
-    from specla.drafters.training import check_output
+    from specla.apps.train_drafter import check_output
 
     out, marker = tmp_path / "drafter", tmp_path / "ran"
     out.mkdir()

@@ -36,7 +36,7 @@ def test_fla_and_triton_are_extras_not_requirements():
 
 def test_the_demo_and_a_transformers_family_run_without_fla_and_triton():
     out = _without_fla_and_triton(
-        "from specla.demo import run_demo\n"
+        "from specla.apps.demo import run_demo\n"
         "s = run_demo(device='cpu', max_new_tokens=12, echo=lambda line: None, progress=False)\n"
         "print('DEMO', s['plugin'], s['exact_match'])\n"
         "import sys\n"

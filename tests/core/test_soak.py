@@ -19,7 +19,7 @@ def test_8192_tokens_speculative_equals_autoregressive():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(TINY_TARGET))
-    rows = (Path(specla.__file__).parent / "data" / "demo_prompts.jsonl").read_text().splitlines()
+    rows = (Path(specla.__file__).parent / "apps" / "data" / "demo_prompts.jsonl").read_text().splitlines()
     prompt = tok(json.loads(rows[0])["prompt"], add_special_tokens=False)["input_ids"]
     cfg = dict(max_new_tokens=8192, stop_at_eos=False, num_draft_tokens=8, max_depth=6, top_k=2)
     spec = specla.run(model, "gdn", prompts=[prompt], config=cfg)
@@ -41,7 +41,7 @@ def test_8192_tokens_on_gpu_float32_identical_and_bf16_reported():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(TINY_TARGET))
-    rows = (Path(specla.__file__).parent / "data" / "demo_prompts.jsonl").read_text().splitlines()
+    rows = (Path(specla.__file__).parent / "apps" / "data" / "demo_prompts.jsonl").read_text().splitlines()
     prompts = [tok(json.loads(r)["prompt"], add_special_tokens=False)["input_ids"] for r in rows[:4]]
     cfg = dict(max_new_tokens=8192, stop_at_eos=False, num_draft_tokens=8, max_depth=6, top_k=2, device="cuda",
                budget_policy="fixed")  # the recorded figures come from one timing-free schedule

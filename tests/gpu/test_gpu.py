@@ -64,7 +64,7 @@ def test_cuda_verify_equals_fla_kernels(name):
 
 
 def test_cuda_demo_and_eagle_drafter_are_exact():
-    from specla.demo import run_demo
+    from specla.apps.demo import run_demo
 
     for drafter in ("ngram", "eagle"):
         summary = run_demo(device="cuda", max_new_tokens=48, drafter=drafter, echo=lambda *_: None)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .config import SpecConfig, validation_message
-from .errors import GenerationInterrupted, SpecError, UnsupportedModelError
+from ..config import SpecConfig, validation_message
+from ..errors import GenerationInterrupted, SpecError, UnsupportedModelError
 
 # generate shows a progress bar (on a terminal, or with --progress) from this many tokens per
 # prompt: the default 64 and other short completions end within seconds and print nothing more
@@ -135,7 +135,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args)  # before torch is imported: a typo answers at once
     stop_texts = [_text_argument("--stop", i, text) for i, text in enumerate(args.stop or [])]
 
-    from .api import SpecDecoder
+    from ..api import SpecDecoder
 
     flags = {"max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
              "max_depth": args.max_depth, "top_k": args.tree_top_k, "commit": args.commit, "dtype": args.dtype,
@@ -209,8 +209,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train_drafter(args: argparse.Namespace) -> int:
-    from .api import SpecDecoder
-    from .drafters.training import DrafterTrainConfig, check_output, read_texts, train_drafter
+    from ..api import SpecDecoder
+    from .train_drafter import DrafterTrainConfig, check_output, read_texts, train_drafter
 
     # everything that can be checked without the target is, before it loads and before --out exists
     cfg = DrafterTrainConfig(
@@ -267,7 +267,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from . import registry
+    from .. import registry
 
     infos, failed = registry.plugin_infos(), registry.failed_plugins()
     w = max([len("name"), *(len(p.name) for p in infos + failed)])
@@ -545,7 +545,7 @@ def _version() -> str:
     try:
         return version("specla")
     except PackageNotFoundError:
-        from . import __version__
+        from .. import __version__
 
         return __version__
 
@@ -555,7 +555,7 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     libraries' warnings as Python formats them, with their source line. Only how a warning is
     printed changes: recorded warnings (``pytest.warns``, ``catch_warnings(record=True)``) and
     filters are untouched."""
-    if category.__module__ == __package__ + ".errors":
+    if category.__module__ == SpecError.__module__:
         return f"specla: warning: {message}\n"
     return _FORMAT_WARNING(message, category, filename, lineno, line)
 

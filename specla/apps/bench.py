@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
-import lzma
 import os
 import platform
 import re
@@ -29,17 +28,17 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from itertools import zip_longest
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .api import SpecDecoder
-from .config import SpecConfig
-from .graphs import batch_bucket
-from .step import step_depth
+from ..api import SpecDecoder
+from ..config import SpecConfig
+from ..graphs import batch_bucket
+from ..step import step_depth
+from .jsonl import read_jsonl
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 # the libraries a run's figures depend on, in the order ``meta.versions`` lists them
@@ -66,7 +65,7 @@ def checkout_root() -> Path | None:
     """The git checkout of specla this package runs from (an editable install or a run from the
     tree: the package is the checkout's ``specla/`` folder), else None (an installed copy, even
     one inside some other repository's virtual environment)."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # specla/ holds apps/bench.py
     try:
         top = Path(_git(package, "rev-parse", "--show-toplevel").strip()).resolve()
     except (OSError, subprocess.CalledProcessError):
@@ -160,30 +159,6 @@ def _by_category(rows: list[dict]) -> list[list[dict]]:
 def _interleave(groups: list[list]) -> list:
     """One item of each group in turn (the first of every group, then the second...)."""
     return [item for turn in zip_longest(*groups) for item in turn if item is not None]
-
-
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
-    """``(line number, parsed value)`` of each non-blank line of a JSONL file (``.xz``
-    compressed when the name ends so), read lazily.
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: naming the file and line: a line that is not JSON; naming the file: a
-            corrupt ``.xz`` stream or text that is not UTF-8.
-    """
-    opener = lzma.open if str(path).endswith(".xz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as fh:
-            for i, line in enumerate(fh, start=1):
-                if line.strip():
-                    try:
-                        yield i, json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{i}: not JSON ({err})") from err
-    except (lzma.LZMAError, EOFError) as err:  # EOFError: a truncated .xz stream
-        raise ValueError(f"{path}: not a valid .xz file ({err})") from err
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err})") from err
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..bench import read_jsonl
+from ..drafters.eagle import EagleHead, is_eagle_dir
 from ..errors import DrafterError
 from ..interfaces import TargetAdapter
-from .eagle import EagleHead, is_eagle_dir
+from .jsonl import read_jsonl
 
 
 @dataclass
@@ -99,7 +99,7 @@ def read_texts(files: list[str | Path]) -> list[str]:
     Raises:
         FileNotFoundError: a file is missing (the message names every missing one).
         ValueError: naming the file and line: a line that is not JSON (see
-            :func:`specla.bench.read_jsonl`). DrafterError (a ValueError), naming the file and
+            :func:`specla.apps.jsonl.read_jsonl`). DrafterError (a ValueError), naming the file and
             line: a row that is not a JSON object, has neither field, or whose text is not a
             string.
     """
@@ -319,7 +319,7 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     if prompts:
         from ..config import SpecConfig
         from ..engine import Engine
-        from .ngram import NgramDrafter
+        from ..drafters.ngram import NgramDrafter
 
         gen_cfg = SpecConfig(num_draft_tokens=6, max_new_tokens=cfg.distill_new_tokens, stop_at_eos=False)
         for i in tqdm(range(0, len(prompts), 32), desc="self-distillation", leave=False):

@@ -11,16 +11,16 @@ from importlib import resources
 import torch
 from tqdm.auto import tqdm
 
-from . import registry
-from .api import SpecDecoder
-from .config import SpecConfig
-from .drafters import make_drafter
-from .errors import UnknownPluginError
+from .. import registry
+from ..api import SpecDecoder
+from ..config import SpecConfig
+from ..drafters import make_drafter
+from ..errors import UnknownPluginError
 
 
 def demo_prompts() -> list[dict]:
-    """The bundled prompts (``specla/data/demo_prompts.jsonl``): ``id``, ``category``, ``prompt``."""
-    text = resources.files("specla").joinpath("data/demo_prompts.jsonl").read_text(encoding="utf-8")
+    """The bundled prompts (``specla/apps/data/demo_prompts.jsonl``): ``id``, ``category``, ``prompt``."""
+    text = resources.files(__package__).joinpath("data/demo_prompts.jsonl").read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
