@@ -1,6 +1,8 @@
 """The layers of the installed distribution, read from the sources' syntax trees (no module is
 imported): the library (``specla``, its op tier ``specla.mixers.<op>`` included) imports no model
 plugin and no plugin imports another, so that a plugin reaches an op only through the library;
+the apps (``specla.apps``: the command line, demo, bench, drafter training) sit on top, imported
+by other apps, the tests and the benchmarks only, never by the library, a plugin or an example;
 every third-party module the library and the plugins import is the standard library's or a
 declared requirement; a requirement of an extra (FLA, Triton, the test tools) loads only where it
 is used; and every import of the tree's packages, lazy ones and ``kernels("...")`` handles
@@ -130,6 +132,21 @@ def crossings(modules: dict[str, list[Import]]) -> list[str]:
             if top(imp.module) in PLUGINS and top(imp.module) != top(mod)]
 
 
+APPS = "specla.apps"
+
+
+def is_app(module: str) -> bool:
+    return module == APPS or module.startswith(APPS + ".")
+
+
+def app_imports(modules: dict[str, list[Import]]) -> list[str]:
+    """Imports of an app (``specla.apps`` or a module of it, ``from specla import apps``
+    included) by a module that is not an app."""
+    return [f"{imp.where} ({mod} imports {used})" for mod, imps in modules.items() if not is_app(mod)
+            for imp in imps for used in [next((m for m in (imp.module, *imp.submodules) if is_app(m)), None)]
+            if used]
+
+
 def requirement_import_name(requirement: str) -> str:
     dist = re.match(r"[A-Za-z0-9._-]+", requirement).group(0).lower()
     return IMPORT_NAMES.get(dist, dist.replace("-", "_"))
@@ -160,12 +177,21 @@ def eager_optional(modules: dict[str, list[Import]]) -> list[str]:
 
 def test_the_tree_is_read():
     assert "specla_gdn.plugin" in MODULES and "RecurrentMixer" in DEFINED["specla.mixers"]
+    assert {"specla.apps.cli", "specla.apps.bench", "specla.apps.train_drafter"} <= MODULES.keys()
+    assert any(p.relative_to(ROOT).parts[0] == "examples" for p in USERS)
     assert PLUGINS >= {"specla_gdn", "specla_qwen"} and "specla" not in PLUGINS
     assert {"torch", "transformers", "pluggy"} <= CORE and {"fla", "triton", "pytest", "hypothesis"} <= EXTRAS
 
 
 def test_no_plugin_imports_another_plugin_and_the_library_imports_none():
     assert not crossings(MODULES), "\n".join(crossings(MODULES))
+
+
+def test_only_apps_tests_and_benchmarks_import_the_apps():
+    examples = {str(p.relative_to(ROOT)): imports(p.read_text(), p.stem, False, str(p.relative_to(ROOT)))
+                for p in USERS if p.relative_to(ROOT).parts[0] not in ("tests", "benchmarks")}
+    bad = app_imports(MODULES) + app_imports(examples)
+    assert not bad, "\n".join(bad)
 
 
 def test_every_third_party_import_is_declared():
@@ -216,6 +242,12 @@ def test_the_checker_sees_each_kind_of_violation():
     assert crossings(mods(**{"specla.api": f"def f():\n    import {a}.plugin\n",
                              "specla.ops.k": f"h = kernels('{a}.verify')\n"})) == \
         [f"specla.api:2 (specla.api imports {a}.plugin)", f"specla.ops.k:1 (specla.ops.k imports {a}.verify)"]
+    assert app_imports(mods(**{"specla.api": "def f():\n    from .apps.bench import run_bench\n",
+                               f"{a}.plugin": "from specla import apps, config\n",
+                               "examples/p.py": "import specla.apps.cli\n",
+                               "specla.apps.cli": "from .demo import run_demo\nfrom .. import config\n"})) == \
+        ["specla.api:2 (specla.api imports specla.apps.bench)", f"{a}.plugin:1 ({a}.plugin imports specla.apps)",
+         "examples/p.py:1 (examples/p.py imports specla.apps.cli)"]
     assert undeclared(mods(**{"specla.x": "import os, torch\ndef f():\n    import requests\n"})) == \
         ["specla.x:3 (requests)"]
     eager = mods(**{"specla.k": "import triton\n", "specla.a": "from . import k\n",
