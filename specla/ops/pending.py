@@ -6,6 +6,8 @@ and the kernel's ``HAS_PENDING`` flag, set by :data:`with_pending`, compiles the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 from torch import Tensor
@@ -68,3 +70,36 @@ def check_layer_commit(pending: LayerCommit, record_type: type, batch: int, shap
                            for f, tail in shapes.items())
         raise ValueError(f"pending must be a LayerCommit of a {name} ({layout}) with B = {batch}, path [B, P] "
                          "int64 and path_len [B] int64")
+
+
+def flush(kernel, grid: tuple[int, int], state: Tensor, layout: str, commit: LayerCommit,
+          check: Callable[[], None], **launch) -> Tensor:
+    """Standalone closed-form commit, in place: ``commit`` applied to ``state`` by a serial verify
+    kernel launched with an empty chain (``T = 0``), so the commit code is the very code that runs
+    fused inside the verify kernels. No chain token is read or written, so ``state`` stands in for
+    every chain pointer before the kernel's ``num_nodes`` (the commit's ``path_len``, unread
+    at ``T = 0``).
+
+    Args:
+        kernel: a serial verify kernel decorated with :data:`with_pending`; grid: its launch grid.
+        state: float32, contiguous, of the shape ``layout`` names (``"[B, HV, K, V]"``, used in
+            the error message); updated in place and returned.
+        commit: the layer's pending commit; path_len ``0`` leaves a sequence's state bit-identical
+            (it is not even written).
+        check: raises ValueError when ``commit`` does not fit ``state`` (the op's shape check).
+        launch: the kernel's remaining arguments (sizes, block sizes, the pending commit's
+            keyword arguments from :func:`pending_launch`, ``num_warps``).
+    Returns:
+        ``state``.
+    Raises:
+        ValueError: ``state`` is not contiguous float32, ``check`` fails, or the tensors are on
+            more than one device.
+    """
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous float32 {layout}, got {state.dtype}")
+    check()
+    if len({x.device for x in (state, *commit.tensors())}) != 1:
+        raise ValueError("all tensors must be on one device")
+    chain = kernel.arg_names.index("num_nodes")
+    kernel[grid](*[state] * chain, commit.path_len, T=0, **launch)
+    return state

@@ -1,15 +1,15 @@
 """Standalone closed-form commit (``flush``): applies a pending accepted path to the recurrent
 state from its factor records, without verifying anything (end of generation, a switch to plain
-decoding, before reading the state). It launches the serial verify kernel with an empty chain, so
-the commit code is the very code that runs fused inside the verify kernels.
+decoding, before reading the state), through :func:`specla.ops.pending.flush`: the serial verify
+kernel launched with an empty chain.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 from torch import Tensor
 
+from specla.ops.pending import flush
 from specla.records import LayerCommit
 
 from .records import Mamba2FactorRecord
@@ -31,19 +31,11 @@ def flush_commit(state: Tensor, Bm: Tensor, u: Tensor, G: Tensor, path: Tensor, 
         ValueError: shapes, dtypes or devices disagree.
     """
     B, H, N, P = state.shape
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"state must be a contiguous float32 [B, H, N, P], got {state.dtype}")
     if Bm.dim() != 4 or H % Bm.shape[2]:
         raise ValueError(f"Bm must be [B, T, NG, N] with H % NG == 0, got {list(Bm.shape)}")
     NG = Bm.shape[2]
     commit = LayerCommit(Mamba2FactorRecord(Bm=Bm, u=u, G=G, conv_x=None), path, path_len)
-    _check_pending(B, H, NG, N, P, commit)
-    if len({t.device for t in (state, Bm, u, G, path, path_len)}) != 1:
-        raise ValueError("all tensors must be on one device")
     BP = min(triton.next_power_of_2(P), 64)
-    # T = 0: no chain token is read or written, so the state stands in for the chain's pointers
-    _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
-        state, state, state, state, state, state, state, state, state, state, path_len, T=0,
-        H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=False, **_pending_kwargs(commit),
-    )
-    return state
+    return flush(_serial_verify_kernel, (B * H, triton.cdiv(P, BP)), state, "[B, H, N, P]", commit,
+                 lambda: _check_pending(B, H, NG, N, P, commit), H=H, NG=NG, N=N, P=P,
+                 BN=triton.next_power_of_2(N), BP=BP, D_HDIM=False, **_pending_kwargs(commit))
