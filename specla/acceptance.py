@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .ops import kernels
 from .records import Acceptance
 from .tree import DraftTree
+
+accept_kernels = kernels("specla.ops.accept_triton")
 
 
 def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None, kernels: bool = False) -> Acceptance:
@@ -37,10 +40,9 @@ def accept_greedy(tree: DraftTree, logits: Tensor, max_depth: int | None = None,
         raise ValueError(f"logits must be [B={B}, N+1={N + 1}, vocab], got {tuple(logits.shape)}")
     target = logits.argmax(-1)
     if kernels and max_depth is not None:
-        from .ops.accept_triton import greedy_walk  # on first use: TRITON_INTERPRET is read when kernels are defined
-
         dev = target.device
-        return greedy_walk(tree.parents.to(dev), tree.tokens.to(dev), tree.num_nodes.to(dev), target, max_depth)
+        return accept_kernels.greedy_walk(tree.parents.to(dev), tree.tokens.to(dev), tree.num_nodes.to(dev), target,
+                                          max_depth)
     return _walk(tree, target, max_depth)
 
 

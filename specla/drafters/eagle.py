@@ -17,7 +17,6 @@ Architecture-independent: it needs only ``TargetAdapter.embed``, ``lm_logits``, 
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -32,9 +31,14 @@ from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance
 from ..tree import DraftTree
 from ..acceptance import sampling_probs
-from ..ops import upload_ints
+from ..ops import kernels, upload_ints
 from ..ops.attention import append_kv, draft_level_attention
 from .pruning import accepted_rows, build_tree, pair_rows, sample_tree
+
+act_kernels = kernels("specla.ops.act_triton")
+attention_kernels = kernels("specla.ops.attention_triton")
+norm_kernels = kernels("specla.ops.norm_triton")
+tree_kernels = kernels("specla.ops.draft_tree_triton")
 
 FORMAT = "specla-eagle-v2"
 FORMATS = ("specla-eagle-v1", FORMAT)  # v1: the attention-free head (num_heads = 0)
@@ -90,7 +94,7 @@ class EagleHead(nn.Module):
     def qkv_heads(self, h: Tensor, kernels: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys, values ``[..., heads, hidden / heads]`` of pairs ``h [..., hidden]``
         (``kernels``: the norm in one Triton launch, no autograd)."""
-        n = _kernels().rms_norm(h, self.attn_norm.weight, self.config["eps"]) if kernels else self.attn_norm(h)
+        n = norm_kernels.rms_norm(h, self.attn_norm.weight, self.config["eps"]) if kernels else self.attn_norm(h)
         q, k, v = self.qkv(n).chunk(3, dim=-1)
         shape = (*h.shape[:-1], self.num_heads, h.shape[-1] // self.num_heads)
         return q.reshape(shape), k.reshape(shape), v.reshape(shape)
@@ -110,8 +114,8 @@ class EagleHead(nn.Module):
         h = h.reshape(-1, H)
         if attended is not None:
             h.addmm_(attended.reshape(-1, H).to(h.dtype), self.o.weight.T)
-        gu = _kernels().rms_norm(h, self.norm.weight, self.config["eps"]) @ self._gate_up().T
-        return h.addmm_(_kernels().swiglu(gu, self.gate.weight.shape[0]), self.down.weight.T).view(shape)
+        gu = norm_kernels.rms_norm(h, self.norm.weight, self.config["eps"]) @ self._gate_up().T
+        return h.addmm_(act_kernels.swiglu(gu, self.gate.weight.shape[0]), self.down.weight.T).view(shape)
 
     def _gate_up(self) -> Tensor:
         """``[W_gate ; W_up]`` stacked (one GEMM), refreshed when the weights are replaced or
@@ -169,7 +173,7 @@ class EagleHead(nn.Module):
         if not self.num_heads:
             return self.finish(h, None, kernels), anc_k, anc_v
         q, k, v = self.qkv_heads(h, kernels)
-        level = _kernels().draft_level_attention if kernels else draft_level_attention
+        level = attention_kernels.draft_level_attention if kernels else draft_level_attention
         kw = dict(out_dtype=h.dtype) if kernels else {}
         out, keys, values = level(q, k, v, cache_k, cache_v, cache_len, anc_k, anc_v, slot, **kw)
         return self.finish(h, out, kernels), keys, values
@@ -211,21 +215,6 @@ class EagleHead(nn.Module):
                 raise
             raise DrafterError(f"{d}: incomplete or malformed EAGLE drafter ({type(err).__name__}: {err})") from err
         return head.eval()
-
-
-@functools.cache
-def _kernels():
-    """The Triton forms of a draft level's pieces, imported on first use: ``@triton.jit`` picks
-    compiled or interpreted kernels when they are defined, so importing them with this module
-    would fix that choice before a test run or a user sets ``TRITON_INTERPRET``."""
-    from types import SimpleNamespace
-
-    from ..ops import act_triton, attention_triton, draft_tree_triton, norm_triton
-
-    return SimpleNamespace(rms_norm=norm_triton.rms_norm, swiglu=act_triton.swiglu,
-                           draft_level_attention=attention_triton.draft_level_attention,
-                           append_kv=attention_triton.append_kv,
-                           pair_rows=draft_tree_triton.pair_rows, accepted_rows=draft_tree_triton.accepted_rows)
 
 
 def kernel_forms(adapter: TargetAdapter) -> bool:
@@ -363,8 +352,8 @@ class EagleDrafter(Drafter):
         concatenation are one launch."""
         table = self.adapter.embedding_table()
         if self.kernels and table is not None:
-            return _kernels().pair_rows(feats, slot, table, tokens=tokens)
-        return (_kernels().pair_rows if self.kernels else pair_rows)(feats, slot, self.adapter.embed(tokens))
+            return tree_kernels.pair_rows(feats, slot, table, tokens=tokens)
+        return (tree_kernels.pair_rows if self.kernels else pair_rows)(feats, slot, self.adapter.embed(tokens))
 
     def _root_state(self) -> tuple[Tensor, Tensor, Tensor]:
         """The state the roots are expanded from (:meth:`_level`'s layout): the feature ``[B, 1,
@@ -445,13 +434,13 @@ class EagleDrafter(Drafter):
         growing; their drafts are discarded anyway."""
         hidden, dev = out.hidden, out.hidden.device
         num = acceptance.num_accepted.to(dev)
-        gather = _kernels().accepted_rows if self.kernels else accepted_rows
+        gather = tree_kernels.accepted_rows if self.kernels else accepted_rows
         feats, toks, last = gather(self.feature, hidden, acceptance.path.to(dev), num, self.root,
                                    acceptance.tokens.to(dev))
         if self._cache_heads()[0]:
             k, v = self._pair_kv(self._features(feats), toks, self.cache_len)
-            (_kernels().append_kv if self.kernels else append_kv)(self.cache_k, self.cache_v, self.cache_len, k, v,
-                                                                  num)
+            append = attention_kernels.append_kv if self.kernels else append_kv
+            append(self.cache_k, self.cache_v, self.cache_len, k, v, num)
         self.feature = last  # the path's last node: the root plus num_accepted nodes, never empty
         self.root = acceptance.bonus.to(dev)
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ..errors import DrafterError
 from ..interfaces import TargetAdapter
 from ..ops.attention import draft_level_attention
-from .eagle import EagleDrafter, _kernels, kernel_forms
+from .eagle import EagleDrafter, attention_kernels, kernel_forms
 from .pruning import take_rows
 
 
@@ -227,7 +227,7 @@ class MTPDrafter(EagleDrafter):
         B, M = tokens.shape
         positions = (self.cache_len + anc_k.shape[2])[:, None].expand(B, M)
         attn, kv = self.head.attention, []
-        level = _kernels().draft_level_attention if self.kernels else draft_level_attention
+        level = attention_kernels.draft_level_attention if self.kernels else draft_level_attention
 
         def attend(n: Tensor) -> Tensor:  # over the cache, the ancestors and the node itself
             q, k, v, gate = attn.project(n, positions)

@@ -18,8 +18,12 @@ import torch
 from torch import Tensor
 
 from ..config import SpecConfig
+from ..ops import kernels
 from ..ops.topk import log_softmax_topk
 from ..tree import DraftTree
+
+tree_kernels = kernels("specla.ops.draft_tree_triton")
+topk_kernels = kernels("specla.ops.topk_triton")
 
 # expand(state, slot [B, M] | None, tokens [B, M]) -> (state, logits [B, M, vocab]): the
 # drafter's step for M frontier nodes per sequence, node m hanging from row slot[b, m] of the
@@ -66,16 +70,16 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         M, k = logits.shape[1], min(k, logits.shape[2])  # k < top_k when the vocabulary is smaller
         if d == 1 and kernels:
             widths = [min(k, k ** j) * k for j in range(D)]  # candidates per level
-            if sum(widths) <= _kernels().MAX_CANDIDATES:
+            if sum(widths) <= tree_kernels.MAX_CANDIDATES:
                 rows = (torch.empty(B, sum(widths), dtype=torch.float32, device=dev),
                         torch.empty(B, sum(widths), dtype=torch.int64, device=dev),
                         torch.empty(B, sum(widths), dtype=torch.int64, device=dev))
-                counter = _kernels().LevelCounter(B, dev)  # one zero fill for the tree's levels
+                counter = tree_kernels.LevelCounter(B, dev)  # one zero fill for the tree's levels
         if rows is not None:
-            nxt = _kernels().topk_level(fscore, logits, ids, k, count, d == D, *rows, counter=counter)
+            nxt = tree_kernels.topk_level(fscore, logits, ids, k, count, d == D, *rows, counter=counter)
         else:
             # trees over the level kernel's candidates keep the Triton top-k with the PyTorch bookkeeping
-            logp, child = (_kernels().topk_triton.log_softmax_topk if kernels else log_softmax_topk)(logits, k)
+            logp, child = (topk_kernels.log_softmax_topk if kernels else log_softmax_topk)(logits, k)
             if ids is None:
                 ids = torch.full((B, 1), -1, dtype=torch.int64, device=dev)
                 fscore = torch.zeros(B, 1, device=dev, dtype=torch.float32)
@@ -90,17 +94,11 @@ def build_tree(expand: ExpandFn, root_state: Tensor, roots: Tensor, config: Spec
         slot, toks, ids, fscore = nxt
     depth = _level_depths(tuple(sizes), dev)
     if rows is not None:
-        tok, par, num = _kernels().select_nodes(*rows, depth, N, config.tau_tree)
+        tok, par, num = tree_kernels.select_nodes(*rows, depth, N, config.tau_tree)
         width = tok.shape[1] if fixed_width else (int(num.max()) if B else 0)
         return DraftTree.trusted(tok[:, :width].contiguous(), par[:, :width].contiguous(), num)
     score, token, parent = (torch.cat(x, 1) for x in (scores, tokens, parents))
     return select_nodes(score, token, parent, depth.expand(B, -1), N, config.tau_tree, fixed_width)
-
-
-def _kernels():
-    from ..ops import draft_tree_triton
-
-    return draft_tree_triton
 
 
 def next_frontier(fscore: Tensor, logp: Tensor, child: Tensor, ids: Tensor, first_id: int,
