@@ -25,8 +25,8 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
   and for the profiles measured with the ``small`` target on GSM8K, each drafter its own
   (``--profile`` for the tree, ``--chain-profile`` for the chain), per batch.
 - ``baselines``: at the GSM8K profile, one table per batch with: transformers ``generate``
-  (eager, batch 1 and 8 only: it is ~70 ms per token), specla AR (graph), FLA's own model
-  decoding one token with its cache in a CUDA graph (:func:`fla_graph_step`; every row's
+  (eager, batch 1 and 8 only: it is far slower than the graph rows), specla AR (graph), FLA's
+  own model decoding one token with its cache in a CUDA graph (:func:`fla_graph_step`; every row's
   ``vs_best_ar`` is against the faster of the two AR rows), speculative tree with
   ``snapshot`` and ``replay`` commit, FLA-SD (chain; verify's recurrence and the replay commit on
   FLA's stock kernel, :class:`FLASDAdapter`), SpecLA chain and tree (``factor``); ``--core-rows``
@@ -71,8 +71,8 @@ VOCAB = 32000
 CHAIN = dict(num_draft_tokens=6, max_depth=6, top_k=1)
 FLA_SD = "FLA-SD: chain, replay on FLA kernels"
 FLA_GRAPH = "AR, FLA model in a CUDA graph"
-# 15 drafts + the root = 16 nodes: one 16-row tile of the parallel kernel (17 nodes double it: 211
-# vs 494 us per layer at batch 64 on an H200, BENCHMARKS.md section 5)
+# 15 drafts + the root = 16 nodes: one 16-row tile of the parallel kernel (17 nodes double the tile
+# and more than double its time: docs/tuning.md, "Tree size of the end-to-end study")
 TREE = dict(num_draft_tokens=15, max_depth=6, top_k=4)
 
 

@@ -131,11 +131,10 @@ class SpecConfig(BaseModel):
             where they run, the activations are bfloat16 or float16 and every mixer opts in
             (``Mixer.prefill_by_default``: GDN's), else ``chain`` (FLA's chunked kernels
             multiply float32 in TF32: a float32 run keeps the exact chain passes). On the
-            trained ``small`` target in bfloat16 on an H200 at batch 1, 64 prompts of the mixed
-            suite (BENCHMARKS.md section 4): ``passes`` took 0.28 s of plain decoding's prefill
-            against 0.74 s for ``chain`` (commit ``7884c7f``), and ``chunked`` 2.2x the chain
-            passes' time (1.99 s against 0.92 s, commit ``1967c00``). ``RunStats.prefill`` says
-            which form ran (empty when every prompt is one token: nothing runs).
+            trained ``small`` target in bfloat16 the passes took well under the chain passes'
+            time and ``chunked`` well over it (docs/tuning.md, "Prefill forms").
+            ``RunStats.prefill`` says which form ran (empty when every prompt is one token:
+            nothing runs).
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
             another type (``True``, ``"8"``, ``8.0``), or sampling filters without sampling.

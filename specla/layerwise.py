@@ -213,8 +213,8 @@ class LayerwiseAdapter(TargetAdapter):
         """The verify kernel of this pass: the plugin's rule ``pick(parents, counts,
         config.verify_kernel)`` (it may read the tree on the host), or, while a CUDA graph is
         recorded (``static_shapes``), a kernel whose launch reads nothing on the host: ``serial``
-        for one-token passes (plain decoding: a chain of one; at the GDN-1.3B shape on an H200
-        it took the recorded batch-64 step from 15.1 to 6.7 ms, BENCHMARKS.md section 5), else
+        for one-token passes (plain decoding: a chain of one; far faster than the parallel
+        kernel there, docs/tuning.md, "One-token passes in a recorded step"), else
         ``parallel``; ``graph_kernel_nodes`` keeps recorded trees within its size."""
         if self.static_shapes:
             return "serial" if parents.shape[1] == 1 else "parallel"

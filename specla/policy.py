@@ -21,10 +21,9 @@ def resolve_budget_policy(config: SpecConfig, recorded: bool) -> str:
     """What ``config.budget_policy`` means for one engine: ``"adaptive"`` or ``"fixed"``.
 
     ``auto`` is ``adaptive`` where the steps are recorded in CUDA graphs, which is where it was
-    measured (BENCHMARKS.md section 4, commit ``4c84958``: 1.06x to 2.01x of plain decoding at
-    batches 1 to 64 on the trained ``small`` target; 4 to 5 % behind the fixed tree at batch 1,
-    2.01x against 2.10x on GSM8K, and ahead of it at batch 32, 1.38x against 1.25x), and
-    ``fixed`` elsewhere: eager
+    measured (on the trained ``small`` target it stayed ahead of plain decoding at batches 1 to
+    64, a little behind the fixed tree at batch 1 and ahead of it at batch 32; docs/tuning.md,
+    "Budget policy"), and ``fixed`` elsewhere: eager
     steps (step times dominated by host overhead, which the policy was not measured on), no
     drafts at all, and seeded sampling (whose draws repeat only under a timing-free schedule).
 

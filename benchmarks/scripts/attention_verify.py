@@ -120,7 +120,8 @@ def main() -> None:
     parents = pruned_tree(a.nodes, 4, 6, random.Random(0))
     T, flex = a.nodes + 1, flex_tree_attention()
     # FlexAttention compiles per shape, which can take minutes (at head dim 256 a float32 compile
-    # ran past 9 minutes on an H200 with Triton 3.6): every SDPA and commit row is measured first
+    # ran past the command limit, BENCHMARKS.md "What was not measured"): every SDPA and commit
+    # row is measured first
     variants = [v for v in ("sdpa_mask", "commit_kv", "flex") if v in a.variants.split(",")]
     for variant in variants:
         for name in names:

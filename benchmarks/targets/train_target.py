@@ -34,8 +34,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import documents  # noqa: E402
 
-# the `small` budget: micro-batches of 16 keep the activations of the PyTorch training path within one
-# H200's memory
+# the `small` budget: micro-batches of 16 keep the activations of the PyTorch training path within the
+# memory of the GPU the recipe ran on (docs/targets.md)
 SMALL_BUDGET = dict(seq_len=1024, batch=32, micro_batch=16, steps=1000, lr=2e-3, warmup=50, amp=False,
                     save_dtype="bfloat16")
 PRESETS = {

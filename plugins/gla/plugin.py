@@ -41,8 +41,8 @@ class GLAPlugin(ArchitecturePlugin):
 
     name = "gla"
     model_types = ("gla",)
-    # "cuda_graphs": the recorded step ran token-identical to eager decoding on an H200
-    # (tests/core/test_graphs.py, factor and snapshot commits; BENCHMARKS.md section 5, GPU tests)
+    # "cuda_graphs": the recorded step runs token-identical to eager decoding on a GPU
+    # (tests/core/test_graphs.py, factor and snapshot commits)
     capabilities = frozenset({"trees", "cuda_graphs"})
     known_failures: dict[str, str] = {}
     tiny_variants = tuple(TINY_VARIANTS)

@@ -35,8 +35,8 @@ class KimiLinearPlugin(ArchitecturePlugin):
 
     name = "kimi_linear"
     model_types = ("kimi_linear",)
-    # "cuda_graphs": the recorded step ran token-identical to transformers' greedy decoding on an
-    # H200 (tests/plugins/test_kimi.py)
+    # "cuda_graphs": the recorded step runs token-identical to transformers' greedy decoding on a
+    # GPU (tests/plugins/test_kimi.py)
     capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
     # transformers' norms and its KDA compute in float32 inside a float64 run

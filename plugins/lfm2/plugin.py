@@ -30,8 +30,8 @@ class Lfm2Plugin(ArchitecturePlugin):
 
     name = "lfm2"
     model_types = ("lfm2",)
-    # "cuda_graphs": the recorded step ran token-identical to transformers' greedy decoding on an
-    # H200 (tests/plugins/test_lfm2.py); its mixers are graph-safe PyTorch ops (tree conv, tree attention)
+    # "cuda_graphs": the recorded step runs token-identical to transformers' greedy decoding on a
+    # GPU (tests/plugins/test_lfm2.py); its mixers are graph-safe PyTorch ops (tree conv, tree attention)
     capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
     # transformers' RMSNorms and attention compute in float32 inside a float64 run

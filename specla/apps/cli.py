@@ -178,8 +178,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _cpu_threads(args: argparse.Namespace, device: str) -> None:
     """torch's CPU threads for a command that decodes on ``device``: ``--threads N``, else one
     thread on a CPU unless ``OMP_NUM_THREADS`` is set. torch's default, a thread per core,
-    oversubscribes cores that other work is using: on a shared 2-core machine the demo target ran
-    20x slower with two threads than with one (README, "CPU threads"). The library itself leaves
+    oversubscribes cores that other work is using, and decodes far slower there than one thread
+    (README, "CPU threads", has the figures). The library itself leaves
     the process-wide pool as its caller set it; a command owns its process."""
     if args.threads is None and (device != "cpu" or "OMP_NUM_THREADS" in os.environ):
         return

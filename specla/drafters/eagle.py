@@ -45,7 +45,7 @@ FORMATS = ("specla-eagle-v1", FORMAT)  # v1: the attention-free head (num_heads 
 # the reset's passes over the prompt pairs take at most PAIR_PASS pairs each, a shorter prompt's
 # one pass a multiple of PAIR_ROUND (zeros past the prompt), so that their GEMMs meet a handful of
 # shapes per batch size whatever the prompt lengths: a GEMM shape met for the first time costs the
-# host milliseconds (measured on an H200, BENCHMARKS.md section 4)
+# host milliseconds (docs/tuning.md, "EAGLE reset pass shapes")
 PAIR_PASS, PAIR_ROUND = 256, 64
 
 

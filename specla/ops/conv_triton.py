@@ -18,12 +18,9 @@ from torch import Tensor
 from . import check_out
 
 # tree_conv's programs: one node by ``BD`` channels while a pass has at most ``node_programs``
-# nodes in all, else tiles of up to ``rows`` nodes of one sequence by at most ``tile`` elements.
-# One H200, 2026-12-04, on the engine's own 16-node tree passes (BENCHMARKS.md section 5), µs per
-# launch, one node per program against 16-node tiles: GDN-1.3B's layer (6144 channels) 41.1 vs
-# 19.0 at batch 64 and 2.1 vs 2.6 at batch 1; `small`'s (2048 channels) 8.2 vs 4.9 at batch 32
-# and 1.9 vs 2.9 at batch 1. One-token passes were 0.2 to 0.4 µs slower in one-row tiles than in
-# the one-node form (3.7 vs 4.1 at batch 64, 1.6 vs 1.8 at batch 1).
+# nodes in all, else tiles of up to ``rows`` nodes of one sequence by at most ``tile`` elements:
+# tiles win on large tree passes, one node a program on one-token passes and small batches
+# (docs/tuning.md, "Short-convolution programs").
 TUNING = {"node_programs": 64, "rows": 16, "BD": 256, "tile": 2048}
 
 

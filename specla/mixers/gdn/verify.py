@@ -26,51 +26,21 @@ from specla.records import LayerCommit
 
 from .records import GDNFactorRecord
 
-# Launch parameters per kernel: the V-tile width (each program keeps a [K, BV] float32 state tile
-# in registers) and warps per program, as measured on one H200 at the GDN-1.3B layer shape
-# (K = V = 256). benchmarks/kernels.py --only sweep and benchmarks/scripts/gdn_pending_verify.py
-# --sweep time the alternatives.
-# Serial and chain kernels: small tiles with one warp (BV 64 spills the tile; BENCHMARKS.md
-# section 1, launch-parameter sweep).
-# Tree kernel (it visits the state in K blocks of BKC rows) and one-token passes (plain decoding:
-# "decode", on the serial kernel), timed with a pending commit (BENCHMARKS.md section 5, launch
-# sweep): the tree kernel on 4 warps (16 nodes: 139 vs 208 us at batch 64, 23.7 vs 31.1 at batch
-# 8, 14.5 vs 15.2 at batch 1, against 8). One-token passes (the form that skips the updated state
-# tile) on 32-column tiles and 4 warps: at the GDN-1.3B layer 81.5 vs 141.0 us at batch 64 for 16
-# columns on 1 warp, 8.3 vs 8.4 at batch 8, 3.6 vs 3.3 at batch 1 (64 columns: 77.2, 8.4, 4.6;
-# one H200, 2026-12-03, gdn_pending_verify.py --sweep, BENCHMARKS.md section 5).
-# The tree's prepare kernel (one program per sequence and head, a serial forward substitution,
-# which stays accurate where a Neumann product of powers of A cancels catastrophically on deep
-# chains of correlated keys): 2 warps, measured against 1, 4 and 8 (BENCHMARKS.md section 5:
-# 7.2 vs 8.6 us at 17 nodes and batch 1, 9.4 vs 13.1 us at batch 64, against 4 warps).
-# Its work inside each verify program instead ("prepare": "fused", one launch fewer per layer)
-# pays for short chains at small batch and for 16-node trees at batch 1; "auto" fuses up to 8
-# nodes at batch 8 or less and up to 16 at batch 1. One H200, 2026-12-03, with a pending commit
-# of 5 or 6 nodes and bf16 q/k (benchmarks/scripts/gdn_pending_verify.py, BENCHMARKS.md section
-# 5), fused vs separate in us: `small` layer (H 4, K 128, V 256) 7 nodes 6.9 vs 8.3 at batch 1,
-# 9.0 vs 10.2 at batch 8, 46.7 vs 41.3 at batch 64; 16 nodes 10.2 vs 9.6, 13.1 vs 11.9, 68.1 vs
-# 46.2; GDN-1.3B layer 7 nodes 9.2 vs 11.3, 18.9 vs 19.6, 148 vs 128. On the engine's own inputs
-# (float32 q/k, 16 nodes, batch 1; 2026-12-04, the probe kept in benchmarks/results/2026-12-04/,
-# whose committed form is benchmarks/scripts/engine_kernels_probe.py) with
-# the default products: `small` 12.4 vs 13.3, GDN-1.3B 15.6 vs 18.5, and a recorded tree step of
-# `small` 1.172 vs 1.186 ms with 260 kernels against 272 (TF32 products in that step).
-# "dot": the products' precision where the activations are not float32 (float32 runs: "ieee").
-# The mixer passes q and k L2-normalised in float32, so "ieee" would run every product on the
-# CUDA cores. "tf32x3" (three TF32 products a product, on tensor cores) keeps float32's
-# accuracy; plain "tf32" rounds the inputs to 10 mantissa bits. GDN-1.3B layer, 16 nodes, with a
-# pending commit, us (ieee / tf32x3 / tf32): batch 64 366 / 255 / 143, batch 1 (fused) 18.0 /
-# 15.6 / 11.8; error of Delta against a float64 twin 5e-7 / 3e-7 / 1.2e-3 (2026-12-04). "tf32"
-# made a bf16 GPU test's speculative tokens differ from plain decoding's
-# (test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding); "tf32x3" passes it.
-# "commit": the pending commit's product (float32 runs: "ieee"). "tiles": (BV, BKC) per form of
-# the prepare. On the engine's inputs at GDN-1.3B, batch 64, 16 nodes, separate prepare
-# (2026-12-04, the form of engine_kernels_probe.py that is `git show
-# 305e6b7:benchmarks/results/2026-12-04/probe-code/tree_sweep.py`; BENCHMARKS.md section 5): the
-# commit in "tf32x3" instead of "ieee" 206 vs 248 us, with the committed state's error against
-# float64 unchanged (9.2e-8); then 64-column tiles in K blocks of 32 on 4 warps and 3 stages
-# 140 us (32 x 64: 206; 8 warps: 246.6 or more; 2 stages: 164); at
-# `small`, batch 32: 26.7 vs 36.9. At batch 1 (fused) 64 x 32 was slower on random inputs with a
-# 4-node pending path: GDN-1.3B 18.3 vs 13.9 us for 32 x 64, `small` 13.5 vs 11.2.
+# Launch parameters per kernel, chosen at the GDN-1.3B layer shape (K = V = 256); the figures are in
+# docs/tuning.md, "GDN verify launch parameters". "BV": the V-tile width (each program keeps a
+# [K, BV] float32 state tile in registers: wider tiles spill on the serial and chain kernels).
+# "decode": one-token passes (plain decoding) on the serial kernel, in wider tiles on more warps.
+# "tree": "tiles" is (BV, BKC) per form of the prepare (the tree kernel visits the state in K
+# blocks of BKC rows); "prepare": "auto" runs the prepare inside each verify program (one launch
+# fewer a layer) up to 8 nodes at batch 8 or less and up to 16 at batch 1, else as its own kernel;
+# "dot": the products' precision where the activations are not float32 (float32 runs take
+# "ieee"): the mixer passes q and k in float32, so "ieee" would keep every product off the tensor
+# cores, and plain "tf32" rounds them so that a bf16 model's speculative tokens stop matching
+# plain decoding's; "tf32x3" keeps float32's accuracy on tensor cores; "commit": the pending
+# commit's product, likewise. The top-level "prepare": the warps of the tree's prepare kernel (a
+# serial forward substitution, which stays accurate where a Neumann product of powers of A
+# cancels catastrophically on deep chains of correlated keys). benchmarks/kernels.py --only sweep and
+# benchmarks/scripts/gdn_pending_verify.py --sweep time the alternatives.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps": 4},
           "chain": {"BV": 16, "num_warps": 1},
           "tree": {"tiles": {"separate": (64, 32), "fused": (32, 64)}, "num_warps": 4, "num_stages": 3,
@@ -636,10 +606,9 @@ def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
 def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
     """``serial`` / ``parallel`` / ``hybrid`` for a batch of trees (``counts``: real nodes per row).
 
-    ``auto``, the rule measured on one H200 at the GDN-1.3B layer shape (BENCHMARKS.md section 1,
-    verify at commit f6bc47c): the tree-masked parallel kernel was the fastest for every chain and
-    tree of up to 32 nodes at batch 1, 8 and 64 (3.2x to 7.5x replay on trees), and for 64-node
-    trees at batch 8 and 64; hybrid won only at 64 nodes and batch 1 (4.5x vs 3.2x replay). So:
+    ``auto``: the tree-masked parallel kernel wherever it was the fastest at the GDN-1.3B layer
+    shape (every chain and tree of up to 32 nodes, and 64-node trees at batch 8 and more; figures
+    in docs/tuning.md, "GDN verify kernel choice"); hybrid won only at 64 nodes and batch 1. So:
     more than 32 nodes at batch 1 -> hybrid; up to ``MAX_TREE_NODES`` -> parallel; larger chains
     -> serial, larger trees -> hybrid. A forced ``serial`` on trees that are not chains, or
     ``parallel`` beyond ``MAX_TREE_NODES``, falls back to ``hybrid``.

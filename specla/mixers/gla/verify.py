@@ -279,9 +279,9 @@ def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:
 def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") -> str:
     """``serial`` / ``parallel`` / ``reference`` for a batch of trees (``counts``: real nodes per row).
 
-    ``auto``, measured on one H200 at the GLA-1.3B layer shape (BENCHMARKS.md, 2026-11-30):
-    chains of up to 32 nodes -> parallel (as fast as serial at batch 1, 1.2x to 1.5x faster at
-    batch 8 and 64), longer chains -> serial; trees up to ``MAX_TREE_NODES`` nodes -> parallel,
+    ``auto``: chains of up to 32 nodes -> parallel (at the GLA-1.3B layer shape as fast as serial
+    at batch 1 and faster at larger batches; docs/tuning.md, "GLA verify kernel choice"), longer
+    chains -> serial; trees up to ``MAX_TREE_NODES`` nodes -> parallel,
     larger -> reference (PyTorch). GLA has no hybrid kernel yet: ``hybrid`` is treated as
     ``auto``; a forced ``serial`` on trees that are not chains takes the parallel kernel.
     """

@@ -268,8 +268,8 @@ def tree_verify(
         raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
     y, u, G = out = _outputs(x, out)
     BP = max(16, min(triton.next_power_of_2(P), 64))  # tl.dot needs tiles of at least 16
-    # node tiles of at least 32: on an H200 at the Mamba2-1.3B shape, 32-node trees (BT = 32) ran
-    # 3.4x to 4.2x faster than 8- and 16-node ones with BT = 16 (BENCHMARKS.md section 2)
+    # node tiles of at least 32: smaller trees in 16-node tiles ran slower than 32-node trees
+    # (docs/tuning.md, "Mamba2 tree node tiles")
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
         *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), mask.contiguous(), state, y, u, G,
         T=T, H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(T)),
