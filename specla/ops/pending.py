@@ -2,6 +2,7 @@
 stays a typed :class:`specla.records.LayerCommit` down to the launch, which binds its record's
 fields to the kernel's parameters by keyword; without one they are ``None`` (no dummy pointers)
 and the kernel's ``HAS_PENDING`` flag, set by :data:`with_pending`, compiles the commit out.
+The standalone commit (:func:`flush`) is the same kernel launched with an empty chain.
 """
 
 from __future__ import annotations

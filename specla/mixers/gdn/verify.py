@@ -607,7 +607,7 @@ def pick_verify_kernel(parents: Tensor, counts: Tensor, choice: str = "auto") ->
     """``serial`` / ``parallel`` / ``hybrid`` for a batch of trees (``counts``: real nodes per row).
 
     ``auto``: the tree-masked parallel kernel wherever it was the fastest at the GDN-1.3B layer
-    shape (every chain and tree of up to 32 nodes, and 64-node trees at batch 8 and more; figures
+    shape (every chain and tree of up to 32 nodes, and 64-node trees at batch 8 and 64; figures
     in docs/tuning.md, "GDN verify kernel choice"); hybrid won only at 64 nodes and batch 1. So:
     more than 32 nodes at batch 1 -> hybrid; up to ``MAX_TREE_NODES`` -> parallel; larger chains
     -> serial, larger trees -> hybrid. A forced ``serial`` on trees that are not chains, or
