@@ -196,7 +196,8 @@ def _device_type(device: str | None) -> str:
 def _add_threads(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive, default=None, metavar="N",
                         help="torch threads on a CPU (default: 1 unless OMP_NUM_THREADS is set; torch's own "
-                             "default, a thread per core, was 20x slower on a busy 2-core machine)")
+                             "default, a thread per core, decodes far slower on a machine whose cores are busy: README, "
+                             "CPU threads)")
 
 
 def _demo(args: argparse.Namespace) -> int:
