@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-__all__ = ["enable_fla_interpreter", "fla_forward_logits", "fla_greedy_generate"]
+__all__ = ["enable_fla_interpreter", "fla_device", "fla_forward_logits", "fla_greedy_generate"]
 
 _ENABLED = False
 # Name injected into the kernel module's globals for the rewritten loops.
@@ -136,6 +136,24 @@ def enable_fla_interpreter() -> None:
     _ENABLED = True
 
 
+def fla_device() -> str:
+    """Where FLA's kernels run in this process, made ready: ``"cpu"`` under Triton's interpreter
+    (``TRITON_INTERPRET=1``, :func:`enable_fla_interpreter` installed) or ``"cuda"`` compiled.
+
+    Raises:
+        pytest.skip.Exception: neither (the kernels are compiled but there is no CUDA device).
+        RuntimeError: as :func:`enable_fla_interpreter`.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        enable_fla_interpreter()
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    import pytest
+
+    pytest.skip("FLA's kernels are compiled here (TRITON_INTERPRET is not 1) and there is no CUDA device")
+
+
 def _fla_dtype(model):
     # FLA's kernels compute in fp32 and reject float64 models (fp32/fp64 operand and
     # fp_downcast_rounding errors), so a float64 model runs as a float32 copy.
@@ -145,7 +163,8 @@ def _fla_dtype(model):
 
 
 def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = False) -> torch.Tensor:
-    """Full-sequence forward, no cache. Returns logits [B, T, vocab] as float32.
+    """Full-sequence forward, no cache, on the model's device (``input_ids`` [B, T] or [T] go
+    there). Returns logits [B, T, vocab] as float32.
 
     A float64 model is run as a float32 copy (FLA has no fp64 kernels), so compare
     with fp32-level tolerances (observed ~1e-6..5e-6 abs on tiny random models).
@@ -157,11 +176,11 @@ def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = Fals
     use_cache=False is passed, which makes FLA fuse the q/k/v short convs into one
     causal_conv1d call and keeps any cache object out of the picture.
     """
-    enable_fla_interpreter()
+    fla_device()
     if model.training:
         raise ValueError("call model.eval() first (in training mode FLA's layer forces the chunk path)")
     model = _fla_dtype(model)
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=next(model.parameters()).device)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if chunk:
@@ -176,9 +195,13 @@ def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = Fals
 def fla_greedy_generate(model, input_ids, max_new_tokens: int, *, chunk: bool = False) -> list[int]:
     """Greedy decoding for batch 1 by re-running the full forward every step (no cache).
 
+    FLA's own ``generate`` is no oracle here: with transformers 5 it decodes the first token right
+    and then leaves FLA's forward (GDN and GLA, while one cached step called directly with
+    ``past_key_values=`` equals the forward): its cache is lost between steps.
+
     Returns only the newly generated token ids. Ties break to the lowest id (torch.argmax).
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=next(model.parameters()).device).reshape(1, -1)
     model = _fla_dtype(model)  # convert once, not per step
     out: list[int] = []
     for _ in range(max_new_tokens):

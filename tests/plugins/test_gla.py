@@ -1,6 +1,7 @@
 """Gated Linear Attention (the op, specla.mixers.gla, and the gla plugin): reference ops vs their sequential twins, the model
-path vs plain sequential decoding and vs FLA's own GLAForCausalLM, every commit strategy, end to
-end token identity, bad inputs, and the Triton kernels (CPU: Triton interpreter)."""
+path vs plain sequential decoding, every commit strategy, end to end token identity, bad inputs,
+and the Triton kernels (CPU: Triton interpreter). FLA's own GLAForCausalLM as the oracle:
+test_fla_oracle.py."""
 
 import copy
 import functools
@@ -364,31 +365,6 @@ def test_float32_token_identical(rng):
     prompts = [[rng.randrange(61) for _ in range(12)] * 2]
     result = specla.run(model, "gla", prompts=prompts, config=dict(max_new_tokens=30, top_k=2))
     assert result.outputs == reference(model, prompts, 30)
-
-
-# ---------------------------------------------------------------------------- FLA's own model
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="FLA runs its real kernels in this process (TRITON_INTERPRET != 1)")
-
-
-@needs_interpreter
-@pytest.mark.parametrize("name", list(GLA_CONFIGS))
-def test_model_forward_equals_fla(name):
-    """Our logits at every position of a chain equal FLA's GLAForCausalLM forward (its Triton
-    kernels run by the interpreter): an oracle written independently of specla."""
-    from fla_oracle import enable_fla_interpreter, fla_forward_logits
-
-    enable_fla_interpreter()
-    model = make_gla_model(name, dtype=torch.float32, seed=1)
-    T = 65 if name == "base" else 11  # FLA's layer switches from fused_recurrent to chunk above 64
-    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
-    adapter = adapter_for(model, num_draft_tokens=T - 1, max_depth=T - 1)
-    adapter.prefill([[int(t)] for t in ids[:, 0]])
-    chain = DraftTree(ids[:, 1:].contiguous(), torch.arange(-1, T - 2).expand(2, T - 1).contiguous(),
-                      torch.full((2,), T - 1))
-    ours = adapter.verify(chain).logits
-    ref = fla_forward_logits(model, ids)
-    assert float((ours - ref).abs().max()) < 2e-4
 
 
 # ---------------------------------------------------------------------------- Triton kernels
