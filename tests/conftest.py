@@ -4,8 +4,9 @@
 compiled or interpreted kernels when a kernel is defined): an explicit value in the environment is
 kept; otherwise ``1`` (Triton's CPU interpreter) on a machine without CUDA, so that specla's and
 FLA's kernels run on the CPU, and ``0`` on a CUDA machine, so that the GPU tests compile them. The
-tests that need FLA's kernels interpreted on CPU tensors (the FLA oracle, ``tests/fla_oracle.py``)
-are skipped where they are compiled: :func:`enable_fla_interpreter` skips the calling test then.
+FLA oracle (``tests/fla_oracle.py``) runs either way (:func:`fla_device`); the tests that need FLA's
+kernels interpreted on CPU tensors are skipped where they are compiled:
+:func:`enable_fla_interpreter` skips the calling test then.
 """
 
 import os
@@ -39,6 +40,7 @@ import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
 warnings.filterwarnings("ignore", message=".*ShortConvolution is crucial.*")
@@ -49,6 +51,14 @@ from hopper_compile import install as _install_hopper_compile  # noqa: E402
 
 # interpreted kernels are also compiled for sm_90 on their first launch (tests/hopper_compile.py)
 _install_hopper_compile()
+
+
+# Property-based tests draw the same examples on every run, in CI and on a developer's machine
+# alike (CI runs the README's command, which sets no CI variable): a seed derived from each test,
+# no example database, so a failure reproduces with the same command. ``--hypothesis-seed=N``
+# draws other examples.
+settings.register_profile("specla-tests", derandomize=True)
+settings.load_profile("specla-tests")
 
 
 # the GDN-layer tests read every layer's GDN state; the hybrid variant ("attn": an FLA attention

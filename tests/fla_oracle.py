@@ -1,7 +1,9 @@
-"""Run FLA's own GatedDeltaNetForCausalLM on CPU under the Triton interpreter.
+"""Run FLA's own models (GatedDeltaNetForCausalLM, GLAForCausalLM, Mamba2ForCausalLM) as an
+oracle: on the CPU under the Triton interpreter, or on a CUDA device compiled.
 
 This is a test helper, not a test module: it gives tests an oracle implemented
-independently of specla (FLA's Triton kernels, executed by ``TRITON_INTERPRET=1``).
+independently of specla (FLA's Triton kernels, executed by ``TRITON_INTERPRET=1``
+on a CPU; :func:`fla_device` says which of the two this process runs).
 
 Caller contract: ``os.environ["TRITON_INTERPRET"] = "1"`` must be set before
 ``fla`` (or anything else defining ``@triton.jit`` kernels) is imported; simplest
@@ -13,14 +15,15 @@ if ``fla`` was already imported without it.
 
 Usage::
 
-    from tests.fla_oracle import enable_fla_interpreter, fla_forward_logits
-    enable_fla_interpreter()        # idempotent; before or after `import fla`
+    from fla_oracle import fla_device, fla_forward_logits
+    device = fla_device()           # "cpu" (interpreter installed, idempotent) or "cuda"
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(...)).float().eval()
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(...)).float().eval().to(device)
     logits = fla_forward_logits(model, input_ids)   # [B, T, vocab] float32
 
 Everything is done by monkeypatching Triton's Python runtime at run time; no
-file in site-packages is modified. The patches only affect interpreter mode.
+file in site-packages is modified. The patches only affect interpreter mode; on a CUDA
+device nothing is patched.
 """
 from __future__ import annotations
 
@@ -195,9 +198,10 @@ def fla_forward_logits(model, input_ids: torch.LongTensor, *, chunk: bool = Fals
 def fla_greedy_generate(model, input_ids, max_new_tokens: int, *, chunk: bool = False) -> list[int]:
     """Greedy decoding for batch 1 by re-running the full forward every step (no cache).
 
-    FLA's own ``generate`` is no oracle here: with transformers 5 it decodes the first token right
-    and then leaves FLA's forward (GDN and GLA, while one cached step called directly with
-    ``past_key_values=`` equals the forward): its cache is lost between steps.
+    FLA's own cached ``generate`` is no oracle here: transformers 5.24 passes the cache as
+    ``cache=``, which FLA's models ignore, so after the first token each step restarts from an
+    empty state (docs/usage.md); one cached step called with ``past_key_values=`` does equal the
+    forward on GDN and GLA.
 
     Returns only the newly generated token ids. Ties break to the lowest id (torch.argmax).
     """

@@ -441,7 +441,9 @@ class PluginSuite:
         assert all(h == histograms[0] for h in histograms), histograms
 
     # ------------------------------------------------------------------ property-based fuzzing
-    @settings(max_examples=25, deadline=None,
+    # derandomized: every run of the suite, a third party's too, draws the same examples (a seed
+    # derived from the test, no example database); --hypothesis-seed=N draws others
+    @settings(max_examples=25, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                      HealthCheck.differing_executors])  # one base class, several plugins
     @given(script=st.lists(st.lists(st.tuples(st.integers(-1, 7), st.one_of(st.just("right"), st.just("wrong"),

@@ -59,6 +59,23 @@ def trees_and_targets(draw):
     return rows, targets
 
 
+def test_property_based_tests_draw_the_same_examples_on_every_run():
+    """The tests' hypothesis profile (tests/conftest.py) is derandomized: a property-based test
+    run twice draws the same examples, and no example database replays earlier failures."""
+    drawn = []
+
+    @settings(max_examples=20)
+    @given(st.integers())
+    def probe(x):
+        drawn.append(x)
+
+    probe()
+    first, drawn[:] = list(drawn), []
+    probe()
+    assert drawn == first and len(set(first)) > 5
+    assert settings().derandomize and settings().database is None
+
+
 @settings(max_examples=300, deadline=None)
 @given(trees_and_targets(), st.one_of(st.none(), st.integers(0, 9)))
 def test_matches_sequential_walk(case, max_depth):

@@ -5,7 +5,8 @@ and specla then run on the GPU): the same tests. FLA has no float64 kernels, so 
 float32 runs at float32 tolerance.
 
 FLA's greedy decoding is its forward re-run over the whole sequence for each new token
-(:func:`fla_oracle.fla_greedy_generate`); its ``generate`` loses its cache between steps here."""
+(:func:`fla_oracle.fla_greedy_generate`): its cached ``generate`` ignores the cache under
+transformers 5.24 (docs/usage.md)."""
 
 import pytest
 import torch
@@ -18,9 +19,11 @@ from specla.testing.drafters import OracleDrafter
 from fla_oracle import fla_device, fla_forward_logits, fla_greedy_generate
 
 PLUGINS = ("gdn", "gla", "mamba2")
-# max |specla - FLA| over a chain's logits, float32, several layers, different summation orders
-# (CPU, interpreted: up to 4.9e-6 over every recurrent variant of the three classes, seeds 1-3)
-ATOL = {"cpu": 5e-5, "cuda": 2e-4}
+# max |specla - FLA| over all logits of a test, float32, several layers, different summation orders
+# (CPU, interpreted: up to 4.9e-6 over every recurrent variant of the three classes, seeds 1-3).
+# CUDA, compiled: not yet measured; FLA's kernels may round dot inputs to TF32, and the GDN check
+# against them in tests/gpu/test_gpu.py allows 2e-3
+ATOL = {"cpu": 5e-5, "cuda": 2e-3}
 
 
 def fla_model(plugin: str, variant: str, seed: int) -> torch.nn.Module:
