@@ -19,11 +19,14 @@ from specla.testing.drafters import OracleDrafter
 from fla_oracle import fla_device, fla_forward_logits, fla_greedy_generate
 
 PLUGINS = ("gdn", "gla", "mamba2")
-# max |specla - FLA| over all logits of a test, float32, several layers, different summation orders
-# (CPU, interpreted: up to 4.9e-6 over every recurrent variant of the three classes, seeds 1-3).
-# CUDA, compiled: not yet measured; FLA's kernels may round dot inputs to TF32, and the GDN check
-# against them in tests/gpu/test_gpu.py allows 2e-3
-ATOL = {"cpu": 5e-5, "cuda": 2e-3}
+# max |specla - FLA| over all logits of a test, float32, several layers, different summation
+# orders. Observed over every recurrent variant of the three classes, seeds 1-3: up to 4.9e-6 on
+# the CPU (interpreted) and 6.0e-6 on an H100 (compiled) against FLA's recurrent kernels and
+# Mamba2's PyTorch path; against FLA's chunked kernels compiled on the H100 (GDN with grad, GLA
+# above 64 tokens) up to 8.4e-3, the precision of their matrix products (specla's logits are the
+# same in both comparisons).
+ATOL = 6e-5
+CUDA_CHUNKED_ATOL = 8e-2
 
 
 def fla_model(plugin: str, variant: str, seed: int) -> torch.nn.Module:
@@ -69,10 +72,12 @@ def test_logits_equal_flas_forward(plugin, variant):
     T = 65 if (plugin, variant) == ("gla", "base") else 11
     ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
     ids = ids.to(model.device)
-    refs = [fla_forward_logits(model, ids, chunk=chunk) for chunk in ((False, True) if plugin == "gdn" else (False,))]
+    refs = [(fla_forward_logits(model, ids, chunk=chunk), chunk or T > 64)
+            for chunk in ((False, True) if plugin == "gdn" else (False,))]
     for ours in specla_logits(plugin, model, ids):
-        for ref in refs:
-            assert float((ours - ref).abs().max()) < ATOL[model.device.type]
+        for ref, chunked in refs:
+            tol = CUDA_CHUNKED_ATOL if chunked and model.device.type == "cuda" else ATOL
+            assert float((ours - ref).abs().max()) < tol
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
@@ -80,16 +85,15 @@ def test_tree_nodes_equal_flas_forward_on_their_root_paths(plugin):
     """Each node of one verified tree (two branches, a depth-2 path, a second root child) has
     FLA's logits after the prompt and the node's root path."""
     model = fla_model(plugin, "base", seed=4)
-    device = model.device
     prompt = [3, 9, 27, 17]
-    tree = DraftTree.from_lists([([5, 6, 7, 8, 9], [-1, 0, 0, 2, -1])], device=device)
+    tree = DraftTree.from_lists([([5, 6, 7, 8, 9], [-1, 0, 0, 2, -1])], device=model.device)
     adapter = get_plugin(plugin).make_adapter(model, SpecConfig())
     adapter.prefill([prompt])
     logits = adapter.verify(tree).logits[0]
     paths = [[]] + [[int(tree.tokens[0, j]) for j in tree.path(0, i)] for i in range(5)]
     for row, path in enumerate(paths):
         ref = fla_forward_logits(model, torch.tensor([prompt + path]))[0, -1]
-        assert float((logits[row] - ref).abs().max()) < ATOL[device.type]
+        assert float((logits[row] - ref).abs().max()) < ATOL
 
 
 SPECULATION = {  # drafts from FLA's own greedy continuation, some right, some wrong
