@@ -150,15 +150,7 @@ def test_fla_graph_step_times_the_models_cached_one_token_forward():
 # ------------------------------------------------------------------ the transformers generate row
 
 
-def load_e2e():
-    spec = importlib.util.spec_from_file_location("e2e_bench_compat", ROOT / "benchmarks" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_exact_rate_compares_each_output_with_its_reference_prefix():
-    e2e = load_e2e()
     assert e2e.exact_rate([[1, 2], [3, 4]], [[1, 2, 9], [3, 5, 9]]) == 0.5
     assert e2e.exact_rate([[1, 2, 9]], [[1, 2, 9]]) == 1.0
     with pytest.raises(ValueError, match="longer than its reference"):
@@ -192,7 +184,6 @@ def test_the_transformers_generate_row_is_checked_against_ar():
         dev = "cuda"
     else:
         pytest.skip("FLA's kernels need CUDA or TRITON_INTERPRET=1")
-    e2e = load_e2e()
     model = get_plugin("gdn").tiny_model("base", seed=0, dtype=torch.float32).to(dev)
     prompts = [[3, 17, 5, 9], [40, 2, 33, 8]]
     n = 6
