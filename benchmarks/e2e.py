@@ -29,7 +29,7 @@ Studies (each one command; every figure is a median over ``--repeats`` timed run
   own model decoding one token with its cache in a CUDA graph (:func:`fla_graph_step`; every row's
   ``vs_best_ar`` is against the faster of the two AR rows), speculative tree with
   ``snapshot`` and ``replay`` commit, FLA-SD (chain; verify's recurrence and the replay commit on
-  FLA's stock kernel, :class:`FLASDAdapter`), SpecLA chain and tree (``factor``); ``--core-rows``
+  FLA's stock kernel, :func:`fla_sd_verify`), SpecLA chain and tree (``factor``); ``--core-rows``
   keeps the two AR rows and SpecLA's chain and tree; each row's greedy output
   compared token for token with the AR row (``exact``: the fraction of sequences equal to it;
   transformers ``generate``'s ``--hf-tokens`` against the AR row's first ones); per sequence, the
@@ -51,6 +51,7 @@ import json
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -61,8 +62,9 @@ from specla.drafters.eagle import EagleDrafter, EagleHead
 from specla.graphs import record_graph
 from specla.interfaces import Drafter
 from specla.tree import DraftTree
-from specla_gdn.adapter import GDNAdapter
+from specla.mixers.gdn.mixer import GDNMixer
 from specla.mixers.gdn.reference import expand_heads, tree_gdn
+from specla.model.adapter import ModelAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import add_allow_dirty, provenance  # noqa: E402
@@ -128,37 +130,39 @@ def fla_replay(S0, rec, path, path_len):
     return S.to(S0.dtype)
 
 
-class FLASDAdapter(GDNAdapter):
-    """The FLA-SD baseline (the SpecLA paper's comparison): chain drafts whose verify runs the
-    recurrence with FLA's stock ``fused_recurrent_gated_delta_rule`` (the chain as a sequence,
-    from the committed state, :func:`fla_recurrence`), and a replay commit that runs the accepted
-    tokens through the same FLA kernel again (:func:`fla_replay`). The rest of the layer
-    (projections, conv, norms) is specla's reference path, as in the snapshot and replay rows.
-    Chains only: FLA's kernel reads its tokens as one sequence. Made with :func:`use_fla_sd`."""
+def fla_sd_verify(adapter: ModelAdapter, tree: DraftTree):
+    """The FLA-SD baseline's verify (the SpecLA paper's comparison), bound to a GDN decoder's
+    adapter by :func:`use_fla_sd`: chain drafts whose verify runs the recurrence with FLA's stock
+    ``fused_recurrent_gated_delta_rule`` (the chain as a sequence, from the committed state,
+    :func:`fla_recurrence`), and a replay commit that runs the accepted tokens through the same
+    FLA kernel again (:func:`fla_replay`). The rest of the layer (projections, conv, norms) is
+    specla's reference path, as in the snapshot and replay rows. Refuses branching drafts (FLA's
+    kernel would read them as one chain); checked on the host when not recording (a recorded
+    step's drafts come from a chain drafter).
 
-    def _verify(self, tree):
-        """Refuses branching drafts (FLA's kernel would read them as one chain); checked on the
-        host when not recording (a recorded step's drafts come from a chain drafter)."""
-        if not self.static_shapes:
-            n = tree.parents.shape[1]
-            chain = torch.arange(-1, n - 1, device=tree.parents.device).expand_as(tree.parents)
-            valid = torch.arange(n, device=tree.parents.device)[None, :] < tree.num_nodes.to(tree.parents.device)[:, None]
-            if bool(((tree.parents != chain) & valid).any()):
-                raise ValueError("FLA-SD verifies chains only: the drafter proposed a branching tree")
-        return super()._verify(tree)
+    Raises:
+        ValueError: a branching tree.
+    """
+    if not adapter.static_shapes:
+        n = tree.parents.shape[1]
+        chain = torch.arange(-1, n - 1, device=tree.parents.device).expand_as(tree.parents)
+        valid = torch.arange(n, device=tree.parents.device)[None, :] < tree.num_nodes.to(tree.parents.device)[:, None]
+        if bool(((tree.parents != chain) & valid).any()):
+            raise ValueError("FLA-SD verifies chains only: the drafter proposed a branching tree")
+    return ModelAdapter._verify(adapter, tree)
 
 
 def use_fla_sd(dec: SpecDecoder) -> SpecDecoder:
     """Turn a GDN decoder with ``commit="replay"`` and chain drafts into the FLA-SD baseline
-    (:class:`FLASDAdapter`), before its first step.
+    (:func:`fla_sd_verify`), before its first step.
 
     Raises:
         ValueError: the decoder drafts trees, or does not commit by replay.
     """
     cfg = dec.config
-    if cfg.top_k != 1 or cfg.commit != "replay" or not isinstance(dec.adapter, GDNAdapter):
+    if cfg.top_k != 1 or cfg.commit != "replay" or not all(isinstance(m, GDNMixer) for m in dec.adapter.mixers):
         raise ValueError("FLA-SD needs a GDN decoder with chain drafts (top_k=1) and commit='replay'")
-    dec.adapter.__class__ = FLASDAdapter  # same state, the chain check added
+    dec.adapter._verify = types.MethodType(fla_sd_verify, dec.adapter)  # same state, the chain check added
     for m in dec.adapter.mixers:  # the recurrence and the replay commit on FLA's kernel
         m.recurrence, m.replay = fla_recurrence, fla_replay
     return dec

@@ -141,7 +141,7 @@ def fla_attention_mixer(attn: torch.nn.Module, act: Callable[[Tensor | None], Te
         attn: a ``fla.layers.attn.Attention``: ``q_proj [H Dh, hidden]``, ``k_proj`` / ``v_proj``
             ``[HKV Dh, hidden]`` (biases when ``qkv_bias``), optional ``q_norm`` / ``k_norm``
             RMSNorms over ``Dh``, ``rotary`` (its ``inv_freq`` and ``base``), ``window_size``.
-        act: converts a weight to the run's device and activation dtype (``MixerAdapter._act``).
+        act: converts a weight to the run's device and activation dtype (:meth:`specla.model.spec.Placement.act`).
         dtype, device: the KV cache's (the activation dtype).
         o_proj: apply the output projection (``False``: the plugin's block applies it, with the
             residual add, as for its recurrent layers).

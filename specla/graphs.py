@@ -122,7 +122,7 @@ class GraphRunner:
     """Runs greedy speculative steps as CUDA graphs (see the module docstring).
 
     Args:
-        adapter: the target; must provide ``graph_state`` (``LayerwiseAdapter`` does).
+        adapter: the target; must provide ``graph_state`` (``ModelAdapter`` does).
         drafter: the drafter; proposes on the device (``propose_on_device``) or on the host.
         config: the run's options; ``num_draft_tokens`` must be at most
             ``adapter.graph_max_nodes()``.

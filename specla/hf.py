@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
+from numbers import Integral
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from .errors import UnsupportedModelError
 
@@ -70,4 +73,56 @@ def load_pretrained(model_class, path: Path, *, dtype: torch.dtype | None) -> to
     if problems:
         raise UnsupportedModelError(f"{path}: its weights do not fit its config.json (the model would run on "
                                     f"random or dropped weights): {'; '.join(problems)}")
+    return model
+
+
+def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """The end-of-sequence ids a model's generation stops at, as transformers' ``generate`` reads
+    them: ``model.generation_config.eos_token_id`` (filled from the checkpoint's
+    ``generation_config.json`` when it has one) when set, else ``model.config.eos_token_id``.
+    Either may be one id or a list of ids.
+
+    Args:
+        model: a transformers-style model (``generation_config`` and ``config`` are optional).
+    Returns:
+        The ids in their given order without repeats; ``()`` when neither is set.
+    Raises:
+        UnsupportedModelError: an id that is not an integer (a bool, a float, a string...).
+    """
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    source = "generation_config"
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+        source = "config"
+    if eos is None:
+        return ()
+    ids = eos.tolist() if isinstance(eos, Tensor) else eos
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, Integral):
+            raise UnsupportedModelError(f"{source}.eos_token_id must be an int or a list of ints, got {eos!r}")
+    return tuple(dict.fromkeys(int(t) for t in ids))
+
+
+def weaken_hook_cycles(model: torch.nn.Module) -> torch.nn.Module:
+    """Make the hooks of ``model``'s modules that are bound methods of one of its modules hold
+    that module weakly, as torch's own ``with_module`` hooks do; each is called as before. A
+    module's own bound method in its hook table is a reference cycle (transformers' and FLA's
+    ``Mamba2Model`` register ``self.load_hook`` as a ``load_state_dict`` pre-hook), which keeps
+    the whole model alive after its last user drops it, until Python's cyclic garbage collector
+    runs. Only for models specla owns (loaded or copied by it).
+
+    Returns:
+        ``model``, changed in place.
+    """
+    from torch.nn.modules.module import _WrappedHook
+
+    owners = {id(m) for m in model.modules()}
+    for module in model.modules():
+        tables = [t for name, t in vars(module).items() if name.endswith("hooks") and isinstance(t, dict)]
+        for table in tables:
+            for key, hook in table.items():
+                fn = hook.hook if isinstance(hook, _WrappedHook) and not hook.with_module else hook
+                if inspect.ismethod(fn) and id(fn.__self__) in owners:
+                    table[key] = _WrappedHook(fn.__func__, fn.__self__)
     return model

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from numbers import Integral
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -19,6 +20,9 @@ from .config import SpecConfig
 from .errors import InvalidTokenError, InvalidTreeError, TokenTypeError, UnsupportedModelError
 from .records import Acceptance, Record
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .model.spec import ModelSpec, Placement
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class TargetAdapter(ABC):
         config: the run's :class:`~specla.config.SpecConfig`.
         vocab_size: number of token ids the embedding accepts.
         eos_token_ids: the model's end-of-sequence tokens (``()``: none); the engine stops a
-            sequence at any of them when ``stop_at_eos``. :func:`specla.layerwise.eos_token_ids`
+            sequence at any of them when ``stop_at_eos``. :func:`specla.hf.eos_token_ids`
             reads them from a transformers-style model.
         device, dtype: where and in which activation dtype the model runs.
     """
@@ -314,13 +318,30 @@ class ArchitecturePlugin(ABC):
         """Raise :class:`~specla.errors.UnsupportedModelError` naming the reason if this plugin
         cannot run ``model``; return ``None`` otherwise."""
 
-    @abstractmethod
+    def model_spec(self, model: torch.nn.Module, placement: "Placement") -> "ModelSpec":
+        """Describe ``model`` as :class:`specla.model.adapter.ModelAdapter` runs it: its mixers,
+        block wiring, embeddings and LM head (:class:`specla.model.spec.ModelSpec`). ``model`` is
+        already on ``placement.device`` in ``placement.dtype``, in eval mode (a copy where the
+        caller's was not; see :attr:`specla.model.spec.Placement.own_copy`).
+
+        Raises:
+            NotImplementedError: the plugin writes its own :meth:`make_adapter` instead.
+        """
+        raise NotImplementedError(f"plugin {self.name!r} describes no model (model_spec)")
+
     def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        """Prepare ``model`` for speculative decoding under ``config``.
+        """Prepare ``model`` for speculative decoding under ``config``: by default
+        :meth:`check_model`, then a :class:`specla.model.adapter.ModelAdapter` built from
+        :meth:`model_spec`.
 
         Raises:
             UnsupportedModelError: see :meth:`check_model`.
+            ConfigError: the config cannot run here (``kernels="triton"`` without Triton).
         """
+        from .model.adapter import ModelAdapter  # the adapter imports this module
+
+        self.check_model(model)
+        return ModelAdapter(model, config, self.model_spec)
 
     def make_model_drafter(self, name: str, model: torch.nn.Module) -> "Drafter":
         """The drafter ``name`` (one of :attr:`model_drafters`) of ``model``.

@@ -38,7 +38,7 @@ def mtp_logits(head, text, lm_head, x: torch.Tensor):
     layer's prediction from the pair (feature at ``t``, token ``t + 1``), and the target's logits
     at ``t + 1`` (its distribution of token ``t + 2``), the target frozen."""
     from specla.testing.transformers_oracle import torch_path
-    from specla_qwen.adapter import rotary_cos_sin
+    from specla_qwen.spec import rotary_cos_sin
 
     with torch.no_grad(), torch_path(text):
         f = text(input_ids=x, use_cache=False).last_hidden_state  # final-normed features
@@ -84,7 +84,7 @@ def main() -> None:
                          "models (train_target.py --preset small-hybrid or tiny-hybrid)")
 
     from safetensors.torch import save_file
-    from specla_qwen.adapter import text_parts
+    from specla_qwen.spec import text_parts
     from specla_qwen.mtp import QwenMTPHead
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

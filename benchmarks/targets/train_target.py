@@ -9,7 +9,7 @@ GatedDeltaNetForCausalLM, presets ``tiny`` and ``small``) and Qwen3.5-architectu
 Presets fix the architecture, the token budget (steps x batch x sequence length), the learning
 rate schedule and the seed, so a rerun on the same GPU type rebuilds the same model up to
 kernel-level nondeterminism. The GDN presets' forward and backward run through specla's own
-differentiable PyTorch GDN path (``GDNAdapter(..., differentiable=True).score``: causal conv and
+differentiable PyTorch GDN path (``ModelAdapter(..., gdn_spec, differentiable=True).score``: causal conv and
 the chunked WY-form gated delta rule), checked against FLA's model and sequential decoding in the
 tests: FLA 0.6's training kernels refuse Hopper GPUs with Triton < 3.7.1. The hybrid presets run
 transformers' own forward on its PyTorch functions (``specla.testing.transformers_oracle.torch_path``:
@@ -128,7 +128,8 @@ def main() -> None:
 
     from specla import SpecConfig
     from specla.testing.transformers_oracle import torch_path
-    from specla_gdn.adapter import GDNAdapter
+    from specla.model.adapter import ModelAdapter
+    from specla_gdn.spec import gdn_spec
 
     cfg = dict(PRESETS[args.preset])
     if args.steps is not None:
@@ -165,7 +166,7 @@ def main() -> None:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.get("amp", False)):
             if arch == "gdn":
                 # rebuilt every step: the adapter's fused weights (e.g. q|k|v) are views of this step's params
-                logits = GDNAdapter(model, SpecConfig(), differentiable=True).score(x[:, :-1])
+                logits = ModelAdapter(model, SpecConfig(), gdn_spec, differentiable=True).score(x[:, :-1])
             else:
                 with torch_path(model):
                     logits = model(x[:, :-1], use_cache=False).logits

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.fla_attention import fla_models, is_fla_attention, spread_attention_biases, without_flash_attn
 from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
-from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.interfaces import ArchitecturePlugin
+from specla.model.spec import ModelSpec, Placement
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -77,12 +77,10 @@ class GDNPlugin(ArchitecturePlugin):
             )
         self.check_config(model.config.to_dict())
 
-    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        self.check_model(model)
-        from .adapter import GDNAdapter
+    def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
+        from .spec import gdn_spec
 
-        return GDNAdapter(model, config)
-
+        return gdn_spec(model, placement)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         """A random FLA ``GatedDeltaNetForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`),

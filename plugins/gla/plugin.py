@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.fla_attention import fla_models, is_fla_attention, spread_attention_biases, without_flash_attn
 from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
-from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.interfaces import ArchitecturePlugin
+from specla.model.spec import ModelSpec, Placement
 
 # feature maps FLA's GatedLinearAttention may apply to q and k (config.feature_map), in PyTorch
 FEATURE_MAPS = {None: lambda x: x, "relu": F.relu, "sigmoid": torch.sigmoid, "swish": F.silu, "silu": F.silu}
@@ -79,11 +79,10 @@ class GLAPlugin(ArchitecturePlugin):
             raise UnsupportedModelError(f"the gla plugin runs fla.models.GLAForCausalLM, got {type(model).__name__}")
         self.check_config(model.config.to_dict())
 
-    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        self.check_model(model)
-        from .adapter import GLAAdapter
+    def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
+        from .spec import gla_spec
 
-        return GLAAdapter(model, config)
+        return gla_spec(model, placement)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         """A random FLA ``GLAForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`) in eval mode

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
-from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.interfaces import ArchitecturePlugin
+from specla.model.spec import ModelSpec, Placement
 
 TINY_BASE = dict(vocab_size=41, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,
                  num_key_value_heads=4, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
@@ -31,7 +31,7 @@ TINY_VARIANTS = {
 class KimiLinearPlugin(ArchitecturePlugin):
     """Moonshot AI's Kimi Linear (KDA and MLA layers, dense and MoE MLPs) as transformers
     implements it, ``KimiLinearForCausalLM``, detected from ``model_type == "kimi_linear"``
-    (:class:`specla_kimi.adapter.KimiLinearAdapter`). PyTorch only (no Triton KDA kernel yet)."""
+    (:func:`specla_kimi.spec.kimi_spec`). PyTorch only (no Triton KDA kernel yet)."""
 
     name = "kimi_linear"
     model_types = ("kimi_linear",)
@@ -64,11 +64,10 @@ class KimiLinearPlugin(ArchitecturePlugin):
             if hasattr(a, "conv1d") and a.activation not in ("silu", "swish"):
                 raise UnsupportedModelError(f"KDA short-conv activation {a.activation!r} is not supported (silu only)")
 
-    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        self.check_model(model)
-        from .adapter import KimiLinearAdapter
+    def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
+        from .spec import kimi_spec
 
-        return KimiLinearAdapter(model, config)
+        return kimi_spec(model, placement)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         """A random ``KimiLinearForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`), decays,

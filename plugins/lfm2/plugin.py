@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
-from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.interfaces import ArchitecturePlugin
+from specla.model.spec import ModelSpec, Placement
 
 TINY_BASE = dict(vocab_size=41, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                  eos_token_id=None, pad_token_id=0, bos_token_id=1, tie_word_embeddings=False, block_multiple_of=8,
@@ -26,7 +26,7 @@ TINY_VARIANTS = {
 class Lfm2Plugin(ArchitecturePlugin):
     """Liquid AI's LFM2 (gated short convolutions and grouped-query attention) as transformers
     implements it, ``Lfm2ForCausalLM``, detected from ``model_type == "lfm2"``
-    (:class:`specla_lfm2.adapter.Lfm2Adapter`)."""
+    (:func:`specla_lfm2.spec.lfm2_spec`)."""
 
     name = "lfm2"
     model_types = ("lfm2",)
@@ -54,11 +54,10 @@ class Lfm2Plugin(ArchitecturePlugin):
         if unknown:
             raise UnsupportedModelError(f"LFM2 layer types {sorted(unknown)} are not supported")
 
-    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        self.check_model(model)
-        from .adapter import Lfm2Adapter
+    def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
+        from .spec import lfm2_spec
 
-        return Lfm2Adapter(model, config)
+        return lfm2_spec(model, placement)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         """A random ``Lfm2ForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`), its norm

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.fla_attention import fla_models
 from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
-from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.interfaces import ArchitecturePlugin
+from specla.model.spec import ModelSpec, Placement
 
 
 TINY_BASE = dict(hidden_size=16, head_dim=8, state_size=6, n_groups=2, num_hidden_layers=2, vocab_size=41, expand=2,
@@ -89,12 +89,10 @@ class Mamba2Plugin(ArchitecturePlugin):
             )
         self.check_config(model.config.to_dict())
 
-    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        self.check_model(model)
-        from .adapter import Mamba2Adapter
+    def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
+        from .spec import mamba2_spec
 
-        return Mamba2Adapter(model, config)
-
+        return mamba2_spec(model, placement)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64,
                    **overrides) -> torch.nn.Module:

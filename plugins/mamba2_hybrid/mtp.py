@@ -21,7 +21,9 @@ from torch import Tensor, nn
 
 from specla.drafters.mtp import MTPDrafter, MTPHead, checkpoint_directory, load_mtp_state, mtp_tensors
 from specla.errors import DrafterError
-from specla.interfaces import TargetAdapter
+from specla.model.adapter import ModelAdapter
+
+from .spec import attention_mixer
 
 
 class NemotronHMTPHead(MTPHead):
@@ -59,11 +61,11 @@ class NemotronHMTPHead(MTPHead):
         self.attention_index = kinds.index("full_attention")
         load_mtp_state(self, tensors, model)
 
-    def bind(self, adapter: TargetAdapter) -> None:
+    def bind(self, adapter: ModelAdapter) -> None:
         self.to(adapter.device, adapter.dtype).eval()
         self.final_norm, self.lm_head = adapter.model.model.norm_f, adapter.model.lm_head
-        # the attention mixer the adapter builds for the model's own Nemotron-H attention layers
-        self.attention = adapter._attention(self.layers[self.attention_index].mixer)
+        # the attention mixer the model's own Nemotron-H attention layers run
+        self.attention = attention_mixer(self.layers[self.attention_index].mixer, adapter.model, adapter.placement)
 
     def features(self, hidden: Tensor) -> Tensor:
         return self.final_norm(hidden)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
-from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.interfaces import ArchitecturePlugin
+from specla.model.spec import ModelSpec, Placement
 
 COMMON = dict(vocab_size=41, eos_token_id=None, pad_token_id=0, bos_token_id=1, tie_word_embeddings=False,
               initializer_range=0.2, max_position_embeddings=512)
@@ -50,7 +50,7 @@ class Mamba2HybridPlugin(ArchitecturePlugin):
     attention): ``Mamba2ForCausalLM``, ``BambaForCausalLM``, ``GraniteMoeHybridForCausalLM``
     (Granite 4.0-H), ``NemotronHForCausalLM`` and ``FalconH1ForCausalLM``, detected from
     ``model_type``, loaded models or checkpoint directories, run unchanged
-    (:class:`specla_mamba2_hybrid.adapter.Mamba2HybridAdapter`)."""
+    (:func:`specla_mamba2_hybrid.spec.mamba2_hybrid_spec`)."""
 
     name = "mamba2_hybrid"
     model_types = tuple(CLASSES)
@@ -89,7 +89,7 @@ class Mamba2HybridPlugin(ArchitecturePlugin):
             raise UnsupportedModelError(
                 f"the mamba2_hybrid plugin runs transformers' {', '.join(c + 'ForCausalLM' for c in CLASSES.values())}, "
                 f"got {type(model).__module__}.{type(model).__name__}")
-        from .adapter import _inner, layer_mixers
+        from .spec import _inner, layer_mixers
 
         for layer in _inner(model).layers:
             for m in layer_mixers(layer):
@@ -98,11 +98,10 @@ class Mamba2HybridPlugin(ArchitecturePlugin):
                 if hasattr(m, "q_proj") and getattr(m, "sliding_window", None):
                     raise UnsupportedModelError("sliding-window attention layers are not supported by this plugin")
 
-    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        self.check_model(model)
-        from .adapter import Mamba2HybridAdapter
+    def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
+        from .spec import mamba2_hybrid_spec
 
-        return Mamba2HybridAdapter(model, config)
+        return mamba2_hybrid_spec(model, placement)
 
     def make_model_drafter(self, name: str, model: torch.nn.Module):
         """``"mtp"``: :class:`specla.drafters.mtp.MTPDrafter` over the MTP module of the

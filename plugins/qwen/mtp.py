@@ -19,9 +19,9 @@ from torch import Tensor, nn
 
 from specla.drafters.mtp import MTPDrafter, MTPHead, checkpoint_directory, load_mtp_state, mtp_tensors
 from specla.errors import DrafterError
-from specla.interfaces import TargetAdapter
+from specla.model.adapter import ModelAdapter
 
-from .adapter import QwenAttention, decoder_layer, norm, text_parts
+from .spec import QwenAttention, decoder_layer, norm, text_parts
 
 
 class QwenMTPHead(MTPHead):
@@ -57,10 +57,10 @@ class QwenMTPHead(MTPHead):
 
     kernels = False  # the norms as Triton launches (the adapter's choice, set on bind)
 
-    def bind(self, adapter: TargetAdapter) -> None:
+    def bind(self, adapter: ModelAdapter) -> None:
         self.to(adapter.device, adapter.dtype).eval()
         self.text, self.lm_head = text_parts(adapter.model)
-        self.kernels = bool(getattr(adapter, "triton_kernels", False))
+        self.kernels = adapter.triton_kernels
         self.attention = QwenAttention(self.layers[0].self_attn, self.text.rotary_emb, adapter.dtype, adapter.device,
                                        self.kernels)
 

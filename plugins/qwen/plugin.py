@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.hf import load_pretrained
 from specla.hookspecs import hookimpl
-from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.interfaces import ArchitecturePlugin
+from specla.model.spec import ModelSpec, Placement
 
 TINY_BASE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8,
@@ -61,7 +61,7 @@ class QwenPlugin(ArchitecturePlugin):
         auto = AutoModelForImageTextToText if cfg["model_type"] in ("qwen3_5", "qwen3_5_moe") else AutoModelForCausalLM
         model = load_pretrained(auto, path, dtype=dtype)
         self.check_model(model)
-        from .adapter import eager_experts_for_float64
+        from .spec import eager_experts_for_float64
 
         eager_experts_for_float64(model)
         return model.to(device) if device else model
@@ -75,7 +75,7 @@ class QwenPlugin(ArchitecturePlugin):
         if not isinstance(model, classes):
             raise UnsupportedModelError(f"the qwen plugin runs {', '.join(c.__name__ for c in classes)}, got "
                                         f"{type(model).__name__}")
-        from .adapter import text_parts
+        from .spec import text_parts
 
         cfg = text_parts(model)[0].config
         if cfg.hidden_act not in ("silu", "swish"):
@@ -84,11 +84,10 @@ class QwenPlugin(ArchitecturePlugin):
         if unknown:
             raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
 
-    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        self.check_model(model)
-        from .adapter import QwenAdapter
+    def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
+        from .spec import qwen_spec
 
-        return QwenAdapter(model, config)
+        return qwen_spec(model, placement)
 
     def make_model_drafter(self, name: str, model: torch.nn.Module):
         """``"mtp"``: :class:`specla.drafters.mtp.MTPDrafter` over the MTP layer of the checkpoint

@@ -1,5 +1,5 @@
-"""Sequence mixers: the contract every mixer meets, the softmax-attention mixer and the layer loop
-that runs a stack of them (:mod:`specla.mixers.base`, exported here), and the op tier: one
+"""Sequence mixers: the contract every mixer meets and the softmax-attention mixer
+(:mod:`specla.mixers.base`, exported here), and the op tier: one
 subpackage per recurrence (``gdn``, ``gla``, ``mamba2``, ``kda``, ``shortconv``) with its mixer,
 records, batched PyTorch reference, sequential twins and Triton kernels side by side. Model plugins
 build their layers from these; nothing here names a model plugin."""
@@ -8,12 +8,11 @@ from .base import (
     AttentionMixer,
     KVRecord,
     Mixer,
-    MixerAdapter,
     ProjectedAttention,
     RecurrentMixer,
     TreePass,
     experts_graph_problem,
 )
 
-__all__ = ["AttentionMixer", "KVRecord", "Mixer", "MixerAdapter", "ProjectedAttention", "RecurrentMixer",
+__all__ = ["AttentionMixer", "KVRecord", "Mixer", "ProjectedAttention", "RecurrentMixer",
            "TreePass", "experts_graph_problem"]

@@ -6,10 +6,9 @@ carry state from token to token: a recurrent layer with its short-conv window, a
 layer with its KV cache) and position-wise modules (norms, MLP or MoE), which act on each verify
 row on its own and so need nothing from specla. A :class:`Mixer` declares its state, verifies a
 draft tree from it without writing it, returns a record of the pass, and commits an accepted path
-from that record. :class:`MixerAdapter` is the architecture-free :class:`TargetAdapter` around
-them: embeddings, the layer loop (a plugin wires each layer's mixers and position-wise modules in
-:meth:`MixerAdapter._block`), the LM head, the delayed commit and the state lists that prefill,
-CUDA graphs and batch selection use. :class:`AttentionMixer` is the softmax-attention mixer every
+from that record. :class:`specla.model.adapter.ModelAdapter` runs a stack of them in one layer
+loop (a plugin wires each layer's mixers and position-wise modules in its
+:attr:`specla.model.spec.ModelSpec.block`). :class:`AttentionMixer` is the softmax-attention mixer every
 hybrid shares (:mod:`specla.ops.attention`); a plugin supplies its projections.
 
 Shapes: ``B`` sequences, ``T`` verified nodes with the root explicit (node 0, the last committed
@@ -18,22 +17,19 @@ token), ``hidden`` model width.
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..errors import SpecError
-from ..graphs import cache_capacity, check_cache_memory
-from ..layerwise import PREFILL_CHUNK, LayerwiseAdapter, eos_token_ids, weaken_hook_cycles
+from ..model.prefill import PREFILL_CHUNK
 from ..ops import kernels
 from ..ops.attention import commit_kv, tree_attention
 from ..ops.conv import conv_ancestors, conv_window_after
-from ..records import PendingCommit, Record
-from ..tree import inclusive_ancestor_mask
+from ..records import Record
 
 conv_kernels = kernels("specla.ops.conv_triton")
 
@@ -49,13 +45,14 @@ class TreePass:
             :meth:`Mixer.prefill`, where the tree is a chain of ``counts`` tokens).
         depth: ``[B, T]`` int64 node depth (the root 0; ``None`` in a whole-prompt prefill).
         records: the record kind this pass builds (``factor``, ``snapshot``, ``replay``).
-        kernels: whether the plugin's Triton kernels run (:meth:`LayerwiseAdapter._use_kernel`).
+        kernels: whether the plugin's Triton kernels run
+            (:meth:`specla.model.adapter.ModelAdapter._use_kernel`).
         static_shapes: a CUDA graph is being recorded: nothing may be read on the host.
         path, path_len: the pending commit's accepted path (``[B, P]``, ``[B]`` int64), applied
             by each mixer before it verifies; ``None`` when nothing is pending.
         choose: ``choose(pick)``: the verify kernel of this pass by a plugin's rule ``pick(parents,
             counts, verify_kernel)``, or the graph-safe one while a graph records
-            (:meth:`LayerwiseAdapter._kernel_choice`).
+            (:meth:`specla.model.adapter.ModelAdapter._kernel_choice`).
         memo: values a kind of mixer computes once per pass and shares across layers (conv
             ancestors, a verify kernel's plan), keyed by the mixer.
     """
@@ -453,170 +450,3 @@ def experts_graph_problem(model: torch.nn.Module, dtype: torch.dtype) -> str | N
                     "cannot record here (load the model with experts_implementation='batched_mm', or 'grouped_mm' "
                     "in bfloat16)")
     return None
-
-
-class MixerAdapter(LayerwiseAdapter):
-    """A :class:`LayerwiseAdapter` whose state is that of its mixers (:class:`Mixer`), in one
-    layer loop shared by every mixer-based plugin.
-
-    Subclasses set the :class:`LayerwiseAdapter` attributes (``embed_weight``, ``device``,
-    ``dtype``, ``state_dtype``, ``config``, and ``norm``, ``norm_eps``, ``lm_head`` unless they
-    override :meth:`lm_logits`), ``self.mixers`` (every layer's mixers, in the order the layers
-    call them) and ``self.num_layers``, call :meth:`_init_state`, and implement :meth:`_block`.
-    The pending commit holds one record per mixer, in ``self.mixers`` order.
-    """
-
-    mixers: list[Mixer]
-    num_layers: int
-
-    @abstractmethod
-    def _block(self, li: int, x: Tensor, mix: Callable[[Tensor], Tensor], kernels: bool) -> Tensor:
-        """Layer ``li`` on the residual stream ``x [B, T, hidden]``: its norms and position-wise
-        modules, calling ``mix(h)`` once per mixer of the layer (in ``self.mixers`` order; it
-        returns the mixer's output for input ``h``). ``kernels``: this pass runs the plugin's
-        Triton kernels (fused position-wise kernels may run too). Returns the new residual
-        stream."""
-
-    def _adopt(self, model: torch.nn.Module, config, head: Tensor) -> torch.nn.Module:
-        """Set the run's placement (:meth:`LayerwiseAdapter._place`, from the LM head ``head``)
-        and return the model whose own modules the adapter calls: ``model`` itself when its
-        device and dtype are the run's and it is in eval mode, else a converted copy in eval mode
-        (made once; the caller's model is never modified)."""
-        self._place(config, head)
-        if head.device != self.device or head.dtype != self.dtype or model.training:
-            model = weaken_hook_cycles(copy.deepcopy(model).to(self.device, self.dtype).eval())
-        return model
-
-    def _act(self, p: Tensor | None) -> Tensor | None:
-        """A weight in the run's device and activation dtype (``None`` stays ``None``); kept
-        attached to the model's parameter when the adapter is ``differentiable`` (training)."""
-        if p is None:
-            return None
-        return (p if self.differentiable else p.detach()).to(self.device, self.dtype)
-
-    def _copy_head(self, model: torch.nn.Module, embedding: torch.nn.Module, norm: torch.nn.Module) -> None:
-        """Set ``embed_weight``, ``vocab_size``, ``eos_token_ids``, ``norm``, ``norm_eps`` and
-        ``lm_head`` from the model's input embedding, final RMSNorm and LM head (converted with
-        :meth:`_act`), for plugins whose :meth:`lm_logits` is the default RMSNorm + head."""
-        self.embed_weight = self._act(embedding.weight)
-        self.vocab_size = self.embed_weight.shape[0]
-        self.eos_token_ids = eos_token_ids(model)
-        self.norm, self.norm_eps = self._act(norm.weight), norm.eps
-        self.lm_head = self._act(model.lm_head.weight)
-
-    def _init_state(self) -> None:
-        self.capacity = 0  # the tokens each attention cache holds (set by prefill)
-        super()._init_state()
-
-    def _empty_state(self, B: int) -> None:
-        for m in self.mixers:
-            m.empty_state(B, self.capacity)
-
-    def _empty_records(self, B: int, T: int) -> tuple[Record, ...]:
-        return tuple(m.empty_record(B, T) for m in self.mixers)
-
-    def _state_list(self) -> list[Tensor]:
-        return [t for m in self.mixers for t in m.state()]
-
-    def _set_state_list(self, tensors: Iterable[Tensor]) -> None:
-        it = iter(tensors)
-        for m in self.mixers:
-            m.set_state(it)
-
-    def recurrent_states(self) -> list[Tensor]:
-        self.flush()
-        return [t for m in self.mixers for t in m.recurrent_states()]
-
-    def select(self, index: Tensor) -> None:
-        index = index.to(self.device)
-        for m in self.mixers:
-            m.select(index)
-        self._roots = self._roots.index_select(0, index)
-        self.last_hidden = self.last_hidden.index_select(0, index)
-        if self.pending is not None:
-            self.pending = self.pending.select(index)
-
-    def _size_caches(self, B: int, longest: int) -> None:
-        """Set :attr:`capacity` for ``B`` sequences of up to ``longest`` prompt tokens, refusing
-        (:class:`ConfigError`, nothing changed) caches the device cannot hold."""
-        capacity = cache_capacity(self.capacity, longest, self.config)
-        held = sum(m.cache_bytes(m.state()[0].shape[0], self.capacity) for m in self.mixers if m.state())
-        check_cache_memory(sum(m.cache_bytes(B, capacity) for m in self.mixers), held, self.device,
-                           "the attention layers' KV caches", self.config)
-        self.capacity = capacity
-
-    def _prefill(self, prompts: list[list[int]]) -> None:
-        self._size_caches(len(prompts), max(len(p) for p in prompts))
-        super()._prefill(prompts)
-
-    def _whole_prefill(self) -> bool:
-        kernels = self._use_kernel("factor")
-        return self.config.prefill == "chunked" and all(m.prefills_whole(kernels) for m in self.mixers)
-
-    def _chunk_passes(self) -> bool:
-        kernels = self._use_kernel("factor")
-        # auto: only in half precision, since FLA's chunked kernels multiply float32 in TF32 and a
-        # float32 run keeps the exact chain passes
-        wanted = self.config.prefill == "passes" or (
-            self.config.prefill == "auto" and self.dtype in (torch.bfloat16, torch.float16)
-            and all(m.prefill_by_default for m in self.mixers))
-        return (wanted
-                and all(m.prefills_whole(kernels) and m.prefill_continues for m in self.mixers))
-
-    def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:
-        B, T = tokens.shape
-        parents = torch.arange(-1, T - 1, device=self.device).expand(B, T)
-        tp = TreePass(parents, lengths, None, None, "factor", self._use_kernel("factor"), False)
-        order = iter(self.mixers)  # the layers call their mixers in self.mixers order
-
-        def mix(h: Tensor) -> Tensor:
-            return next(order).prefill(h, tp)
-
-        x = self.embed(tokens)
-        for li in range(self.num_layers):
-            x = self._block(li, x, mix, tp.kernels)
-        return x.to(self.dtype)
-
-    def score(self, tokens: Tensor, return_hidden: bool = False):
-        self._size_caches(tokens.shape[0], tokens.shape[1])
-        return super().score(tokens, return_hidden)
-
-    def forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool = True,
-                pending: PendingCommit | None = None):
-        """Run the model over ``[B, T]`` trees from the committed state (see
-        :meth:`LayerwiseAdapter.forward`); each mixer applies its part of ``pending`` first.
-        Returns ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records)``, one record
-        per mixer."""
-        if self.triton_kernels:  # one launch (a recorded step is bound by its launches)
-            from ..ops.tree_triton import ancestor_mask  # on first use: TRITON_INTERPRET is read when kernels are defined
-
-            mask, depth = ancestor_mask(parents)
-        else:
-            mask = inclusive_ancestor_mask(parents)
-            depth = mask.sum(-1) - 1
-        tp = TreePass(parents, counts, mask, depth, records, self._use_kernel(records), self.static_shapes,
-                      pending.path if pending is not None else None, pending.path_len if pending is not None else None,
-                      lambda pick: self._kernel_choice(pick, parents, counts))
-        for m in self.mixers:
-            m.check(tp)
-        out_records: list[Record] = []
-
-        def mix(h: Tensor) -> Tensor:
-            i = len(out_records)  # the mixers run in self.mixers order
-            y, rec = self.mixers[i].verify(h, tp, pending.records[i] if pending is not None else None)
-            out_records.append(rec)
-            return y
-
-        with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
-            x = self.embed(tokens)
-            for li in range(self.num_layers):
-                x = self._block(li, x, mix, tp.kernels)
-            out = self.lm_logits(x) if logits else None
-        # a plugin may keep the residual stream wider than the activations between layers
-        # (residual_in_fp32); the features it returns are in the activation dtype
-        return out, x.to(self.dtype), tuple(out_records)
-
-    def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
-        kernels = self._use_kernel("factor")
-        for m, rec in zip(self.mixers, records):
-            m.commit(rec, path, path_len, kernels)

@@ -36,6 +36,30 @@ class kernels:  # noqa: N801 (used like a module: ``conv_kernels = kernels("spec
         return f"kernels({self._name!r})"
 
 
+def compiled_kernels_loaded() -> bool:
+    """Whether a loaded module defines Triton kernels compiled, not interpreted: specla's own
+    (``specla.ops.*_triton``, a plugin's kernel modules) or a library's (FLA's, which loading an FLA
+    model imports). ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is defined, so
+    setting it later does not make those run on the CPU, and Triton's interpreter then fails in
+    kernels defined after it too."""
+    import sys
+
+    triton = sys.modules.get("triton")
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    def compiled(v) -> bool:
+        while isinstance(v, KernelInterface) and not isinstance(v, (JITFunction, InterpretedFunction)):
+            v = getattr(v, "fn", None)  # autotuners and heuristics wrap the kernel
+        return type(v) is JITFunction  # @triton.jit's; Gluon's subclass is never interpreted
+
+    # the modules that imported Triton as a name of their own: those that define kernels
+    mods = [m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get("triton") is triton]
+    return any(compiled(v) for m in mods for v in list(vars(m).values()))
+
+
 def check_out(out, shape: tuple, dtypes: tuple, device) -> None:
     """Preallocated outputs must be what the kernels write: contiguous, of ``shape`` and the given
     dtypes, on ``device`` (a kernel writing past a smaller buffer corrupts memory).

@@ -14,12 +14,11 @@ import torch
 
 from specla.config import SpecConfig
 from specla.errors import UnknownPluginError
-from specla.layerwise import LayerwiseAdapter
 from specla.mixers import AttentionMixer
 from specla.registry import available, get_plugin
 from specla.testing import OracleDrafter, PluginSuite, check_plugin, diagnose
+from specla.model.adapter import ModelAdapter
 from specla.testing.diagnosis import compare_states
-from specla_gdn.adapter import GDNAdapter
 
 
 def run(code: str) -> subprocess.CompletedProcess:
@@ -86,8 +85,10 @@ def test_a_known_failure_naming_no_suite_test_fails_the_run():
 
 
 # ---------------------------------------------------------------- the diagnosis of a failed comparison
-# Broken commits of the gdn adapter (LayerwiseAdapter._commit: the decoding steps' commit; the
-# prefill, plain decoding's state in the diagnosis, commits through the mixers alone).
+# Broken commits of the gdn adapter (ModelAdapter._commit: the decoding steps' commit; the
+# prefill, plain decoding's state in the diagnosis, commits through the mixers alone), each around
+# the adapter's own methods, kept here before a test patches them.
+COMMIT, VERIFY = ModelAdapter._commit, ModelAdapter._verify
 
 
 def commit_next_node(self, tree, out, acceptance):
@@ -96,13 +97,13 @@ def commit_next_node(self, tree, out, acceptance):
     last = acceptance.num_accepted[:, None]
     end = acceptance.path.gather(1, last)
     path = acceptance.path.scatter(1, last, torch.minimum(end + 1, tree.num_nodes[:, None]))
-    LayerwiseAdapter._commit(self, tree, out, replace(acceptance, path=path))
+    COMMIT(self, tree, out, replace(acceptance, path=path))
 
 
 def commit_keeping_windows(self, tree, out, acceptance):
     """Moves the recurrent states but leaves every conv window where it was."""
     windows = [m.conv for m in self.mixers]
-    LayerwiseAdapter._commit(self, tree, out, acceptance)
+    COMMIT(self, tree, out, acceptance)
     self.flush()  # a delayed commit moves the windows when it is applied
     for m, window in zip(self.mixers, windows):
         m.conv = window
@@ -111,13 +112,13 @@ def commit_keeping_windows(self, tree, out, acceptance):
 def commit_one_draft_less(self, tree, out, acceptance):
     """Off by one in the accepted length: the last accepted draft never reaches the state."""
     fewer = (acceptance.num_accepted - 1).clamp(min=0)
-    LayerwiseAdapter._commit(self, tree, out, replace(acceptance, num_accepted=fewer))
+    COMMIT(self, tree, out, replace(acceptance, num_accepted=fewer))
 
 
 def commit_root_into_caches(self, tree, out, acceptance):
     """The attention layers' cache length grows by the root alone, whatever was accepted."""
     lengths = [m.cache_len if isinstance(m, AttentionMixer) else None for m in self.mixers]
-    LayerwiseAdapter._commit(self, tree, out, acceptance)
+    COMMIT(self, tree, out, acceptance)
     self.flush()
     for m, length in zip(self.mixers, lengths):
         if length is not None:
@@ -127,7 +128,7 @@ def commit_root_into_caches(self, tree, out, acceptance):
 def forced_acceptance_failure(monkeypatch, commit) -> str:
     """The message of the suite's forced-acceptance test (factor commit) on the gdn plugin
     with ``commit`` as its adapter's commit."""
-    monkeypatch.setattr(GDNAdapter, "_commit", commit)
+    monkeypatch.setattr(ModelAdapter, "_commit", commit)
     with pytest.raises(AssertionError) as failure:
         PluginSuite().test_forced_acceptance_patterns_token_identical(get_plugin("gdn"), random.Random(1234), "factor")
     return str(failure.value)
@@ -157,7 +158,7 @@ def test_a_broken_commit_fails_the_suite_naming_the_sequence_step_layer_and_stat
 def test_the_accepted_count_check_names_the_state_that_differs(monkeypatch):
     """The adapter-level check (commit a chain of a accepted drafts, compare the next logits with
     a fresh prefill's) names the state too, not only ``a``."""
-    monkeypatch.setattr(GDNAdapter, "_commit", commit_keeping_windows)
+    monkeypatch.setattr(ModelAdapter, "_commit", commit_keeping_windows)
     with pytest.raises(AssertionError) as failure:
         PluginSuite().test_every_accepted_count_commits_exactly_the_accepted_tokens(get_plugin("gdn"),
                                                                                     random.Random(1234), "factor")
@@ -181,7 +182,7 @@ def mixed_batch(variant="base"):
 
 def test_diagnose_names_the_first_sequence_whose_state_differs(monkeypatch):
     """One draft less: sequence 0 drafts nothing, so sequence 1 is the first to diverge."""
-    monkeypatch.setattr(GDNAdapter, "_commit", commit_one_draft_less)
+    monkeypatch.setattr(ModelAdapter, "_commit", commit_one_draft_less)
     model, prompts, refs, drafter = mixed_batch()
     cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12)
     found = diagnose("gdn", model, prompts, [r[:12] for r in refs], drafter=drafter, config=cfg)
@@ -195,7 +196,7 @@ def test_diagnose_names_a_hybrids_attention_layer_and_its_cache():
     """gdn's ``attn`` variant holds softmax attention at layer 1: a commit that grows its cache
     by the root alone is named there, by the state the attention mixer calls it."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(GDNAdapter, "_commit", commit_root_into_caches)
+        patch.setattr(ModelAdapter, "_commit", commit_root_into_caches)
         model, prompts, refs, drafter = mixed_batch("attn")
         found = diagnose("gdn", model, prompts, drafter=drafter, config=dict(num_draft_tokens=6, max_new_tokens=12))
     # sequence 1: 9 prompt tokens and 7 committed, 15 in the state; its cache holds 9
@@ -211,14 +212,14 @@ def test_diagnose_refuses_expected_outputs_that_do_not_match_the_prompts():
 
 def verify_with_shifted_draft_logits(self, tree):
     """The draft nodes' logits moved one token up the vocabulary (the root's stay right)."""
-    out = LayerwiseAdapter._verify(self, tree)
+    out = VERIFY(self, tree)
     return replace(out, logits=torch.cat([out.logits[:, :1], out.logits[:, 1:].roll(1, dims=-1)], 1))
 
 
 def test_diagnose_without_a_state_difference_names_the_first_token_mismatch(monkeypatch):
     """Wrong logits with right states: the tokens differ while every committed state is plain
     decoding's after the same tokens."""
-    monkeypatch.setattr(GDNAdapter, "_verify", verify_with_shifted_draft_logits)
+    monkeypatch.setattr(ModelAdapter, "_verify", verify_with_shifted_draft_logits)
     model, prompts, refs, drafter = mixed_batch()
     found = diagnose("gdn", model, prompts, drafter=drafter, config=dict(num_draft_tokens=6, max_new_tokens=12))
     assert str(found) == ("sequence 1: every state equals plain decoding's before every verify (the verify's logits or "

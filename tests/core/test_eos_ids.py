@@ -10,7 +10,7 @@ import torch
 import specla
 from specla import SpecDecoder
 from specla.errors import UnsupportedModelError
-from specla.layerwise import eos_token_ids
+from specla.hf import eos_token_ids
 from specla.registry import get_plugin
 
 TREE = dict(num_draft_tokens=6, max_depth=4, top_k=2)

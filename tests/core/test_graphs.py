@@ -152,7 +152,7 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
 @pytest.mark.parametrize("plugin", ["gla", "mamba2", "qwen"])
 @pytest.mark.parametrize("commit,budget", [("factor", 6), ("snapshot", 6), ("factor", 0)])
 def test_fixed_shape_step_of_gla_mamba2_and_qwen(plugin, commit, budget, device):
-    """The GLA, Mamba2 and Qwen3.5 adapters' graph state (``LayerwiseAdapter``): the engine with
+    """The GLA, Mamba2 and Qwen3.5 adapters' graph state (``ModelAdapter``): the engine with
     ``cuda_graphs="unrecorded"`` on the CPU and ``"on"`` on CUDA equals eager decoding, with
     sequences stopping at different steps, with drafts and without (one-token steps: the serial
     kernels inside the graph on CUDA); their plugins declare ``cuda_graphs``, so
@@ -391,7 +391,7 @@ def test_fixed_shape_prefill_equals_eager_prefill(plugin, device):
     over two chunks and a one-token prompt, twice (the second from the recorded graph), then
     longer prompts (an attention cache grows: the graph is recorded again); over
     ``PREFILL_GRAPH_MAX_BATCH`` prompts the prefill stays eager."""
-    from specla.layerwise import PREFILL_GRAPH_MAX_BATCH
+    from specla.model.prefill import PREFILL_GRAPH_MAX_BATCH
     from specla.registry import get_plugin
 
     arch = get_plugin(plugin)
@@ -481,7 +481,7 @@ def test_a_graph_step_reports_nonfinite_logits_at_its_one_read(device, temperatu
                cuda_graphs="on" if device == "cuda" else "unrecorded", budget_policy="fixed")
     dec = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=cfg)
     clean = dec.generate(NONFINITE_PROMPTS).outputs
-    head = dec.adapter.lm_head
+    head = dec.adapter.model.lm_head.weight  # the weight the adapter's LM head reads
     saved = head[7].clone()
     with torch.no_grad():
         head[7] = float("nan")

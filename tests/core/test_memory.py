@@ -12,7 +12,7 @@ import torch
 import specla
 from specla import SpecDecoder
 from specla.interfaces import TargetAdapter
-from specla.layerwise import weaken_hook_cycles
+from specla.hf import weaken_hook_cycles
 from specla.registry import get_plugin, plugin_infos
 from specla_gdn.plugin import TINY_TARGET
 

@@ -446,7 +446,7 @@ def test_kernels_auto_means_triton_on_cuda_only(plugin, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels="triton" on the CPU needs it
     assert SpecConfig().kernels == "auto"
     from specla import ConfigError
-    from specla.layerwise import compiled_kernels_loaded
+    from specla.ops import compiled_kernels_loaded
 
     for kernels, on_cpu in (("auto", False), ("triton", True), ("reference", False)):
         cfg = SpecConfig(kernels=kernels, device="cpu", dtype="float32")
@@ -585,11 +585,11 @@ def test_prefill_passes_equal_chain_prefill(graphs, monkeypatch):
     second), recorded in a CUDA graph where one is available: the states, conv windows and
     prompt features of the 64-token chain passes, and decoding after it equals plain decoding
     with the same prefill (and, on the CPU, sequential float32 decoding)."""
-    import specla.layerwise as layerwise
+    import specla.model.prefill as prefill_sizes
     from fla_oracle import whole_prompt_prefill_calls
 
     calls = whole_prompt_prefill_calls(monkeypatch)
-    monkeypatch.setattr(layerwise, "PREFILL_PASS", 32)
+    monkeypatch.setattr(prefill_sizes, "PREFILL_PASS", 32)
     model = make_model("gva", dtype=torch.float32, seed=5)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 45, 9)]

@@ -252,9 +252,10 @@ def test_score_is_teacher_forced_decoding_and_differentiable(rng):
                 ref = dec.step(int(tokens[b, len(dec.inputs[0])]))
             assert float((logits[b, t] - ref).abs().max()) < TOL
     assert not logits.requires_grad  # inference adapters never build graphs
-    from specla_gdn.adapter import GDNAdapter
+    from specla.model.adapter import ModelAdapter
+    from specla_gdn.spec import gdn_spec
 
-    trainable = GDNAdapter(model, SpecConfig(), differentiable=True)
+    trainable = ModelAdapter(model, SpecConfig(), gdn_spec, differentiable=True)
     loss = torch.nn.functional.cross_entropy(trainable.score(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     for name in ("model.embeddings.weight", "model.layers.0.attn.A_log", "model.layers.1.attn.q_conv1d.weight",

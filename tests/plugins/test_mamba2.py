@@ -412,7 +412,8 @@ def test_layer_decode_step_equals_fla_with_groups():
     conv = torch.randn(2, m.conv_dim, m.conv_kernel_size, generator=gen)  # FLA: [B, Dc, C], oldest first
     adapter = adapter_for(model)
     adapter.mixers, adapter.num_layers = adapter.mixers[:1], 1  # the first block only
-    norm_w, norm_eps, _ = adapter.blocks[0]
+    norm = model.backbone.layers[0].norm  # the block norm the adapter reads (float32: no copy)
+    norm_w, norm_eps = norm.weight.detach(), norm.eps
     hs = rms_norm(x, norm_w, norm_eps)[:, None]
     with torch.no_grad():
         ref, ref_conv, ref_state = m.torch_forward(hs, {"conv_state": conv.clone(), "recurrent_state": state.clone()})

@@ -182,7 +182,7 @@ def write_mtp_layer(directory, model, seed=0):
     built from the model's own classes. Returns the layer (the oracle's copy)."""
     from safetensors.torch import save_file
 
-    from specla_qwen.adapter import text_parts
+    from specla_qwen.spec import text_parts
 
     torch.manual_seed(seed)
     text, _ = text_parts(model)
@@ -264,7 +264,7 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernel
         top_logp, top_tok = log_softmax_topk(logits, 3)
         # the oracle: the layer as written, not as specla loaded it, on the CPU model (the decoder's
         # copy may be on the GPU)
-        from specla_qwen.adapter import text_parts
+        from specla_qwen.spec import text_parts
 
         text, head = text_parts(model)[0], written
         ids = torch.tensor([prompt])

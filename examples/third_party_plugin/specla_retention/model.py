@@ -39,7 +39,7 @@ class RetentionConfig:
 
 
 class RetentionModel(nn.Module):
-    """Weights only: the math lives in the plugin's adapter (batched) and naive decoder."""
+    """Weights only: the math lives in the plugin's spec (batched) and naive decoder."""
 
     def __init__(self, config: RetentionConfig):
         super().__init__()

@@ -11,6 +11,7 @@ from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.hookspecs import hookimpl
 from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.model.spec import ModelSpec, Placement
 
 from .model import RetentionConfig, RetentionModel
 
@@ -46,10 +47,19 @@ class RetentionPlugin(ArchitecturePlugin):
             raise UnsupportedModelError(f"the retention plugin runs RetentionModel, got {type(model).__name__}")
 
     def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        self.check_model(model)
-        from .adapter import RetentionAdapter
+        """specla's adapter of :meth:`model_spec`, for the ``factor`` commit only.
 
-        return RetentionAdapter(model, config)
+        Raises:
+            UnsupportedModelError: another commit strategy, or not a :class:`RetentionModel`.
+        """
+        if config.commit != "factor":
+            raise UnsupportedModelError(f"the retention example implements only the factor commit, not {config.commit!r}")
+        return super().make_adapter(model, config)
+
+    def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
+        from .spec import retention_spec
+
+        return retention_spec(model, placement)
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         torch.manual_seed(seed)

@@ -1,5 +1,4 @@
-"""Turns transformers' ``KimiLinearForCausalLM`` into a :class:`specla.TargetAdapter` on the mixer
-core.
+"""Describes transformers' ``KimiLinearForCausalLM`` as a :class:`specla.model.spec.ModelSpec`.
 
 Kimi Linear interleaves Kimi Delta Attention (KDA: a gated delta rule whose decay is per key
 channel, with a short convolution over q, k, v) with multi-head latent attention (MLA) without
@@ -18,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specla.config import SpecConfig
-from specla.layerwise import eos_token_ids
-from specla.mixers import AttentionMixer, MixerAdapter
+from specla.hf import eos_token_ids
+from specla.mixers import AttentionMixer
 from specla.mixers.kda.mixer import KDAMixer
+from specla.model.spec import ModelSpec, Placement
 
 
 class MLAMixer(AttentionMixer):
@@ -63,39 +62,32 @@ class MLAMixer(AttentionMixer):
         return self.attn.o_proj(o.reshape(*o.shape[:2], -1))
 
 
-class KimiLinearAdapter(MixerAdapter):
-    """Kimi Linear on the mixer core (see the module docstring).
+def kimi_spec(model: torch.nn.Module, placement: Placement) -> ModelSpec:
+    """Kimi Linear as a :class:`ModelSpec` (see the module docstring).
 
     State per sequence: per KDA layer a float32 (float64 in float64 runs) state ``[B, H, K, V]``
     and a conv window; per MLA layer a latent KV cache ``[B, capacity + 65, 1, kv_lora_rank +
-    qk_rope_head_dim]`` with its length. The model is used as it is when the run's device and dtype are its own and it is in
-    eval mode, else as a converted copy.
+    qk_rope_head_dim]`` with its length.
 
     Args:
-        model: a ``KimiLinearForCausalLM`` (checked by the plugin). config: the run's
-            :class:`SpecConfig`.
+        model: a ``KimiLinearForCausalLM`` (checked by the plugin), on the run's device and dtype.
+        placement: the run's :class:`Placement`.
     """
+    inner, dtype, device = model.model, placement.dtype, placement.device
+    layers, lm_head = list(inner.layers), model.lm_head
 
-    def __init__(self, model: torch.nn.Module, config: SpecConfig):
-        model = self._adopt(model, config, model.lm_head.weight)
-        self.model, self.inner = model, model.model
-        self.embed_weight = self.inner.embed_tokens.weight.detach()
-        self.vocab_size = self.embed_weight.shape[0]
-        self.eos_token_ids = eos_token_ids(model)
-        self.layers = list(self.inner.layers)
-        self.num_layers = len(self.layers)
-        self.mixers = [MLAMixer(layer.self_attn, self.dtype, self.device) if hasattr(layer.self_attn, "kv_b_proj")
-                       else KDAMixer(layer.self_attn, self.dtype, self.state_dtype, self.device)
-                       for layer in self.layers]
-        self._init_state()
-
-    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
+    def block(li: int, x: Tensor, mix, kernels: bool) -> Tensor:
         """``KimiLinearDecoderLayer``: ``x + mix(input_layernorm(x))``, then ``x +
         mlp(post_attention_layernorm(x))`` (dense MLP or MoE)."""
-        layer = self.layers[li]
+        layer = layers[li]
         x = x + mix(layer.input_layernorm(x))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def lm_logits(self, hidden: Tensor) -> Tensor:
-        """Logits ``[..., vocab]``: the final norm and the LM head."""
-        return self.model.lm_head(self.inner.norm(hidden))
+    def logits(hidden: Tensor) -> Tensor:
+        """The final norm and the LM head."""
+        return lm_head(inner.norm(hidden))
+
+    mixers = tuple(MLAMixer(layer.self_attn, dtype, device) if hasattr(layer.self_attn, "kv_b_proj")
+                   else KDAMixer(layer.self_attn, dtype, placement.state_dtype, device) for layer in layers)
+    return ModelSpec(model=model, embed_weight=inner.embed_tokens.weight.detach(), logits=logits, mixers=mixers,
+                     block=block, num_layers=len(layers), eos_token_ids=eos_token_ids(model))

@@ -1,9 +1,9 @@
 """Speculative decoding of :class:`RetentionModel` on specla's mixer core.
 
 Each layer's sequence mixer is a :class:`RetentionMixer` (below) or, in a hybrid, specla's
-:class:`~specla.mixers.AttentionMixer` with this model's projections; :class:`RetentionAdapter`
-wires them with the model's norms (:meth:`MixerAdapter._block`) and inherits prefill, verify,
-the delayed commit, batch selection and CUDA-graph state from the core.
+:class:`~specla.mixers.AttentionMixer` with this model's projections; :func:`retention_spec`
+wires them with the model's norms into a :class:`~specla.model.spec.ModelSpec`, and specla's
+adapter runs prefill, verify, the delayed commit, batch selection and CUDA-graph state.
 
 Tree-masked retention (scalar decay per head, no delta correction): with ``G_i = depth_i *
 log gamma`` the log decay summed along node ``i``'s root path and ``M`` the inclusive-ancestor
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specla.config import SpecConfig
-from specla.errors import UnsupportedModelError
-from specla.layerwise import eos_token_ids
-from specla.mixers import AttentionMixer, Mixer, MixerAdapter, TreePass
+from specla.hf import eos_token_ids
+from specla.mixers import AttentionMixer, Mixer, TreePass
+from specla.model.spec import ModelSpec, Placement, rms_head
 from specla.ops.norm import rms_norm
 from specla.records import Record, path_end
 
@@ -118,33 +117,19 @@ class PlainAttention(AttentionMixer):
         return self.layer.o(o.reshape(*o.shape[:2], -1))
 
 
-class RetentionAdapter(MixerAdapter):
-    """:class:`RetentionModel` on the mixer core (float32 or float64 states: the model's dtype,
-    at least float32). The model is used as it is when the run's device and dtype are its own.
+def retention_spec(model, placement: Placement) -> ModelSpec:
+    """:class:`RetentionModel` as a :class:`ModelSpec`: float32 or float64 states (the model's
+    dtype, at least float32), a pre-norm and residual around each layer's mixer."""
+    c, dtype, state_dtype, device = model.config, placement.dtype, placement.state_dtype, placement.device
+    log_gamma = model.log_gamma.to(device, state_dtype)
+    layers = model.layers
 
-    Raises:
-        UnsupportedModelError: a commit strategy other than ``factor``.
-    """
+    def block(li: int, x: Tensor, mix, kernels: bool) -> Tensor:
+        return x + mix(rms_norm(x, layers[li].norm, 1e-6))
 
-    def __init__(self, model, config: SpecConfig):
-        if config.commit != "factor":
-            raise UnsupportedModelError(f"the retention example implements only the factor commit, not {config.commit!r}")
-        self._place(config, model.lm_head.weight)
-        if model.lm_head.weight.dtype != self.dtype or model.lm_head.weight.device != self.device:
-            import copy
-
-            model = copy.deepcopy(model).to(self.device, self.dtype)
-        self.model = model
-        c = model.config
-        self.vocab_size, self.eos_token_ids = c.vocab_size, eos_token_ids(model)
-        self.embed_weight = model.embed.weight.detach()
-        self.norm, self.norm_eps, self.lm_head = model.norm.detach(), 1e-6, model.lm_head.weight.detach()
-        log_gamma = model.log_gamma.to(self.device, self.state_dtype)
-        self.mixers = [RetentionMixer(layer, log_gamma, c.num_heads, c.head_dim, self.dtype, self.state_dtype, self.device)
-                       if kind == "retention" else PlainAttention(layer, c.num_heads, c.head_dim, self.dtype, self.device)
-                       for layer, kind in zip(model.layers, c.layer_types)]
-        self.num_layers = len(self.mixers)
-        self._init_state()
-
-    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
-        return x + mix(rms_norm(x, self.model.layers[li].norm, 1e-6))
+    mixers = tuple(RetentionMixer(layer, log_gamma, c.num_heads, c.head_dim, dtype, state_dtype, device)
+                   if kind == "retention" else PlainAttention(layer, c.num_heads, c.head_dim, dtype, device)
+                   for layer, kind in zip(layers, c.layer_types))
+    return ModelSpec(model=model, embed_weight=model.embed.weight.detach(),
+                     logits=rms_head(placement, model.norm.detach(), 1e-6, model.lm_head.weight.detach()),
+                     mixers=mixers, block=block, num_layers=len(mixers), eos_token_ids=eos_token_ids(model))

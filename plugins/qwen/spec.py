@@ -1,6 +1,6 @@
-"""Turns transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (or the text model inside
-a multimodal Qwen3.5 checkpoint) and ``Qwen3NextForCausalLM`` into a :class:`specla.TargetAdapter`
-on the mixer core.
+"""Describes transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (or the text model
+inside a multimodal Qwen3.5 checkpoint) and ``Qwen3NextForCausalLM`` as a
+:class:`specla.model.spec.ModelSpec`.
 
 Qwen3.5 and Qwen3-Next interleave Gated DeltaNet layers (``linear_attention``) with gated softmax
 attention (``full_attention``, every fourth layer by default); they differ in the GDN layer's
@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specla.config import SpecConfig
-from specla.layerwise import eos_token_ids
-from specla.mixers import AttentionMixer, MixerAdapter, experts_graph_problem
+from specla.hf import eos_token_ids
+from specla.mixers import AttentionMixer, Mixer, experts_graph_problem
 from specla.mixers.gdn.mixer import GDNMixer
+from specla.model.spec import ModelSpec, Placement
 
 
 def text_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -47,7 +47,7 @@ def eager_experts_for_float64(model: torch.nn.Module) -> None:
 def norm(module: torch.nn.Module, x: Tensor, kernels: bool) -> Tensor:
     """A zero-centred RMSNorm module (``Qwen3_5RMSNorm``, ``Qwen3NextRMSNorm``: ``x * rsqrt(mean(x^2)
     + eps) * (1 + weight)`` in float32, returned in ``x``'s dtype) on ``x [..., hidden]``: its own
-    forward, or with ``kernels`` (the adapter's ``triton_kernels``: every norm of a model takes the
+    forward, or with ``kernels`` (the run's ``Placement.triton_kernels``: every norm of a model takes the
     same form, whatever a pass's records) and no autograd one Triton launch of the same formula."""
     if kernels and not torch.is_grad_enabled():
         from specla.ops import norm_triton  # on first use: TRITON_INTERPRET is read when kernels are defined
@@ -110,83 +110,68 @@ class QwenAttention(AttentionMixer):
         return self.attn.o_proj(o.reshape(B, T, -1) * torch.sigmoid(gate))
 
 
-class QwenAdapter(MixerAdapter):
-    """Qwen3.5 (dense and MoE) and Qwen3-Next on the mixer core (see the module docstring).
+def qwen_spec(model: torch.nn.Module, placement: Placement) -> ModelSpec:
+    """Qwen3.5 (dense and MoE) and Qwen3-Next as a :class:`ModelSpec` (see the module docstring).
 
     State per sequence: for each GDN layer a float32 (float64 in float64 runs) recurrent state
     ``[B, HV, K, V]`` and a conv window ``[B, C - 1, Dc]``; for each attention layer a KV cache
-    ``[B, capacity + 65, HKV, Dh]`` in the activation dtype with its length. The model's modules
-    are used as they are when the run's device and dtype are the model's and it is in eval mode;
-    otherwise a converted copy in eval mode is made once (the caller's model is never modified; in
-    float64 the copy's MoE experts run transformers' eager implementation).
+    ``[B, capacity + 65, HKV, Dh]`` in the activation dtype with its length. In float64 the
+    adapter's own copy of a model runs its MoE experts in transformers' eager implementation.
 
     Args:
         model: a ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, a multimodal Qwen3.5 model
-            (its text part runs) or a ``Qwen3NextForCausalLM``.
-        config: the run's :class:`SpecConfig`.
+            (its text part runs) or a ``Qwen3NextForCausalLM``, on the run's device and dtype.
+        placement: the run's :class:`Placement`.
     """
+    if placement.own_copy:
+        eager_experts_for_float64(model)
+    text, head = text_parts(model)
+    layers, kernels = list(text.layers), placement.triton_kernels  # every norm takes one form: see norm
 
-    def __init__(self, model: torch.nn.Module, config: SpecConfig):
-        adopted = self._adopt(model, config, text_parts(model)[1].weight)
-        if adopted is not model:  # specla's own copy
-            eager_experts_for_float64(adopted)
-        model = adopted
-        text, head = text_parts(model)
-        self.model = model
-        self.text, self.head = text, head
-        self.embed_weight = text.embed_tokens.weight.detach()
-        self.vocab_size = self.embed_weight.shape[0]
-        self.eos_token_ids = eos_token_ids(model)
-        self.layers = list(text.layers)
-        self.num_layers = len(self.layers)
-        self.mixers = [self._mixer(layer) for layer in self.layers]
-        self._experts_problem = experts_graph_problem(self.model, self.dtype)
-        self._init_state()
+    def block(li: int, x: Tensor, mix, _kernels: bool) -> Tensor:
+        return decoder_layer(layers[li], x, mix, kernels)
 
-    def _mixer(self, layer: torch.nn.Module):
-        if hasattr(layer, "self_attn"):  # a full_attention layer
-            return QwenAttention(layer.self_attn, self.text.rotary_emb, self.dtype, self.device, self.triton_kernels)
-        lin = layer.linear_attn
-        st = lambda p: p.detach().to(self.state_dtype)  # noqa: E731
-        Vd = lin.head_v_dim
+    def logits(hidden: Tensor) -> Tensor:
+        """The model's final norm (see :func:`norm`) and LM head."""
+        return head(norm(text.norm, hidden, kernels))
 
-        def project(h: Tensor, kernels: bool):
-            if hasattr(lin, "in_proj_qkvz"):  # Qwen3-Next: regrouped by the layer's own method
-                q, k, v, z, b, a = lin.fix_query_key_value_ordering(lin.in_proj_qkvz(h), lin.in_proj_ba(h))
-                flat = lambda x: x.reshape(*h.shape[:2], -1)  # noqa: E731
-                return torch.cat([flat(q), flat(k), flat(v)], -1), a, b, flat(z)
-            return lin.in_proj_qkv(h), lin.in_proj_a(h), lin.in_proj_b(h), lin.in_proj_z(h)
+    return ModelSpec(model=model, embed_weight=text.embed_tokens.weight.detach(), logits=logits,
+                     mixers=tuple(_mixer(layer, text, placement) for layer in layers), block=block,
+                     num_layers=len(layers), eos_token_ids=eos_token_ids(model),
+                     graph_problem=experts_graph_problem(model, placement.dtype))
 
-        # values, not self, in the mixer's closures (see LayerwiseAdapter)
-        gated, dtype, triton_norms = lin.norm, self.dtype, self.triton_kernels
 
-        def output(o: Tensor, z: Tensor, kernels: bool) -> Tensor:
-            B, T = o.shape[:2]  # transformers' gated norm takes o in the activation dtype
-            o, z = o.to(dtype).reshape(-1, Vd), z.reshape(-1, Vd)
-            # the same formula in one launch, chosen as every norm of the model is (see :func:`norm`)
-            if triton_norms and not torch.is_grad_enabled() and gated.activation in ("silu", "swish", "sigmoid"):
-                from specla.ops import norm_triton
+def _mixer(layer: torch.nn.Module, text: torch.nn.Module, placement: Placement) -> Mixer:
+    dtype, triton_norms = placement.dtype, placement.triton_kernels
+    if hasattr(layer, "self_attn"):  # a full_attention layer
+        return QwenAttention(layer.self_attn, text.rotary_emb, dtype, placement.device, triton_norms)
+    lin = layer.linear_attn
+    Vd = lin.head_v_dim
 
-                y = norm_triton.rms_norm(o, gated.weight, gated.variance_epsilon, z, gated.activation,
-                                         out_dtype=dtype)
-            else:
-                y = gated(o, z)
-            return lin.out_proj(y.reshape(B, T, -1))
+    def project(h: Tensor, kernels: bool):
+        if hasattr(lin, "in_proj_qkvz"):  # Qwen3-Next: regrouped by the layer's own method
+            q, k, v, z, b, a = lin.fix_query_key_value_ordering(lin.in_proj_qkvz(h), lin.in_proj_ba(h))
+            flat = lambda x: x.reshape(*h.shape[:2], -1)  # noqa: E731
+            return torch.cat([flat(q), flat(k), flat(v)], -1), a, b, flat(z)
+        return lin.in_proj_qkv(h), lin.in_proj_a(h), lin.in_proj_b(h), lin.in_proj_z(h)
 
-        conv = lin.conv1d
-        conv_b = conv.bias.detach() if conv.bias is not None else None
-        return GDNMixer(project=project, conv_w=conv.weight.detach()[:, 0], conv_b=conv_b, A_log=st(lin.A_log), dt_bias=st(lin.dt_bias), H=lin.num_k_heads, HV=lin.num_v_heads,
-                        K=lin.head_k_dim, V=Vd, beta_scale=1.0, output=output, dtype=self.dtype,
-                        state_dtype=self.state_dtype, device=self.device)
+    gated = lin.norm
 
-    def graph_problem(self) -> str | None:
-        """See :func:`specla.mixers.experts_graph_problem` (MoE experts that read the host)."""
-        return self._experts_problem
+    def output(o: Tensor, z: Tensor, kernels: bool) -> Tensor:
+        B, T = o.shape[:2]  # transformers' gated norm takes o in the activation dtype
+        o, z = o.to(dtype).reshape(-1, Vd), z.reshape(-1, Vd)
+        # the same formula in one launch, chosen as every norm of the model is (see :func:`norm`)
+        if triton_norms and not torch.is_grad_enabled() and gated.activation in ("silu", "swish", "sigmoid"):
+            from specla.ops import norm_triton
 
-    def _block(self, li: int, x: Tensor, mix, kernels: bool) -> Tensor:
-        return decoder_layer(self.layers[li], x, mix, self.triton_kernels)  # norms: see :func:`norm`
+            y = norm_triton.rms_norm(o, gated.weight, gated.variance_epsilon, z, gated.activation, out_dtype=dtype)
+        else:
+            y = gated(o, z)
+        return lin.out_proj(y.reshape(B, T, -1))
 
-    def lm_logits(self, hidden: Tensor) -> Tensor:
-        """Logits ``[..., vocab]`` of last-layer features: the model's final norm (see
-        :func:`norm`) and LM head."""
-        return self.head(norm(self.text.norm, hidden, self.triton_kernels))
+    conv = lin.conv1d
+    conv_b = conv.bias.detach() if conv.bias is not None else None
+    return GDNMixer(project=project, conv_w=conv.weight.detach()[:, 0], conv_b=conv_b, A_log=placement.state(lin.A_log),
+                    dt_bias=placement.state(lin.dt_bias), H=lin.num_k_heads, HV=lin.num_v_heads, K=lin.head_k_dim,
+                    V=Vd, beta_scale=1.0, output=output, dtype=dtype, state_dtype=placement.state_dtype,
+                    device=placement.device)
