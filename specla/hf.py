@@ -1,4 +1,6 @@
-"""transformers glue the plugins of transformers-format checkpoints share."""
+"""transformers glue: loading a transformers-format checkpoint and refusing weights that do not
+fit it, the end-of-sequence ids a model's generation stops at, and the hook cycles of a model
+specla owns (loaded or copied by it)."""
 
 from __future__ import annotations
 
