@@ -10,11 +10,11 @@ replays it with a single host synchronisation per step: reading the step's outco
 How the step stays capturable:
 
 - every tensor a step reads and replaces lives in static buffers owned by the graph
-  (``TargetAdapter.graph_state`` / ``Drafter.graph_state``); the recorded step ends by copying
+  (``ModelAdapter.graph_state`` / ``Drafter.graph_state``); the recorded step ends by copying
   its new state into them, so each replay starts where the previous one ended;
 - shapes are fixed per graph: trees are padded to the budget ``N`` (unused nodes are padding
   that acceptance never follows), acceptance paths to ``D + 1``; the adapter picks its kernel
-  without reading the tree (``TargetAdapter.static_shapes``); nothing is read on the host;
+  without reading the tree (``ModelAdapter.static_shapes``); nothing is read on the host;
 - the batch is fixed per graph and rounded up to a power of two: sequences that finish stay in
   the batch as dead rows until at most half the rows are alive, then the live ones are gathered
   into the next smaller graph (so at most ``log2(B) + 1`` graphs exist per budget and are reused
@@ -39,6 +39,7 @@ import gc
 import math
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -48,6 +49,9 @@ from .errors import ConfigError
 from .interfaces import Drafter, TargetAdapter
 from .step import host_proposal, read_outcome, speculative_step, step_depth
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .model.adapter import ModelAdapter
 
 
 def cache_capacity(current: int, longest_prompt: int, config) -> int:
@@ -122,7 +126,8 @@ class GraphRunner:
     """Runs greedy speculative steps as CUDA graphs (see the module docstring).
 
     Args:
-        adapter: the target; must provide ``graph_state`` (``ModelAdapter`` does).
+        adapter: the target: a :class:`specla.model.adapter.ModelAdapter` (graph state, static
+            shapes, the empty commit).
         drafter: the drafter; proposes on the device (``propose_on_device``) or on the host.
         config: the run's options; ``num_draft_tokens`` must be at most
             ``adapter.graph_max_nodes()``.
@@ -136,7 +141,7 @@ class GraphRunner:
         ValueError: the adapter cannot run in graphs, or the budget is over its limit.
     """
 
-    def __init__(self, adapter: TargetAdapter, drafter: Drafter, config: SpecConfig, capture: bool = True,
+    def __init__(self, adapter: ModelAdapter, drafter: Drafter, config: SpecConfig, capture: bool = True,
                  generator: torch.Generator | None = None):
         problem = graph_problem(adapter, config)
         if problem:
@@ -223,7 +228,7 @@ class GraphRunner:
     def step(self, contexts: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
         """One speculative step of the whole (physical) batch: one replay of the batch size's
         graph, recorded on first use. The first step after a prefill starts from a pending
-        commit of nothing (:meth:`TargetAdapter.empty_commit`), so every step, the first
+        commit of nothing (:meth:`ModelAdapter.empty_commit`), so every step, the first
         included, is recorded or replayed. While the live state is the graph's own buffers (see
         :meth:`release`) nothing is copied or checked before the replay.
 
@@ -418,8 +423,11 @@ def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
 
 
 def graph_problem(adapter: TargetAdapter, config: SpecConfig) -> str | None:
-    """Why :class:`GraphRunner` cannot run ``config`` on ``adapter`` (``None``: it can)."""
-    if type(adapter).graph_state is TargetAdapter.graph_state:
+    """Why :class:`GraphRunner` cannot run ``config`` on ``adapter`` (``None``: it can): an
+    adapter other than specla's :class:`~specla.model.adapter.ModelAdapter` has no graph state."""
+    from .model.adapter import ModelAdapter  # the adapter imports this module
+
+    if not isinstance(adapter, ModelAdapter):
         return f"{type(adapter).__name__} has no graph state"
     if problem := adapter.graph_problem():
         return problem

@@ -188,48 +188,6 @@ class TargetAdapter(ABC):
     def select(self, index: Tensor) -> None:
         """Keep only the sequences ``index`` (``[B']`` int64), e.g. when others finish."""
 
-    # -- CUDA graphs (specla.graphs): optional; the default says "not supported"
-    static_shapes: bool = False
-    """Set by :class:`specla.graphs.GraphRunner` while it records a step: every operation must
-    then be one a CUDA graph can capture (no host reads of device values, e.g. no kernel choice
-    from the tree's shape; fixed tensor shapes)."""
-
-    def graph_state(self) -> list[Tensor] | None:
-        """Every tensor a decoding step reads and replaces (recurrent states, conv windows, roots,
-        a pending commit...), in a fixed order, or ``None`` when the adapter cannot run in a CUDA
-        graph (the default) or, with a delayed commit, has none pending (see
-        :meth:`empty_commit`). :class:`specla.graphs.GraphRunner` keeps static copies of them and
-        rebinds them with :meth:`set_graph_state`."""
-        return None
-
-    def set_graph_state(self, tensors: list[Tensor]) -> None:
-        """Make ``tensors`` (shaped like :meth:`graph_state`'s, same order) the adapter's state.
-
-        Raises:
-            NotImplementedError: the adapter has no graph state.
-        """
-        raise NotImplementedError(f"{type(self).__name__} cannot run in CUDA graphs")
-
-    def graph_max_nodes(self) -> int:
-        """The largest draft budget ``N`` a captured verify supports (default: none)."""
-        return -1
-
-    def graph_problem(self) -> str | None:
-        """Why this adapter's passes cannot be recorded in a CUDA graph although its plugin
-        declares the ``cuda_graphs`` capability (a module of the checkpoint that reads values on
-        the host, say), or ``None`` (the default). Steps and prefill then run eagerly under
-        ``cuda_graphs="auto"``, and ``"on"`` / ``"unrecorded"`` raise :class:`ConfigError`
-        with this text."""
-        return None
-
-    def empty_commit(self, nodes: int, depth: int) -> None:
-        """With a delayed commit and nothing pending (just after a prefill or a flush), make the
-        pending commit one of nothing, laid out as a step with trees of ``nodes`` draft nodes
-        and paths of up to ``depth`` drafts leaves it (``path_len`` 0, zeroed records), so that
-        :meth:`graph_state` lists what a recorded step of that budget reads; called by
-        :class:`specla.graphs.GraphRunner` before it lists the state. A no-op by default (no
-        delayed commit) and when a commit is pending."""
-
     @abstractmethod
     def _prefill(self, prompts: list[list[int]]) -> None: ...
 
@@ -253,8 +211,10 @@ class ArchitecturePlugin(ABC):
         demo_drafters: drafters trained for ``demo_checkpoint``, by name (``specla demo
             --drafter NAME``).
         capabilities: what the plugin supports beyond greedy chain drafts, among ``"trees"``
-            (tree drafts), ``"sampling"``, ``"cuda_graphs"``; the conformance suite runs the
-            matching tests and requires a clear error otherwise.
+            (tree drafts), ``"sampling"``, ``"cuda_graphs"`` (steps recorded as CUDA graphs: the
+            graph state is :class:`specla.model.adapter.ModelAdapter`'s, so only a plugin whose
+            adapter is one declares it); the conformance suite runs the matching tests and
+            requires a clear error otherwise.
         known_failures: conformance test names (or one parametrization, ``"test_x[replay]"``)
             expected to fail, with the reason (the suite runs them as strict xfail: an unexpected
             pass fails too).

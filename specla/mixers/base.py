@@ -194,7 +194,7 @@ class Mixer(ABC):
         shapes, dtypes, device) as :meth:`verify` returns it: what a pending commit of nothing
         holds (committed with ``path_len == 0`` it changes nothing, and zeros keep every product
         finite), so that a CUDA graph can be recorded before the first step
-        (:meth:`specla.interfaces.TargetAdapter.empty_commit`)."""
+        (:meth:`specla.model.adapter.ModelAdapter.empty_commit`)."""
 
     @abstractmethod
     def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
@@ -440,7 +440,7 @@ def experts_graph_problem(model: torch.nn.Module, dtype: torch.dtype) -> str | N
     """Why the MoE experts of a transformers ``model`` cannot be recorded in a CUDA graph, or
     ``None``: transformers' eager experts find the experts hit on the host (``nonzero``);
     ``batched_mm`` records, and so does ``grouped_mm`` in bfloat16 (transformers' default for a
-    loaded checkpoint). For :meth:`TargetAdapter.graph_problem`."""
+    loaded checkpoint). For :attr:`specla.model.spec.ModelSpec.graph_problem`."""
     for m in model.modules():
         if not hasattr(m, "has_gate"):  # transformers' experts modules carry it
             continue

@@ -86,7 +86,19 @@ class ModelAdapter(TargetAdapter):
             :meth:`score`; the plugin's Triton kernels, which have no gradients, then never run).
     Raises:
         ConfigError: see :func:`place`; UnsupportedModelError: the builder refuses the model.
+
+    Attributes:
+        placement: the run's :class:`Placement` (``device``, ``dtype``, ``state_dtype`` and
+            ``differentiable`` are copied onto the adapter).
+        model: the model the spec's callables run (the adapter's copy where it made one).
+        mixers, num_layers, embed_weight, embed_scale: the spec's (:class:`ModelSpec`).
+        capacity: the tokens each attention cache holds, sized by prefill.
     """
+
+    static_shapes: bool = False
+    """Set by :class:`specla.graphs.GraphRunner` while it records a step (and by the fixed-shape
+    prefill passes): every operation must then be one a CUDA graph can capture (no host reads of
+    device values, e.g. no kernel choice from the tree's shape; fixed tensor shapes)."""
 
     graph_kernel_nodes = 63
     """The largest draft budget ``N`` whose verify a CUDA graph can record with the Triton
@@ -466,19 +478,25 @@ class ModelAdapter(TargetAdapter):
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_problem(self) -> str | None:
-        """:attr:`ModelSpec.graph_problem` (see :meth:`TargetAdapter.graph_problem`)."""
+        """Why the passes cannot be recorded in a CUDA graph although the plugin declares the
+        ``cuda_graphs`` capability (:attr:`ModelSpec.graph_problem`: a module of the checkpoint
+        that reads values on the host, say), or ``None``. Steps and prefill then run eagerly under
+        ``cuda_graphs="auto"``, and ``"on"`` / ``"unrecorded"`` raise :class:`ConfigError` with
+        this text."""
         return self._spec.graph_problem
 
     def graph_max_nodes(self) -> int:
-        """See :meth:`TargetAdapter.graph_max_nodes`: ``graph_kernel_nodes`` on the Triton path
-        (with float32 state and factor records), unbounded on the PyTorch reference path."""
+        """The largest draft budget ``N`` a recorded verify holds: ``graph_kernel_nodes`` on the
+        Triton path (with float32 state and factor records), 1024 on the PyTorch reference path."""
         return self.graph_kernel_nodes if self._use_kernel(self.config.commit) else 1024
 
     def graph_state(self) -> list[Tensor] | None:
-        """Every mixer's state (:meth:`_state_list`), ``roots``, then, with the ``factor``
-        commit, the pending commit's record fields mixer by mixer, ``path`` and ``path_len``.
-        ``None`` while a ``factor`` run has no pending commit yet (before its first step): its
-        record shapes are not known."""
+        """Every tensor a decoding step reads and replaces, in a fixed order: every mixer's state
+        (:meth:`_state_list`), ``roots``, then, with the ``factor`` commit, the pending commit's
+        record fields mixer by mixer, ``path`` and ``path_len``. ``None`` while a ``factor`` run
+        has no pending commit yet (before its first step, see :meth:`empty_commit`): its record
+        shapes are not known. :class:`specla.graphs.GraphRunner` keeps static copies of them and
+        rebinds them with :meth:`set_graph_state`."""
         out = [*self._state_list(), self._roots]
         if self.config.commit == "factor":
             if self.pending is None:
@@ -490,9 +508,12 @@ class ModelAdapter(TargetAdapter):
         return out
 
     def empty_commit(self, nodes: int, depth: int) -> None:
-        """See :meth:`TargetAdapter.empty_commit`: with the ``factor`` commit and nothing
-        pending, ``PendingCommit(every mixer's empty record of nodes + 1 rows, path [B, depth + 1]
-        of -1, path_len 0)``."""
+        """With the ``factor`` commit and nothing pending (just after a prefill or a flush), make
+        the pending commit one of nothing, laid out as a step with trees of ``nodes`` draft nodes
+        and paths of up to ``depth`` drafts leaves it: ``PendingCommit(every mixer's empty record
+        of nodes + 1 rows, path [B, depth + 1] of -1, path_len 0)``, so that :meth:`graph_state`
+        lists what a recorded step of that budget reads; called by
+        :class:`specla.graphs.GraphRunner` before it lists the state. A no-op otherwise."""
         if self.config.commit != "factor" or self.pending is not None:
             return
         B, dev = self.batch_size, self.device

@@ -314,7 +314,7 @@ def test_runner_notices_a_state_replaced_outside_it():
 @pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen"])
 def test_every_step_runs_in_the_graph_from_the_first(plugin, device, monkeypatch):
     """The first step after a prefill starts from a pending commit of nothing
-    (``TargetAdapter.empty_commit``), so no step runs outside the recorded (here: fixed-shape)
+    (``ModelAdapter.empty_commit``), so no step runs outside the recorded (here: fixed-shape)
     step, in the first ``generate`` (the graph is recorded at its first step) and the next (it
     is replayed), and both give eager decoding's tokens and acceptance, with the plugins'
     kernels (interpreted on the CPU) and drafts that get accepted."""
