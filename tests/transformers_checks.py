@@ -138,3 +138,42 @@ def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: in
         states.append(ad.recurrent_states())
     for a, b in zip(*states):  # TF32: FLA's GLA hybrid with attention differed by 2.4e-3 on an H200
         torch.testing.assert_close(a, b, rtol=1e-2, atol=5e-3)
+
+
+def write_mtp_layer(directory, model, seed=0):
+    """A random MTP layer for ``model`` as ``directory/mtp.safetensors`` (``mtp.*`` names, MoE
+    experts one tensor per expert and projection, as the checkpoints ship it in their shards),
+    built from the model's own classes. Returns the layer (the oracle's copy)."""
+    from safetensors.torch import save_file
+
+    from specla_qwen.spec import text_parts
+
+    torch.manual_seed(seed)
+    text, _ = text_parts(model)
+    cfg = text.config
+    li = list(cfg.layer_types).index("full_attention")
+    H = cfg.hidden_size
+    head = torch.nn.Module()
+    head.fc = torch.nn.Linear(2 * H, H, bias=False)
+    head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.norm = (type(text.norm)(H) for _ in range(3))
+    head.layers = torch.nn.ModuleList([type(text.layers[li])(cfg, li)])
+    with torch.no_grad():  # every weight drawn here: a layer built outside from_pretrained leaves its experts empty
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            else:
+                p.copy_(torch.randn_like(p) * 0.1)
+    tensors = {}
+    for k, v in head.state_dict().items():
+        if k.endswith("experts.gate_up_proj"):  # [E, 2 I, H]: each expert's gate rows, then its up rows
+            stem = k.rsplit(".", 1)[0]
+            for e, w in enumerate(v):
+                gate, up = w.chunk(2, 0)
+                tensors.update({f"mtp.{stem}.{e}.gate_proj.weight": gate, f"mtp.{stem}.{e}.up_proj.weight": up})
+        elif k.endswith("experts.down_proj"):
+            tensors.update({f"mtp.{k.rsplit('.', 1)[0]}.{e}.down_proj.weight": w for e, w in enumerate(v)})
+        else:
+            tensors[f"mtp.{k}"] = v
+    save_file({k: v.detach().to(text.norm.weight.dtype).contiguous() for k, v in tensors.items()},
+              str(directory / "mtp.safetensors"))
+    return head.to(text.norm.weight.dtype).eval()

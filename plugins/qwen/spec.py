@@ -26,6 +26,9 @@ from specla.hf import eos_token_ids
 from specla.mixers import AttentionMixer, Mixer, experts_graph_problem
 from specla.mixers.gdn.mixer import GDNMixer
 from specla.model.spec import ModelSpec, Placement
+from specla.ops import kernels
+
+norm_kernels = kernels("specla.ops.norm_triton")
 
 
 def text_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -50,9 +53,7 @@ def norm(module: torch.nn.Module, x: Tensor, kernels: bool) -> Tensor:
     forward, or with ``kernels`` (the run's ``Placement.triton_kernels``: every norm of a model takes the
     same form, whatever a pass's records) and no autograd one Triton launch of the same formula."""
     if kernels and not torch.is_grad_enabled():
-        from specla.ops import norm_triton  # on first use: TRITON_INTERPRET is read when kernels are defined
-
-        return norm_triton.rms_norm(x, module.weight, module.eps, unit_offset=True)
+        return norm_kernels.rms_norm(x, module.weight, module.eps, unit_offset=True)
     return module(x)
 
 
@@ -162,9 +163,7 @@ def _mixer(layer: torch.nn.Module, text: torch.nn.Module, placement: Placement) 
         o, z = o.to(dtype).reshape(-1, Vd), z.reshape(-1, Vd)
         # the same formula in one launch, chosen as every norm of the model is (see :func:`norm`)
         if triton_norms and not torch.is_grad_enabled() and gated.activation in ("silu", "swish", "sigmoid"):
-            from specla.ops import norm_triton
-
-            y = norm_triton.rms_norm(o, gated.weight, gated.variance_epsilon, z, gated.activation, out_dtype=dtype)
+            y = norm_kernels.rms_norm(o, gated.weight, gated.variance_epsilon, z, gated.activation, out_dtype=dtype)
         else:
             y = gated(o, z)
         return lin.out_proj(y.reshape(B, T, -1))

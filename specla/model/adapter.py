@@ -24,12 +24,14 @@ from ..graphs import cache_capacity, check_cache_memory, copy_into, record_graph
 from ..hf import weaken_hook_cycles
 from ..interfaces import TargetAdapter, VerifyOutput
 from ..mixers.base import Mixer, TreePass
-from ..ops import compiled_kernels_loaded, upload_ints
+from ..ops import compiled_kernels_loaded, kernels, upload_ints
 from ..ops.norm import compute_dtype
 from ..records import Acceptance, PendingCommit, Record
 from ..tree import DraftTree, inclusive_ancestor_mask
 from . import prefill
 from .spec import ModelSpec, Placement
+
+tree_kernels = kernels("specla.ops.tree_triton")
 
 
 def place(model: torch.nn.Module, config: SpecConfig, differentiable: bool) -> tuple[torch.nn.Module, Placement]:
@@ -228,9 +230,7 @@ class ModelAdapter(TargetAdapter):
             mixer of the kind ``records`` names.
         """
         if self.triton_kernels:  # one launch (a recorded step is bound by its launches)
-            from ..ops.tree_triton import ancestor_mask  # on first use: TRITON_INTERPRET is read when kernels are defined
-
-            mask, depth = ancestor_mask(parents)
+            mask, depth = tree_kernels.ancestor_mask(parents)
         else:
             mask = inclusive_ancestor_mask(parents)
             depth = mask.sum(-1) - 1

@@ -89,7 +89,7 @@ def test_a_dropped_decoder_frees_the_mtp_drafter(tmp_path):
     final norm and LM head)."""
     from transformers import AutoModelForCausalLM
 
-    from test_qwen import write_mtp_layer
+    from transformers_checks import write_mtp_layer
 
     get_plugin("qwen").tiny_model("base", seed=3, dtype=torch.float32).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
