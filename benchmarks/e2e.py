@@ -112,19 +112,19 @@ def fla_recurrence(q, k, v, g, beta, S0, mask, scale, records):
     return o.to(S0.dtype), None, None
 
 
-def fla_replay(S0, rec, path, path_len):
-    """FLA-SD's replay commit (:attr:`specla.mixers.gdn.mixer.GDNMixer.replay`): the accepted tokens run
-    through FLA's fused recurrent kernel again (``output_final_state``)."""
+def fla_replay(S0, k, v, g, beta, path, path_len):
+    """FLA-SD's replay commit (:attr:`specla.mixers.gdn.mixer.GDNMixer.replay_commit`): the accepted
+    tokens run through FLA's fused recurrent kernel again (``output_final_state``)."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     B, P = path.shape
     rows = torch.arange(B, device=path.device)[:, None]
     node = path.clamp(min=0)
     live = (torch.arange(P, device=path.device)[None, :] < path_len[:, None])[..., None]  # [B, P, 1]
-    v = rec.v[rows, node]
-    k = expand_heads(rec.k[rows, node], v.shape[2])
-    g = torch.where(live, rec.g[rows, node], 0.0)  # decay 1 and no update past the path's end
-    beta = torch.where(live, rec.beta[rows, node], 0.0)
+    v = v[rows, node]
+    k = expand_heads(k[rows, node], v.shape[2])
+    g = torch.where(live, g[rows, node], 0.0)  # decay 1 and no update past the path's end
+    beta = torch.where(live, beta[rows, node], 0.0)
     _, S = fused_recurrent_gated_delta_rule(k, k, v, g=g, beta=beta, scale=1.0, initial_state=S0,
                                             output_final_state=True)
     return S.to(S0.dtype)
@@ -164,7 +164,7 @@ def use_fla_sd(dec: SpecDecoder) -> SpecDecoder:
         raise ValueError("FLA-SD needs a GDN decoder with chain drafts (top_k=1) and commit='replay'")
     dec.adapter._verify = types.MethodType(fla_sd_verify, dec.adapter)  # same state, the chain check added
     for m in dec.adapter.mixers:  # the recurrence and the replay commit on FLA's kernel
-        m.recurrence, m.replay = fla_recurrence, fla_replay
+        m.recurrence, m.replay_commit = fla_recurrence, fla_replay
     return dec
 
 

@@ -1,8 +1,9 @@
 """Factor records and pending commits (docs/DESIGN.md section 3).
 
 A verify pass leaves, per layer, a record of exactly what commit needs. With the ``factor``
-strategy this is SpecLA's compact per-token factor record; ``snapshot`` and ``replay`` use their
-own record types so the three strategies can be compared behind one interface.
+strategy this is SpecLA's compact per-token factor record, one type per op; the ``snapshot`` and
+``replay`` baselines use the generic records of :mod:`specla.baselines`, so the three strategies
+can be compared behind one interface.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ R = TypeVar("R", bound="Record")
 @dataclass(frozen=True)
 class Record:
     """Base of every per-layer record: a frozen dataclass whose fields are tensors with the batch
-    dimension ``B`` first (a field may be ``None`` when a layer has no such input, e.g. no short
-    convolution). Subclasses document each field's shape and dtype."""
+    dimension ``B`` first, or tuples of them (a field may be ``None`` when a layer has no such
+    input, e.g. no short convolution). Subclasses document each field's shape and dtype."""
 
     def select(self: R, index: Tensor) -> R:
         """Keep the sequences ``index`` (``[B']`` int64) of every field, in that order."""
         return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
 
     def tensors(self) -> list[Tensor]:
-        """The tensor fields, in field order (``None`` fields left out)."""
-        return [x for x in (getattr(self, f.name) for f in fields(self)) if isinstance(x, Tensor)]
+        """The tensor fields, in field order, a tuple's tensors in its order (``None`` fields left
+        out)."""
+        values = (getattr(self, f.name) for f in fields(self))
+        return [x for v in values for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, Tensor)]
 
     def nbytes_per_sequence(self) -> int:
         """Bytes this record holds per sequence (all fields, a tensor held by two fields once;
@@ -38,6 +41,8 @@ class Record:
 
 
 def _take(x, index: Tensor):
+    if isinstance(x, tuple):
+        return tuple(_take(t, index) for t in x)
     return x.index_select(0, index.to(x.device)) if isinstance(x, Tensor) else x
 
 

@@ -28,7 +28,7 @@ from ..errors import SpecError
 from ..model.prefill import PREFILL_CHUNK
 from ..ops import kernels
 from ..ops.attention import commit_kv, tree_attention
-from ..ops.conv import conv_ancestors, conv_window_after
+from ..ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node
 from ..records import Record
 
 conv_kernels = kernels("specla.ops.conv_triton")
@@ -44,7 +44,8 @@ class TreePass:
         mask: ``[B, T, T]`` bool inclusive-ancestor mask (``None`` in a whole-prompt prefill,
             :meth:`Mixer.prefill`, where the tree is a chain of ``counts`` tokens).
         depth: ``[B, T]`` int64 node depth (the root 0; ``None`` in a whole-prompt prefill).
-        records: the record kind this pass builds (``factor``, ``snapshot``, ``replay``).
+        records: the commit strategy whose records this pass builds (``factor``, or a baseline of
+            :mod:`specla.baselines`: ``snapshot``, ``replay``).
         kernels: whether the plugin's Triton kernels run
             (:meth:`specla.model.adapter.ModelAdapter._use_kernel`).
         static_shapes: a CUDA graph is being recorded: nothing may be read on the host.
@@ -202,6 +203,36 @@ class Mixer(ABC):
         padded; ``path_len [B]``) from ``record``; ``kernels``: the plugin's Triton kernels may
         run (float32 state, factor records)."""
 
+    # ------------------------------------------------------------------ optional: the baselines
+    baselines: frozenset[str] = frozenset()
+    """The research baselines (``SpecConfig.commit`` ``snapshot``, ``replay``; :mod:`specla.baselines`)
+    this mixer runs besides the ``factor`` commit every mixer runs: ``snapshot`` where
+    :meth:`node_states` is implemented, ``replay`` where :meth:`verify` returns a
+    :class:`~specla.baselines.ReplayRecord` in a ``replay`` pass and :meth:`replay` commits it (or
+    where its factor record serves that strategy as it is, as a KV cache's does). A model whose
+    mixers do not all declare a baseline refuses it (:func:`specla.baselines.check_baselines`)."""
+
+    def node_states(self, record: Record, tp: TreePass) -> list[Tensor] | None:
+        """The ``snapshot`` baseline: each tensor of :meth:`state` (in its order) after every node's
+        root path, ``[B, T, ...]`` in the state's dtype, from the factor ``record`` that
+        :meth:`verify` just returned for ``tp`` (the state is still the pass's starting state);
+        ``None`` where the factor record's commit is the snapshot commit already (a KV cache).
+
+        Raises:
+            NotImplementedError: the mixer does not declare ``snapshot`` in :attr:`baselines`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not run the snapshot baseline")
+
+    def replay(self, record: Record, path: Tensor, path_len: Tensor) -> None:
+        """The ``replay`` baseline's commit: run the recurrence again over each row's accepted
+        tokens (``path [B, P]`` int64, ``-1`` padded; ``path_len [B]``) from the pre-step state,
+        with their inputs from ``record`` (a :class:`~specla.baselines.ReplayRecord`).
+
+        Raises:
+            NotImplementedError: the mixer has no replay record of its own.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no replay commit")
+
 
 class RecurrentMixer(Mixer):
     """A :class:`Mixer` whose state is a recurrent state ``S [B, ...]`` (float32 or wider) and,
@@ -226,6 +257,22 @@ class RecurrentMixer(Mixer):
     def state_names(self) -> list[str]:
         return ["recurrent"] + (["conv window"] if self.conv is not None else [])
 
+    replay_commit: Callable[..., Tensor]
+    """``(S0, *inputs, path, path_len) -> S``: the op's serial recurrence over the accepted tokens
+    (the ``inputs`` of a :class:`~specla.baselines.ReplayRecord`), for :meth:`replay`."""
+
+    def replay(self, record: Record, path: Tensor, path_len: Tensor) -> None:
+        self.S = self.replay_commit(self.S, *record.inputs, path, path_len)
+        self.commit_window(record.conv_x, path, path_len, False)
+
+    def window_states(self, x: Tensor | None, tp: TreePass) -> list[Tensor]:
+        """For :meth:`node_states`: ``[]`` without a conv window, else ``[windows [B, T, C - 1,
+        Dc]]``, the window after each node's root path from the pass's pre-conv inputs ``x [B, T,
+        Dc]`` (:func:`specla.ops.conv.conv_windows_per_node`)."""
+        if self.conv is None:
+            return []
+        return [conv_windows_per_node(x, self.conv, tp.conv_ancestors(self.conv.shape[1] + 1))]
+
     def commit_window(self, x: Tensor, path: Tensor, path_len: Tensor, kernel: bool) -> None:
         """Move the conv window (``conv [B, C - 1, Dc]``, a no-op without one) along an accepted
         path: its last ``C - 1`` inputs of ``[conv ; x[path]]`` (``x [B, T, Dc]`` the pass's
@@ -247,7 +294,7 @@ class RecurrentMixer(Mixer):
 @dataclass(frozen=True)
 class KVRecord(Record):
     """An attention mixer's record: every node's key and value. The commit writes the accepted
-    path's into the cache; the strategies (factor, snapshot, replay) coincide for a KV cache."""
+    path's into the cache; the strategies (factor and the baselines) coincide for a KV cache."""
 
     k: Tensor  # [B, T, HKV, Dh] cache dtype, rotary embedding applied
     v: Tensor  # [B, T, HKV, Dh] cache dtype (``k`` itself for a mixer with ``shared_kv``)
@@ -274,6 +321,7 @@ class AttentionMixer(Mixer):
     """
 
     recurrent = False
+    baselines = frozenset({"snapshot", "replay"})  # the KV record's commit is every strategy's
     shared_kv = False
     """Whether the values are the keys themselves (multi-head latent attention in its absorbed
     form, where :meth:`output` reads the part of the attention output it needs): one cache
@@ -354,6 +402,9 @@ class AttentionMixer(Mixer):
         o = tree_attention(q, k, v, self.k_cache[:, :span], self.v_cache[:, :span], self.cache_len, tp.mask,
                            tp.depth, scale=self.scale, window=self.window)
         return self.output(o, gate), KVRecord(k=k, v=v)
+
+    def node_states(self, record: Record, tp: TreePass) -> None:
+        return None  # the accepted keys and values are written to the cache whatever the strategy
 
     def prefills_whole(self, kernels: bool) -> bool:
         return True

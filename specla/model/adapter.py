@@ -18,6 +18,7 @@ from dataclasses import fields, replace
 import torch
 from torch import Tensor
 
+from ..baselines import baseline_record, check_baselines, commit_record
 from ..config import SpecConfig
 from ..errors import ConfigError, SpecError
 from ..graphs import cache_capacity, check_cache_memory, copy_into, record_graph
@@ -117,6 +118,7 @@ class ModelAdapter(TargetAdapter):
         self.model, self.embed_weight, self.embed_scale = spec.model, spec.embed_weight, spec.embed_scale
         self.vocab_size, self.eos_token_ids = spec.embed_weight.shape[0], spec.eos_token_ids
         self.mixers: list[Mixer] = list(spec.mixers)
+        check_baselines(self.mixers, config.commit)
         self.num_layers, self._spec = spec.num_layers, spec
         self.capacity = 0  # the tokens each attention cache holds (set by prefill)
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -244,7 +246,7 @@ class ModelAdapter(TargetAdapter):
         def mix(h: Tensor) -> Tensor:
             i = len(out_records)  # the mixers run in self.mixers order
             y, rec = self.mixers[i].verify(h, tp, pending.records[i] if pending is not None else None)
-            out_records.append(rec)
+            out_records.append(baseline_record(self.mixers[i], rec, tp))
             return y
 
         with torch.set_grad_enabled(self.differentiable and torch.is_grad_enabled()):
@@ -261,7 +263,7 @@ class ModelAdapter(TargetAdapter):
         its record."""
         kernels = self._use_kernel("factor")
         for m, rec in zip(self.mixers, records):
-            m.commit(rec, path, path_len, kernels)
+            commit_record(m, rec, path, path_len, kernels)
 
     def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """Whole prompts ``tokens [B, T]`` int64 (right-padded, ``lengths [B]``) through every

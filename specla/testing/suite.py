@@ -12,8 +12,10 @@ or, without writing a file, ``pytest --pyargs specla.testing --specla-plugin=mya
 (``ArchitecturePlugin.tiny_model``, ``tiny_variants``) and a sequential reference decoder
 (``reference_decode``); every check goes through the public contract only (``specla.run``,
 ``TargetAdapter``), so it applies to any architecture. Capabilities gate the tree tests (a plugin
-without ``"trees"`` must reject tree drafts with a clear error); ``known_failures`` turn named
-tests into strict xfails. A failed token comparison runs the batch again step by step and names
+without ``"trees"`` must reject tree drafts with a clear error); the commit-strategy tests run
+``factor``, which every plugin implements, and the ``snapshot`` and ``replay`` baselines where the
+plugin runs them (elsewhere they check that it refuses them, then skip); ``known_failures`` turn
+named tests into strict xfails. A failed token comparison runs the batch again step by step and names
 where it first left plain decoding (:func:`specla.testing.diagnose`): the sequence, the step,
 the layer and the state, and by how much.
 """
@@ -29,14 +31,16 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
 from ..acceptance import accept_greedy
+from ..baselines import BASELINES
 from ..config import SpecConfig
-from ..errors import InvalidTokenError, InvalidTreeError, SpecError, UnsupportedModelError
+from ..errors import ConfigError, InvalidTokenError, InvalidTreeError, SpecError, UnsupportedModelError
 from ..registry import get_plugin
 from ..tree import DraftTree
 from .diagnosis import compare_states, diagnose, state_tolerance
 from .drafters import OracleDrafter, ScriptedDrafter
 
 N = 6  # draft budget of the suite's runs
+COMMITS = ["factor", *BASELINES]  # factor: every plugin's contract; the baselines where declared
 
 
 class PluginSuite:
@@ -85,6 +89,25 @@ class PluginSuite:
         return model.get_input_embeddings().weight.shape[0]
 
     @staticmethod
+    def _runs_commit(arch, model, commit: str) -> bool:
+        """Whether the plugin runs the commit strategy ``commit`` on ``model``: ``factor`` always;
+        a baseline (``snapshot``, ``replay``) where ``make_adapter`` accepts it, which it must
+        otherwise refuse with a ConfigError naming it (as the mixer core does for a mixer that
+        does not declare it, :func:`specla.baselines.check_baselines`)."""
+        if commit == "factor":
+            return True
+        try:
+            arch.make_adapter(model, SpecConfig(commit=commit))
+        except ConfigError as err:
+            assert f"commit={commit!r}" in str(err), f"the refusal of commit={commit!r} does not name it: {err}"
+            return False
+        return True
+
+    def _skip_unless_runs(self, arch, model, commit: str) -> None:
+        if not self._runs_commit(arch, model, commit):
+            pytest.skip(f"plugin {arch.name!r} does not run the {commit} baseline (refused with a ConfigError)")
+
+    @staticmethod
     def _check_outputs(arch, model, prompts, outputs, expected, what: str, *, drafter="ngram", config=None,
                        diagnosed: bool = True) -> None:
         """``outputs == expected``, else an AssertionError naming ``what`` and, when
@@ -120,7 +143,7 @@ class PluginSuite:
                 out = specla.run(model, arch.name, prompts=prompts, config=cfg).outputs
                 self._check_outputs(arch, model, prompts, out, refs, f"variant {variant!r}, top_k {top_k}", config=cfg)
 
-    @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+    @pytest.mark.parametrize("commit", COMMITS)
     def test_forced_acceptance_patterns_token_identical(self, arch, rng, commit):
         """Every acceptance pattern (all, none, alternating, zero drafts right after a full accept,
         a tree whose right branch is not the first child, one sequence drafting nothing while the
@@ -128,6 +151,7 @@ class PluginSuite:
         import specla
 
         model = self._model(arch)
+        self._skip_unless_runs(arch, model, commit)
         V = self._vocab(model)
         prompts = [[rng.randrange(V) for _ in range(n)] for n in (1, N, N + 1, N + 2, 70)]  # 70: several prefill passes
         new = 13
@@ -170,7 +194,7 @@ class PluginSuite:
             self._check_outputs(arch, model, [p], alone, want[b : b + 1], f"sequence {b} alone", drafter=drafter,
                                 config=cfg)
 
-    @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+    @pytest.mark.parametrize("commit", COMMITS)
     def test_cuda_graph_step_token_identical_or_refused(self, arch, rng, commit):
         """The fixed-shape step :class:`specla.graphs.GraphRunner` records, run without recording
         on the CPU (``cuda_graphs="unrecorded"``): a batch of 7 (run as 8 rows) whose sequences stop at
@@ -181,6 +205,7 @@ class PluginSuite:
         from specla.errors import ConfigError
 
         model = self._model(arch)
+        self._skip_unless_runs(arch, model, commit)
         V = self._vocab(model)
         if "cuda_graphs" not in arch.capabilities:
             with pytest.raises(ConfigError):
@@ -256,12 +281,13 @@ class PluginSuite:
                           torch.zeros(B, dtype=torch.int64, device=dev))
         return adapter.verify(empty).logits[:, 0]
 
-    @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
+    @pytest.mark.parametrize("commit", COMMITS)
     def test_every_accepted_count_commits_exactly_the_accepted_tokens(self, arch, rng, commit):
         """Verify a chain whose first ``a`` drafts are right (a = 0..N), commit: the next logits
         equal those of a fresh adapter that prefilled exactly prompt + accepted tokens + bonus
         (state and conv window both enter the next logits)."""
         model = self._model(arch)
+        self._skip_unless_runs(arch, model, commit)
         V = self._vocab(model)
         prompt = [rng.randrange(V) for _ in range(7)]
         ref = arch.reference_decode(model, prompt, N + 1)
@@ -451,18 +477,21 @@ class PluginSuite:
                                                                               st.integers(0, 3))),
                                     min_size=0, max_size=8), min_size=1, max_size=4),
            lengths=st.lists(st.integers(1, 9), min_size=1, max_size=3),
-           commit=st.sampled_from(["factor", "snapshot", "replay"]), budget=st.integers(0, 8),
+           commit=st.integers(0, len(COMMITS) - 1), budget=st.integers(0, 8),
            depth=st.integers(1, 6), variant=st.integers(0, 7), seed=st.integers(0, 1000))
     def test_fuzzed_trees_and_acceptance_match_sequential(self, arch, script, lengths, commit, budget, depth,
                                                            variant, seed):
         """Random tree shapes, budgets, depths, acceptance patterns, ragged batches and commit
-        strategies (hypothesis; a failure shrinks to a minimal script) against sequential
-        decoding. Strategies a plugin refuses at make_adapter are skipped by ``assume``."""
+        strategies (those the plugin runs on the variant) (hypothesis; a failure shrinks to a
+        minimal script) against sequential decoding. Configurations a plugin refuses at
+        make_adapter with UnsupportedModelError are skipped by ``assume``."""
         from ..api import SpecDecoder
 
         if "trees" not in arch.capabilities:  # chains only: every node hangs from the previous one
             script = [[(i - 1, kind) for i, (_, kind) in enumerate(step)] for step in script]
         model = self._model(arch, arch.tiny_variants[variant % len(arch.tiny_variants)])
+        commits = [c for c in COMMITS if self._runs_commit(arch, model, c)]
+        commit = commits[commit % len(commits)]
         V = self._vocab(model)
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]

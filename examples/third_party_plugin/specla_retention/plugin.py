@@ -7,10 +7,9 @@ from pathlib import Path
 
 import torch
 
-from specla.config import SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.hookspecs import hookimpl
-from specla.interfaces import ArchitecturePlugin, TargetAdapter
+from specla.interfaces import ArchitecturePlugin
 from specla.model.spec import ModelSpec, Placement
 
 from .model import RetentionConfig, RetentionModel
@@ -18,7 +17,6 @@ from .model import RetentionConfig, RetentionModel
 TINY_VARIANTS = {"base": {}, "odd": dict(hidden_size=15, num_heads=3, head_dim=5, num_layers=3, vocab_size=37),
                  # a hybrid: softmax attention between retention layers (specla's attention mixer)
                  "hybrid": dict(num_layers=3, layer_types=["retention", "attention", "retention"])}
-ONLY_FACTOR = "the example implements only the factor commit (make_adapter refuses the others)"
 
 
 class RetentionPlugin(ArchitecturePlugin):
@@ -29,11 +27,6 @@ class RetentionPlugin(ArchitecturePlugin):
     model_types = ("tiny_retention",)
     capabilities = frozenset({"trees", "cuda_graphs"})
     tiny_variants = tuple(TINY_VARIANTS)
-    known_failures = {f"{test}[{commit}]": ONLY_FACTOR
-                      for test in ("test_forced_acceptance_patterns_token_identical",
-                                   "test_every_accepted_count_commits_exactly_the_accepted_tokens",
-                                   "test_cuda_graph_step_token_identical_or_refused")
-                      for commit in ("snapshot", "replay")}
 
     def load_model(self, path: Path, *, dtype: torch.dtype | None, device: str | None) -> torch.nn.Module:
         cfg = Path(path) / "config.json"
@@ -45,16 +38,6 @@ class RetentionPlugin(ArchitecturePlugin):
     def check_model(self, model: torch.nn.Module) -> None:
         if not isinstance(model, RetentionModel):
             raise UnsupportedModelError(f"the retention plugin runs RetentionModel, got {type(model).__name__}")
-
-    def make_adapter(self, model: torch.nn.Module, config: SpecConfig) -> TargetAdapter:
-        """specla's adapter of :meth:`model_spec`, for the ``factor`` commit only.
-
-        Raises:
-            UnsupportedModelError: another commit strategy, or not a :class:`RetentionModel`.
-        """
-        if config.commit != "factor":
-            raise UnsupportedModelError(f"the retention example implements only the factor commit, not {config.commit!r}")
-        return super().make_adapter(model, config)
 
     def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
         from .spec import retention_spec

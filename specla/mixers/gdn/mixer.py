@@ -15,15 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specla.baselines import ReplayRecord
 from specla.fla_attention import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import kernels
 from specla.ops.act import decay_and_sigmoid_gates
-from specla.ops.conv import causal_conv, conv_window_after, conv_windows_per_node, tree_conv
+from specla.ops.conv import causal_conv, tree_conv
 from specla.ops.norm import l2norm
-from specla.records import LayerCommit, Record, take_accepted
+from specla.records import LayerCommit, Record
 
-from .records import GDNFactorRecord, GDNReplayRecord, GDNSnapshotRecord
+from .records import GDNFactorRecord
 from .reference import chunk_gdn, gdn_commit_factor, gdn_commit_replay, node_states, tree_gdn
 
 act_kernels = kernels("specla.ops.act_triton")
@@ -56,52 +57,10 @@ def run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, scale, 
     return verify_kernels.hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
 
 
-def replay_commit(S0: Tensor, rec: GDNReplayRecord, path: Tensor, path_len: Tensor) -> Tensor:
-    """:func:`reference.gdn_commit_replay` from a replay record."""
-    return gdn_commit_replay(S0, rec.k, rec.v, rec.g, rec.beta, path, path_len)
-
-
 def apply_pending(S: Tensor, prev: GDNFactorRecord, path: Tensor, path_len: Tensor, kernel: bool) -> Tensor:
     """One layer's recurrent state after a pending factor commit, applied at the start of the
     next verify: on the reference path only (the verify kernels apply it fused)."""
     return S if kernel else gdn_commit_factor(S, prev.k, prev.delta, prev.G, path, path_len)
-
-
-def layer_record(kind: str, S0: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, delta: Tensor | None,
-                 G: Tensor | None, mask: Tensor, proj: Tensor, win: Tensor | None, anc: Tensor | None,
-                 state_dtype: torch.dtype) -> Record:
-    """The record of one layer's verify pass for the commit strategy ``kind`` (``factor``,
-    ``snapshot``, ``replay``; shapes in :mod:`specla.mixers.gdn.records`): ``proj [B, T, Dc]`` the
-    pre-conv projections, ``win`` the committed conv window, ``anc`` the conv ancestors (``None``
-    without short conv)."""
-    conv_x = proj if anc is not None else None
-    if kind == "factor":
-        return GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x)
-    if kind == "snapshot":
-        wins = conv_windows_per_node(proj, win, anc) if anc is not None else None
-        return GDNSnapshotRecord(node_states(S0, k, delta, G, mask), wins)
-    return GDNReplayRecord(k=k, v=v.to(state_dtype), g=g, beta=beta, conv_x=conv_x)
-
-
-def commit_layer(S0: Tensor, win: Tensor | None, rec: Record, path: Tensor, path_len: Tensor, kernel: bool,
-                 replay: Callable = replay_commit) -> tuple[Tensor, Tensor | None]:
-    """One GDN layer's state and conv window after committing ``path`` (``[B, P]``, ``path_len
-    [B]``) from its record (factor: closed form, in place on the kernel path; snapshot: the
-    accepted node's state; replay: ``replay(S0, rec, path, path_len)`` re-runs the recurrence).
-    Returns ``(state [B, HV, K, V], window [B, C - 1, Dc] or None)``."""
-    if isinstance(rec, GDNFactorRecord) and kernel:
-        S = commit_kernels.flush_commit(S0, rec.k, rec.delta, rec.G, path, path_len)  # in place
-    elif isinstance(rec, GDNFactorRecord):
-        S = gdn_commit_factor(S0, rec.k, rec.delta, rec.G, path, path_len)
-    elif isinstance(rec, GDNReplayRecord):
-        S = replay(S0, rec, path, path_len)
-    else:
-        S = take_accepted(rec.states, S0, path, path_len)
-    if win is None:
-        return S, None
-    if isinstance(rec, GDNSnapshotRecord):
-        return S, take_accepted(rec.conv_windows, win, path, path_len)
-    return S, conv_window_after(rec.conv_x, win, path, path_len)
 
 
 def _reference_recurrence(q, k, v, g, beta, S0, mask, scale, records):
@@ -136,9 +95,12 @@ class GDNMixer(RecurrentMixer):
             reference path's recurrence over the tree (:func:`reference.tree_gdn`); a baseline may
             swap it (``benchmarks/e2e.py``'s FLA-SD row; ``delta`` and ``G`` may then be ``None``,
             which only replay records allow).
-        replay: ``(S0, record, path, path_len) -> S``, the replay commit (:func:`replay_commit`),
-            swappable likewise.
+        replay_commit: ``(S0, k, v, g, beta, path, path_len) -> S``, the ``replay`` baseline's
+            commit (:func:`reference.gdn_commit_replay`), swappable likewise.
     """
+
+    baselines = frozenset({"snapshot", "replay"})
+    replay_commit = staticmethod(gdn_commit_replay)  # a replay record's inputs: k, v, g, beta
 
     # the default prefill takes the passes in half precision: side by side with the chain passes on
     # the trained `small` target (BENCHMARKS.md section 4) and GPU-tested in bfloat16
@@ -155,7 +117,7 @@ class GDNMixer(RecurrentMixer):
         self.dtype, self.state_dtype, self.device = dtype, state_dtype, device
         self.C = conv_w.shape[1] if conv_w is not None else 0
         self.Dc = 2 * H * K + HV * V
-        self.recurrence, self.replay = _reference_recurrence, replay_commit
+        self.recurrence = _reference_recurrence
         self.empty_state(0, 0)
 
     def empty_record(self, B: int, T: int) -> GDNFactorRecord:
@@ -201,9 +163,16 @@ class GDNMixer(RecurrentMixer):
                                             self.K**-0.5, fused)
         else:
             o, delta, G = self.recurrence(q, k, v, g, beta, self.S, tp.mask, self.K**-0.5, tp.records)
-        rec = layer_record(tp.records, self.S, k, v, g, beta, delta, G, tp.mask, proj, self.conv, anc,
-                           self.state_dtype)
+        conv_x = proj if anc is not None else None
+        if tp.records == "replay":
+            rec = ReplayRecord((k, v.to(self.state_dtype), g, beta), conv_x)
+        else:
+            rec = GDNFactorRecord(k=k, delta=delta, G=G, conv_x=conv_x)
         return self.output(o, z, kernel), rec
+
+    def node_states(self, record: GDNFactorRecord, tp: TreePass) -> list[Tensor]:
+        return [node_states(self.S, record.k, record.delta, record.G, tp.mask),
+                *self.window_states(record.conv_x, tp)]
 
     def prefills_whole(self, kernels: bool) -> bool:
         # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
@@ -248,5 +217,9 @@ class GDNMixer(RecurrentMixer):
         o, _ = chunk_gdn(q, k, v, g, beta, S0, self.K**-0.5, chunk)
         return self.output(o, z, False)
 
-    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        self.S, self.conv = commit_layer(self.S, self.conv, record, path, path_len, kernels, self.replay)
+    def commit(self, record: GDNFactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        if kernels:
+            commit_kernels.flush_commit(self.S, record.k, record.delta, record.G, path, path_len)  # in place
+        else:
+            self.S = gdn_commit_factor(self.S, record.k, record.delta, record.G, path, path_len)
+        self.commit_window(record.conv_x, path, path_len, False)

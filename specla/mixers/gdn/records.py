@@ -1,4 +1,5 @@
-"""Per-layer records of a GDN verify pass, one type per commit strategy.
+"""The factor record of a GDN verify pass (the
+``snapshot`` and ``replay`` baselines use :mod:`specla.baselines`' generic records).
 
 Shapes: ``B`` sequences, ``T`` verified nodes (``N + 1`` with the root), ``H`` key heads, ``HV``
 value heads, ``K``/``V`` head dims, ``Dc = 2 * H * K + HV * V`` short-conv channels (q, k, v
@@ -25,22 +26,3 @@ class GDNFactorRecord(Record):
     delta: Tensor  # [B, T, HV, V] float32, the serial delta of each node on its own root path
     G: Tensor  # [B, T, HV] float32, log decay summed along each node's root path
     conv_x: Tensor | None  # [B, T, Dc] activation dtype, pre-conv projections (None: no short conv)
-
-
-@dataclass(frozen=True)
-class GDNSnapshotRecord(Record):
-    """One full state per node (what vLLM/SGLang keep): commit picks the accepted node's."""
-
-    states: Tensor  # [B, T, HV, K, V] float32, state after each node's root path
-    conv_windows: Tensor | None  # [B, T, C - 1, Dc] activation dtype, conv window after each node
-
-
-@dataclass(frozen=True)
-class GDNReplayRecord(Record):
-    """Per-token recurrence inputs: commit re-runs the recurrence over the accepted tokens."""
-
-    k: Tensor  # [B, T, H, K] float32, L2-normalised keys
-    v: Tensor  # [B, T, HV, V] float32
-    g: Tensor  # [B, T, HV] float32, per-token log decay
-    beta: Tensor  # [B, T, HV] float32
-    conv_x: Tensor | None  # [B, T, Dc] activation dtype

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specla.baselines import ReplayRecord
 from specla.fla_attention import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import kernels
-from specla.ops.conv import conv_windows_per_node, tree_conv
-from specla.records import LayerCommit, Record, take_accepted
+from specla.ops.conv import tree_conv
+from specla.records import LayerCommit, Record
 
-from .records import GLAFactorRecord, GLAReplayRecord, GLASnapshotRecord
+from .records import GLAFactorRecord
 from .reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
 
 conv_kernels = kernels("specla.ops.conv_triton")
@@ -50,6 +51,9 @@ class GLAMixer(RecurrentMixer):
             and projection.
         dtype, state_dtype, device: activations, recurrent state, device.
     """
+
+    baselines = frozenset({"snapshot", "replay"})
+    replay_commit = staticmethod(gla_commit_replay)  # a replay record's inputs: k, v, gk
 
     def __init__(self, *, project: Callable[[Tensor], tuple], conv_w: Tensor | None, conv_b: Tensor | None,
                  b_gk: Tensor, normalizer: float, clamp_min: float | None, feature_map: Callable[[Tensor], Tensor],
@@ -110,14 +114,14 @@ class GLAMixer(RecurrentMixer):
                 commit_kernels.flush_commit(S0, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
             o, Gk = tree_gla(q, k, v, gk, S0, tp.mask, scale)
         conv_x = proj if anc is not None else None
-        if tp.records == "factor":
-            rec = GLAFactorRecord(k=k, v=v, Gk=Gk, conv_x=conv_x)
-        elif tp.records == "snapshot":
-            wins = conv_windows_per_node(proj, self.conv, anc) if anc is not None else None
-            rec = GLASnapshotRecord(node_states(S0, k, v, Gk, tp.mask), wins)
+        if tp.records == "replay":
+            rec = ReplayRecord((k, v, gk), conv_x)
         else:
-            rec = GLAReplayRecord(k=k, v=v, gk=gk, conv_x=conv_x)
+            rec = GLAFactorRecord(k=k, v=v, Gk=Gk, conv_x=conv_x)
         return self.output(o, gate), rec
+
+    def node_states(self, record: GLAFactorRecord, tp: TreePass) -> list[Tensor]:
+        return [node_states(self.S, record.k, record.v, record.Gk, tp.mask), *self.window_states(record.conv_x, tp)]
 
     def prefills_whole(self, kernels: bool) -> bool:
         # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
@@ -143,19 +147,9 @@ class GLAMixer(RecurrentMixer):
         self.S = S.to(self.state_dtype)
         return self.output(o, gate)
 
-    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        S0 = self.S
-        if isinstance(record, GLAFactorRecord) and kernels:
-            commit_kernels.flush_commit(S0, record.k, record.v, record.Gk, path, path_len)  # in place
-        elif isinstance(record, GLAFactorRecord):
-            self.S = gla_commit_factor(S0, record.k, record.v, record.Gk, path, path_len)
-        elif isinstance(record, GLAReplayRecord):
-            self.S = gla_commit_replay(S0, record.k, record.v, record.gk, path, path_len)
+    def commit(self, record: GLAFactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        if kernels:
+            commit_kernels.flush_commit(self.S, record.k, record.v, record.Gk, path, path_len)  # in place
         else:
-            self.S = take_accepted(record.states, S0, path, path_len)
-        if self.conv is None:
-            return
-        if isinstance(record, GLASnapshotRecord):
-            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
-        else:
-            self.commit_window(record.conv_x, path, path_len, kernels and isinstance(record, GLAFactorRecord))
+            self.S = gla_commit_factor(self.S, record.k, record.v, record.Gk, path, path_len)
+        self.commit_window(record.conv_x, path, path_len, kernels)

@@ -1,4 +1,5 @@
-"""Per-layer records of a GLA verify pass, one type per commit strategy.
+"""The factor record of a GLA verify pass (the
+``snapshot`` and ``replay`` baselines use :mod:`specla.baselines`' generic records).
 
 Shapes: ``B`` sequences, ``T`` verified nodes (``N + 1`` with the root), ``H`` heads (key/value
 heads already repeated to the query heads, as FLA's layer does for ``num_kv_heads``), ``K``/``V``
@@ -26,21 +27,3 @@ class GLAFactorRecord(Record):
     v: Tensor  # [B, T, H, V] float32
     Gk: Tensor  # [B, T, H, K] float32, per-channel log decay summed along each node's root path
     conv_x: Tensor | None  # [B, T, Dc] activation dtype, pre-conv projections (None: no short conv)
-
-
-@dataclass(frozen=True)
-class GLASnapshotRecord(Record):
-    """One full state per node (what vLLM/SGLang keep): commit picks the accepted node's."""
-
-    states: Tensor  # [B, T, H, K, V] float32, state after each node's root path
-    conv_windows: Tensor | None  # [B, T, C - 1, Dc] activation dtype, conv window after each node
-
-
-@dataclass(frozen=True)
-class GLAReplayRecord(Record):
-    """Per-token recurrence inputs: commit re-runs the recurrence over the accepted tokens."""
-
-    k: Tensor  # [B, T, H, K] float32
-    v: Tensor  # [B, T, H, V] float32
-    gk: Tensor  # [B, T, H, K] float32, per-token per-channel log decay
-    conv_x: Tensor | None  # [B, T, Dc] activation dtype

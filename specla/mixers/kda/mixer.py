@@ -9,13 +9,14 @@ import sys
 import torch
 from torch import Tensor
 
+from specla.baselines import ReplayRecord
 from specla.fla_attention import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
-from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record, take_accepted
+from specla.ops.conv import conv_window_after, tree_conv
+from specla.records import Record
 
 from .naive import kda_commit_replay
-from .records import KDAFactorRecord, KDAReplayRecord, KDASnapshotRecord
+from .records import KDAFactorRecord
 from .reference import kda_commit_factor, kda_node_states, tree_kda
 
 
@@ -32,6 +33,9 @@ class KDAMixer(RecurrentMixer):
         layer: the layer's ``KimiLinearDeltaAttention`` module.
         dtype, state_dtype, device: activations, recurrent state, device.
     """
+
+    baselines = frozenset({"snapshot", "replay"})
+    replay_commit = staticmethod(kda_commit_replay)  # a replay record's inputs: k, v, g, beta
 
     def __init__(self, layer: torch.nn.Module, dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device):
         self.m, self.dtype, self.state_dtype, self.device = layer, dtype, state_dtype, device
@@ -64,15 +68,16 @@ class KDAMixer(RecurrentMixer):
         v = v.reshape(B, T, H, D).to(st)
         g, beta = m.forget_gate(h).to(st), torch.sigmoid(m.b_proj(h)).to(st)
         o, delta, Gk = tree_kda(q, k, v, g, beta, self.S, tp.mask)
-        if tp.records == "factor":
-            rec = KDAFactorRecord(k=k, delta=delta, Gk=Gk, conv_x=mixed)
-        elif tp.records == "snapshot":
-            rec = KDASnapshotRecord(kda_node_states(self.S, k, delta, Gk, tp.mask),
-                                    conv_windows_per_node(mixed, self.conv, anc))
+        if tp.records == "replay":
+            rec = ReplayRecord((k, v, g, beta), mixed)
         else:
-            rec = KDAReplayRecord(k=k, v=v, g=g, beta=beta, conv_x=mixed)
+            rec = KDAFactorRecord(k=k, delta=delta, Gk=Gk, conv_x=mixed)
         gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
         return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1)), rec
+
+    def node_states(self, record: KDAFactorRecord, tp: TreePass) -> list[Tensor]:
+        return [kda_node_states(self.S, record.k, record.delta, record.Gk, tp.mask),
+                *self.window_states(record.conv_x, tp)]
 
     def prefills_whole(self, kernels: bool) -> bool:
         # FLA's chunk kernels run on a GPU (their autotuner needs a driver); the layer's own
@@ -102,13 +107,6 @@ class KDAMixer(RecurrentMixer):
         gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
         return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1))
 
-    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        if isinstance(record, KDASnapshotRecord):
-            self.S = take_accepted(record.states, self.S, path, path_len)
-            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
-            return
-        if isinstance(record, KDAFactorRecord):
-            self.S = kda_commit_factor(self.S, record.k, record.delta, record.Gk, path, path_len)
-        else:
-            self.S = kda_commit_replay(self.S, record.k, record.v, record.g, record.beta, path, path_len)
-        self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
+    def commit(self, record: KDAFactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        self.S = kda_commit_factor(self.S, record.k, record.delta, record.Gk, path, path_len)
+        self.commit_window(record.conv_x, path, path_len, False)  # no Triton kernels for KDA

@@ -16,13 +16,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from specla.baselines import ReplayRecord
 from specla.fla_attention import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import kernels
-from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import LayerCommit, Record, take_accepted
+from specla.ops.conv import tree_conv
+from specla.records import LayerCommit, Record
 
-from .records import Mamba2FactorRecord, Mamba2ReplayRecord, Mamba2SnapshotRecord
+from .records import Mamba2FactorRecord
 from .reference import discretize, expand_groups, node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 
 conv_kernels = kernels("specla.ops.conv_triton")
@@ -52,6 +53,9 @@ class Mamba2Mixer(RecurrentMixer):
             output projection.
         dtype, state_dtype, device: activations, recurrent state, device.
     """
+
+    baselines = frozenset({"snapshot", "replay"})
+    replay_commit = staticmethod(ssd_commit_replay)  # a replay record's inputs: Bm, u, a
 
     def __init__(self, *, project: Callable[[Tensor], tuple], conv_w: Tensor, conv_b: Tensor | None, A_log: Tensor,
                  dt_bias: Tensor, D: Tensor, dt_limit: tuple[float, float], H: int, P: int, N: int, G: int,
@@ -101,13 +105,14 @@ class Mamba2Mixer(RecurrentMixer):
             y, u, Gs = verify_kernels.tree_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.mask, pending=fused)
         else:
             y, u, Gs = tree_ssd(xs, dt, a, Bm, Cm, self.D, S0, tp.mask)
-        if tp.records == "factor":
-            rec = Mamba2FactorRecord(Bm=Bm, u=u, G=Gs, conv_x=xbc_in)
-        elif tp.records == "snapshot":
-            rec = Mamba2SnapshotRecord(node_states(S0, Bm, u, Gs, tp.mask), conv_windows_per_node(xbc_in, self.conv, anc))
+        if tp.records == "replay":
+            rec = ReplayRecord((Bm, u, a.to(self.state_dtype)), xbc_in)
         else:
-            rec = Mamba2ReplayRecord(Bm=Bm, u=u, a=a.to(self.state_dtype), conv_x=xbc_in)
+            rec = Mamba2FactorRecord(Bm=Bm, u=u, G=Gs, conv_x=xbc_in)
         return self.output(y.reshape(B, T, H * P), z), rec
+
+    def node_states(self, record: Mamba2FactorRecord, tp: TreePass) -> list[Tensor]:
+        return [node_states(self.S, record.Bm, record.u, record.G, tp.mask), *self.window_states(record.conv_x, tp)]
 
     def prefills_whole(self, kernels: bool) -> bool:
         # FLA's chunk kernels autotune, which needs a GPU driver (Triton's CPU interpreter has none)
@@ -140,17 +145,9 @@ class Mamba2Mixer(RecurrentMixer):
         y = y + (D[:, None] if D.dim() == 1 else D) * xs
         return self.output(y.reshape(B, T, H * P), z)
 
-    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        if isinstance(record, Mamba2SnapshotRecord):
-            self.S = take_accepted(record.states, self.S, path, path_len)
-            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
-            return
-        if isinstance(record, Mamba2FactorRecord) and kernels:
+    def commit(self, record: Mamba2FactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        if kernels:
             commit_kernels.flush_commit(self.S, record.Bm, record.u, record.G, path, path_len)  # in place
-            self.commit_window(record.conv_x, path, path_len, True)
-            return
-        if isinstance(record, Mamba2FactorRecord):
-            self.S = ssd_commit_factor(self.S, record.Bm, record.u, record.G, path, path_len)
         else:
-            self.S = ssd_commit_replay(self.S, record.Bm, record.u, record.a, path, path_len)
-        self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
+            self.S = ssd_commit_factor(self.S, record.Bm, record.u, record.G, path, path_len)
+        self.commit_window(record.conv_x, path, path_len, kernels)

@@ -1,4 +1,5 @@
-"""Per-layer records of a Mamba2 verify pass, one type per commit strategy.
+"""The factor record of a Mamba2 verify pass (the
+``snapshot`` and ``replay`` baselines use :mod:`specla.baselines`' generic records).
 
 Shapes: ``B`` sequences, ``T`` verified nodes (``N + 1`` with the root), ``H`` SSM heads, ``P``
 head dim, ``G`` groups, ``N`` state size, ``Dc = H * P + 2 * G * N`` conv channels (the ``xBC``
@@ -25,21 +26,3 @@ class Mamba2FactorRecord(Record):
     u: Tensor  # [B, T, H, P] float32 (float64 in float64 runs), dt * x
     G: Tensor  # [B, T, H] float32, log decay dt * A summed along each node's root path
     conv_x: Tensor  # [B, T, Dc] activation dtype, pre-conv xBC projections
-
-
-@dataclass(frozen=True)
-class Mamba2SnapshotRecord(Record):
-    """One full state per node (what vLLM/SGLang keep): commit picks the accepted node's."""
-
-    states: Tensor  # [B, T, H, N, P] float32, state after each node's root path
-    conv_windows: Tensor  # [B, T, C - 1, Dc] activation dtype, conv window after each node
-
-
-@dataclass(frozen=True)
-class Mamba2ReplayRecord(Record):
-    """Per-token recurrence inputs: commit re-runs the recurrence over the accepted tokens."""
-
-    Bm: Tensor  # [B, T, G, N] activation dtype
-    u: Tensor  # [B, T, H, P] float32, dt * x
-    a: Tensor  # [B, T, H] float32, per-token log decay dt * A
-    conv_x: Tensor  # [B, T, Dc] activation dtype

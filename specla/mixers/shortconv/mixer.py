@@ -9,9 +9,9 @@ from torch import Tensor
 
 from specla.mixers import Mixer, TreePass
 from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record, take_accepted
+from specla.records import Record
 
-from .records import ConvRecord, ConvSnapshotRecord
+from .records import ConvRecord
 
 
 class ShortConvMixer(Mixer):
@@ -30,6 +30,7 @@ class ShortConvMixer(Mixer):
     """
 
     recurrent = False
+    baselines = frozenset({"snapshot", "replay"})  # replay: the record holds the inputs, as factor's does
 
     def __init__(self, conv: torch.nn.Module, dtype: torch.dtype, device: torch.device):
         self.module, self.dtype, self.device = conv, dtype, device
@@ -60,11 +61,10 @@ class ShortConvMixer(Mixer):
         bx = Bg * x
         anc = tp.conv_ancestors(self.L)
         y = Cg * tree_conv(bx, self.conv, self.weight, self.bias, anc, silu=False)
-        if tp.records == "snapshot":
-            rec = ConvSnapshotRecord(conv_windows_per_node(bx, self.conv, anc))
-        else:  # factor and replay: the inputs are the whole record
-            rec = ConvRecord(conv_x=bx)
-        return self.module.out_proj(y), rec
+        return self.module.out_proj(y), ConvRecord(conv_x=bx)
+
+    def node_states(self, record: ConvRecord, tp: TreePass) -> list[Tensor]:
+        return [conv_windows_per_node(record.conv_x, self.conv, tp.conv_ancestors(self.L))]
 
     prefill_continues = True  # the convolution reads the window it holds
 
@@ -81,8 +81,5 @@ class ShortConvMixer(Mixer):
         self.conv = conv_window_after(bx, self.conv, tp.chain()[0], tp.counts)
         return self.module.out_proj(y)
 
-    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        if isinstance(record, ConvSnapshotRecord):
-            self.conv = take_accepted(record.conv_windows, self.conv, path, path_len)
-        else:
-            self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
+    def commit(self, record: ConvRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+        self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)

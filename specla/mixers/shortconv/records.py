@@ -1,4 +1,5 @@
-"""Per-layer records of a gated short convolution's verify pass, one type per commit strategy."""
+"""The record of a gated short convolution's verify pass (the ``snapshot`` baseline uses
+:mod:`specla.baselines`' generic record)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,3 @@ class ConvRecord(Record):
     the commit takes the accepted path's into the window."""
 
     conv_x: Tensor  # [B, T, D] activation dtype, B * x before the convolution
-
-
-@dataclass(frozen=True)
-class ConvSnapshotRecord(Record):
-    """The snapshot strategy's record: the window after each node's root path."""
-
-    conv_windows: Tensor  # [B, T, L - 1, D] activation dtype
