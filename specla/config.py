@@ -62,8 +62,10 @@ class SpecConfig(BaseModel):
             nodes keep a node only if its path log-probability is within ``tau_tree`` of the best
             one; ``inf`` disables pruning.
         commit: how the accepted path reaches the recurrent state: ``factor`` (closed form from
-            factor records, delayed into the next verify), ``snapshot`` (one state per node, pick
-            the accepted one) or ``replay`` (re-run the accepted tokens from the pre-step state).
+            factor records, delayed into the next verify), or a baseline of
+            :mod:`specla.baselines` where every mixer of the model declares it (else the adapter
+            raises ``ConfigError``): ``snapshot`` (one state per node, pick the accepted one) or
+            ``replay`` (re-run the accepted tokens from the pre-step state).
         temperature: ``0`` is greedy decoding (token-identical to greedy autoregressive
             decoding); above ``0`` tokens are sampled from ``softmax(logits / temperature)``,
             losslessly: speculative output follows the target's distribution exactly
