@@ -481,9 +481,9 @@ class PluginSuite:
            depth=st.integers(1, 6), variant=st.integers(0, 7), seed=st.integers(0, 1000))
     def test_fuzzed_trees_and_acceptance_match_sequential(self, arch, script, lengths, commit, budget, depth,
                                                            variant, seed):
-        """Random tree shapes, budgets, depths, acceptance patterns, ragged batches and commit
-        strategies (those the plugin runs on the variant) (hypothesis; a failure shrinks to a
-        minimal script) against sequential decoding. Configurations a plugin refuses at
+        """Random tree shapes, budgets, depths, acceptance patterns, ragged batches, model
+        variants and the commit strategies the plugin runs on each (hypothesis; a failure shrinks
+        to a minimal script) against sequential decoding. Configurations a plugin refuses at
         make_adapter with UnsupportedModelError are skipped by ``assume``."""
         from ..api import SpecDecoder
 
