@@ -12,13 +12,13 @@ of the script only) and the largest absolute difference of its output from ``tre
 (``--check-dtype`` inputs for the check, bfloat16 for the timing). Each variant runs at every shape
 and batch before the next (``flex``, which compiles, last). Variants:
 
-- ``sdpa_mask``: :func:`specla.ops.attention.tree_attention`, what the mixer runs: the cache and
+- ``sdpa_mask``: :func:`specla.mixers.attention.reference.tree_attention`, what the mixer runs: the cache and
   the tree's keys concatenated (a copy of the whole cache per call), one SDPA call with a boolean
   ``[B, T, S + T]`` mask and grouped-query heads;
 - ``flex``: torch's FlexAttention (compiled) over the same concatenated keys, its block mask
   built from the same rule inside the call (``mask_mod`` reads the cache lengths and the
   ancestor mask), so it records in a graph like the rest of a step;
-- ``commit_kv``: :func:`specla.ops.attention.commit_kv` of a ``D + 1``-token accepted path on its
+- ``commit_kv``: :func:`specla.mixers.attention.reference.commit_kv` of a ``D + 1``-token accepted path on its
   own: what committing at once costs per layer; the delayed commit runs the same kernels at the
   start of the next verify, so the two differ in where the launches go, not in their number.
 
@@ -45,7 +45,7 @@ from provenance import add_allow_dirty, print_meta  # noqa: E402
 from kernels import pruned_tree  # noqa: E402
 
 from specla.graphs import record_graph  # noqa: E402
-from specla.ops.attention import commit_kv, tree_attention, tree_attention_mask  # noqa: E402
+from specla.mixers.attention.reference import commit_kv, tree_attention, tree_attention_mask  # noqa: E402
 from specla.tree import inclusive_ancestor_mask  # noqa: E402
 
 # name: (query heads, key/value heads, head dim, where the shape comes from)

@@ -1,5 +1,5 @@
-"""Softmax attention under a draft tree (specla.ops.attention) against its sequential twin and
-against torch's own causal attention, and the KV commit: written exactly where the accepted path
+"""Softmax attention under a draft tree (specla.mixers.attention.reference) against its sequential
+twin and against torch's own causal attention, and the KV commit: written exactly where the accepted path
 goes, nothing else touched."""
 
 import random
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specla.ops.attention import commit_kv, tree_attention
-from specla.ops.naive import naive_tree_attention
+from specla.mixers.attention.naive import naive_tree_attention
+from specla.mixers.attention.reference import commit_kv, tree_attention
 from specla.tree import inclusive_ancestor_mask
 from trees import SHAPES, TOL, needs_triton, rel_err, tree_parents
 
