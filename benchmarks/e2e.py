@@ -59,7 +59,7 @@ import torch
 from specla import SpecConfig
 from specla.api import SpecDecoder
 from specla.drafters.eagle import EagleDrafter, EagleHead
-from specla.graphs import record_graph
+from specla.cuda.capture import record_graph
 from specla.interfaces import Drafter
 from specla.tree import DraftTree
 from specla.mixers.gdn.mixer import GDNMixer
@@ -425,7 +425,7 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, skip: int = 0) -> float
 
 def graph_time(fn, replays: int = 50, recorded: torch.cuda.CUDAGraph | None = None,
                by_name: dict | None = None) -> tuple[float, int]:
-    """``fn`` recorded in a CUDA graph (:func:`specla.graphs.record_graph`; or the ``recorded``
+    """``fn`` recorded in a CUDA graph (:func:`specla.cuda.capture.record_graph`; or the ``recorded``
     graph as it is), replayed ``replays`` times: the median device ms per replay
     (:func:`replay_ms`) and the kernels one replay launches (torch profiler). The graph is kept
     alive here: a later graph may read ``fn``'s outputs. ``by_name``: filled with each kernel's

@@ -61,7 +61,7 @@ from triton.testing import do_bench
 
 from e2e import replay_ms  # this folder is on sys.path when the script runs
 from provenance import add_allow_dirty, provenance
-from specla.graphs import record_graph
+from specla.cuda.capture import record_graph
 from specla.records import LayerCommit
 from specla.tree import inclusive_ancestor_mask
 from specla.mixers.gdn.commit import flush_commit

@@ -99,7 +99,7 @@ class SpecConfig(BaseModel):
             ``serial``, ``parallel`` or ``hybrid``. CUDA graphs use ``serial`` for one-token passes
             (plain decoding) and ``parallel`` otherwise, whatever this says.
         cuda_graphs: ``auto`` (default): on a CUDA device, steps (greedy or sampled) run as recorded CUDA
-            graphs (:mod:`specla.graphs`; every step, the first after a prefill from an empty
+            graphs (:mod:`specla.cuda.graph_step`; every step, the first after a prefill from an empty
             pending commit) when the plugin declares the
             ``cuda_graphs`` capability and the budget fits its recorded verify (``N <= 63`` with
             the Triton kernels), else eagerly; ``off``: always eager; ``on``: graphs or a

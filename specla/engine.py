@@ -13,7 +13,7 @@ import torch
 
 from .config import SpecConfig
 from .errors import ConfigError, GenerationInterrupted, NonFiniteLogitsError
-from .graphs import GraphRunner, batch_bucket, graph_problem
+from .cuda.graph_step import GraphRunner, batch_bucket, graph_problem
 from .interfaces import Drafter, TargetAdapter
 from .policy import BudgetPolicy, resolve_budget_policy
 from .step import host_proposal, read_outcome, speculative_step, step_depth

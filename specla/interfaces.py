@@ -372,7 +372,7 @@ class Drafter(ABC):
     def select(self, index: Tensor) -> None:
         """Keep only the sequences ``index`` (default: nothing to keep)."""
 
-    # -- CUDA graphs (specla.graphs): optional
+    # -- CUDA graphs (specla.cuda.graph_step): optional
     device_proposals: bool = False
     """Whether :meth:`propose_on_device` builds greedy trees (then a CUDA graph records the
     proposal with the verify pass; else :meth:`propose` runs on the host before each step)."""

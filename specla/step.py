@@ -1,6 +1,6 @@
 """The speculative step (docs/architecture.md, "The step"): verify -> accept -> commit -> drafter
 update, one body for the engine's eager steps (:class:`specla.engine.Engine`) and the recorded
-CUDA-graph step (:class:`specla.graphs.GraphRunner`), and the checked proposals of host drafters
+CUDA-graph step (:class:`specla.cuda.graph_step.GraphRunner`), and the checked proposals of host drafters
 that both take.
 
 The body reads nothing on the host: acceptance walks at most ``depth`` levels, and its outcome

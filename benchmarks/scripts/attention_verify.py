@@ -44,7 +44,7 @@ from e2e import replay_ms  # noqa: E402
 from provenance import add_allow_dirty, print_meta  # noqa: E402
 from kernels import pruned_tree  # noqa: E402
 
-from specla.graphs import record_graph  # noqa: E402
+from specla.cuda.capture import record_graph  # noqa: E402
 from specla.mixers.attention.reference import commit_kv, tree_attention, tree_attention_mask  # noqa: E402
 from specla.tree import inclusive_ancestor_mask  # noqa: E402
 

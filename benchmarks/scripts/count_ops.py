@@ -38,7 +38,7 @@ from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM  # noqa: E4
 from provenance import add_allow_dirty, print_meta  # noqa: E402
 from train_target import PRESETS  # noqa: E402
 
-import specla.graphs as G  # noqa: E402
+import specla.cuda.graph_step as G  # noqa: E402
 from specla import SpecDecoder  # noqa: E402
 from specla.acceptance import accept_greedy  # noqa: E402
 from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402

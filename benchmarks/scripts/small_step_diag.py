@@ -22,7 +22,7 @@ from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 from train_target import PRESETS
 from specla import SpecDecoder
 from specla.drafters.eagle import EagleDrafter, EagleHead
-import specla.graphs as G
+import specla.cuda.graph_step as G
 
 ap = add_allow_dirty(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
 print_meta("cuda", ap.parse_args().allow_dirty)

@@ -44,7 +44,7 @@ from train_target import PRESETS  # noqa: E402
 from specla import SpecDecoder  # noqa: E402
 from specla.acceptance import accept_greedy  # noqa: E402
 from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
-import specla.graphs as G  # noqa: E402
+import specla.cuda.graph_step as G  # noqa: E402
 from specla.tree import DraftTree  # noqa: E402
 
 CUDA = True  # set by --device

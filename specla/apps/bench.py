@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from ..api import SpecDecoder
 from ..config import SpecConfig
-from ..graphs import batch_bucket
+from ..cuda.graph_step import batch_bucket
 from ..step import step_depth
 from .jsonl import read_jsonl
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..config import SpecConfig
 from ..errors import DrafterError
-from ..graphs import cache_capacity, check_cache_memory
+from ..memory import cache_capacity, check_cache_memory
 from ..interfaces import Drafter, TargetAdapter, VerifyOutput
 from ..records import Acceptance
 from ..tree import DraftTree
@@ -413,7 +413,7 @@ class EagleDrafter(Drafter):
 
     def propose_on_device(self, roots: Tensor, config: SpecConfig) -> DraftTree:
         """The greedy tree of :meth:`propose`, padded to the budget, left on the device, with no
-        host synchronisation (what :class:`specla.graphs.GraphRunner` records)."""
+        host synchronisation (what :class:`specla.cuda.graph_step.GraphRunner` records)."""
         self.root = roots
         return build_tree(self._expand, self._root_state(), roots, config, fixed_width=True, kernels=self.kernels)
 

@@ -21,9 +21,10 @@ from torch import Tensor
 from ..baselines import baseline_record, check_baselines, commit_record
 from ..config import SpecConfig
 from ..errors import ConfigError, SpecError
-from ..graphs import cache_capacity, check_cache_memory, copy_into, record_graph
+from ..cuda.capture import copy_into, record_graph
 from ..hf import weaken_hook_cycles
 from ..interfaces import TargetAdapter, VerifyOutput
+from ..memory import cache_capacity, check_cache_memory
 from ..mixers.base import Mixer, TreePass
 from ..ops import compiled_kernels_loaded, kernels, upload_ints
 from ..ops.norm import compute_dtype
@@ -99,7 +100,7 @@ class ModelAdapter(TargetAdapter):
     """
 
     static_shapes: bool = False
-    """Set by :class:`specla.graphs.GraphRunner` while it records a step (and by the fixed-shape
+    """Set by :class:`specla.cuda.graph_step.GraphRunner` while it records a step (and by the fixed-shape
     prefill passes): every operation must then be one a CUDA graph can capture (no host reads of
     device values, e.g. no kernel choice from the tree's shape; fixed tensor shapes)."""
 
@@ -497,7 +498,7 @@ class ModelAdapter(TargetAdapter):
         (:meth:`_state_list`), ``roots``, then, with the ``factor`` commit, the pending commit's
         record fields mixer by mixer, ``path`` and ``path_len``. ``None`` while a ``factor`` run
         has no pending commit yet (before its first step, see :meth:`empty_commit`): its record
-        shapes are not known. :class:`specla.graphs.GraphRunner` keeps static copies of them and
+        shapes are not known. :class:`specla.cuda.graph_step.GraphRunner` keeps static copies of them and
         rebinds them with :meth:`set_graph_state`."""
         out = [*self._state_list(), self._roots]
         if self.config.commit == "factor":
@@ -515,7 +516,7 @@ class ModelAdapter(TargetAdapter):
         and paths of up to ``depth`` drafts leaves it: ``PendingCommit(every mixer's empty record
         of nodes + 1 rows, path [B, depth + 1] of -1, path_len 0)``, so that :meth:`graph_state`
         lists what a recorded step of that budget reads; called by
-        :class:`specla.graphs.GraphRunner` before it lists the state. A no-op otherwise."""
+        :class:`specla.cuda.graph_step.GraphRunner` before it lists the state. A no-op otherwise."""
         if self.config.commit != "factor" or self.pending is not None:
             return
         B, dev = self.batch_size, self.device

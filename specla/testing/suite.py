@@ -196,7 +196,7 @@ class PluginSuite:
 
     @pytest.mark.parametrize("commit", COMMITS)
     def test_cuda_graph_step_token_identical_or_refused(self, arch, rng, commit):
-        """The fixed-shape step :class:`specla.graphs.GraphRunner` records, run without recording
+        """The fixed-shape step :class:`specla.cuda.graph_step.GraphRunner` records, run without recording
         on the CPU (``cuda_graphs="unrecorded"``): a batch of 7 (run as 8 rows) whose sequences stop at
         different steps, so finished rows stay as dead rows and the live ones are gathered into
         smaller batches, must equal sequential greedy decoding for every acceptance pattern.

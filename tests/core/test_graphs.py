@@ -1,4 +1,4 @@
-"""CUDA graphs (:mod:`specla.graphs`) on a GPU: recorded steps are token-identical to eager
+"""CUDA graphs (:mod:`specla.cuda`) on a GPU: recorded steps are token-identical to eager
 steps, with one host synchronisation per recorded step. Skipped without CUDA; the same
 fixed-shape step (unrecorded) runs on the CPU in the conformance suite
 (``test_cuda_graph_step_token_identical_or_refused``) and below."""
@@ -216,7 +216,7 @@ def test_bound_steps_and_release(drafter, tree):
 def test_copy_into_copies_every_replaced_tensor():
     """The recorded step's closing copy: dense pairs of several dtypes (multi-tensor copies),
     a strided source, a dtype change, and a tensor that is its own static copy (left alone)."""
-    from specla.graphs import copy_into
+    from specla.cuda.capture import copy_into
 
     g = torch.Generator().manual_seed(3)
     same = torch.randn(3, generator=g)
@@ -238,7 +238,7 @@ def test_copy_into_copies_a_one_row_slice_in_the_multi_tensor_copy():
     one multi-tensor copy (no ``copy_`` of its own, which is a kernel per layer in the step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from specla.graphs import copy_into
+    from specla.cuda.capture import copy_into
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -266,7 +266,7 @@ def test_static_like_keeps_a_slice_of_whole_rows_and_clones_the_rest():
     end) gets a new buffer of whole rows with the slice's strides and values, and ``copy_into``
     fills it exactly from another projection's slice; a broadcast (stride 0) or transposed view
     is cloned (a dense buffer of its own)."""
-    from specla.graphs import copy_into, static_like
+    from specla.cuda.capture import copy_into, static_like
 
     g = torch.Generator().manual_seed(6)
     z, z2 = torch.randn(2, 3, 10, generator=g), torch.randn(2, 3, 10, generator=g)
@@ -318,7 +318,7 @@ def test_every_step_runs_in_the_graph_from_the_first(plugin, device, monkeypatch
     step, in the first ``generate`` (the graph is recorded at its first step) and the next (it
     is replayed), and both give eager decoding's tokens and acceptance, with the plugins'
     kernels (interpreted on the CPU) and drafts that get accepted."""
-    from specla.graphs import GraphRunner
+    from specla.cuda.graph_step import GraphRunner
     from specla.registry import get_plugin
 
     arch = get_plugin(plugin)
@@ -363,7 +363,7 @@ def test_sliced_records_take_their_layout_in_the_static_buffers():
     input projection: the runner's static buffers take that layout at the warm-up (the empty
     record was dense) and copy it as whole rows (``copy_into``), and the recorded steps still
     give eager decoding's tokens; the conv windows are committed in place (no copy back)."""
-    from specla.graphs import _rows
+    from specla.cuda.capture import whole_rows
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # kernels interpreted on the CPU, compiled on a GPU
     prompts = [[11, 2040, 7, 391, 11, 2040, 7]]
@@ -377,7 +377,7 @@ def test_sliced_records_take_their_layout_in_the_static_buffers():
     assert got.outputs == want.outputs
     assert sum(k * n for k, n in enumerate(want.stats.accepted_histogram)) > 0
     ad, g = graphed.engine.adapter, graphed.engine._runner.graphs[1]
-    sliced = [t for t in g.state if _rows(t) is not None]
+    sliced = [t for t in g.state if whole_rows(t) is not None]
     assert len(sliced) == sum(m.conv is not None for m in ad.mixers)  # one conv-input record per conv layer
     assert all(any(m.conv is t for t in g.state) for m in ad.mixers if m.conv is not None)
 
@@ -438,7 +438,7 @@ def test_a_capture_survives_an_older_graph_awaiting_collection():
     """An older CUDA graph left in a reference cycle (a dropped decoder) is not freed during a
     later capture: the automatic collection a capture's allocations would trigger stays off
     (freeing a graph while another records invalidates that capture), and is back on after."""
-    from specla.graphs import record_graph
+    from specla.cuda.capture import record_graph
 
     x = torch.randn(64, device="cuda")
     old = record_graph(lambda: x.mul_(2), "cuda")

@@ -34,74 +34,17 @@ come from a static buffer that the run's one generator fills before each replay.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import math
-import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .config import SpecConfig
-from .errors import ConfigError
-from .interfaces import Drafter, TargetAdapter
-from .step import host_proposal, read_outcome, speculative_step, step_depth
-from .tree import DraftTree
-
-if TYPE_CHECKING:
-    from .model.adapter import ModelAdapter
-
-
-def cache_capacity(current: int, longest_prompt: int, config) -> int:
-    """Tokens per sequence a growing cache (an attention layer's KV cache, the EAGLE drafter's
-    pair cache) is sized for: the longest prompt + ``max_new_tokens`` + the draft depth + 2,
-    rounded up to a power of two of at least 256, and never below ``current`` (a new size means
-    new CUDA graphs, so batches of other prompt lengths reuse the recorded ones).
-
-    Args:
-        current: the capacity so far (``0`` at first). longest_prompt: tokens. config: the run's
-            :class:`~specla.config.SpecConfig`.
-    """
-    need = longest_prompt + config.max_new_tokens + step_depth(config) + 2
-    return max(current, 1 << max(need - 1, 255).bit_length())
-
-
-def check_cache_memory(new_bytes: int, held_bytes: int, device: torch.device, what: str, config) -> None:
-    """Refuse, before allocating, caches that cannot fit: a large ``max_new_tokens`` (left to an
-    EOS to end the run) sizes caches that no allocator can give, and on a CPU the process would
-    be killed, not told.
-
-    Args:
-        new_bytes: what the caches about to be allocated take; held_bytes: what the caches they
-            replace take (freed with them). device: where they live. what: their name, for the
-            message. config: the run's :class:`~specla.config.SpecConfig`.
-    Raises:
-        ConfigError: ``new_bytes`` exceeds the device's free memory plus ``held_bytes`` (CUDA:
-            ``torch.cuda.mem_get_info`` plus the allocator's reserved but unused memory; Linux:
-            ``MemAvailable``; elsewhere nothing is checked).
-
-    A guard against sizes no run can hold, not an exact budget: CUDA graphs keep their own copy
-    of the state per recorded batch size, so on a GPU caches that pass can still run out of
-    memory later (``torch.OutOfMemoryError``, an exception, where a CPU process is killed).
-    """
-    if new_bytes <= held_bytes:  # no larger than what it replaces: nothing to ask the device (its query is slow)
-        return
-    device = torch.device(device)
-    free = None
-    if device.type == "cuda":  # free on the device + what torch's allocator holds unused
-        free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                - torch.cuda.memory_allocated(device))
-    elif device.type == "cpu":
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open("/proc/meminfo") as f:
-                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    if free is not None and new_bytes > free + held_bytes:
-        raise ConfigError(f"{what} would take {new_bytes / 2**30:.2f} GiB for max_new_tokens="
-                          f"{config.max_new_tokens} (they are sized for the longest prompt + max_new_tokens before "
-                          f"decoding); {(free + held_bytes) / 2**30:.2f} GiB of {device.type} memory is available: "
-                          "lower max_new_tokens or the batch")
+from ..config import SpecConfig
+from ..interfaces import Drafter, TargetAdapter
+from ..model.adapter import ModelAdapter
+from ..step import host_proposal, read_outcome, speculative_step, step_depth
+from ..tree import DraftTree
+from .capture import copy_into, record_graph, static_like, whole_rows
 
 
 def batch_bucket(n: int) -> int:
@@ -189,7 +132,7 @@ class GraphRunner:
         if not (ad.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             # the warm-up before a capture (or an eager step): a static buffer takes the layout
             # the step writes (a column slice of a projection where the empty record was dense)
-            static = [s if t is s or t.stride() == s.stride() or _rows(t) is None else static_like(t)
+            static = [s if t is s or t.stride() == s.stride() or whole_rows(t) is None else static_like(t)
                       for s, t in zip(g.state + g.drafter_state, new)]
             g.state, g.drafter_state = static[: len(g.state)], static[len(g.state) :]
         copy_into(g.state + g.drafter_state, new)
@@ -309,124 +252,9 @@ class GraphRunner:
         return torch.empty(2 * B * N + B, dtype=torch.int64, pin_memory=pinned)
 
 
-def record_graph(fn, device: torch.device | str, pool=None) -> torch.cuda.CUDAGraph:
-    """``fn`` run once on a side stream (Triton compiles, cuBLAS picks its workspaces, caches
-    fill), then recorded into a new CUDA graph (in ``pool`` when given). The warm-up's effects on
-    ``fn``'s buffers are the caller's to undo.
-
-    Args:
-        fn: the work to record, with no host reads of device values. device: a CUDA device.
-        pool: a graph memory pool (``torch.cuda.graph_pool_handle()``) or ``None`` (private).
-    Returns:
-        the recorded graph (``replay()`` runs ``fn``'s kernels again).
-    """
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with _no_cyclic_gc(), torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph
-
-
-_gc_lock = threading.Lock()
-_gc_holders = 0  # records in progress that hold the cyclic garbage collector off
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def _no_cyclic_gc():
-    """Python's cyclic garbage collector off while a graph is recorded. An automatic collection
-    during a capture may free an older decoder's graph that sat in a reference cycle; its
-    ``CUDAGraph.reset`` is a CUDA call a capture forbids, which invalidates the capture
-    (``cudaErrorStreamCaptureInvalidated``). Automatic collections resume after the capture (the
-    collector is switched back on if it was on when the first of overlapping records began);
-    torch no longer collects before a capture (``torch.compiler.config.force_cudagraph_gc``)."""
-    global _gc_holders, _gc_was_enabled
-    with _gc_lock:
-        if _gc_holders == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_holders += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_holders -= 1
-            if _gc_holders == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-def _rows(t: Tensor) -> tuple[int, Tensor] | None:
-    """``(c0, rows)`` when ``t`` (``[..., D]``, unit last stride, not contiguous) is columns ``c0
-    .. c0 + D`` of dense rows of ``t.stride(-2)`` elements (a slice of a fused projection's
-    output): ``rows`` those whole rows as a contiguous view of the same storage; else ``None``."""
-    if t.dim() < 2 or t.stride(-1) != 1 or t.is_contiguous() or t.numel() == 0:
-        return None
-    width, D = t.stride(-2), t.shape[-1]
-    if width < D:  # overlapping or broadcast rows (stride 0): not a slice of whole rows
-        return None
-    wide = (*t.shape[:-1], width)
-    dense = torch.empty(wide, device="meta").stride()
-    c0 = t.storage_offset() % width
-    start = t.storage_offset() - c0
-    if c0 + D > width or any(st != ds for n, st, ds in zip(t.shape[:-1], t.stride()[:-1], dense[:-1]) if n > 1):
-        return None
-    if start + math.prod(wide) > t.untyped_storage().nbytes() // t.element_size():
-        return None
-    return c0, t.as_strided(wide, dense, start)
-
-
-def static_like(t: Tensor) -> Tensor:
-    """A new buffer holding ``t``'s values with ``t``'s layout where :func:`copy_into` can copy
-    it densely: a column slice of whole rows (:func:`_rows`) becomes the same columns of a new
-    buffer of whole rows (the other columns are scratch), anything else a clone."""
-    r = _rows(t)
-    if r is None:
-        return t.clone()
-    c0, rows = r
-    return rows.clone()[..., c0 : c0 + t.shape[-1]]
-
-
-def copy_into(static: list[Tensor], new: list[Tensor]) -> None:
-    """``static[i].copy_(new[i])`` for every ``new[i]`` that is not ``static[i]`` itself, with one
-    multi-tensor copy per dtype for the pairs of equal dense layout (the pending commit's records
-    alone are about 100 tensors per step; one copy kernel each would be 100 graph nodes), and a
-    copy each for the rest. A pair of column slices of whole rows at the same columns (a fused
-    projection's slice and its :func:`static_like` buffer) joins the multi-tensor copy as whole
-    rows: ``static``'s other columns in those rows are overwritten, so they must be scratch. A
-    pair that is dense but for the strides of size-1 dims (one row of one token) joins it flat."""
-    groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
-    for dst, src in zip(static, new):
-        if src is dst:
-            continue
-        alike = dst.dtype == src.dtype and dst.shape == src.shape
-        same = alike and dst.stride() == src.stride()
-        if alike and not same and dst.is_contiguous() and src.is_contiguous():
-            # dense alike but for the strides of size-1 dims (a one-row slice of a projection at batch
-            # 1, one token): flat views share one layout (the multi-tensor copy compares strides)
-            dst, src, same = dst.view(-1), src.view(-1), True
-        elif same and not dst.is_contiguous():  # equal strides: whole rows of one width when both widen
-            rd, rs = _rows(dst), _rows(src)
-            if rd is not None and rs is not None and rd[0] == rs[0]:
-                dst, src = rd[1], rs[1]
-        if same:
-            pair = groups.setdefault(dst.dtype, ([], []))
-            pair[0].append(dst)
-            pair[1].append(src)
-        else:
-            dst.copy_(src)
-    for dsts, srcs in groups.values():
-        torch._foreach_copy_(dsts, srcs)
-
-
 def graph_problem(adapter: TargetAdapter, config: SpecConfig) -> str | None:
     """Why :class:`GraphRunner` cannot run ``config`` on ``adapter`` (``None``: it can): an
     adapter other than specla's :class:`~specla.model.adapter.ModelAdapter` has no graph state."""
-    from .model.adapter import ModelAdapter  # the adapter imports this module
-
     if not isinstance(adapter, ModelAdapter):
         return f"{type(adapter).__name__} has no graph state"
     if problem := adapter.graph_problem():
