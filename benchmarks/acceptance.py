@@ -59,14 +59,15 @@ def run_config(name: str, base: dict) -> tuple[str, str, SpecConfig]:
         raise ValueError(f"run {name!r}: expected SUITE/DRAFTER[/MODIFIER...] with SUITE in {sorted(SUITES)} "
                          f"and DRAFTER in {sorted(DRAFTERS)}")
     kind, tree = DRAFTERS[drafter]
-    cfg = dict(base, budget_policy="fixed", **tree)  # the acceptance of this budget, unless /auto
+    engine = dict(budget_policy="fixed")  # the acceptance of this budget, unless /auto
+    cfg = dict(base, engine=engine, **tree)
     for e in extra:
         if e == "auto":
-            cfg.update(budget_policy="auto")
+            engine.update(budget_policy="auto")
         elif e.startswith("n") and e[1:].isdigit():
             cfg.update(num_draft_tokens=int(e[1:]))
         elif e in ("reference", "triton"):
-            cfg.update(kernels=e)
+            engine.update(kernels=e)
         elif e == "bf16":
             cfg.update(dtype="bfloat16")
         elif e.startswith("t") and e[1:].replace(".", "", 1).isdigit():

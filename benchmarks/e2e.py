@@ -160,7 +160,7 @@ def use_fla_sd(dec: SpecDecoder) -> SpecDecoder:
         ValueError: the decoder drafts trees, or does not commit by replay.
     """
     cfg = dec.config
-    if cfg.top_k != 1 or cfg.commit != "replay" or not all(isinstance(m, GDNMixer) for m in dec.adapter.mixers):
+    if cfg.top_k != 1 or cfg.engine.commit != "replay" or not all(isinstance(m, GDNMixer) for m in dec.adapter.mixers):
         raise ValueError("FLA-SD needs a GDN decoder with chain drafts (top_k=1) and commit='replay'")
     dec.adapter._verify = types.MethodType(fla_sd_verify, dec.adapter)  # same state, the chain check added
     for m in dec.adapter.mixers:  # the recurrence and the replay commit on FLA's kernel
@@ -267,8 +267,9 @@ class Harness:
                 fla_sd: bool = False):
         """A SpecDecoder (its graphs are kept with it) with an oracle drafter (``fla_sd``: the
         FLA-SD baseline, :func:`use_fla_sd`)."""
-        cfg = SpecConfig(device="cuda", dtype="bfloat16", commit=commit, cuda_graphs=graphs, stop_at_eos=False,
-                         max_new_tokens=self.args.tokens, budget_policy="fixed", **tree)  # the row's own budget
+        cfg = SpecConfig(device="cuda", dtype="bfloat16", stop_at_eos=False, max_new_tokens=self.args.tokens,
+                         engine=dict(commit=commit, cuda_graphs=graphs, budget_policy="fixed"),
+                         **tree)  # the row's own budget
         drafter = ProfileDrafter(profile or geometric(0.0, cfg.max_depth),
                                  EagleDrafter(self.head) if (eagle and self.head is not None and tree["num_draft_tokens"])
                                  else None)

@@ -224,8 +224,8 @@ def main() -> None:
             prompts = torch.randint(0, V, (B, a.prompt_len), generator=g).tolist()
 
             def decoder(tree: dict, commit: str = "factor", profile=None):
-                cfg = SpecConfig(device=a.device, dtype="bfloat16", commit=commit, cuda_graphs=graphs,
-                                 stop_at_eos=False, max_new_tokens=a.tokens, budget_policy="fixed", **tree)
+                cfg = SpecConfig(device=a.device, dtype="bfloat16", stop_at_eos=False, max_new_tokens=a.tokens,
+                                 engine=dict(commit=commit, cuda_graphs=graphs, budget_policy="fixed"), **tree)
                 eagle = EagleDrafter(head) if tree["num_draft_tokens"] else None
                 return SpecDecoder(model, plugin, drafter=ProfileDrafter(profile or geometric(0.0, 6), eagle),
                                    config=cfg)

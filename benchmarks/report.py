@@ -176,9 +176,16 @@ def source(results: Path, path: Path, meta: dict, command: str | None = None) ->
     return Source(folder.name, commit, gpu, command, str(path.relative_to(results.parent.parent)))
 
 
+def run_config(report: dict) -> dict:
+    """A report's config with its ``engine`` options beside the other fields, as reports written
+    before ``EngineOptions`` hold them."""
+    c = report["config"]
+    return {**c, **c.get("engine", {})}
+
+
 def bench_command(target: str, report: dict) -> str | None:
     """The small_target_bench.sh row that makes ``report`` (None for a shape it has no name for)."""
-    c = report["config"]
+    c = run_config(report)
     shape = SHAPES.get((c["num_draft_tokens"], c["max_depth"], c["top_k"]))
     suite = SUITES.get(Path(report["prompts_file"]).stem)
     if shape is None or suite is None:
@@ -188,7 +195,7 @@ def bench_command(target: str, report: dict) -> str | None:
         row += f":{c['budget_policy']}" + (f":{c['temperature']:g}" if c["temperature"] else "")
     drafter, prefill = Path(report["drafter"]).name, c.get("prefill") or "auto"
     env = {"PRESET": target != "small" and target, "DRAFTER": drafter != "eagle" and drafter,
-           "CONFIG": prefill != "auto" and f"'\"prefill\":\"{prefill}\"'",
+           "ENGINE": prefill != "auto" and f"'\"prefill\":\"{prefill}\"'",
            "LIMIT": report["prompts_total"] != 64 and report["prompts_total"],  # the script's defaults
            "MAX_NEW_TOKENS": c["max_new_tokens"] != 128 and c["max_new_tokens"]}
     return " ".join([*(f"{k}={v}" for k, v in env.items() if v), "bash benchmarks/scripts/small_target_bench.sh",
@@ -200,7 +207,7 @@ def trained_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
     target = "small-hybrid" if path.name.startswith("small-hybrid-") else "small"
     runs = {None: data} if "categories" in data else {k: v for k, v in data.items() if k != "meta"}
     for run, r in runs.items():
-        c, a = r["config"], r["categories"]["all"]
+        c, a = run_config(r), r["categories"]["all"]
         kind = "chain" if c["top_k"] == 1 else "tree"
         draft = f"{kind} N{c['num_draft_tokens']} d{c['max_depth']}" + (f" k{c['top_k']}" if c["top_k"] > 1 else "")
         prefill = c.get("prefill") or "auto"  # reports older than the option ran the default

@@ -32,17 +32,17 @@ __version__ = "0.1.0"
 
 # name -> the submodule that defines it
 _LAZY = {
-    "accept_greedy": "acceptance", "RunResult": "api", "SpecDecoder": "api", "run": "api", "SpecConfig": "config",
-    "Engine": "engine", "RunStats": "engine", "ArchitecturePlugin": "interfaces", "Drafter": "interfaces",
-    "TargetAdapter": "interfaces", "VerifyOutput": "interfaces", "Acceptance": "records", "PendingCommit": "records",
-    "Record": "records", "DraftTree": "tree",
+    "accept_greedy": "acceptance", "RunResult": "api", "SpecDecoder": "api", "run": "api", "EngineOptions": "config",
+    "SpecConfig": "config", "Engine": "engine", "RunStats": "engine", "ArchitecturePlugin": "interfaces",
+    "Drafter": "interfaces", "TargetAdapter": "interfaces", "VerifyOutput": "interfaces", "Acceptance": "records",
+    "PendingCommit": "records", "Record": "records", "DraftTree": "tree",
 }
 
 __all__ = [
     "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "ContextLengthWarning", "DrafterError",
-    "DraftTree", "Drafter", "Engine", "GenerationInterrupted", "InvalidTokenError", "InvalidTreeError",
-    "NonFiniteLogitsError", "PendingCommit", "PluginConflictWarning", "PluginLoadWarning", "Record", "RunResult",
-    "RunStats", "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter",
+    "DraftTree", "Drafter", "Engine", "EngineOptions", "GenerationInterrupted", "InvalidTokenError",
+    "InvalidTreeError", "NonFiniteLogitsError", "PendingCommit", "PluginConflictWarning", "PluginLoadWarning",
+    "Record", "RunResult", "RunStats", "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter",
     "TokenTypeError", "UnknownPluginError", "UnsupportedModelError", "VerifyOutput", "accept_greedy", "run",
 ]
 

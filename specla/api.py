@@ -162,10 +162,11 @@ class SpecDecoder:
         if owned and asked is None and self.config.dtype is not None:  # convert once, in place, rather
             model.to(getattr(torch, self.config.dtype))  # than keep a half-precision original beside a copy
         if "cuda_graphs" not in self.plugin.capabilities:  # the plugin does not promise graph-safe steps
-            if self.config.cuda_graphs in ("on", "unrecorded"):
-                raise ConfigError(f"cuda_graphs={self.config.cuda_graphs!r}: plugin {self.plugin.name!r} does not declare the "
+            graphs = self.config.engine.cuda_graphs
+            if graphs in ("on", "unrecorded"):
+                raise ConfigError(f"cuda_graphs={graphs!r}: plugin {self.plugin.name!r} does not declare the "
                                   "'cuda_graphs' capability")
-            self.config = self.config.model_copy(update={"cuda_graphs": "off"})
+            self.config = self.config.with_engine(cuda_graphs="off")
         self.adapter = self.plugin.make_adapter(model, self.config)
         outside = [t for t in self.config.stop_token_ids if t >= self.adapter.vocab_size]
         if outside:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .mixers.base import Mixer, TreePass
 
 BASELINES = ("snapshot", "replay")
-"""The commit strategies other than ``factor`` (``SpecConfig.commit``)."""
+"""The commit strategies other than ``factor`` (``SpecConfig.engine.commit``)."""
 
 
 @dataclass(frozen=True)

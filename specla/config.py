@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
+import warnings
+from pathlib import Path
 from typing import Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
 
 CommitStrategy = Literal["factor", "snapshot", "replay"]
@@ -45,49 +49,15 @@ def validation_message(err) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())
 
 
-class SpecConfig(BaseModel):
-    """Options of one speculative-decoding run.
+class EngineOptions(BaseModel):
+    """How the engine runs a :class:`SpecConfig`: the mode switches, apart from what is decoded.
 
     Fields:
-        num_draft_tokens: draft budget ``N``, the most draft nodes verified per step per sequence
-            (the root, i.e. the last committed token, is not counted). ``0`` is plain
-            autoregressive decoding through the same engine. At most
-            :data:`MAX_DRAFT_TOKENS` (64); up to 63 fit the kernels' one-tile verify and CUDA
-            graphs.
-        max_depth: ``D``, the most draft tokens on one root-to-leaf path (so at most ``D`` tokens
-            are accepted per step, plus the bonus token); a depth beyond ``N`` cannot be filled
-            and acts as ``N``. At most :data:`MAX_DRAFT_TOKENS`.
-        top_k: the most children per draft node; ``1`` gives chains.
-        tau_tree: confidence-pruning margin in nats (SpecLA section 6.3): drafters that score
-            nodes keep a node only if its path log-probability is within ``tau_tree`` of the best
-            one; ``inf`` disables pruning.
         commit: how the accepted path reaches the recurrent state: ``factor`` (closed form from
             factor records, delayed into the next verify), or a baseline of
             :mod:`specla.baselines` where every mixer of the model declares it (else the adapter
             raises ``ConfigError``): ``snapshot`` (one state per node, pick the accepted one) or
             ``replay`` (re-run the accepted tokens from the pre-step state).
-        temperature: ``0`` is greedy decoding (token-identical to greedy autoregressive
-            decoding); above ``0`` tokens are sampled from ``softmax(logits / temperature)``,
-            losslessly: speculative output follows the target's distribution exactly
-            (:func:`specla.acceptance.accept_sampling`; eager steps use a sampling drafter's
-            ``q``, CUDA graphs verify every tree as deterministic proposals, which is lossless
-            too but accepts less from a drafter that samples its tree).
-        sampling_top_k: with sampling, keep only the most likely ``k`` tokens (``0``: all).
-        top_p: with sampling, keep the smallest set of most likely tokens whose mass reaches it.
-            Either one set with ``temperature == 0`` is refused (greedy decoding ignores them).
-        seed: with sampling, seeds the run's generator so that it repeats exactly (``None``: a
-            fresh random seed); ``0 <= seed < 2**64`` (what ``torch.Generator.manual_seed`` takes).
-        max_new_tokens: generated tokens per prompt, bonus tokens included; at most
-            :data:`MAX_NEW_TOKENS` (``2**31 - 1``).
-        stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
-            output).
-        stop_at_eos: also stop at the model's ``eos_token_id`` (as ``generate`` does).
-        dtype: activation/weight dtype the target runs in, by name or as a ``torch.dtype``
-            (stored by name); ``None`` keeps the model's (except that bfloat16/float16 models
-            run in float32 on the CPU). Recurrent states and gates
-            stay float32 (float64 when activations are float64).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device. A CUDA
-            device is rejected when torch sees no GPU.
         kernels: ``auto`` (default: ``triton`` on a CUDA device, ``reference`` elsewhere),
             ``reference`` (batched PyTorch, every device and dtype) or ``triton`` (the plugin's
             Triton verify kernels with the fused delayed commit, where they apply: factor commit,
@@ -138,8 +108,94 @@ class SpecConfig(BaseModel):
             ``RunStats.prefill`` says which form ran (empty when every prompt is one token:
             nothing runs).
     Raises:
+        pydantic.ValidationError: on an unknown field or a value outside its choices.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    commit: CommitStrategy = "factor"
+    kernels: Literal["auto", "reference", "triton"] = "auto"
+    verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
+    cuda_graphs: Literal["auto", "on", "off", "unrecorded"] = "auto"
+    budget_policy: Literal["auto", "adaptive", "fixed"] = "auto"
+    prefill: Literal["auto", "passes", "chunked", "chain"] = "auto"
+
+
+def _outside_frame() -> int:
+    """The ``stacklevel`` of the first caller outside specla and pydantic, so that a warning
+    names the user's line (and Python's default filters, which show a ``DeprecationWarning``
+    only where ``__main__`` triggers it, judge that line)."""
+    inside = (str(Path(__file__).parent), str(Path(pydantic.__file__).parent))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def nest_engine_options(data: dict) -> dict:
+    """``SpecConfig`` fields with the flat engine keys of earlier releases (``kernels="triton"``)
+    moved into ``engine``, each with a ``DeprecationWarning`` naming its new spelling.
+
+    Raises:
+        ValueError: flat engine keys together with ``engine``.
+    """
+    flat = [k for k in EngineOptions.model_fields if k in data]
+    if not flat:
+        return data
+    if "engine" in data:
+        raise ValueError(f"{', '.join(flat)} given both flat and with engine: give the engine options "
+                         f"in engine only (engine={{{flat[0]!r}: ...}})")
+    for k in flat:
+        warnings.warn(f"SpecConfig field {k!r} is deprecated and will be removed in the next release: "
+                      f"use engine={{{k!r}: {data[k]!r}}}", DeprecationWarning, stacklevel=_outside_frame())
+    return {**{k: v for k, v in data.items() if k not in flat}, "engine": {k: data[k] for k in flat}}
+
+
+class SpecConfig(BaseModel):
+    """Options of one speculative-decoding run.
+
+    Fields:
+        num_draft_tokens: draft budget ``N``, the most draft nodes verified per step per sequence
+            (the root, i.e. the last committed token, is not counted). ``0`` is plain
+            autoregressive decoding through the same engine. At most
+            :data:`MAX_DRAFT_TOKENS` (64); up to 63 fit the kernels' one-tile verify and CUDA
+            graphs.
+        max_depth: ``D``, the most draft tokens on one root-to-leaf path (so at most ``D`` tokens
+            are accepted per step, plus the bonus token); a depth beyond ``N`` cannot be filled
+            and acts as ``N``. At most :data:`MAX_DRAFT_TOKENS`.
+        top_k: the most children per draft node; ``1`` gives chains.
+        tau_tree: confidence-pruning margin in nats (SpecLA section 6.3): drafters that score
+            nodes keep a node only if its path log-probability is within ``tau_tree`` of the best
+            one; ``inf`` disables pruning.
+        temperature: ``0`` is greedy decoding (token-identical to greedy autoregressive
+            decoding); above ``0`` tokens are sampled from ``softmax(logits / temperature)``,
+            losslessly: speculative output follows the target's distribution exactly
+            (:func:`specla.acceptance.accept_sampling`; eager steps use a sampling drafter's
+            ``q``, CUDA graphs verify every tree as deterministic proposals, which is lossless
+            too but accepts less from a drafter that samples its tree).
+        sampling_top_k: with sampling, keep only the most likely ``k`` tokens (``0``: all).
+        top_p: with sampling, keep the smallest set of most likely tokens whose mass reaches it.
+            Either one set with ``temperature == 0`` is refused (greedy decoding ignores them).
+        seed: with sampling, seeds the run's generator so that it repeats exactly (``None``: a
+            fresh random seed); ``0 <= seed < 2**64`` (what ``torch.Generator.manual_seed`` takes).
+        max_new_tokens: generated tokens per prompt, bonus tokens included; at most
+            :data:`MAX_NEW_TOKENS` (``2**31 - 1``).
+        stop_token_ids: generation of a sequence ends after it emits one of these (kept in the
+            output).
+        stop_at_eos: also stop at the model's ``eos_token_id`` (as ``generate`` does).
+        dtype: activation/weight dtype the target runs in, by name or as a ``torch.dtype``
+            (stored by name); ``None`` keeps the model's (except that bfloat16/float16 models
+            run in float32 on the CPU). Recurrent states and gates
+            stay float32 (float64 when activations are float64).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` keeps the model's device. A CUDA
+            device is rejected when torch sees no GPU.
+        engine: how the engine runs (:class:`EngineOptions`): kernels, CUDA graphs, budget
+            policy, prefill and commit forms. The old flat keys (``kernels="triton"``) are still
+            accepted, with a ``DeprecationWarning``, and moved into ``engine``.
+    Raises:
         pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
-            another type (``True``, ``"8"``, ``8.0``), or sampling filters without sampling.
+            another type (``True``, ``"8"``, ``8.0``), sampling filters without sampling, or an
+            engine option given both flat and in ``engine``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -148,7 +204,6 @@ class SpecConfig(BaseModel):
     max_depth: StrictInt = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
     top_k: StrictInt = Field(1, ge=1, le=64)
     tau_tree: float = Field(math.inf, ge=0.0)
-    commit: CommitStrategy = "factor"
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     sampling_top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -158,11 +213,16 @@ class SpecConfig(BaseModel):
     stop_at_eos: bool = True
     dtype: DType | None = None
     device: str | None = None
-    kernels: Literal["auto", "reference", "triton"] = "auto"
-    verify_kernel: Literal["auto", "serial", "parallel", "hybrid"] = "auto"
-    cuda_graphs: Literal["auto", "on", "off", "unrecorded"] = "auto"
-    budget_policy: Literal["auto", "adaptive", "fixed"] = "auto"
-    prefill: Literal["auto", "passes", "chunked", "chain"] = "auto"
+    engine: EngineOptions = EngineOptions()
+
+    def with_engine(self, **options) -> "SpecConfig":
+        """This config with the given :class:`EngineOptions` fields replaced (validated)."""
+        return self.model_copy(update={"engine": EngineOptions(**{**self.engine.model_dump(), **options})})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_engine_options(cls, data):
+        return nest_engine_options(data) if isinstance(data, dict) else data
 
     @field_serializer("tau_tree", when_used="json")
     def _finite_json(self, value: float) -> float | str:

@@ -116,10 +116,10 @@ class Engine:
         # tree, its chain (top-1 children only, as deep as the tree: cheaper to draft and to
         # verify, which wins at large batches where verify is compute-bound); plain decoding last
         # why graphs cannot run here (None: they can), decided once
-        self._graph_problem = graph_problem(adapter, config) if config.cuda_graphs != "off" else None
+        self._graph_problem = graph_problem(adapter, config) if config.engine.cuda_graphs != "off" else None
         # steps recorded in CUDA graphs ("on" elsewhere, or with a problem, is refused below)
         self._recorded = (adapter.device.type == "cuda" and not self._graph_problem
-                          and config.cuda_graphs in ("auto", "on"))
+                          and config.engine.cuda_graphs in ("auto", "on"))
         adaptive = resolve_budget_policy(config, self._recorded) == "adaptive"
         self.configs = [config]
         if adaptive and config.top_k > 1:
@@ -135,12 +135,12 @@ class Engine:
         # the draws of a sampling run: one generator for the eager steps and every runner, reseeded
         # by each generate call (separate generators seeded alike would repeat each other's draws)
         self._sampler = torch.Generator(device=adapter.device) if config.temperature > 0 else None
-        if config.cuda_graphs == "on" and adapter.device.type != "cuda":
+        if config.engine.cuda_graphs == "on" and adapter.device.type != "cuda":
             raise ConfigError(f"cuda_graphs='on' needs a CUDA device; the model runs on {adapter.device} "
                               "(cuda_graphs='unrecorded' runs the same fixed-shape step without recording)")
-        if config.cuda_graphs in ("on", "unrecorded") and self._graph_problem:
-            raise ConfigError(f"cuda_graphs={config.cuda_graphs!r}: {self._graph_problem}")
-        if config.cuda_graphs == "auto" and adapter.device.type == "cuda" and self._graph_problem:
+        if config.engine.cuda_graphs in ("on", "unrecorded") and self._graph_problem:
+            raise ConfigError(f"cuda_graphs={config.engine.cuda_graphs!r}: {self._graph_problem}")
+        if config.engine.cuda_graphs == "auto" and adapter.device.type == "cuda" and self._graph_problem:
             warnings.warn(f"CUDA graphs cannot run this configuration ({self._graph_problem}): every step runs "
                           "eagerly, several times slower on a GPU", stacklevel=3)
 
@@ -353,8 +353,8 @@ class Engine:
 
     def _graph_runner(self, candidate: int = 0) -> GraphRunner | None:
         """The CUDA-graph runner of a candidate budget (an index into ``self.configs``) when
-        ``config.cuda_graphs`` asks for graphs, else ``None`` (eager steps)."""
-        if not (self._recorded or self.config.cuda_graphs == "unrecorded"):
+        ``config.engine.cuda_graphs`` asks for graphs, else ``None`` (eager steps)."""
+        if not (self._recorded or self.config.engine.cuda_graphs == "unrecorded"):
             return None
         if self._graph_runners[candidate] is None:
             runner = GraphRunner(self.adapter, self.drafter, self.configs[candidate], capture=self._recorded,

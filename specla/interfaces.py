@@ -142,7 +142,7 @@ class TargetAdapter(ABC):
     prefill_form: str = ""
     """How the last :meth:`prefill` ran the prompts into the state, for reports
     (:attr:`specla.engine.RunStats.prefill`): ``chain``, ``passes`` or ``chunked`` (the forms of
-    ``SpecConfig.prefill``, as run: a form the model or device cannot take falls back to
+    ``SpecConfig.engine.prefill``, as run: a form the model or device cannot take falls back to
     ``chain``); empty where the adapter does not say."""
 
     prompt_hidden: Tensor | None = None

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def resolve_budget_policy(config: SpecConfig, recorded: bool) -> str:
-    """What ``config.budget_policy`` means for one engine: ``"adaptive"`` or ``"fixed"``.
+    """What ``config.engine.budget_policy`` means for one engine: ``"adaptive"`` or ``"fixed"``.
 
     ``auto`` is ``adaptive`` where the steps are recorded in CUDA graphs, which is where it was
     measured (on the trained ``small`` target it stayed ahead of plain decoding at batches 1 to
@@ -35,8 +35,8 @@ def resolve_budget_policy(config: SpecConfig, recorded: bool) -> str:
     """
     if config.num_draft_tokens == 0:
         return "fixed"
-    if config.budget_policy != "auto":
-        return config.budget_policy
+    if config.engine.budget_policy != "auto":
+        return config.engine.budget_policy
     seeded_sampling = config.temperature > 0 and config.seed is not None
     return "adaptive" if recorded and not seeded_sampling else "fixed"
 

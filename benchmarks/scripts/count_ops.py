@@ -123,8 +123,9 @@ def main():
         drafter = (MTPDrafter(mtp_head) if row.startswith("mtp") else EagleDrafter(head)) \
             if budget["num_draft_tokens"] else "ngram"
         dec = SpecDecoder(model, plugin, drafter=drafter,
-                          config=dict(dtype="float32", device="cpu", cuda_graphs="unrecorded", max_new_tokens=16,
-                                      stop_at_eos=False, budget_policy="fixed", kernels=kernels, **budget))
+                          config=dict(dtype="float32", device="cpu", max_new_tokens=16, stop_at_eos=False,
+                                      engine=dict(cuda_graphs="unrecorded", budget_policy="fixed", kernels=kernels),
+                                      **budget))
         ad, dr, cfg = dec.adapter, dec.drafter, dec.config
         ad.prefill(prompt)
         dr.reset(prompt)

@@ -39,9 +39,9 @@ prompts = [torch.randint(0, 32000, (100,), generator=g).tolist() for _ in range(
 conts = [torch.randint(0, 32000, (200,), generator=g).tolist() for _ in range(32)]
 rows = []
 def run(dtype, kernels, B, N, profile=False):
-    sc = SpecConfig(device="cuda", dtype=dtype, kernels=kernels, num_draft_tokens=N, max_depth=max(N, 1), top_k=1,
-                    max_new_tokens=48, stop_at_eos=False, cuda_graphs="off",
-                    budget_policy="fixed")
+    sc = SpecConfig(device="cuda", dtype=dtype, num_draft_tokens=N, max_depth=max(N, 1), top_k=1,
+                    max_new_tokens=48, stop_at_eos=False,
+                    engine=dict(kernels=kernels, cuda_graphs="off", budget_policy="fixed"))
     drafter = OracleDrafter(prompts[:B], conts[:B], "none", 32000) if N else "ngram"
     dec = SpecDecoder(model, "gdn", drafter=drafter, config=sc)
     dec.generate(prompts[:B]); dec.generate(prompts[:B])  # warm-up, compile

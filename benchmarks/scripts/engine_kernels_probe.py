@@ -110,8 +110,8 @@ def captured_inputs(shape: dict, B: int, device: str) -> dict:
     model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(vocab_size=32000, **shape)).to(device, dtype).eval()
     prompts = [torch.randint(0, 32000, (69,)).tolist() for _ in range(B)]
     dec = SpecDecoder(model, "gdn", drafter=EagleDrafter(EagleHead(model.config.hidden_size)), config=dict(
-        dtype=str(dtype).removeprefix("torch."), device=device, cuda_graphs="off",
-        kernels="triton", max_new_tokens=4, stop_at_eos=False, budget_policy="fixed", num_draft_tokens=15,
+        dtype=str(dtype).removeprefix("torch."), device=device, max_new_tokens=4, stop_at_eos=False,
+        engine=dict(cuda_graphs="off", kernels="triton", budget_policy="fixed"), num_draft_tokens=15,
         max_depth=6, top_k=4))
     gdn_verify.tree_verify, conv_kernels.tree_conv = keep_verify, keep_conv
     try:

@@ -95,8 +95,8 @@ def measure(name: str, nodes: int, dtype: str) -> list[dict]:
     tree = DraftTree.from_lists([(list(range(1, nodes + 1)), [-1] + list(range(nodes - 1)))])
     rows = []
     for commit in ("factor", "snapshot", "replay"):
-        ad = get_plugin(plugin).make_adapter(model, SpecConfig(num_draft_tokens=nodes, max_depth=nodes, commit=commit,
-                                                               max_new_tokens=64))
+        ad = get_plugin(plugin).make_adapter(model, SpecConfig(num_draft_tokens=nodes, max_depth=nodes,
+                                                               max_new_tokens=64, engine=dict(commit=commit)))
         ad.prefill([list(range(1, 33))])
         (rec_i, rec), (attn_i, attn) = sorted(enumerate(ad.mixers), key=lambda m: isinstance(m[1], AttentionMixer))
         assert isinstance(attn, AttentionMixer) and not isinstance(rec, AttentionMixer), name

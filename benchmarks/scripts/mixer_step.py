@@ -41,7 +41,8 @@ prof = measured_profile("benchmarks/results/2026-11-30/run4/acceptance-gsm8k.jso
 for B in (1, 32):
     prompts = torch.randint(0, 32000, (B, 32), generator=torch.Generator().manual_seed(0)).tolist()
     for name, tree in (("AR", dict(num_draft_tokens=0)), ("tree", TREE)):
-        c = SpecConfig(device="cuda", dtype="bfloat16", stop_at_eos=False, max_new_tokens=96, budget_policy="fixed", **tree)
+        c = SpecConfig(device="cuda", dtype="bfloat16", stop_at_eos=False, max_new_tokens=96,
+                       engine=dict(budget_policy="fixed"), **tree)
         dec = SpecDecoder(model, plugin, drafter=ProfileDrafter(prof), config=c)
         dec.generate(prompts)
         ms = []

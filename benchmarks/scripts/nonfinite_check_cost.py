@@ -55,8 +55,9 @@ def main() -> None:
     def unchecked(logits, path):
         return torch.zeros(path.shape[0], dtype=torch.bool, device=path.device)
 
-    cfg = dict(device="cpu", dtype="float32", kernels="reference", num_draft_tokens=8, max_depth=8, top_k=1,
-               max_new_tokens=args.new_tokens, stop_at_eos=False, budget_policy="fixed")
+    cfg = dict(device="cpu", dtype="float32", num_draft_tokens=8, max_depth=8, top_k=1,
+               max_new_tokens=args.new_tokens, stop_at_eos=False,
+               engine=dict(kernels="reference", budget_policy="fixed"))
     plugin, path = default_checkpoint()
     dec = SpecDecoder(path, plugin, drafter="ngram", config=cfg)
     texts = [row["prompt"] for row in demo_prompts()]

@@ -74,8 +74,8 @@ def main():
             drafter = ProfileDrafter(profiles["chain" if name == "chain" else "tree"], EagleDrafter(head),
                                      chain_profile=profiles["chain"])
             dec = SpecDecoder(model, "gdn", drafter=drafter, config=dict(
-                dtype=str(dtype).removeprefix("torch."), device=a.device, cuda_graphs="on" if cuda else "off",
-                max_new_tokens=128, stop_at_eos=False, budget_policy=policy, **budget))
+                dtype=str(dtype).removeprefix("torch."), device=a.device, max_new_tokens=128, stop_at_eos=False,
+                engine=dict(cuda_graphs="on" if cuda else "off", budget_policy=policy), **budget))
             warm = 1  # warm-up calls until one records no graph: the rows finish at other steps
             while dec.generate(prompts).stats.graphs_recorded and warm < a.max_warmup:  # in each call, so
                 warm += 1  # the batch sizes (and the policy's budgets) that get a graph vary

@@ -15,7 +15,8 @@
 # Rows are checked before anything runs. Environment: PRESET (small, default, or small-hybrid: the
 # Qwen3.5-architecture hybrid with its MTP layer; its model is OUT_DIR/PRESET), DRAFTER (eagle,
 # default: OUT_DIR/eagle; mtp: the checkpoint's MTP layer; ngram), CONFIG (extra SpecConfig fields appended to
-# every row's JSON, e.g. CONFIG='"prefill":"chunked"'; default none), LIMIT (prompts per row, default 64),
+# every row's JSON, e.g. CONFIG='"max_depth":4'; default none), ENGINE (extra EngineOptions fields appended to
+# every row's "engine", e.g. ENGINE='"prefill":"chunked"'; default none), LIMIT (prompts per row, default 64),
 # ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS, TIME_BUDGET,
 # MTP_TIME_BUDGET and DRAFTER_STEPS (passed to small_target.sh: its training lengths), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
 # already holds PRESET/ and what DRAFTER reads, e.g. copies of plugins/gdn/assets/tiny and tiny-eagle: a check
@@ -65,8 +66,10 @@ declare -A shape=([tree]='"num_draft_tokens":15,"max_depth":6,"top_k":4' [chain]
 failed=0
 for row in "${rows[@]}"; do
   IFS=: read -r s t b p temp <<< "$row"
-  config="{${shape[$t]},\"dtype\":\"bfloat16\",\"budget_policy\":\"${p:-fixed}\",\"temperature\":${temp:-0},\"seed\":0${CONFIG:+,$CONFIG}}"
+  config="{${shape[$t]},\"dtype\":\"bfloat16\",\"temperature\":${temp:-0},\"seed\":0${CONFIG:+,$CONFIG},"
+  config+="\"engine\":{\"budget_policy\":\"${p:-fixed}\"${ENGINE:+,$ENGINE}}}"
   name=${row//:/-}${DRAFTER:+-$DRAFTER}${CONFIG:+-$(tr -dc 'a-z0-9' <<< "${CONFIG//:/-}")}
+  name+=${ENGINE:+-$(tr -dc 'a-z0-9' <<< "${ENGINE//:/-}")}
   timeout "${ROW_TIMEOUT:-100}" python -m specla.apps.cli bench --model "$out/$preset" --drafter "$drafter" \
       --prompts "$data/prompts/${suite[$s]}" --limit "${LIMIT:-64}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
       --batch-size "$b" --device "${DEVICE:-cuda}" --config "$config" --out "$out/bench-$name.json" $dirty \

@@ -227,7 +227,8 @@ def main():
             tree = ROWS[name]
             drafter = EagleDrafter(head) if tree["num_draft_tokens"] else "ngram"
             dec = SpecDecoder(model, "gdn", drafter=drafter, config=dict(
-                dtype=a.dtype, device=a.device, cuda_graphs="on" if CUDA else "unrecorded", max_new_tokens=128, stop_at_eos=False, budget_policy="fixed", **tree))
+                dtype=a.dtype, device=a.device, max_new_tokens=128, stop_at_eos=False,
+                engine=dict(cuda_graphs="on" if CUDA else "unrecorded", budget_policy="fixed"), **tree))
             print(json.dumps(dict(batch=B, row=name, call=whole_calls(dec, prompts))), flush=True)
             if a.prefill:
                 print(json.dumps(dict(batch=B, row=name, prefill=prefill_parts(dec, prompts))), flush=True)

@@ -3,7 +3,7 @@
 FLA's cached path takes one new token per step, so tree verify is specla's: each block's
 sequence mixer is a :class:`specla.mixers.mamba2.mixer.Mamba2Mixer` (tree-aware conv, tree-masked SSD,
 factor/snapshot/replay records; its reference path in PyTorch, or the op's Triton kernels with
-the fused delayed commit when ``SpecConfig.kernels`` allows), built from the block's own weights.
+the fused delayed commit when ``SpecConfig.engine.kernels`` allows), built from the block's own weights.
 The block around it follows FLA's ``Mamba2Block``: RMSNorm, mixer (``in_proj`` split into ``z, xBC,
 dt``; gated RMSNorm with ``z``, or ``y * silu(z)`` without it; ``out_proj``), residual (added in
 float32 with ``residual_in_fp32``); then ``norm_f`` and the LM head.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..config import SpecConfig, validation_message
+from ..config import EngineOptions, SpecConfig, nest_engine_options, validation_message
 from ..errors import GenerationInterrupted, SpecError, UnsupportedModelError
 
 # generate shows a progress bar (on a terminal, or with --progress) from this many tokens per
@@ -36,10 +36,15 @@ def _auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _spec_config(base: dict, overrides: dict | None, flags: dict) -> SpecConfig:
+def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: dict | None = None) -> SpecConfig:
     """``SpecConfig`` from defaults, then ``--config``'s fields, then the flags given (``None``:
-    not given), each later one winning."""
-    return SpecConfig(**{**base, **(overrides or {}), **{k: v for k, v in flags.items() if v is not None}})
+    not given), each later one winning; ``engine_flags`` set fields of its ``engine`` over
+    ``--config``'s."""
+    fields = {**base, **(overrides or {}), **{k: v for k, v in flags.items() if v is not None}}
+    engine = {k: v for k, v in (engine_flags or {}).items() if v is not None}
+    if engine:
+        fields["engine"] = {**fields.get("engine", {}), **engine}
+    return SpecConfig(**fields)
 
 
 def _checkpoint_dir(model: str) -> Path:
@@ -138,7 +143,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ..api import SpecDecoder
 
     flags = {"max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
-             "max_depth": args.max_depth, "top_k": args.tree_top_k, "commit": args.commit, "dtype": args.dtype,
+             "max_depth": args.max_depth, "top_k": args.tree_top_k, "dtype": args.dtype,
              "device": args.device, "temperature": args.temperature, "top_p": args.top_p,
              "sampling_top_k": args.top_k, "seed": args.seed}
     overrides = read_config_option(args.config)
@@ -151,7 +156,8 @@ def _generate(args: argparse.Namespace) -> int:
         hint = "; the draft tree's children per node is --tree-top-k" if "--top-k" in sampling_only else ""
         raise ValueError(f"{' and '.join(sampling_only)} {verbs} --temperature > 0 (greedy decoding ignores "
                          f"{it}){hint}")
-    config = _spec_config({"device": _auto_device()}, overrides, flags)  # options fail before any load
+    engine_flags = {"commit": args.commit}
+    config = _spec_config({"device": _auto_device()}, overrides, flags, engine_flags)  # options fail before any load
     _cpu_threads(args, _device_type(config.device))
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
@@ -159,7 +165,7 @@ def _generate(args: argparse.Namespace) -> int:
         if stop_texts:  # the config needs their ids before the decoder is built
             tokenizer = _load_tokenizer(tokenizer)
         stops = list(args.stop_token_id or []) + stop_string_ids(tokenizer, stop_texts)
-        config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops})
+        config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops}, engine_flags)
     decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
     progress = args.progress
     if progress is None:
@@ -327,13 +333,16 @@ def read_config_option(text: str | None) -> dict:
     """The fields given by ``--config`` (``generate`` and ``bench``): a JSON object of
     :class:`~specla.config.SpecConfig` fields, inline (text starting with ``{``) or the path of a
     file holding it; ``None`` (not given) is ``{}``. The fields themselves are checked when the
-    config is built, after the command's flags have overridden them.
+    config is built, after the command's flags have overridden them; the flat engine keys of
+    earlier releases move into ``engine`` here (:func:`~specla.config.nest_engine_options`), so
+    that the flags can override them.
 
     Args:
         text: the ``--config`` value, or ``None``.
     Raises:
         ValueError: a file that does not exist or cannot be read, text that is not JSON (the
-            message names the file, if any, and the JSON problem), JSON that is not an object.
+            message names the file, if any, and the JSON problem), JSON that is not an object,
+            or flat engine keys together with ``engine``.
     """
     if text is None:
         return {}
@@ -354,7 +363,7 @@ def read_config_option(text: str | None) -> dict:
         raise ValueError(f"{source}: not valid JSON ({err})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{source} must be a JSON object of SpecConfig fields, got {type(value).__name__}")
-    return value
+    return nest_engine_options(value)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -441,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"children per draft node (1: chains; default: {_spec_default('top_k')}); "
                            "SpecConfig's top_k")
     tree.add_argument("--commit", default=None, choices=["factor", "snapshot", "replay"],
-                      help=f"how the accepted path reaches the state (default: {_spec_default('commit')})")
+                      help="how the accepted path reaches the state (default: "
+                           f"{EngineOptions.model_fields['commit'].default})")
     gen.set_defaults(func=_generate)
 
     demo = sub.add_parser("demo", help="run the bundled tiny target on bundled prompts, against autoregressive",

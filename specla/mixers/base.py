@@ -165,11 +165,11 @@ class Mixer(ABC):
     prefill_continues = False
     """Whether :meth:`prefill` continues from the state the mixer holds (a recurrent state or a
     convolution window, which FLA's chunked kernels take as their initial state), so a prompt
-    may run as several fixed-width passes (``SpecConfig.prefill`` ``passes``); attention layers
+    may run as several fixed-width passes (``SpecConfig.engine.prefill`` ``passes``); attention layers
     write their cache from slot 0 and do not."""
 
     prefill_by_default = False
-    """Whether the default ``SpecConfig.prefill`` (``auto``) takes the passes when every mixer
+    """Whether the default ``SpecConfig.engine.prefill`` (``auto``) takes the passes when every mixer
     continues and says so: a plugin sets it where its passes were measured faster than the chain
     passes and tested on a GPU in half precision (GDN: BENCHMARKS.md section 4)."""
 
@@ -202,7 +202,7 @@ class Mixer(ABC):
 
     # ------------------------------------------------------------------ optional: the baselines
     baselines: frozenset[str] = frozenset()
-    """The research baselines (``SpecConfig.commit`` ``snapshot``, ``replay``; :mod:`specla.baselines`)
+    """The research baselines (``SpecConfig.engine.commit`` ``snapshot``, ``replay``; :mod:`specla.baselines`)
     this mixer runs besides the ``factor`` commit every mixer runs: ``snapshot`` where
     :meth:`node_states` is implemented, ``replay`` where :meth:`verify` returns a
     :class:`~specla.baselines.ReplayRecord` in a ``replay`` pass and :meth:`replay` commits it (or

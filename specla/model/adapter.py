@@ -57,7 +57,7 @@ def place(model: torch.nn.Module, config: SpecConfig, differentiable: bool) -> t
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.empty(0, device=device).device  # canonical: "cpu:0" is "cpu"
     dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
-    if config.kernels == "triton" and device.type != "cuda":
+    if config.engine.kernels == "triton" and device.type != "cuda":
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError(f"kernels='triton' on {device.type} needs TRITON_INTERPRET=1 (Triton's CPU "
                               "interpreter, for tests), set before Python starts; use kernels='auto' or "
@@ -69,7 +69,7 @@ def place(model: torch.nn.Module, config: SpecConfig, differentiable: bool) -> t
     copied = not differentiable and (ref.device != device or ref.dtype != dtype or model.training)
     if copied:
         model = weaken_hook_cycles(copy.deepcopy(model).to(device, dtype).eval())
-    triton = config.kernels == "triton" or (config.kernels == "auto" and device.type == "cuda")
+    triton = config.engine.kernels == "triton" or (config.engine.kernels == "auto" and device.type == "cuda")
     return model, Placement(device, dtype, compute_dtype(torch.empty(0, dtype=dtype)), triton, differentiable, copied)
 
 
@@ -119,7 +119,7 @@ class ModelAdapter(TargetAdapter):
         self.model, self.embed_weight, self.embed_scale = spec.model, spec.embed_weight, spec.embed_scale
         self.vocab_size, self.eos_token_ids = spec.embed_weight.shape[0], spec.eos_token_ids
         self.mixers: list[Mixer] = list(spec.mixers)
-        check_baselines(self.mixers, config.commit)
+        check_baselines(self.mixers, config.engine.commit)
         self.num_layers, self._spec = spec.num_layers, spec
         self.capacity = 0  # the tokens each attention cache holds (set by prefill)
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -213,14 +213,14 @@ class ModelAdapter(TargetAdapter):
     # ------------------------------------------------------------------ passes
     def _kernel_choice(self, pick, parents: Tensor, counts: Tensor) -> str:
         """The verify kernel of this pass: the plugin's rule ``pick(parents, counts,
-        config.verify_kernel)`` (it may read the tree on the host), or, while a CUDA graph is
+        config.engine.verify_kernel)`` (it may read the tree on the host), or, while a CUDA graph is
         recorded (``static_shapes``), a kernel whose launch reads nothing on the host: ``serial``
         for one-token passes (plain decoding: a chain of one; far faster than the parallel
         kernel there, docs/tuning.md, "One-token passes in a recorded step"), else
         ``parallel``; ``graph_kernel_nodes`` keeps recorded trees within its size."""
         if self.static_shapes:
             return "serial" if parents.shape[1] == 1 else "parallel"
-        return pick(parents, counts, self.config.verify_kernel)
+        return pick(parents, counts, self.config.engine.verify_kernel)
 
     def forward(self, tokens: Tensor, parents: Tensor, counts: Tensor, records: str, logits: bool = True,
                 pending: PendingCommit | None = None):
@@ -363,21 +363,21 @@ class ModelAdapter(TargetAdapter):
         self._roots = roots
 
     def _whole_prefill(self) -> bool:
-        """Whether prompts run as one pass over whole sequences (``SpecConfig.prefill``
+        """Whether prompts run as one pass over whole sequences (``SpecConfig.engine.prefill``
         ``chunked``, where every mixer has a whole-prompt form) rather than as 64-token chains."""
         kernels = self._use_kernel("factor")
-        return self.config.prefill == "chunked" and all(m.prefills_whole(kernels) for m in self.mixers)
+        return self.config.engine.prefill == "chunked" and all(m.prefills_whole(kernels) for m in self.mixers)
 
     def _chunk_passes(self) -> bool:
         """Whether the fixed-shape prefill passes run every mixer's chunked whole-sequence
         kernels from the state the previous pass left (``PREFILL_PASS`` tokens each,
-        ``SpecConfig.prefill`` ``passes``, or ``auto`` in half precision where every mixer takes
+        ``SpecConfig.engine.prefill`` ``passes``, or ``auto`` in half precision where every mixer takes
         them by default) rather than a 64-token verify chain and its commit."""
         kernels = self._use_kernel("factor")
         # auto: only in half precision, since FLA's chunked kernels multiply float32 in TF32 and a
         # float32 run keeps the exact chain passes
-        wanted = self.config.prefill == "passes" or (
-            self.config.prefill == "auto" and self.dtype in (torch.bfloat16, torch.float16)
+        wanted = self.config.engine.prefill == "passes" or (
+            self.config.engine.prefill == "auto" and self.dtype in (torch.bfloat16, torch.float16)
             and all(m.prefill_by_default for m in self.mixers))
         return wanted and all(m.prefills_whole(kernels) and m.prefill_continues for m in self.mixers)
 
@@ -388,15 +388,15 @@ class ModelAdapter(TargetAdapter):
         or auto), ``"unrecorded"`` (the same fixed-shape pass run eagerly: ``cuda_graphs=
         "unrecorded"``, how the CPU tests check it, and :meth:`_chunk_passes` wherever no graph
         is recorded) or ``None`` (eager chain passes of the chunk's own width)."""
-        cfg = self.config
+        graphs = self.config.engine.cuda_graphs
         if self._whole_prefill():
             return "whole"
         eager = "unrecorded" if self._chunk_passes() else None
         if B > prefill.PREFILL_GRAPH_MAX_BATCH or self.differentiable or self.graph_problem():
             return eager
-        if cfg.cuda_graphs == "unrecorded":
+        if graphs == "unrecorded":
             return "unrecorded"
-        if cfg.cuda_graphs in ("auto", "on") and self.device.type == "cuda" and self._use_kernel("factor"):
+        if graphs in ("auto", "on") and self.device.type == "cuda" and self._use_kernel("factor"):
             return "record"
         return eager
 
@@ -463,8 +463,8 @@ class ModelAdapter(TargetAdapter):
         self.prompt_hidden = None  # read by the drafter's reset; not kept through decoding
         tokens = torch.cat([self._roots[:, None], tree.tokens], 1)
         try:
-            logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1, self.config.commit,
-                                                pending=pending)
+            logits, hidden, recs = self.forward(tokens, tree.parents_with_root, tree.num_nodes + 1,
+                                                self.config.engine.commit, pending=pending)
         except SpecError:  # refused before any state moved (Mixer.check): the commit stays pending
             self.pending = pending
             raise
@@ -473,7 +473,7 @@ class ModelAdapter(TargetAdapter):
     @torch.no_grad()
     def _commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None:
         pending = PendingCommit(out.records, acceptance.path, acceptance.path_len)
-        if self.config.commit == "factor":
+        if self.config.engine.commit == "factor":
             self.pending = pending
         else:
             self._apply(pending.records, pending.path, pending.path_len)
@@ -491,7 +491,7 @@ class ModelAdapter(TargetAdapter):
     def graph_max_nodes(self) -> int:
         """The largest draft budget ``N`` a recorded verify holds: ``graph_kernel_nodes`` on the
         Triton path (with float32 state and factor records), 1024 on the PyTorch reference path."""
-        return self.graph_kernel_nodes if self._use_kernel(self.config.commit) else 1024
+        return self.graph_kernel_nodes if self._use_kernel(self.config.engine.commit) else 1024
 
     def graph_state(self) -> list[Tensor] | None:
         """Every tensor a decoding step reads and replaces, in a fixed order: every mixer's state
@@ -501,7 +501,7 @@ class ModelAdapter(TargetAdapter):
         shapes are not known. :class:`specla.cuda.graph_step.GraphRunner` keeps static copies of them and
         rebinds them with :meth:`set_graph_state`."""
         out = [*self._state_list(), self._roots]
-        if self.config.commit == "factor":
+        if self.config.engine.commit == "factor":
             if self.pending is None:
                 return None
             self._pending_template = self.pending
@@ -517,7 +517,7 @@ class ModelAdapter(TargetAdapter):
         of nodes + 1 rows, path [B, depth + 1] of -1, path_len 0)``, so that :meth:`graph_state`
         lists what a recorded step of that budget reads; called by
         :class:`specla.cuda.graph_step.GraphRunner` before it lists the state. A no-op otherwise."""
-        if self.config.commit != "factor" or self.pending is not None:
+        if self.config.engine.commit != "factor" or self.pending is not None:
             return
         B, dev = self.batch_size, self.device
         self.pending = PendingCommit(tuple(m.empty_record(B, nodes + 1) for m in self.mixers),
@@ -529,7 +529,7 @@ class ModelAdapter(TargetAdapter):
         it = iter(tensors)
         self._set_state_list(it)
         self._roots = next(it)
-        if self.config.commit == "factor":
+        if self.config.engine.commit == "factor":
             records = tuple(
                 replace(r, **{f.name: next(it) for f in fields(r) if isinstance(getattr(r, f.name), Tensor)})
                 for r in self._pending_template.records)

@@ -33,7 +33,7 @@ class Placement:
         dtype: the activation dtype (the model's weights are in it: the adapter hands the builder
             a converted copy where the caller's model is elsewhere).
         state_dtype: the recurrent states' dtype: float32, float64 in float64 runs.
-        triton_kernels: the plugin's Triton kernels may run (``SpecConfig.kernels`` ``triton``, or
+        triton_kernels: the plugin's Triton kernels may run (``SpecConfig.engine.kernels`` ``triton``, or
             ``auto`` on a CUDA device); a pass runs them only with float32 states, ``factor``
             records and no autograd.
         differentiable: the weights stay attached to the caller's parameters (target training

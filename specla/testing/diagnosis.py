@@ -122,9 +122,9 @@ def diagnose(plugin: str | ArchitecturePlugin, model: torch.nn.Module, prompts: 
         raise ValueError(f"expected holds {len(expected)} outputs for {len(prompts)} prompts")
     arch = get_plugin(plugin) if isinstance(plugin, str) else plugin
     cfg = _as_config(config)
-    graphs = {"on": "unrecorded", "auto": "off"}.get(cfg.cuda_graphs, cfg.cuda_graphs)
-    dec = SpecDecoder(model, arch.name, drafter=drafter, config=cfg.model_copy(update={"cuda_graphs": graphs}))
-    plain = arch.make_adapter(model, dec.config.model_copy(update={"cuda_graphs": "off"}))
+    graphs = {"on": "unrecorded", "auto": "off"}.get(cfg.engine.cuda_graphs, cfg.engine.cuda_graphs)
+    dec = SpecDecoder(model, arch.name, drafter=drafter, config=cfg.with_engine(cuda_graphs=graphs))
+    plain = arch.make_adapter(model, dec.config.with_engine(cuda_graphs="off"))
     watch = _Watch(dec.adapter, plain, prompts, state_tolerance(arch, dec.adapter.dtype))
     outputs = dec.generate(prompts).outputs
     if expected is None:

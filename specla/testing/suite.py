@@ -97,7 +97,7 @@ class PluginSuite:
         if commit == "factor":
             return True
         try:
-            arch.make_adapter(model, SpecConfig(commit=commit))
+            arch.make_adapter(model, SpecConfig(engine={"commit": commit}))
         except ConfigError as err:
             assert f"commit={commit!r}" in str(err), f"the refusal of commit={commit!r} does not name it: {err}"
             return False
@@ -160,7 +160,8 @@ class PluginSuite:
         for pattern in patterns:
             drafter = OracleDrafter(prompts, refs, pattern, V)
             # fixed: every step drafts, so each pattern happens on every device
-            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit, budget_policy="fixed")
+            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new,
+                             engine={"commit": commit, "budget_policy": "fixed"})
             out = specla.run(model, arch.name, prompts=prompts, drafter=drafter, config=cfg)
             self._check_outputs(arch, model, prompts, out.outputs, [r[:new] for r in refs], f"pattern {pattern!r}",
                                 drafter=drafter, config=cfg)
@@ -209,7 +210,8 @@ class PluginSuite:
         V = self._vocab(model)
         if "cuda_graphs" not in arch.capabilities:
             with pytest.raises(ConfigError):
-                specla.run(model, arch.name, prompts=[[1, 2]], config=dict(cuda_graphs="unrecorded", commit=commit))
+                specla.run(model, arch.name, prompts=[[1, 2]],
+                           config=dict(engine={"cuda_graphs": "unrecorded", "commit": commit}))
             return
         prompts = [[rng.randrange(V) for _ in range(n)] for n in (1, 2, N, N + 1, N + 2, 9, 30)]
         new = 16
@@ -219,8 +221,8 @@ class PluginSuite:
         assert len(set(ends)) >= 3, "the stops must end sequences at different steps"
         patterns = [p for p in OracleDrafter.PATTERNS if p != "tree" or "trees" in arch.capabilities]
         for pattern in patterns:
-            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, commit=commit, cuda_graphs="unrecorded",
-                             stop_token_ids=tuple(stops))
+            cfg = SpecConfig(num_draft_tokens=N, max_depth=N, max_new_tokens=new, stop_token_ids=tuple(stops),
+                             engine={"commit": commit, "cuda_graphs": "unrecorded"})
             drafter = OracleDrafter(prompts, refs, pattern, V)
             out = specla.run(model, arch.name, prompts=prompts, drafter=drafter, config=cfg)
             self._check_outputs(arch, model, prompts, out.outputs, [r[:e] for r, e in zip(refs, ends)],
@@ -270,7 +272,7 @@ class PluginSuite:
 
     # ------------------------------------------------------------------ 2-4, 7: the adapter contract
     def _adapter(self, arch, model, commit="factor", n=N):
-        return arch.make_adapter(model, SpecConfig(num_draft_tokens=n, max_depth=n, commit=commit))
+        return arch.make_adapter(model, SpecConfig(num_draft_tokens=n, max_depth=n, engine={"commit": commit}))
 
     @staticmethod
     def _root_logits(adapter) -> torch.Tensor:
@@ -324,14 +326,14 @@ class PluginSuite:
     @classmethod
     def check_empty_commit(cls, arch, rng, **config) -> None:
         """The check of :meth:`test_empty_commit_lays_out_what_a_step_leaves_and_changes_nothing`
-        with extra :class:`SpecConfig` options (``kernels="triton"``, say)."""
+        with extra :class:`SpecConfig` options (``engine={"kernels": "triton"}``, say)."""
         from ..model.adapter import ModelAdapter
 
         D = 3
         for variant in arch.tiny_variants:
             model = cls._model(arch, variant)
             V = cls._vocab(model)
-            adapter = arch.make_adapter(model, SpecConfig(num_draft_tokens=N, max_depth=D, commit="factor", **config))
+            adapter = arch.make_adapter(model, SpecConfig(num_draft_tokens=N, max_depth=D, **config))
             if not isinstance(adapter, ModelAdapter):  # an adapter of the plugin's own: no graph state
                 return
             prompts = [[rng.randrange(V) for _ in range(9)], [rng.randrange(V) for _ in range(4)]]
@@ -459,7 +461,7 @@ class PluginSuite:
             dict(num_draft_tokens=3, max_depth=3, top_k=1)
         histograms = []
         for graphs in ("off", "unrecorded") if "cuda_graphs" in arch.capabilities else ("off",):
-            cfg = SpecConfig(max_new_tokens=new, cuda_graphs=graphs, stop_token_ids=tuple(stops), **tree)
+            cfg = SpecConfig(max_new_tokens=new, stop_token_ids=tuple(stops), engine={"cuda_graphs": graphs}, **tree)
             drafter = EagleDrafter(head)
             out = specla.run(model, arch.name, prompts=prompts, drafter=drafter, config=cfg)
             self._check_outputs(arch, model, prompts, out.outputs, [r[:e] for r, e in zip(refs, ends)],
@@ -496,7 +498,7 @@ class PluginSuite:
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
         refs = [arch.reference_decode(model, p, 18) for p in prompts]
-        cfg = SpecConfig(num_draft_tokens=budget, max_depth=depth, max_new_tokens=10, commit=commit)
+        cfg = SpecConfig(num_draft_tokens=budget, max_depth=depth, max_new_tokens=10, engine={"commit": commit})
         drafter = ScriptedDrafter(prompts, refs, script, V)
         try:
             dec = SpecDecoder(model, arch.name, drafter=drafter, config=cfg)

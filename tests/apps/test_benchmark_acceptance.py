@@ -15,12 +15,12 @@ BASE = dict(max_new_tokens=128, dtype="float32", device="cpu")
 
 def test_run_names_and_modifiers():
     suite, kind, cfg = acceptance.run_config("gsm8k/eagle-tree", BASE)
-    assert (suite, kind, cfg.num_draft_tokens, cfg.top_k, cfg.budget_policy) == (
+    assert (suite, kind, cfg.num_draft_tokens, cfg.top_k, cfg.engine.budget_policy) == (
         "gsm8k_test.jsonl", "eagle", 16, 4, "fixed")
     _, _, cfg = acceptance.run_config("mixed/eagle-tree/n15/auto/bf16/t0.7", BASE)
-    assert (cfg.num_draft_tokens, cfg.budget_policy, cfg.dtype, cfg.temperature, cfg.seed) == (
+    assert (cfg.num_draft_tokens, cfg.engine.budget_policy, cfg.dtype, cfg.temperature, cfg.seed) == (
         15, "auto", "bfloat16", 0.7, 0)
-    assert acceptance.run_config("humaneval/ngram/reference", BASE)[2].kernels == "reference"
+    assert acceptance.run_config("humaneval/ngram/reference", BASE)[2].engine.kernels == "reference"
 
 
 @pytest.mark.parametrize("name,match", [("gsm8k/eagle-tree/n", "unknown run modifier 'n'"),

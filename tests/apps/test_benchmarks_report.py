@@ -44,8 +44,8 @@ class History:
 def bench_report(**all_row):
     return {"prompts_file": "DATA/prompts/gsm8k_test.jsonl", "drafter": "/tmp/st/eagle", "batch_size": 1,
             "prompts_total": 64, "prompts_decoded": 64, "stopped_early": False,
-            "config": {"num_draft_tokens": 15, "max_depth": 6, "top_k": 4, "budget_policy": "fixed",
-                       "temperature": 0.0, "dtype": "bfloat16", "max_new_tokens": 128, "prefill": "auto"},
+            "config": {"num_draft_tokens": 15, "max_depth": 6, "top_k": 4, "temperature": 0.0, "dtype": "bfloat16",
+                       "max_new_tokens": 128, "engine": {"budget_policy": "fixed", "prefill": "auto"}},
             "categories": {"all": {"tokens_per_s": 300.0, "ar_tokens_per_s": 200.0, "mean_accepted_tokens": 3.456,
                                    "exact_match_rate": 0.984375, **all_row}}}
 
@@ -80,14 +80,27 @@ def test_a_trained_target_row_names_its_configuration_value_and_provenance(resul
         "benchmarks/results/2026-01-02/small-bench-gsm8k-tree-1-aaaaaaa.json")
     r = bench_report(speedup=1.25)  # the report's own speedup first; a hybrid target's settings and MTP drafter
     r.update(drafter="mtp", batch_size=32, prompts_decoded=40, stopped_early=True, meta={"device": "NVIDIA H200"})
-    r["config"].update(top_k=1, num_draft_tokens=6, budget_policy="adaptive", temperature=0.7, prefill="passes")
+    r["config"].update(top_k=1, num_draft_tokens=6, temperature=0.7)
+    r["config"]["engine"].update(budget_policy="adaptive", prefill="passes")
     path = write(results, "2026-01-02/small-hybrid-bench-x-bbbbbbb.json", r)
     [row] = report.trained_rows(results, path, json.loads(path.read_text()))
     assert row.key == ("small-hybrid", "mtp", "gsm8k_test", "chain N6 d6", 32, "adaptive, T 0.7, prefill passes")
     assert row.values == ["1.25x", "300", "200", "3.46", "0.984", "40 of 64 (time limit)"]
     assert (row.source.gpu, row.source.command) == (
-        "NVIDIA H200 (report)", "PRESET=small-hybrid DRAFTER=mtp CONFIG='\"prefill\":\"passes\"' "
+        "NVIDIA H200 (report)", "PRESET=small-hybrid DRAFTER=mtp ENGINE='\"prefill\":\"passes\"' "
         "bash benchmarks/scripts/small_target_bench.sh OUT DATA gsm8k:chain:32:adaptive:0.7")
+
+
+def test_a_report_with_flat_engine_options_reads_as_one_with_engine(results):
+    """Reports written before ``EngineOptions`` hold ``budget_policy`` and ``prefill`` beside
+    the other fields: the same row."""
+    r = bench_report()
+    r["config"].update(r["config"].pop("engine"), budget_policy="adaptive", prefill="passes")
+    path = write(results, "2026-01-02/small-bench-gsm8k-tree-1-aaaaaaa.json", r)
+    [row] = report.trained_rows(results, path, json.loads(path.read_text()))
+    assert row.key == ("small", "eagle", "gsm8k_test", "tree N15 d6 k4", 1, "adaptive, prefill passes")
+    assert row.source.command == ("ENGINE='\"prefill\":\"passes\"' bash benchmarks/scripts/small_target_bench.sh "
+                                  "OUT DATA gsm8k:tree:1:adaptive")
 
 
 def test_acceptance_reports_give_a_row_per_run(results):

@@ -86,7 +86,7 @@ def test_gdn_with_attention_residuals_is_rejected():
 
 def test_config_validation():
     cfg = SpecConfig()
-    assert (cfg.num_draft_tokens, cfg.commit, cfg.temperature) == (8, "factor", 0.0)
+    assert (cfg.num_draft_tokens, cfg.engine.commit, cfg.temperature) == (8, "factor", 0.0)
     assert SpecConfig(temperature=0.7, top_p=0.9, sampling_top_k=20, seed=3).top_p == 0.9
     for bad in ({"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"sampling_top_k": -1}):
         with pytest.raises(pydantic.ValidationError, match=next(iter(bad))):
@@ -107,7 +107,7 @@ def test_config_validation():
             SpecConfig(**bad)
         assert SpecConfig(temperature=0.5, **bad).temperature == 0.5
     with pytest.raises(pydantic.ValidationError, match="commit"):
-        SpecConfig(commit="truncate")
+        SpecConfig(engine={"commit": "truncate"})
     with pytest.raises(pydantic.ValidationError, match="stop_token_ids must be non-negative"):
         SpecConfig(stop_token_ids=[-1])
     with pytest.raises(TypeError, match="config must be a SpecConfig"):
@@ -655,7 +655,8 @@ def test_progress_callback_and_an_interrupt_that_leaves_the_decoder_usable(cuda_
     KeyboardInterrupt it raises becomes a GenerationInterrupted carrying the tokens accepted by
     then (prefixes of the whole run's), and the next call decodes as a fresh decoder does."""
     prompts = [[5, 6, 7, 5, 6], [9, 3, 9, 3, 9, 3, 9]]
-    config = dict(max_new_tokens=20, num_draft_tokens=4, max_depth=4, cuda_graphs=cuda_graphs, budget_policy="fixed")
+    config = dict(max_new_tokens=20, num_draft_tokens=4, max_depth=4,
+                  engine=dict(cuda_graphs=cuda_graphs, budget_policy="fixed"))
     full = SpecDecoder(make_model(), "gdn", config=config).generate(prompts)
     dec = SpecDecoder(make_model(), "gdn", config=config)
     seen = []

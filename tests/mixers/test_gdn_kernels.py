@@ -433,7 +433,7 @@ def test_tree_verify_with_a_pending_path_of_width_zero_commits_nothing(prepare):
 
 @pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2"])
 def test_kernels_auto_means_triton_on_cuda_only(plugin, monkeypatch):
-    """``SpecConfig.kernels`` defaults to ``auto``: the Triton kernels on a CUDA device, the
+    """``SpecConfig.engine.kernels`` defaults to ``auto``: the Triton kernels on a CUDA device, the
     reference path elsewhere; ``triton`` and ``reference`` force either."""
     from specla import SpecConfig
     from specla.registry import get_plugin
@@ -444,7 +444,7 @@ def test_kernels_auto_means_triton_on_cuda_only(plugin, monkeypatch):
     # defined (where first used), so running one under the variable would interpret it for the
     # rest of a GPU test process
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels="triton" on the CPU needs it
-    assert SpecConfig().kernels == "auto"
+    assert SpecConfig().engine.kernels == "auto"
     from specla import ConfigError
     from specla.ops import compiled_kernels_loaded
 
@@ -638,7 +638,7 @@ def test_default_prefill_takes_the_passes_in_half_precision(monkeypatch):
     prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 6]]
     cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=6, device=DEV, kernels="triton",
                      budget_policy="fixed")
-    assert cfg.prefill == "auto"
+    assert cfg.engine.prefill == "auto"
     ad = specla.SpecDecoder(make_model("gva", dtype=torch.float32, seed=5), "gdn", config=cfg).adapter
     ad.prefill(prompts)
     assert ad.prefill_form == "chain" and not calls
