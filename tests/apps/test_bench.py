@@ -41,7 +41,7 @@ def test_humaneval_execution():
 
 
 def test_bench_report_is_side_by_side_and_exact():
-    cfg = SpecConfig(max_new_tokens=24, dtype="float32", top_k=2, budget_policy="fixed")
+    cfg = SpecConfig(max_new_tokens=24, dtype="float32", top_k=2, engine=dict(budget_policy="fixed"))
     report = run_bench(TINY, "ngram", DATA, config=cfg, limit=6, batch_size=2, execute_code=True)
     cats = report["categories"]
     assert set(cats) == {"gsm8k", "humaneval", "all"}

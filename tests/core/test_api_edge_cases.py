@@ -65,8 +65,9 @@ def _run_scripted(gdn, n, layout, device, graphs):
     ``(reference continuation, run result)``."""
     arch, model = gdn
     ref = arch.reference_decode(model, PROMPT, 24)
-    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, cuda_graphs=graphs, device=device,
-               budget_policy="fixed")  # the adaptive policy may run plain steps on a GPU
+    # fixed: the adaptive policy may run plain steps on a GPU
+    cfg = dict(max_new_tokens=16, num_draft_tokens=3, max_depth=3, device=device,
+               engine=dict(cuda_graphs=graphs, budget_policy="fixed"))
     return ref, specla.run(model, "gdn", prompts=[PROMPT], drafter=_Scripted(PROMPT, ref, n, layout), config=cfg)
 
 
@@ -233,7 +234,7 @@ def test_padding_columns_past_the_budget_are_dropped_before_any_work(gdn, graphs
                                      torch.ones(B, dtype=torch.int64))
 
     dec = SpecDecoder(model, drafter=Wide(), config=dict(max_new_tokens=8, num_draft_tokens=8, max_depth=8,
-                                                         cuda_graphs=graphs))
+                                                         engine=dict(cuda_graphs=graphs)))
     widths, verify = [], dec.adapter._verify
     dec.adapter._verify = lambda tree: widths.append(tree.width) or verify(tree)
     assert dec.generate([PROMPT]).outputs == [ref]

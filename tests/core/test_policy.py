@@ -12,6 +12,8 @@ from specla.config import SpecConfig
 from specla.policy import BudgetPolicy, resolve_budget_policy
 from specla.registry import get_plugin
 
+ADAPTIVE = dict(budget_policy="adaptive")  # the engine options of an adaptive run
+
 
 def drive(policy, batch, seconds, tokens, steps):
     """Run ``steps`` steps where candidate ``c`` takes ``seconds[c]`` and commits ``tokens[c]``
@@ -141,8 +143,9 @@ def test_switching_budgets_between_steps_keeps_the_output_exact(graphs, commit):
     refs = [arch.reference_decode(model, p, 20) for p in prompts]
     stops = tuple(sorted({r[j] for r, j in zip(refs, (2, 9))}))
     ends = [min([r.index(t) + 1 for t in stops if t in r] + [20]) for r in refs]
-    cfg = dict(num_draft_tokens=4, max_depth=3, top_k=2, max_new_tokens=20, commit=commit, cuda_graphs=graphs,
-               stop_token_ids=stops, budget_policy="adaptive", device="cuda" if graphs == "on" else "cpu")
+    cfg = dict(num_draft_tokens=4, max_depth=3, top_k=2, max_new_tokens=20, stop_token_ids=stops,
+               engine=dict(ADAPTIVE, commit=commit, cuda_graphs=graphs),
+               device="cuda" if graphs == "on" else "cpu")
     dec = SpecDecoder(model, config=cfg)
     assert [(c.num_draft_tokens, c.top_k) for c in dec.engine.configs] == [(4, 2), (3, 1), (0, 2)]
     dec.engine.policy = _Scripted([0, 0, 2, 1, 0, 2, 2, 1, 1, 2, 0])
@@ -173,7 +176,7 @@ def test_switching_with_the_eagle_drafter_keeps_the_output_exact(graphs):
     cfg = dict(max_new_tokens=24, device="cuda" if graphs == "on" else "cpu", stop_at_eos=False)
     ar = SpecDecoder(assets / "tiny", drafter="ngram", config=dict(cfg, num_draft_tokens=0)).generate(prompts)
     dec = SpecDecoder(assets / "tiny", drafter=str(assets / "tiny-eagle"), config=dict(
-        cfg, num_draft_tokens=6, max_depth=4, top_k=2, budget_policy="adaptive", cuda_graphs=graphs))
+        cfg, num_draft_tokens=6, max_depth=4, top_k=2, engine=dict(ADAPTIVE, cuda_graphs=graphs)))
     dec.engine.policy = _Scripted([1, 0, 2, 1, 1, 0, 0, 2])
     out = dec.generate(prompts)
     assert out.outputs == ar.outputs
@@ -184,9 +187,9 @@ def test_switching_with_the_eagle_drafter_keeps_the_output_exact(graphs):
 @pytest.mark.parametrize("config, recorded, want", [
     (dict(), True, "adaptive"), (dict(), False, "fixed"),
     (dict(temperature=0.7), True, "adaptive"), (dict(temperature=0.7, seed=3), True, "fixed"),
-    (dict(num_draft_tokens=0), True, "fixed"), (dict(budget_policy="adaptive", num_draft_tokens=0), True, "fixed"),
-    (dict(budget_policy="fixed"), True, "fixed"), (dict(budget_policy="adaptive"), False, "adaptive"),
-    (dict(budget_policy="adaptive", temperature=0.7, seed=3), False, "adaptive")])
+    (dict(num_draft_tokens=0), True, "fixed"), (dict(engine=ADAPTIVE, num_draft_tokens=0), True, "fixed"),
+    (dict(engine=dict(budget_policy="fixed")), True, "fixed"), (dict(engine=ADAPTIVE), False, "adaptive"),
+    (dict(engine=ADAPTIVE, temperature=0.7, seed=3), False, "adaptive")])
 def test_auto_is_adaptive_for_recorded_steps_without_seeded_sampling(config, recorded, want):
     assert resolve_budget_policy(SpecConfig(**config), recorded) == want
 
@@ -194,19 +197,19 @@ def test_auto_is_adaptive_for_recorded_steps_without_seeded_sampling(config, rec
 def test_the_policy_defaults_to_fixed_budgets_on_eager_steps():
     model = get_plugin("gdn").tiny_model("base", seed=3, dtype=torch.float32)
     assert SpecDecoder(model, config=dict(device="cpu")).engine.policy is None
-    assert SpecDecoder(model, config=dict(device="cpu", cuda_graphs="unrecorded")).engine.policy is None
-    assert SpecDecoder(model, config=dict(budget_policy="adaptive")).engine.policy is not None
-    assert SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=0)).engine.policy is None
+    assert SpecDecoder(model, config=dict(device="cpu", engine=dict(cuda_graphs="unrecorded"))).engine.policy is None
+    assert SpecDecoder(model, config=dict(engine=ADAPTIVE)).engine.policy is not None
+    assert SpecDecoder(model, config=dict(engine=ADAPTIVE, num_draft_tokens=0)).engine.policy is None
     # a chain's candidates are itself and plain decoding; a tree's add its chain, as deep as the tree
-    chain = SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=6, max_depth=6, top_k=1))
+    chain = SpecDecoder(model, config=dict(engine=ADAPTIVE, num_draft_tokens=6, max_depth=6, top_k=1))
     assert chain.engine.policy.budgets == [6, 0]
-    tree = SpecDecoder(model, config=dict(budget_policy="adaptive", num_draft_tokens=15, max_depth=6, top_k=4))
+    tree = SpecDecoder(model, config=dict(engine=ADAPTIVE, num_draft_tokens=15, max_depth=6, top_k=4))
     assert tree.engine.policy.budgets == [15, 6, 0]
     assert (tree.engine.configs[1].top_k, tree.engine.configs[1].max_depth) == (1, 6)
     if torch.cuda.is_available():  # recorded steps: adaptive by default, fixed when the graphs are off
         assert SpecDecoder(model, config=dict(device="cuda")).engine.policy is not None
-        assert SpecDecoder(model, config=dict(device="cuda", cuda_graphs="off")).engine.policy is None
-    out = specla.run(model, prompts=[[1, 2, 3]], config=dict(budget_policy="adaptive", max_new_tokens=30))
+        assert SpecDecoder(model, config=dict(device="cuda", engine=dict(cuda_graphs="off"))).engine.policy is None
+    out = specla.run(model, prompts=[[1, 2, 3]], config=dict(engine=ADAPTIVE, max_new_tokens=30))
     assert out.outputs == [get_plugin("gdn").reference_decode(model, [1, 2, 3], 30)]
 
 
@@ -230,7 +233,7 @@ def test_warm_up_prepares_every_candidates_graphs_and_leaves_the_output_exact(gr
     ends = [min([r.index(t) + 1 for t in stops if t in r] + [16]) for r in refs]
     assert len(set(ends)) >= 3
     dec = SpecDecoder(model, config=dict(num_draft_tokens=4, max_depth=3, top_k=2, max_new_tokens=16,
-                                         stop_token_ids=stops, cuda_graphs=graphs, budget_policy="adaptive",
+                                         stop_token_ids=stops, engine=dict(cuda_graphs=graphs, **ADAPTIVE),
                                          device="cuda" if graphs == "on" else "cpu"))
     eng = dec.engine
     with pytest.raises(InvalidTokenError):
