@@ -134,7 +134,8 @@ def _outside_frame() -> int:
 
 def nest_engine_options(data: dict) -> dict:
     """``SpecConfig`` fields with the flat engine keys of earlier releases (``kernels="triton"``)
-    moved into ``engine``, each with a ``DeprecationWarning`` naming its new spelling.
+    moved into ``engine``, each with a ``DeprecationWarning`` naming its new spelling; ``data``
+    itself (a dict of field name to value) is left as it is.
 
     Raises:
         ValueError: flat engine keys together with ``engine``.
@@ -216,7 +217,11 @@ class SpecConfig(BaseModel):
     engine: EngineOptions = EngineOptions()
 
     def with_engine(self, **options) -> "SpecConfig":
-        """This config with the given :class:`EngineOptions` fields replaced (validated)."""
+        """This config with the given :class:`EngineOptions` fields replaced.
+
+        Raises:
+            pydantic.ValidationError: an unknown option or a value outside its choices.
+        """
         return self.model_copy(update={"engine": EngineOptions(**{**self.engine.model_dump(), **options})})
 
     @model_validator(mode="before")
