@@ -35,10 +35,10 @@ def test_a_mixer_without_the_baseline_refuses_it_with_a_config_error_naming_it(c
     want = (f"commit={commit!r}: mixer 0 of 3 (RetentionMixer) does not run the {commit} baseline (it declares "
             "none); every model runs commit='factor'")
     with pytest.raises(ConfigError) as err:
-        arch.make_adapter(model, SpecConfig(commit=commit))
+        arch.make_adapter(model, SpecConfig(engine={"commit": commit}))
     assert str(err.value) == want
     with pytest.raises(ConfigError) as err:
-        specla.run(model, "retention", prompts=[[1, 2, 3]], config=dict(commit=commit, max_new_tokens=2))
+        specla.run(model, "retention", prompts=[[1, 2, 3]], config=dict(engine={"commit": commit}, max_new_tokens=2))
     assert str(err.value) == want
     assert specla.run(model, "retention", prompts=[[1, 2, 3]], config=dict(max_new_tokens=2)).outputs[0]
 
@@ -51,7 +51,7 @@ def test_snapshot_states_are_the_factor_commit_of_every_node(plugin):
     model = arch.tiny_model(arch.tiny_variants[0])
     prompt = [3, 1, 4, 1, 5]
     tree = DraftTree.from_lists([([2, 7, 1, 8], [-1, 0, 0, 2])])
-    snap = arch.make_adapter(model, SpecConfig(commit="snapshot"))
+    snap = arch.make_adapter(model, SpecConfig(engine={"commit": "snapshot"}))
     snap.prefill([prompt])
     records = snap.verify(tree).records
     assert any(isinstance(r, SnapshotRecord) for r in records)

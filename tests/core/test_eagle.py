@@ -212,7 +212,7 @@ def test_drafter_cache_follows_the_accepted_path(graphs, pair_pass, monkeypatch)
     head = EagleHead(256, num_heads=4)
     dec = SpecDecoder(TINY, None, drafter=EagleDrafter(head),
                       config=dict(dtype="float64", max_new_tokens=24, num_draft_tokens=6, max_depth=3, top_k=2,
-                                  stop_at_eos=False, cuda_graphs=graphs))
+                                  stop_at_eos=False, engine=dict(cuda_graphs=graphs)))
     prompts = [[5, 9, 31, 7, 5, 9, 31], [12, 40], [3]]
     dec.engine.adapter.prefill(prompts)
     dr = dec.drafter
@@ -323,13 +323,15 @@ def test_the_trained_drafter_on_the_kernels_is_exact_and_proposes_the_same_trees
     PyTorch path, which other tests cover on the kernels): greedy output equal to plain decoding,
     and the acceptance histogram of the PyTorch levels (the same trees, up to float32 rounding).
     A drafter takes the kernels exactly when its target does (``kernels="triton"``)."""
-    cfg = dict(dtype="float32", max_new_tokens=12, num_draft_tokens=8, max_depth=4, top_k=3, budget_policy="fixed",
-               device=DEV)
+    cfg = dict(dtype="float32", max_new_tokens=12, num_draft_tokens=8, max_depth=4, top_k=3, device=DEV)
+    fixed = dict(budget_policy="fixed")
     prompts = ["Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:", "def add(a, b):"]
-    assert SpecDecoder(TINY, None, drafter=str(TINY_EAGLE), config=dict(cfg, kernels="triton")).drafter.kernels
+    assert SpecDecoder(TINY, None, drafter=str(TINY_EAGLE),
+                       config=dict(cfg, engine=dict(fixed, kernels="triton"))).drafter.kernels
     runs = {}
     for kernels in (False, True):
-        dec = SpecDecoder(TINY, None, drafter=str(TINY_EAGLE), config=dict(cfg, kernels="reference"))
+        dec = SpecDecoder(TINY, None, drafter=str(TINY_EAGLE),
+                          config=dict(cfg, engine=dict(fixed, kernels="reference")))
         assert dec.drafter.kernels is False
         dec.drafter.kernels = kernels
         runs[kernels] = dec.generate(prompts)

@@ -18,6 +18,7 @@ from conftest import EVERY_TOKEN, poison_logits
 
 ASSETS = Path(__file__).resolve().parents[2] / "plugins" / "gdn" / "assets"
 TREES = {"chain": dict(num_draft_tokens=6, max_depth=6, top_k=1), "tree": dict(num_draft_tokens=16, max_depth=6, top_k=4)}
+OFF = dict(cuda_graphs="off")  # eager steps
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -28,13 +29,13 @@ def prompts_and_stops(n: int):
     prompts = [torch.randint(3, 8000, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n)]
     ar = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=dict(num_draft_tokens=0, max_new_tokens=40,
-                                                                  dtype="float32", cuda_graphs="off")).generate(prompts)
+                                                                  dtype="float32", engine=OFF)).generate(prompts)
     return prompts, tuple(sorted({o[min(3 * i, len(o) - 1)] for i, o in enumerate(ar.outputs)}))
 
 
 def run(device: str, drafter: str, tree: str, graphs: str, prompts, stops):
-    cfg = dict(device=device, dtype="float32", max_new_tokens=40, stop_token_ids=stops, cuda_graphs=graphs,
-               budget_policy="fixed", **TREES[tree])
+    cfg = dict(device=device, dtype="float32", max_new_tokens=40, stop_token_ids=stops,
+               engine=dict(cuda_graphs=graphs, budget_policy="fixed"), **TREES[tree])
     dec = SpecDecoder(ASSETS / "tiny", drafter=str(ASSETS / "tiny-eagle") if drafter == "eagle" else "ngram", config=cfg)
     return dec, dec.generate(prompts)
 
@@ -91,7 +92,8 @@ def test_cuda_graphs_on_refuses_a_budget_over_the_recorded_verify():
     (Triton kernels: 63 draft nodes) raises a ConfigError when the decoder is built."""
     cuda_ok = torch.cuda.is_available()
     with pytest.raises(ConfigError, match="63"):
-        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on" if cuda_ok else "unrecorded", kernels="triton",
+        SpecDecoder(ASSETS / "tiny", config=dict(engine=dict(cuda_graphs="on" if cuda_ok else "unrecorded",
+                                                             kernels="triton"),
                                                  num_draft_tokens=64, max_depth=8, dtype="float32",
                                                  device="cuda" if cuda_ok else "cpu"))
 
@@ -101,7 +103,7 @@ def test_cuda_graphs_on_needs_a_cuda_device():
     ``unrecorded`` alternative, when the decoder is built (nothing runs)."""
     with pytest.raises(ConfigError, match=r"cuda_graphs='on' needs a CUDA device; the model runs on cpu "
                                           r"\(cuda_graphs='unrecorded'"):
-        SpecDecoder(ASSETS / "tiny", config=dict(cuda_graphs="on", device="cpu"))
+        SpecDecoder(ASSETS / "tiny", config=dict(engine=dict(cuda_graphs="on"), device="cpu"))
 
 
 class _Padded(NgramDrafter):
@@ -131,7 +133,8 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
     for drafter in (_Padded, _Nothing):
         out = {}
         for graphs in ("off", "unrecorded"):
-            cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12, cuda_graphs=graphs)
+            cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12,
+                       engine=dict(cuda_graphs=graphs))
             out[graphs] = SpecDecoder(ASSETS / "tiny", drafter=drafter(), config=cfg).generate(prompts)
         assert out["unrecorded"].outputs == out["off"].outputs
         assert out["unrecorded"].stats.accepted_histogram == out["off"].stats.accepted_histogram
@@ -143,7 +146,8 @@ def test_host_drafters_behave_the_same_with_and_without_graphs():
             return []
 
     for graphs in ("off", "unrecorded"):
-        dec = SpecDecoder(ASSETS / "tiny", drafter=Listy(), config=dict(cuda_graphs=graphs, num_draft_tokens=4))
+        dec = SpecDecoder(ASSETS / "tiny", drafter=Listy(), config=dict(engine=dict(cuda_graphs=graphs),
+                                                                         num_draft_tokens=4))
         with pytest.raises(TypeError, match="listy"):
             dec.generate(prompts)
 
@@ -167,14 +171,14 @@ def test_fixed_shape_step_of_gla_mamba2_and_qwen(plugin, commit, budget, device)
     g = torch.Generator().manual_seed(2)
     motif = torch.randint(0, V, (5,), generator=g).tolist()
     prompts = [motif * 3, torch.randint(0, V, (9,), generator=g).tolist(), [motif[0]], motif * 2 + [1]]
-    ref = SpecDecoder(model, plugin, config=dict(num_draft_tokens=0, max_new_tokens=20, cuda_graphs="off",
+    ref = SpecDecoder(model, plugin, config=dict(num_draft_tokens=0, max_new_tokens=20, engine=OFF,
                                                  device=device, dtype="float32"))
     stops = tuple(sorted({o[min(4 * i, len(o) - 1)] for i, o in enumerate(ref.generate(prompts).outputs)}))
     outs = {}
     on = "on" if device == "cuda" else "unrecorded"
     for graphs in ("off", on):
-        cfg = SpecConfig(num_draft_tokens=budget, max_depth=4, top_k=2, max_new_tokens=20, commit=commit,
-                         stop_token_ids=stops, cuda_graphs=graphs, device=device, dtype="float32")
+        cfg = SpecConfig(num_draft_tokens=budget, max_depth=4, top_k=2, max_new_tokens=20, stop_token_ids=stops,
+                         engine=dict(commit=commit, cuda_graphs=graphs), device=device, dtype="float32")
         adapter = arch.make_adapter(model, cfg)
         drafter = NgramDrafter()
         drafter.bind(adapter)
@@ -184,7 +188,7 @@ def test_fixed_shape_step_of_gla_mamba2_and_qwen(plugin, commit, budget, device)
             assert engine._runner is not None and engine._runner.graphs, "no step was recorded"
     assert outs[on] == outs["off"]
     assert len({len(o) for o in outs["off"]}) >= 2
-    assert SpecDecoder(model, plugin, config=dict(cuda_graphs="unrecorded")).engine is not None
+    assert SpecDecoder(model, plugin, config=dict(engine=dict(cuda_graphs="unrecorded"))).engine is not None
 
 
 @pytest.mark.parametrize("drafter,tree", [("eagle", "tree"), ("eagle", "chain"), ("ngram", "none")])
@@ -199,8 +203,8 @@ def test_bound_steps_and_release(drafter, tree):
     trees = dict(TREES, none=dict(num_draft_tokens=0))
 
     def decoder(graphs):
-        cfg = dict(device="cpu", dtype="float32", max_new_tokens=40, stop_token_ids=stops, cuda_graphs=graphs,
-                   **trees[tree])
+        cfg = dict(device="cpu", dtype="float32", max_new_tokens=40, stop_token_ids=stops,
+                   engine=dict(cuda_graphs=graphs), **trees[tree])
         return SpecDecoder(ASSETS / "tiny", drafter=str(ASSETS / "tiny-eagle") if drafter == "eagle" else "ngram",
                            config=cfg)
 
@@ -288,7 +292,8 @@ def test_runner_notices_a_state_replaced_outside_it():
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 3]]
     outcomes = []
     for release in (True, False):
-        cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12, cuda_graphs="unrecorded")
+        cfg = dict(dtype="float32", num_draft_tokens=4, max_depth=4, max_new_tokens=12,
+                   engine=dict(cuda_graphs="unrecorded"))
         dec = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=cfg)
         dec.generate(prompts)  # the runner's graph for this batch exists
         runner, ad, dr = dec.engine._runner, dec.adapter, dec.drafter
@@ -328,11 +333,11 @@ def test_every_step_runs_in_the_graph_from_the_first(plugin, device, monkeypatch
     motif = torch.randint(0, V, (4,), generator=g).tolist()
     batches = [[motif * 4, torch.randint(0, V, (7,), generator=g).tolist()],
                [torch.randint(0, V, (11,), generator=g).tolist(), motif * 3 + [motif[0]]]]
-    cfg = dict(num_draft_tokens=6, max_depth=4, top_k=2, max_new_tokens=24, device=device, dtype="float32",
-               budget_policy="fixed")
-    eager = SpecDecoder(model, plugin, drafter="ngram", config=dict(cfg, cuda_graphs="off"))
-    graphed = SpecDecoder(model, plugin, drafter="ngram",
-                          config=dict(cfg, cuda_graphs="on" if device == "cuda" else "unrecorded"))
+    cfg = dict(num_draft_tokens=6, max_depth=4, top_k=2, max_new_tokens=24, device=device, dtype="float32")
+    fixed = dict(budget_policy="fixed")
+    eager = SpecDecoder(model, plugin, drafter="ngram", config=dict(cfg, engine=dict(fixed, cuda_graphs="off")))
+    graphed = SpecDecoder(model, plugin, drafter="ngram", config=dict(
+        cfg, engine=dict(fixed, cuda_graphs="on" if device == "cuda" else "unrecorded")))
     calls = {"body": 0, "record": 0}
     body, record = GraphRunner._body, GraphRunner._record
 
@@ -367,12 +372,13 @@ def test_sliced_records_take_their_layout_in_the_static_buffers():
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # kernels interpreted on the CPU, compiled on a GPU
     prompts = [[11, 2040, 7, 391, 11, 2040, 7]]
-    cfg = dict(device=device, dtype="float32", max_new_tokens=6, kernels="triton", num_draft_tokens=3, max_depth=3,
-               top_k=1)
+    cfg = dict(device=device, dtype="float32", max_new_tokens=6, num_draft_tokens=3, max_depth=3, top_k=1)
+    triton = dict(kernels="triton")
     eagle = str(ASSETS / "tiny-eagle")
-    want = SpecDecoder(ASSETS / "tiny", drafter=eagle, config=dict(cfg, cuda_graphs="off")).generate(prompts)
-    graphed = SpecDecoder(ASSETS / "tiny", drafter=eagle,
-                          config=dict(cfg, cuda_graphs="on" if device == "cuda" else "unrecorded"))
+    want = SpecDecoder(ASSETS / "tiny", drafter=eagle,
+                       config=dict(cfg, engine=dict(triton, cuda_graphs="off"))).generate(prompts)
+    graphed = SpecDecoder(ASSETS / "tiny", drafter=eagle, config=dict(
+        cfg, engine=dict(triton, cuda_graphs="on" if device == "cuda" else "unrecorded")))
     got = graphed.generate(prompts)
     assert got.outputs == want.outputs
     assert sum(k * n for k, n in enumerate(want.stats.accepted_histogram)) > 0
@@ -400,8 +406,9 @@ def test_fixed_shape_prefill_equals_eager_prefill(plugin, device):
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (70, 1, 131, 9)]
     static = "on" if device == "cuda" else "unrecorded"
-    adapters = {m: arch.make_adapter(model, SpecConfig(cuda_graphs=m, device=device, dtype="float32",
-                                                       kernels="auto")) for m in ("off", static)}
+    adapters = {m: arch.make_adapter(model, SpecConfig(device=device, dtype="float32",
+                                                       engine=dict(cuda_graphs=m, kernels="auto")))
+                for m in ("off", static)}
     for batch in (prompts, prompts[::-1], [p * 4 for p in prompts]):
         for ad in adapters.values():
             ad.prefill(batch)
@@ -429,7 +436,8 @@ def test_empty_commit_lays_out_the_kernel_records(plugin):
     from specla.testing import PluginSuite
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    PluginSuite.check_empty_commit(get_plugin(plugin), random.Random(3), kernels="triton", dtype="float32",
+    PluginSuite.check_empty_commit(get_plugin(plugin), random.Random(3), engine={"kernels": "triton"},
+                                   dtype="float32",
                                    device=device)
 
 
@@ -478,7 +486,7 @@ def test_a_graph_step_reports_nonfinite_logits_at_its_one_read(device, temperatu
     prompts run in a graph of 4 rows whose dead row is not named. With the weight restored the
     decoder decodes as before."""
     cfg = dict(device=device, dtype="float32", max_new_tokens=8, temperature=temperature, seed=1,
-               cuda_graphs="on" if device == "cuda" else "unrecorded", budget_policy="fixed")
+               engine=dict(cuda_graphs="on" if device == "cuda" else "unrecorded", budget_policy="fixed"))
     dec = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=cfg)
     clean = dec.generate(NONFINITE_PROMPTS).outputs
     head = dec.adapter.model.lm_head.weight  # the weight the adapter's LM head reads
@@ -496,7 +504,7 @@ def test_a_graph_step_reports_nonfinite_logits_at_its_one_read(device, temperatu
 def test_only_live_graph_rows_are_named_for_nonfinite_logits(monkeypatch, row, named):
     """3 prompts fill 4 graph rows: NaN logits in the dead row 3 (unrecorded step, on the CPU)
     change nothing; in row 1 they raise naming prompt 1 and the step."""
-    cfg = dict(dtype="float32", max_new_tokens=8, cuda_graphs="unrecorded", budget_policy="fixed")
+    cfg = dict(dtype="float32", max_new_tokens=8, engine=dict(cuda_graphs="unrecorded", budget_policy="fixed"))
     dec = SpecDecoder(ASSETS / "tiny", drafter="ngram", config=cfg)
     clean = dec.generate(NONFINITE_PROMPTS).outputs
     poison_logits(monkeypatch, dec.adapter, 2, [row], float("nan"), EVERY_TOKEN)

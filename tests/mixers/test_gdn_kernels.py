@@ -449,7 +449,7 @@ def test_kernels_auto_means_triton_on_cuda_only(plugin, monkeypatch):
     from specla.ops import compiled_kernels_loaded
 
     for kernels, on_cpu in (("auto", False), ("triton", True), ("reference", False)):
-        cfg = SpecConfig(kernels=kernels, device="cpu", dtype="float32")
+        cfg = SpecConfig(engine={"kernels": kernels}, device="cpu", dtype="float32")
         if kernels == "triton" and compiled_kernels_loaded():  # a GPU run: the kernels are compiled
             with pytest.raises(ConfigError, match=r"was set after Triton kernels \(specla's or FLA's\) were loaded"):
                 p.make_adapter(model, cfg)
@@ -636,8 +636,8 @@ def test_default_prefill_takes_the_passes_in_half_precision(monkeypatch):
 
     calls = whole_prompt_prefill_calls(monkeypatch)
     prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 6]]
-    cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=6, device=DEV, kernels="triton",
-                     budget_policy="fixed")
+    cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=6, device=DEV,
+                     engine={"kernels": "triton", "budget_policy": "fixed"})
     assert cfg.engine.prefill == "auto"
     ad = specla.SpecDecoder(make_model("gva", dtype=torch.float32, seed=5), "gdn", config=cfg).adapter
     ad.prefill(prompts)
