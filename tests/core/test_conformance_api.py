@@ -233,8 +233,8 @@ def test_diagnose_finds_nothing_in_a_correct_plugin(commit, cuda_graphs):
     in the fixed-shape (graph) step whose batches keep finished rows as dead copies."""
     model, prompts, refs, drafter = mixed_batch()
     stop = refs[2][3]  # sequence 2 stops early
-    cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12, commit=commit, cuda_graphs=cuda_graphs,
-                     stop_token_ids=(stop,))
+    cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12, stop_token_ids=(stop,),
+                     engine=dict(commit=commit, cuda_graphs=cuda_graphs))
     assert diagnose("gdn", model, prompts, drafter=drafter, config=cfg) is None
     assert diagnose("gdn", model, prompts, drafter=OracleDrafter(prompts, refs, "tree", 61), config=cfg) is None
 

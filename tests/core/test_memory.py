@@ -74,7 +74,7 @@ def test_a_dropped_decoder_frees_its_adapter_by_reference_counting(name, tempera
     assert left_after_drop(make) == ([], {})
 
 
-@pytest.mark.parametrize("options", [dict(), dict(temperature=0.7), dict(cuda_graphs="unrecorded")],
+@pytest.mark.parametrize("options", [dict(), dict(temperature=0.7), dict(engine=dict(cuda_graphs="unrecorded"))],
                          ids=["greedy", "sampled", "graph-step"])
 def test_a_dropped_decoder_frees_its_eagle_drafter(options):
     """The trained tiny GDN target from its checkpoint directory with its EAGLE drafter; also

@@ -171,8 +171,8 @@ def test_engine_sampling_follows_the_model_distribution_and_repeats_with_a_seed(
     model = arch.tiny_model("base", seed=4, dtype=torch.float32)
     prompt, n = [3, 14, 15, 9, 2], 3000
     ref = arch.reference_decode(model, prompt, 6)
-    cfg = dict(temperature=0.6, max_new_tokens=2, num_draft_tokens=2, max_depth=2, seed=11, cuda_graphs=graphs,
-               device=device)
+    cfg = dict(temperature=0.6, max_new_tokens=2, num_draft_tokens=2, max_depth=2, seed=11,
+               engine=dict(cuda_graphs=graphs), device=device)
     dec = SpecDecoder(model, "gdn", drafter=OracleDrafter([prompt] * n, [ref] * n, "all", 61), config=cfg)
     out = dec.generate([prompt] * n)
     assert out.stats.mean_accepted_tokens > 0.05  # hundreds of drafts accepted, not just bonus tokens
@@ -272,7 +272,7 @@ def test_steps_of_both_budgets_draw_fresh_numbers(graphs, monkeypatch):
         firsts.clear()
         dec = SpecDecoder(model, "gdn", drafter="ngram",
                           config=dict(temperature=0.8, seed=7, max_new_tokens=12, num_draft_tokens=3, max_depth=3,
-                                      budget_policy="adaptive", cuda_graphs=graphs))
+                                      engine=dict(budget_policy="adaptive", cuda_graphs=graphs)))
         dec.engine.stats_steps = iter([0, 1] * 20)  # drafting, plain, drafting, ...
         runs.append((dec.generate([[5, 9, 5, 9, 5, 9, 2]]).outputs, list(firsts)))
         assert len(firsts) >= 4 and len(set(firsts)) == len(firsts), firsts
