@@ -25,7 +25,7 @@ def check_tree_drafts_equal_transformers(arch, variant: str, commit: str, vocab:
     model = arch.tiny_model(variant, seed=2, dtype=torch.float32)
     prompts = prompts_around_the_prefill_chunk(3, vocab, lengths)
     refs = [arch.reference_decode(model, p, new_tokens) for p in prompts]
-    cfg = SpecConfig(max_new_tokens=new_tokens, num_draft_tokens=6, max_depth=4, top_k=2, commit=commit)
+    cfg = SpecConfig(max_new_tokens=new_tokens, num_draft_tokens=6, max_depth=4, top_k=2, engine={"commit": commit})
     out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", vocab), config=cfg)
     assert out.outputs == refs
     assert out.stats.mean_accepted_tokens > 1
@@ -43,8 +43,8 @@ def check_kernels_equal_reference(arch, variant: str, graphs: str, vocab: int) -
     states = {}
     for kernels in ("triton", "reference"):
         dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
-                          config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2, kernels=kernels,
-                                      cuda_graphs=graphs))
+                          config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2,
+                                      engine=dict(kernels=kernels, cuda_graphs=graphs)))
         out = dec.generate(prompts)
         assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
         assert dec.adapter._use_kernel("factor") == (kernels == "triton")
@@ -64,8 +64,9 @@ def check_cuda_graphs_equal_transformers(arch, variant: str, vocab: int, new_tok
     prompts = prompts_around_the_prefill_chunk(8, vocab)
     refs = [arch.reference_decode(model, p, new_tokens) for p in prompts]
     dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
-                      config=dict(max_new_tokens=new_tokens, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on",
-                                  budget_policy="fixed"))  # every step drafts: the accepted drafts are asserted
+                      # fixed: every step drafts, and the accepted drafts are asserted
+                      config=dict(max_new_tokens=new_tokens, num_draft_tokens=6, max_depth=4, top_k=2,
+                                  engine=dict(cuda_graphs="on", budget_policy="fixed")))
     out = dec.generate(prompts)
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
     assert dec.engine._runner is not None and dec.engine._runner.graphs
@@ -121,19 +122,19 @@ def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: in
     refs = [arch.reference_decode(model, p, 8) for p in prompts]  # on the CPU: the references' torch path
     model.to(dev)
     dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
-                      config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2, kernels="triton",
-                                  cuda_graphs="off", prefill="chunked"))
+                      config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2,
+                                  engine=dict(kernels="triton", cuda_graphs="off", prefill="chunked")))
     out = dec.generate(prompts)
     assert dec.adapter._prefill_mode(len(prompts)) == "whole" and bool(calls) == fla
     assert out.stats.mean_accepted_tokens > 1
     if dev == "cpu":
         assert out.outputs == refs
         return
-    plain = SpecDecoder(model, config=dict(max_new_tokens=8, num_draft_tokens=0, prefill="chunked"))
+    plain = SpecDecoder(model, config=dict(max_new_tokens=8, num_draft_tokens=0, engine=dict(prefill="chunked")))
     assert out.outputs == plain.generate(prompts).outputs
     states = []
     for prefill in ("chunked", "chain"):
-        ad = SpecDecoder(model, config=dict(kernels="triton", cuda_graphs="off", prefill=prefill)).adapter
+        ad = SpecDecoder(model, config=dict(engine=dict(kernels="triton", cuda_graphs="off", prefill=prefill))).adapter
         ad.prefill(prompts)
         states.append(ad.recurrent_states())
     for a, b in zip(*states):  # TF32: FLA's GLA hybrid with attention differed by 2.4e-3 on an H200

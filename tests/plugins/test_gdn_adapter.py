@@ -91,7 +91,7 @@ def test_commit_every_path_equals_sequential_state(model_name, kind, commit, rng
     par = tree_parents(kind, 5, rng)
     tree = DraftTree.from_lists([([rng.randrange(V) for _ in par], par)])
     for end in [-1] + list(range(5)):
-        adapter = adapter_for(model, commit=commit)
+        adapter = adapter_for(model, engine={"commit": commit})
         adapter.prefill([prompt])
         out = adapter.verify(tree)
         adapter.commit(tree, out, acceptance_for(tree, [end], [7]))
@@ -105,7 +105,7 @@ def test_commit_every_path_equals_sequential_state(model_name, kind, commit, rng
 @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
 def test_empty_commit_is_bit_identical(commit):
     model = make_model("base")
-    adapter = adapter_for(model, commit=commit)
+    adapter = adapter_for(model, engine={"commit": commit})
     adapter.prefill([[1, 2, 3], [4, 5]])
     tree = DraftTree.from_lists([([6, 7], [-1, 0]), ([8], [-1])])
     out = adapter.verify(tree)
@@ -138,7 +138,7 @@ def test_strategies_agree_and_delayed_equals_eager(rng):
     logits, states = {}, {}
     for name, commit, eager in [("factor", "factor", False), ("factor_eager", "factor", True),
                                 ("snapshot", "snapshot", False), ("replay", "replay", False)]:
-        adapter = adapter_for(model, commit=commit)
+        adapter = adapter_for(model, engine={"commit": commit})
         adapter.prefill([prompt])
         out = adapter.verify(t1)
         adapter.commit(t1, out, acceptance_for(t1, [2], [5]))
