@@ -262,8 +262,8 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
     refs = [naive_greedy_decode(model, p, 20) for p in prompts]
     states = {}
     for kernels in ("triton", "reference"):
-        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=14, kernels=kernels, device=DEV,
-                         verify_kernel=verify_kernel, cuda_graphs="off")  # graphs pick their own kernel
+        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=14, device=DEV,  # graphs pick their own kernel
+                         engine=dict(kernels=kernels, verify_kernel=verify_kernel, cuda_graphs="off"))
         dec = specla.SpecDecoder(model, "gdn", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
         result = dec.generate(prompts)
         assert result.outputs == [r[:14] for r in refs]
@@ -468,8 +468,8 @@ def test_triton_kernels_on_cpu_without_the_interpreter_are_rejected_clearly(monk
     model = p.tiny_model("base")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="needs TRITON_INTERPRET=1"):
-        p.make_adapter(model, SpecConfig(kernels="triton", device="cpu"))
-    p.make_adapter(model, SpecConfig(kernels="auto", device="cpu"))  # auto falls back to the reference path
+        p.make_adapter(model, SpecConfig(engine={"kernels": "triton"}, device="cpu"))
+    p.make_adapter(model, SpecConfig(engine={"kernels": "auto"}, device="cpu"))  # auto falls back to the reference path
 
 
 def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
@@ -485,8 +485,8 @@ def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
     model = make_model("base", dtype=torch.float32, seed=6)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 9)]
-    cfg = SpecConfig(num_draft_tokens=0, max_new_tokens=6, kernels="triton", device=DEV,
-                     cuda_graphs="on" if DEV == "cuda" else "unrecorded")
+    cfg = SpecConfig(num_draft_tokens=0, max_new_tokens=6, device=DEV,
+                     engine=dict(kernels="triton", cuda_graphs="on" if DEV == "cuda" else "unrecorded"))
     out = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts).outputs
     assert out == [naive_greedy_decode(model, p, 6) for p in prompts]
     # the decoding steps' calls (prefill chunks are longer); a recorded graph calls Python only
@@ -513,7 +513,8 @@ def test_interpreter_set_after_the_kernels_loaded_is_refused_clearly():
             f"{first}\n"
             "os.environ['TRITON_INTERPRET'] = '1'\n"
             "try:\n"
-            "    SpecDecoder(tiny, config=dict(max_new_tokens=2, device='cpu', kernels='triton')).generate([[5, 6]])\n"
+            "    cfg = dict(max_new_tokens=2, device='cpu', engine={'kernels': 'triton'})\n"
+            "    SpecDecoder(tiny, config=cfg).generate([[5, 6]])\n"
             "    print('interpreted')\n"
             "except ConfigError as err:\n"
             "    print('ConfigError:', err)\n"
@@ -546,8 +547,8 @@ def test_chunked_prefill_equals_chain_prefill(name, monkeypatch):
     refs = [naive_greedy_decode(model, p, 8) for p in prompts]
     seen = {}
     for prefill, kernels in (("chain", "triton"), ("chunked", "triton"), ("chunked", "reference")):
-        cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, kernels=kernels, device=DEV,
-                         cuda_graphs="off", prefill=prefill)
+        cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV,
+                         engine=dict(kernels=kernels, cuda_graphs="off", prefill=prefill))
         dec = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg)
         calls.clear()
         dec.adapter.prefill(prompts)
@@ -595,8 +596,8 @@ def test_prefill_passes_equal_chain_prefill(graphs, monkeypatch):
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (1, 45, 9)]
     seen = {}
     for prefill in ("chain", "passes"):
-        cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV, kernels="triton", cuda_graphs=graphs,
-                         prefill=prefill, budget_policy="fixed")
+        cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV,
+                         engine=dict(kernels="triton", cuda_graphs=graphs, prefill=prefill, budget_policy="fixed"))
         dec = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg)
         ad = dec.adapter
         for _ in range(2):  # the second prefill replays the recorded pass (and starts from a used state)
@@ -651,7 +652,8 @@ def test_default_prefill_takes_the_passes_in_half_precision(monkeypatch):
         monkeypatch.setattr(GDNMixer, "prefill_by_default", False)  # a plugin that has not opted in
         assert ad._chunk_passes() is False
         monkeypatch.setattr(GDNMixer, "prefill_by_default", True)
-        monkeypatch.setattr(ad, "config", cfg.model_copy(update={"prefill": "chain"}))
+        monkeypatch.setattr(ad, "dtype", torch.bfloat16)  # where auto takes the passes (above)
+        monkeypatch.setattr(ad, "config", cfg.with_engine(prefill="chain"))
         assert ad._chunk_passes() is False
         return
     model = make_model("gva", dtype=torch.bfloat16, seed=5)
@@ -671,8 +673,8 @@ def test_prefill_passes_fall_back_to_chain_passes_where_their_kernels_cannot_run
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 3]]
     outs = {}
     for prefill in ("passes", "chain", "auto"):
-        cfg = SpecConfig(num_draft_tokens=3, max_depth=3, max_new_tokens=4, kernels="reference", device="cpu",
-                         cuda_graphs="off", prefill=prefill)
+        cfg = SpecConfig(num_draft_tokens=3, max_depth=3, max_new_tokens=4, device="cpu",
+                         engine=dict(kernels="reference", cuda_graphs="off", prefill=prefill))
         run = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts)
         assert run.stats.prefill == "chain" and run.stats.to_dict()["prefill"] == "chain"
         outs[prefill] = run.outputs
@@ -693,7 +695,7 @@ def test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding(monkeypatch):
     states = {}
     for prefill in ("chunked", "chain"):
         cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV, dtype="bfloat16",
-                         prefill=prefill)
+                         engine=dict(prefill=prefill))
         ad = specla.SpecDecoder(model, "gdn", config=cfg).adapter
         calls.clear()
         ad.prefill(prompts)
@@ -701,8 +703,8 @@ def test_chunked_prefill_in_bfloat16_decodes_like_plain_decoding(monkeypatch):
         states[prefill] = [t.float().clone() for t in ad.recurrent_states()]
     for a, b in zip(states["chunked"], states["chain"]):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=2e-2)
-    cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV, dtype="bfloat16", prefill="chunked",
-                     budget_policy="fixed")
+    cfg = SpecConfig(num_draft_tokens=4, max_depth=4, max_new_tokens=8, device=DEV, dtype="bfloat16",
+                     engine=dict(prefill="chunked", budget_policy="fixed"))
     out = specla.SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts).outputs
     plain = specla.SpecDecoder(model, "gdn", config=cfg.model_copy(update={"num_draft_tokens": 0}))
     assert out == plain.generate(prompts).outputs
