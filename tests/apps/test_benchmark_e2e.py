@@ -39,8 +39,8 @@ def margin_model():
 def test_oracle_drafter_follows_its_profile_and_output_is_exact(margin_model, graphs):
     alpha, D = 0.8, 6
     torch.manual_seed(0)
-    cfg = SpecConfig(num_draft_tokens=16, max_depth=D, top_k=4, cuda_graphs=graphs, max_new_tokens=300,
-                     stop_at_eos=False)
+    cfg = SpecConfig(num_draft_tokens=16, max_depth=D, top_k=4, max_new_tokens=300, stop_at_eos=False,
+                     engine=dict(cuda_graphs=graphs))
     prompts = [[5, 6, 7], [9], [11, 12]]
     spec = SpecDecoder(margin_model, "gdn", drafter=e2e.ProfileDrafter(e2e.geometric(alpha, D)), config=cfg)
     r = spec.generate(prompts)
@@ -89,8 +89,8 @@ def test_fla_sd_baseline_decodes_like_the_reference_replay(variant, monkeypatch)
     V = model.get_input_embeddings().weight.shape[0]
     motif = torch.randint(0, V, (4,), generator=g).tolist()
     prompts = [motif * 4, torch.randint(0, V, (7,), generator=g).tolist() + motif * 2]
-    cfg = dict(num_draft_tokens=4, max_depth=4, top_k=1, commit="replay", max_new_tokens=20, stop_at_eos=False,
-               dtype="float32", cuda_graphs="off", kernels="reference")
+    cfg = dict(num_draft_tokens=4, max_depth=4, top_k=1, max_new_tokens=20, stop_at_eos=False, dtype="float32",
+               engine=dict(commit="replay", cuda_graphs="off", kernels="reference"))
     ref = SpecDecoder(model, "gdn", drafter="ngram", config=cfg)
     fla = e2e.use_fla_sd(SpecDecoder(model, "gdn", drafter="ngram", config=cfg))
     assert fla.adapter._verify.__func__ is e2e.fla_sd_verify

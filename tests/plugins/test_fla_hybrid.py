@@ -70,7 +70,8 @@ def test_sliding_window_hybrid_equals_sequential_decoding_past_the_window(plugin
     prompts = transformers_checks.prompts_around_the_prefill_chunk(3, 61, (2, 63, 65))
     refs = [arch.reference_decode(model, p, 10) for p in prompts]
     out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", 61),
-                     config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2, commit=commit))
+                     config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2,
+                                 engine=dict(commit=commit)))
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
 
 
@@ -89,8 +90,8 @@ def test_whole_prompt_prefill_of_a_gdn_hybrid_equals_sequential_decoding(window,
     prompts = transformers_checks.prompts_around_the_prefill_chunk(3, 61, (2, 66, 9))
     refs = [arch.reference_decode(model, p, 8) for p in prompts]
     out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", 61),
-                     config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2, kernels="triton",
-                                 cuda_graphs="off", prefill="chunked",
+                     config=dict(max_new_tokens=8, num_draft_tokens=6, max_depth=4, top_k=2,
+                                 engine=dict(kernels="triton", cuda_graphs="off", prefill="chunked"),
                                  device="cuda" if torch.cuda.is_available() else "cpu"))
     assert calls and out.outputs == refs and out.stats.mean_accepted_tokens > 1
 
@@ -154,8 +155,9 @@ def test_cuda_hybrid_kernels_and_graphs_equal_sequential_decoding(plugin):
     prompts = transformers_checks.prompts_around_the_prefill_chunk(8, 61)
     refs = [arch.reference_decode(model, p, 12) for p in prompts]  # the twins run on the CPU
     dec = specla.SpecDecoder(model.cuda(), plugin, drafter=OracleDrafter(prompts, refs, "tree", 61),
-                             config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=4, top_k=2, cuda_graphs="on",
-                                         budget_policy="fixed"))  # every step drafts: acceptance is asserted
+                             # fixed: every step drafts, and acceptance is asserted
+                             config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=4, top_k=2,
+                                         engine=dict(cuda_graphs="on", budget_policy="fixed")))
     out = dec.generate(prompts)
     assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
     assert dec.engine._runner.graphs and dec.adapter._use_kernel("factor")

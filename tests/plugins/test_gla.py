@@ -165,7 +165,7 @@ def test_commit_every_path_equals_sequential_state(gla_name, commit, rng):
     tree = DraftTree.from_lists([([rng.randrange(V) for _ in par], par)])
     base, _ = naive_after(model, prompt)
     for end in [-1] + list(range(len(par))):
-        adapter = adapter_for(model, commit=commit)
+        adapter = adapter_for(model, engine={"commit": commit})
         adapter.prefill([prompt])
         out = adapter.verify(tree)
         adapter.commit(tree, out, acceptance_for(tree, [end], [7]))
@@ -173,7 +173,7 @@ def test_commit_every_path_equals_sequential_state(gla_name, commit, rng):
         accepted = [int(tree.tokens[0, j]) for j in (tree.path(0, end) if end >= 0 else [])]
         assert_state_matches(adapter, 0, naive_after(model, accepted, start=base)[0])
         assert adapter.roots.tolist() == [7]
-    adapter = adapter_for(model, commit=commit)
+    adapter = adapter_for(model, engine={"commit": commit})
     adapter.prefill([prompt])
     out = adapter.verify(tree)
     before = snapshot(adapter)
@@ -191,7 +191,7 @@ def test_strategies_agree_and_delayed_equals_eager():
     dec, _ = naive_after(model, prompt + [9, 6, 5, 5, 3])
     for name, commit, eager in [("factor", "factor", False), ("factor_eager", "factor", True),
                                 ("snapshot", "snapshot", False), ("replay", "replay", False)]:
-        adapter = adapter_for(model, commit=commit)
+        adapter = adapter_for(model, engine={"commit": commit})
         adapter.prefill([prompt])
         adapter.commit(t1, adapter.verify(t1), acceptance_for(t1, [2], [5]))
         if eager:
@@ -556,9 +556,10 @@ def test_engine_with_triton_kernels_is_exact(name, verify_kernel, pattern, monke
     states = {}
     for kernels in ("triton", "reference"):
         # a forced kernel runs eagerly: a recorded step cannot know on the host that a batch is a chain
-        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12, kernels=kernels, device=DEV,
-                         verify_kernel=verify_kernel, cuda_graphs="auto" if verify_kernel == "auto" else "off",
-                         budget_policy="fixed")  # both decoders on one schedule: their states are compared
+        # fixed: both decoders on one schedule, their states are compared
+        cfg = SpecConfig(num_draft_tokens=6, max_depth=6, max_new_tokens=12, device=DEV,
+                         engine=dict(kernels=kernels, verify_kernel=verify_kernel, budget_policy="fixed",
+                                     cuda_graphs="auto" if verify_kernel == "auto" else "off"))
         dec = specla.SpecDecoder(model, "gla", drafter=OracleDrafter(prompts, refs, pattern, V), config=cfg)
         assert dec.generate(prompts).outputs == [r[:12] for r in refs]
         dec.adapter.flush()
@@ -586,7 +587,7 @@ def test_trees_over_the_kernel_size_take_the_reference_path_after_a_flush():
     acc = Acceptance(acc.path.to(DEV), acc.num_accepted.to(DEV), acc.bonus.to(DEV), acc.tokens.to(DEV))
     logits = {}
     for kernels in ("triton", "reference"):
-        adapter = adapter_for(model, kernels=kernels, device=DEV, num_draft_tokens=64, max_depth=64)
+        adapter = adapter_for(model, engine={"kernels": kernels}, device=DEV, num_draft_tokens=64, max_depth=64)
         adapter.prefill([[1, 2, 3]])
         adapter.commit(t1, adapter.verify(t1), acc)
         assert adapter.pending is not None

@@ -203,7 +203,7 @@ def test_commit_every_path_equals_sequential_state(model_name, kind, commit):
     par = tree_parents(kind, 5, rng)
     tree = DraftTree.from_lists([([rng.randrange(V) for _ in par], par), ([rng.randrange(V)], [-1])])
     for end in range(-1, 5):
-        adapter = adapter_for(model, commit=commit)
+        adapter = adapter_for(model, engine={"commit": commit})
         adapter.prefill(prompts)
         out = adapter.verify(tree)
         adapter.commit(tree, out, acceptance_for(tree, [end, -1], [7, 8]))
@@ -216,7 +216,7 @@ def test_commit_every_path_equals_sequential_state(model_name, kind, commit):
 
 @pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
 def test_empty_commit_is_bit_identical(commit):
-    adapter = adapter_for(make_mamba2_model("base"), commit=commit)
+    adapter = adapter_for(make_mamba2_model("base"), engine={"commit": commit})
     adapter.prefill([[1, 2, 3], [4, 5]])
     tree = DraftTree.from_lists([([6, 7], [-1, 0]), ([8], [-1])])
     out = adapter.verify(tree)
@@ -233,7 +233,7 @@ def test_strategies_agree_delayed_equals_eager_and_flush_is_idempotent():
     logits, states = {}, {}
     for name, commit, eager in [("factor", "factor", False), ("factor_eager", "factor", True),
                                 ("snapshot", "snapshot", False), ("replay", "replay", False)]:
-        adapter = adapter_for(model, commit=commit)
+        adapter = adapter_for(model, engine={"commit": commit})
         adapter.prefill([prompt])
         adapter.commit(t1, adapter.verify(t1), acceptance_for(t1, [2], [5]))
         if eager:
@@ -559,8 +559,8 @@ def test_triton_adapter_token_identical_to_reference(verify_kernel):
     model = make_mamba2_model("g1_dhdim", dtype=torch.float32, seed=2)
     motif = [rng.randrange(41) for _ in range(4)]
     prompts = [motif * 3, [rng.randrange(41) for _ in range(N + 1)], [motif[1]]]
-    cfg = dict(num_draft_tokens=N, max_depth=4, top_k=2, max_new_tokens=10, kernels="triton",
-               verify_kernel=verify_kernel, device=DEV)
+    cfg = dict(num_draft_tokens=N, max_depth=4, top_k=2, max_new_tokens=10, device=DEV,
+               engine=dict(kernels="triton", verify_kernel=verify_kernel))
     result = specla.run(model, "mamba2", prompts=prompts, config=cfg)
     assert result.outputs == reference(model, prompts, 10)
     refs = reference(model, prompts, 10 + N)
@@ -581,7 +581,7 @@ def test_triton_adapter_tree_over_kernel_size_commits_then_runs_the_reference():
                                device=DEV)
     got = {}
     for kernels in ("reference", "triton"):
-        adapter = adapter_for(model, num_draft_tokens=64, max_depth=64, kernels=kernels, device=DEV)
+        adapter = adapter_for(model, num_draft_tokens=64, max_depth=64, engine={"kernels": kernels}, device=DEV)
         adapter.prefill([[1, 2, 3]])
         adapter.commit(t1, adapter.verify(t1), acceptance_for(t1, [1], [7]))
         logits = adapter.verify(big).logits

@@ -86,10 +86,11 @@ def test_eager_moe_experts_refuse_a_recorded_step_by_name():
     prompts = [[3, 5, 7, 9, 11], [4, 6]]
     refs = [ARCH.reference_decode(model, p, 8) for p in prompts]
     with pytest.raises(specla.ConfigError, match="MoE experts run transformers' 'eager' implementation"):
-        SpecDecoder(model, drafter="ngram", config=dict(max_new_tokens=8, cuda_graphs="unrecorded"))
+        SpecDecoder(model, drafter="ngram", config=dict(max_new_tokens=8, engine=dict(cuda_graphs="unrecorded")))
     model.config._experts_implementation = "batched_mm"
     dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
-                      config=dict(max_new_tokens=8, num_draft_tokens=4, max_depth=3, top_k=2, cuda_graphs="unrecorded"))
+                      config=dict(max_new_tokens=8, num_draft_tokens=4, max_depth=3, top_k=2,
+                                  engine=dict(cuda_graphs="unrecorded")))
     assert dec.generate(prompts).outputs == refs
 
 
@@ -182,7 +183,7 @@ def test_the_nemotron_h_mtp_module_drafts_what_transformers_computes_from_it(ker
     refs = [ARCH.reference_decode(model, p, 12) for p in (prompt, prompt[:4])]
     target = for_kernels(model, kernels)  # the oracle below stays on the CPU
     for budget in (dict(num_draft_tokens=3, max_depth=3, top_k=1), dict(num_draft_tokens=6, max_depth=3, top_k=3)):
-        dec = SpecDecoder(target, drafter="mtp", config=dict(max_new_tokens=12, kernels=kernels, **budget))
+        dec = SpecDecoder(target, drafter="mtp", config=dict(max_new_tokens=12, engine=dict(kernels=kernels), **budget))
         assert isinstance(dec.drafter, MTPDrafter) and dec.drafter.kernels == (kernels == "triton")
         assert dec.generate([prompt, prompt[:4]]).outputs == refs
 

@@ -161,10 +161,11 @@ def test_eager_moe_experts_refuse_a_recorded_step_by_name():
     prompts = [[3, 5, 7, 9, 11], [4, 6]]
     refs = [ARCH.reference_decode(model, p, 8) for p in prompts]
     with pytest.raises(specla.ConfigError, match="MoE experts run transformers' 'eager' implementation"):
-        SpecDecoder(model, drafter="ngram", config=dict(max_new_tokens=8, cuda_graphs="unrecorded"))
+        SpecDecoder(model, drafter="ngram", config=dict(max_new_tokens=8, engine=dict(cuda_graphs="unrecorded")))
     model.config._experts_implementation = "batched_mm"
     dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", V),
-                      config=dict(max_new_tokens=8, num_draft_tokens=4, max_depth=3, top_k=2, cuda_graphs="unrecorded"))
+                      config=dict(max_new_tokens=8, num_draft_tokens=4, max_depth=3, top_k=2,
+                                  engine=dict(cuda_graphs="unrecorded")))
     assert dec.generate(prompts).outputs == refs
 
 
@@ -208,7 +209,7 @@ def test_the_mtp_layer_drafts_what_transformers_computes_from_it(variant, kernel
     # "next" variant is loaded with here, which that step refuses by name)
     for graphs in ("off", "unrecorded") if variant == "base" else ("off",):
         dec = SpecDecoder(target, drafter="mtp", config=dict(max_new_tokens=12, num_draft_tokens=6, max_depth=3,
-                                                            top_k=3, kernels=kernels, cuda_graphs=graphs))
+                                                            top_k=3, engine=dict(kernels=kernels, cuda_graphs=graphs)))
         assert isinstance(dec.drafter, MTPDrafter) and dec.drafter.kernels == (kernels == "triton")
         out = dec.generate([prompt, prompt[:4]])
         assert out.outputs == refs, graphs
