@@ -11,6 +11,7 @@ from torch import Tensor
 from specla.fla_attention import is_fla_attention, naive_fla_attention
 from specla.mixers.gdn.naive import gdn_step
 from specla.ops.naive import naive_rms_norm
+from specla.testing.stepwise import stepwise_greedy
 
 
 class NaiveGDN:
@@ -96,11 +97,4 @@ class NaiveGDN:
 
 def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy autoregressive decoding with :class:`NaiveGDN`; returns the new tokens only."""
-    dec = NaiveGDN(model)
-    for tok in prompt[:-1]:
-        dec.step(tok)
-    out, tok = [], prompt[-1]
-    while len(out) < max_new_tokens:
-        tok = int(dec.step(tok).argmax())
-        out.append(tok)
-    return out
+    return stepwise_greedy(NaiveGDN(model).step, prompt, max_new_tokens)

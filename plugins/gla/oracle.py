@@ -11,14 +11,10 @@ from torch import Tensor
 
 from specla.fla_attention import is_fla_attention, naive_fla_attention
 from specla.mixers.gla.naive import gla_step
+from specla.ops.naive import naive_rms_norm
+from specla.testing.stepwise import stepwise_greedy
 
 from .plugin import FEATURE_MAPS
-
-
-def _rms(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
-    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x * w.to(x.dtype) if w is not None else x
 
 
 class NaiveGLA:
@@ -58,7 +54,7 @@ class NaiveGLA:
         x = m.embeddings.weight[token]
         for li, blk in enumerate(m.layers):
             a = blk.attn
-            h = _rms(x, blk.attn_norm.weight, blk.attn_norm.eps).to(dt)
+            h = naive_rms_norm(x, blk.attn_norm.weight, blk.attn_norm.eps).to(dt)
             if self.states[li] is None:  # a softmax-attention layer of FLA's hybrid configs
                 x = self._mlp(blk, x + naive_fla_attention(a, h, self.inputs[li], ct))
                 continue
@@ -91,27 +87,20 @@ class NaiveGLA:
                 self.states[li][hh], o[hh] = gla_step(self.states[li][hh], q[hh], k[hh], v[hh], gk[hh],
                                                       a.head_k_dim**-0.5)
             norm = a.g_norm_swish_gate if a.fuse_norm_and_gate else a.g_norm
-            o = _rms(o, norm.weight, norm.eps)
+            o = naive_rms_norm(o, norm.weight, norm.eps)
             if a.use_output_gate:  # FusedRMSNormGated(swish) or g_norm then gate_fn = swish
                 o = o * F.silu((h @ a.g_proj.weight.T).view(H, -1).to(ct))
             x = x + (o.reshape(-1).to(dt) @ a.o_proj.weight.T)
             x = self._mlp(blk, x)
-        return _rms(x, m.norm.weight, m.norm.eps).to(dt) @ self.model.lm_head.weight.T
+        return naive_rms_norm(x, m.norm.weight, m.norm.eps).to(dt) @ self.model.lm_head.weight.T
 
     def _mlp(self, blk, x: Tensor) -> Tensor:
         """The block's pre-norm SwiGLU MLP and residual."""
-        h = _rms(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(self.dt)
+        h = naive_rms_norm(x, blk.mlp_norm.weight, blk.mlp_norm.eps).to(self.dt)
         mlp = blk.mlp
         return x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
 
 
 def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy autoregressive decoding with :class:`NaiveGLA`; returns the new tokens only."""
-    dec = NaiveGLA(model)
-    for tok in prompt[:-1]:
-        dec.step(tok)
-    out, tok = [], prompt[-1]
-    while len(out) < max_new_tokens:
-        tok = int(dec.step(tok).argmax())
-        out.append(tok)
-    return out
+    return stepwise_greedy(NaiveGLA(model).step, prompt, max_new_tokens)

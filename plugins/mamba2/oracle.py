@@ -10,6 +10,7 @@ from torch import Tensor
 
 from specla.mixers.mamba2.naive import naive_gated_rms_norm, ssd_step
 from specla.ops.naive import naive_rms_norm
+from specla.testing.stepwise import stepwise_greedy
 
 
 class NaiveMamba2:
@@ -84,11 +85,4 @@ class NaiveMamba2:
 
 def naive_greedy_decode(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy autoregressive decoding with :class:`NaiveMamba2`; returns the new tokens only."""
-    dec = NaiveMamba2(model)
-    for tok in prompt[:-1]:
-        dec.step(tok)
-    out, tok = [], prompt[-1]
-    while len(out) < max_new_tokens:
-        tok = int(dec.step(tok).argmax())
-        out.append(tok)
-    return out
+    return stepwise_greedy(NaiveMamba2(model).step, prompt, max_new_tokens)

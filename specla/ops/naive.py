@@ -42,8 +42,10 @@ def naive_tree_conv(x, window, weight, bias, parents):
     return F.silu(y).to(x.dtype), windows
 
 
-def naive_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+def naive_rms_norm(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
     """RMSNorm of one vector (or a batch of them) over the last dim, in float32 (float64 for
-    float64 inputs), FLA's ``RMSNorm`` reference; returned in the compute dtype."""
+    float64 inputs), FLA's ``RMSNorm`` reference; returned in the compute dtype. ``w`` ``None``:
+    a norm without a weight (FLA's ``elementwise_affine=False``)."""
     x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.to(x.dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * w.to(x.dtype) if w is not None else x
