@@ -28,6 +28,10 @@ from ..ops import kernels
 from ..ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node
 from ..records import Record
 
+# prompt tokens per prefill pass (each pass is a chain through the tree path): with the draft
+# budget, the widest pass a mixer verifies and commits, which fixed-capacity caches are sized for
+PREFILL_CHUNK = 64
+
 conv_kernels = kernels("specla.ops.conv_triton")
 
 

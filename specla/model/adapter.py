@@ -25,7 +25,7 @@ from ..cuda.capture import copy_into, record_graph
 from ..hf import weaken_hook_cycles
 from ..interfaces import TargetAdapter, VerifyOutput
 from ..memory import cache_capacity, check_cache_memory
-from ..mixers.base import Mixer, TreePass
+from ..mixers.base import PREFILL_CHUNK, Mixer, TreePass
 from ..ops import compiled_kernels_loaded, kernels, upload_ints
 from ..ops.norm import compute_dtype
 from ..records import Acceptance, PendingCommit, Record
@@ -289,8 +289,8 @@ class ModelAdapter(TargetAdapter):
         Returns: ``([B, T, vocab]`` logits or ``None``, ``[B, T, hidden]`` last-layer features).
         """
         outs, feats = [], []
-        for start in range(0, tokens.shape[1], prefill.PREFILL_CHUNK):
-            chunk = tokens[:, start : start + prefill.PREFILL_CHUNK]
+        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
+            chunk = tokens[:, start : start + PREFILL_CHUNK]
             W = chunk.shape[1]
             n = (lengths - start).clamp(0, W)
             tree = DraftTree(chunk, torch.arange(-1, W - 1, device=self.device).expand_as(chunk).contiguous(), n)
@@ -321,7 +321,7 @@ class ModelAdapter(TargetAdapter):
                 self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)
                 x = self.embed(tokens)
                 for li, mixer in enumerate(self.mixers):
-                    x = self._block(li, x, lambda h, m=mixer: m.sequence(h, prefill.PREFILL_CHUNK), False)
+                    x = self._block(li, x, lambda h, m=mixer: m.sequence(h, PREFILL_CHUNK), False)
                 logits, hidden = self.lm_logits(x), x
             else:
                 self._size_caches(B, tokens.shape[1])
@@ -425,7 +425,7 @@ class ModelAdapter(TargetAdapter):
         size and replayed per chunk when ``record`` (see :meth:`_prefill_mode`); the state starts
         empty. Returns ``[B, T, hidden]``."""
         B, T = tokens.shape
-        W = prefill.PREFILL_PASS if self._chunk_passes() else prefill.PREFILL_CHUNK
+        W = prefill.PREFILL_PASS if self._chunk_passes() else PREFILL_CHUNK
         graphs = self._prefill_graphs
         g = graphs.get(B) if record else None
         if g is not None and (g.tokens.shape[1] != W

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-PREFILL_CHUNK = 64  # prompt tokens per prefill pass; each pass is a chain through the tree path
 PREFILL_PASS = 256  # prompt tokens per pass through the mixers' chunked kernels (``prefill="passes"``)
 # prefill passes run as one recorded CUDA graph up to this many prompts (where a pass is bound by
 # its launches); each recorded batch size keeps a pass's buffers (and a chain pass's records) in its pool

@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from specla.errors import SpecError
-from specla.mixers.base import Mixer, TreePass
-from specla.model.prefill import PREFILL_CHUNK
+from specla.mixers.base import PREFILL_CHUNK, Mixer, TreePass
 from specla.records import Record
 
 from .records import KVRecord
