@@ -32,12 +32,12 @@ def test_cuda_token_identical(name, commit):
     g = torch.Generator().manual_seed(3)
     motif = torch.randint(0, V, (6,), generator=g).tolist()
     prompts = [motif * 3, torch.randint(0, V, (9,), generator=g).tolist(), [motif[0]]]
-    cfg = dict(device="cuda", max_new_tokens=24, top_k=2, commit=commit, kernels="reference")
+    cfg = dict(device="cuda", max_new_tokens=24, top_k=2, engine=dict(commit=commit, kernels="reference"))
     if commit == "default":
         cfg = dict(device="cuda", max_new_tokens=24, top_k=2)
     elif commit.startswith("triton-"):
-        cfg.update(commit="factor", kernels="triton", verify_kernel=commit.split("-")[1])
-        if cfg["verify_kernel"] == "serial":
+        cfg["engine"] = dict(commit="factor", kernels="triton", verify_kernel=commit.split("-")[1])
+        if cfg["engine"]["verify_kernel"] == "serial":
             cfg["top_k"] = 1  # chains
     result = specla.run(model, "gdn", prompts=prompts, config=cfg)
     assert result.outputs == [naive_greedy_decode(model, p, 24) for p in prompts]
