@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA, Kimi team 2025, "Kimi Linear") as a sequence mixer
 (:class:`specla.mixers.Mixer`), with its records, factorized reference (``reference``) and
-token-by-token twins (``naive``). PyTorch only: no Triton kernels for KDA yet."""
+token-by-token twins (``naive``) and Triton kernels (``verify``, ``commit``)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,17 @@ from torch import Tensor
 from specla.baselines import ReplayRecord
 from specla.fla_attention import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
+from specla.ops import kernels
 from specla.ops.conv import conv_window_after, tree_conv
-from specla.records import Record
+from specla.records import LayerCommit, Record
 
 from .naive import kda_commit_replay
 from .records import KDAFactorRecord
 from .reference import kda_commit_factor, kda_node_states, tree_kda
+
+conv_kernels = kernels("specla.ops.conv_triton")
+verify_kernels = kernels("specla.mixers.kda.verify")
+commit_kernels = kernels("specla.mixers.kda.commit")
 
 
 class KDAMixer(RecurrentMixer):
@@ -56,18 +61,31 @@ class KDAMixer(RecurrentMixer):
         self.conv = torch.zeros(B, self.C - 1, 3 * self.H * self.D, dtype=self.dtype, device=self.device)
 
     def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
-        if pending is not None:  # the delayed commit of the previous step
-            self.commit(pending, tp.path, tp.path_len, False)
+        kernel = tp.kernels
+        # one kernel for every layer of the pass, chosen once (the rule may read the tree on the host)
+        choice = tp.shared("kda-kernel", lambda: tp.choose(verify_kernels.pick_verify_kernel)) if kernel else "reference"
+        fused = None  # the delayed commit of the previous step: fused into the verify kernels
+        if pending is not None and choice == "reference":
+            self.commit(pending, tp.path, tp.path_len, kernel)
+        elif pending is not None:
+            self.commit_window(pending.conv_x, tp.path, tp.path_len, True)
+            fused = LayerCommit(pending, tp.path, tp.path_len)
         m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
         mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
         anc = tp.conv_ancestors(self.C)
-        q, k, v = tree_conv(mixed, self.conv, self.conv_w, self.conv_b, anc).split(H * D, dim=-1)
+        conv = conv_kernels.tree_conv if kernel else tree_conv
+        q, k, v = conv(mixed, self.conv, self.conv_w, self.conv_b, anc).split(H * D, dim=-1)
         # float32 (or wider) from here, as transformers' KDA: norms, decays and the state
         q = self.l2norm(q.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6) * D**-0.5
         k = self.l2norm(k.reshape(B, T, H, D).to(st), dim=-1, eps=1e-6)
         v = v.reshape(B, T, H, D).to(st)
         g, beta = m.forget_gate(h).to(st), torch.sigmoid(m.b_proj(h)).to(st)
-        o, delta, Gk = tree_kda(q, k, v, g, beta, self.S, tp.mask)
+        if choice == "serial":  # the kernels apply the pending commit to S in place, then verify
+            o, delta, Gk = verify_kernels.serial_verify(q, k, v, g, beta, self.S, tp.counts, pending=fused)
+        elif choice == "parallel":
+            o, delta, Gk = verify_kernels.tree_verify(q, k, v, g, beta, self.S, tp.mask, pending=fused)
+        else:  # the reference path, or a tree over the kernels' size
+            o, delta, Gk = tree_kda(q, k, v, g, beta, self.S, tp.mask)
         if tp.records == "replay":
             rec = ReplayRecord((k, v, g, beta), mixed)
         else:
@@ -80,8 +98,8 @@ class KDAMixer(RecurrentMixer):
                 *self.window_states(record.conv_x, tp)]
 
     def prefills_whole(self, kernels: bool) -> bool:
-        # FLA's chunk kernels run on a GPU (their autotuner needs a driver); the layer's own
-        # steps run on PyTorch either way (no specla kernel for KDA)
+        # FLA's chunk kernels run on a GPU (their autotuner needs a driver), with or without
+        # specla's verify kernels
         return self.device.type == "cuda" and fla_installed()
 
     def prefill(self, h: Tensor, tp: TreePass) -> Tensor:
@@ -108,5 +126,8 @@ class KDAMixer(RecurrentMixer):
         return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1))
 
     def commit(self, record: KDAFactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        self.S = kda_commit_factor(self.S, record.k, record.delta, record.Gk, path, path_len)
-        self.commit_window(record.conv_x, path, path_len, False)  # no Triton kernels for KDA
+        if kernels:
+            commit_kernels.flush_commit(self.S, record.k, record.delta, record.Gk, path, path_len)  # in place
+        else:
+            self.S = kda_commit_factor(self.S, record.k, record.delta, record.Gk, path, path_len)
+        self.commit_window(record.conv_x, path, path_len, kernels)

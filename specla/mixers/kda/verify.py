@@ -1,0 +1,283 @@
+"""Triton verify kernels for KDA (Kimi Delta Attention: the gated delta rule of docs/DESIGN.md
+section 4 with GLA's per-key-channel decay, section 5).
+
+``serial_verify``: the state-resident serial verify for chains. ``tree_verify``: the tree-masked
+parallel verify for trees of up to 64 nodes. Both start with the fused delayed commit: one program
+per (sequence, head, V tile) loads its state tile, applies the pending accepted path of the
+previous step in closed form from its factor records (``S = diag(exp(Gk_a)) S + sum_j
+diag(exp(Gk_a - Gk_j)) k_j delta_j^T``: GLA's commit with ``delta`` as the written values, so
+GLA's :func:`specla.mixers.gla.verify._apply_pending` runs it), writes the committed state once,
+then verifies from it, emitting outputs and this step's factor records (``delta`` and the
+path-summed log decay ``Gk``). The state is never written with speculative tokens.
+
+Per head, with ``q, k`` L2-normalised, ``q`` already scaled by ``K ** -0.5`` (as
+:mod:`specla.mixers.kda.reference` takes it), ``g`` the per-channel log decay and ``beta`` the
+write strength, each token does::
+
+    S <- diag(exp(g)) S;   delta = beta (v - S^T k);   S <- S + k delta^T;   o = S^T q
+
+Runs on GPU, and on CPU under ``TRITON_INTERPRET=1`` (how CI tests it against ``reference.py``
+and ``naive.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from specla.mixers.gla.verify import MAX_TREE_NODES, _apply_pending, _tree_decay_kernel, pick_verify_kernel
+from specla.ops.pending import check_layer_commit, pending_launch, with_pending
+from specla.records import LayerCommit
+
+from .records import KDAFactorRecord
+
+__all__ = ["MAX_TREE_NODES", "pick_verify_kernel", "serial_verify", "tree_verify"]  # the kernel rule is GLA's
+
+PENDING_FIELDS = dict(pk="k", pv="delta", pGk="Gk")  # GLA's commit parameter -> KDAFactorRecord field
+# V-tile widths: each serial program keeps a [K, BV] float32 state tile in registers (GDN's serial
+# kernel, the same tile, spills beyond 8 columns at K = 256); the tree kernel visits the state in
+# K blocks of BKC rows, so that nothing larger than a [BT, BKC] or [BT, BV] tile is live. Untimed.
+TUNING = {"serial": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 32, "num_warps": 4}}
+
+
+@with_pending
+@triton.jit
+def _serial_verify_kernel(
+    q, k, v, g, beta, S, o, delta, Gk, num_nodes,
+    pk, pv, pGk, path, path_len,
+    T, P, Tp,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+):
+    """Per (sequence, head, V tile): fused delayed commit, then the chain token by token with the
+    ``[BK, BV]`` state tile in registers. Tokens ``t >= num_nodes`` leave the tile as it is and get
+    zero outputs and records."""
+    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+    if HAS_PENDING:  # fused delayed commit: the committed state is written once
+        b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v,
+                             P, Tp, H, K, V)
+    n = tl.load(num_nodes + i_b)
+    b_G = tl.zeros([BK], dtype=tl.float32)
+    for t in range(0, T):
+        row = (i_b * T + t) * H + i_h
+        b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_vv = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + row).to(tl.float32)
+        valid = t < n
+        S_dec = b_S * tl.exp(b_g)[:, None]
+        b_d = b_beta * (b_vv - tl.sum(S_dec * b_k[:, None], 0))
+        S_new = S_dec + b_k[:, None] * b_d[None, :]
+        b_o = tl.sum(S_new * b_q[:, None], 0)
+        b_S = tl.where(valid, S_new, b_S)
+        b_G = tl.where(valid, b_G + b_g, b_G)
+        tl.store(o + row * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+        tl.store(delta + row * V + o_v, tl.where(valid, b_d, 0.0), mask=m_v)
+        if i_v == 0:
+            tl.store(Gk + row * K + o_k, tl.where(valid, b_G, 0.0), mask=m_k)
+
+
+@with_pending
+@triton.jit
+def _tree_verify_kernel(
+    q, k, v, beta, mask, Gk, S, o, delta,
+    pk, pv, pGk, path, path_len,
+    T, P, Tp,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+):
+    """Per (sequence, head, V tile), from ``Gk`` (:func:`_tree_decay_kernel`'s launch): the state
+    visited in K blocks of ``BKC`` rows, each block committed (fused, written once) and then
+    contributing to ``(exp(Gk) * k) S0`` and ``(exp(Gk) * q) S0``; then ``delta`` by forward
+    substitution column by column, ancestors first (a node's ancestors have lower indices)::
+
+        delta  = beta v - beta (exp(Gk) * k) S0;  for each node j, once delta_j is final:
+        delta_i -= A[i, j] delta_j,   o_i += Q[i, j] delta_j     (o from (exp(Gk) * q) S0)
+
+    with ``W[i, j, c] = exp(Gk_i[c] - Gk_j[c])`` on ancestor pairs (the exponent masked before
+    ``exp``), ``A[i, j] = beta_i sum_c k_i[c] k_j[c] W[i, j, c]`` for ``j`` a strict ancestor of
+    ``i`` and ``Q[i, j] = sum_c q_i[c] k_j[c] W[i, j, c]`` for ``j`` on ``i``'s root path."""
+    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t, m_v = o_t < T, o_v < V
+    rows = (i_b * T + o_t) * H + i_h
+    b_kS = tl.zeros([BT, BV], dtype=tl.float32)
+    b_qS = tl.zeros([BT, BV], dtype=tl.float32)
+    for kb in range(0, K, BKC):
+        o_k = kb + tl.arange(0, BKC)
+        m_k = o_k < K
+        m_s = m_k[:, None] & m_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+        if HAS_PENDING:
+            b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v,
+                                 P, Tp, H, K, V)
+        e_G = tl.exp(tl.load(Gk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0))  # <= 1: no overflow
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_kS += tl.dot(b_k * e_G, b_S, input_precision="ieee")
+        b_qS += tl.dot(b_q * e_G, b_S, input_precision="ieee")
+    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
+    b_d = b_beta[:, None] * (b_v - b_kS)
+    b_o = b_qS
+    for j in range(0, T):
+        on = tl.load(mask + (i_b * T + o_t) * T + j, mask=m_t, other=0) != 0  # is j on path(i)?
+        row_j = (i_b * T + j) * H + i_h
+        b_a = tl.zeros([BT], dtype=tl.float32)
+        b_qk = tl.zeros([BT], dtype=tl.float32)
+        for kb in range(0, K, BKC):
+            o_k = kb + tl.arange(0, BKC)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_G = tl.load(Gk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            G_j = tl.load(Gk + row_j * K + o_k, mask=m_k, other=0.0)
+            k_j = tl.load(k + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            # mask the exponent before exp: off-path pairs would be exp(positive)
+            kw = k_j[None, :] * tl.where(on[:, None], tl.exp(tl.where(on[:, None], b_G - G_j[None, :], 0.0)), 0.0)
+            b_a += tl.sum(tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * kw, 1)
+            b_qk += tl.sum(tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * kw, 1)
+        d_j = tl.sum(tl.where(o_t[:, None] == j, b_d, 0.0), 0)  # node j's delta: its ancestors are done
+        b_d -= tl.where(o_t != j, b_beta * b_a, 0.0)[:, None] * d_j[None, :]
+        b_o += b_qk[:, None] * d_j[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    tl.store(delta + rows[:, None] * V + o_v[None, :], b_d, mask=m_tv)
+
+
+def _check(q, k, v, g, beta, state, pending) -> None:
+    """Shapes, dtypes and devices shared by the verify kernels (raises ValueError)."""
+    B, T, H, K = k.shape
+    if q.shape != k.shape or v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, H, V]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    V = v.shape[3]
+    for name, x, shape in (("g", g, (B, T, H, K)), ("beta", beta, (B, T, H)), ("state", state, (B, H, K, V))):
+        if tuple(x.shape) != shape or x.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 {list(shape)}, got {x.dtype} {list(x.shape)}")
+    if not state.is_contiguous():
+        raise ValueError("state must be contiguous (the committed state is written in place)")
+    if len({x.device for x in [q, k, v, g, beta, state, *(pending.tensors() if pending else [])]}) != 1:
+        raise ValueError("all tensors must be on one device")
+    if pending is not None:
+        _check_pending(B, H, K, V, pending)
+
+
+def _check_pending(B, H, K, V, pending: LayerCommit) -> None:
+    """A pending commit's factor records and path must match the state's shape (ValueError)."""
+    check_layer_commit(pending, KDAFactorRecord, B, dict(k=(H, K), delta=(H, V), Gk=(H, K)),
+                       float32=("delta", "Gk"))
+
+
+def _pending_kwargs(pending: LayerCommit | None) -> dict:
+    """The launch's keyword arguments of an optional pending commit (:mod:`specla.ops.pending`)."""
+    return pending_launch(pending, PENDING_FIELDS)
+
+
+def _outputs(v: Tensor, K: int, out):
+    """``(o, delta, Gk)``: ``out``, or new tensors."""
+    B, T, H, V = v.shape
+    if out is None:
+        out = (torch.empty_like(v), torch.empty(B, T, H, V, dtype=torch.float32, device=v.device),
+               torch.empty(B, T, H, K, dtype=torch.float32, device=v.device))
+    return out
+
+
+def serial_verify(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, num_nodes: Tensor,
+    pending: LayerCommit | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """State-resident serial verify of a batch of chains, with the fused delayed commit.
+
+    Node ``t`` of sequence ``b`` is the child of node ``t - 1`` (node 0 hangs from the committed
+    state); nodes ``t >= num_nodes[b]`` are padding and get zero outputs and records.
+
+    Args:
+        q, k: ``[B, T, H, K]`` L2-normalised queries (scaled by ``K ** -0.5``) and keys (float32
+            or bfloat16).
+        v: ``[B, T, H, V]`` (float32 or bfloat16).
+        g: ``[B, T, H, K]`` float32 per-channel log decay; beta: ``[B, T, H]`` float32.
+        state: ``[B, H, K, V]`` float32 committed state; the pending commit, if any, is applied
+            to it **in place** (and nothing else is written to it).
+        num_nodes: ``[B]`` int64 chain length per sequence (``0..T``).
+        pending: the previous step's commit, :class:`specla.records.LayerCommit` of a
+            ``KDAFactorRecord`` (``k [B, Tp, H, K]``, ``delta [B, Tp, H, V]`` float32, ``Gk [B,
+            Tp, H, K]`` float32), ``path [B, P]`` and ``path_len [B]`` int64; ``path_len[b] = 0``
+            leaves sequence ``b``'s state bit-identical (not even written).
+        out: optional preallocated ``(o, delta, Gk)`` (tests pass NaN-filled tensors).
+    Returns:
+        ``o [B, T, H, V]`` (``v.dtype``), ``delta [B, T, H, V]`` float32 and ``Gk [B, T, H, K]``
+        float32 (path-summed log decay): with ``k``, the factor record
+        (:class:`specla.mixers.kda.records.KDAFactorRecord`).
+    Raises:
+        ValueError: shapes, dtypes or devices disagree (checked before any launch).
+    """
+    B, T, H, K = k.shape
+    _check(q, k, v, g, beta, state, pending)
+    if num_nodes.shape != (B,) or num_nodes.dtype != torch.int64 or num_nodes.device != k.device:
+        raise ValueError(f"num_nodes must be int64 [{B}] on {k.device}, got {num_nodes.dtype} {list(num_nodes.shape)}")
+    V = v.shape[3]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o, d, G = out = _outputs(v, K, out)
+    BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
+    _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
+        q, k, v, g, beta, state, o, d, G, num_nodes, T=T, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        **_pending_kwargs(pending), num_warps=TUNING["serial"]["num_warps"],
+    )
+    return out
+
+
+def tree_verify(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, mask: Tensor,
+    pending: LayerCommit | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Tree-masked parallel verify of a batch of trees, with the fused delayed commit.
+
+    Args:
+        q, k, v, g, beta, state, pending, out: as :func:`serial_verify`.
+        mask: ``[B, T, T]`` bool inclusive-ancestor mask (``specla.tree.inclusive_ancestor_mask``),
+            ``T <= 64``.
+    Returns:
+        ``o [B, T, H, V]`` (``v.dtype``), ``delta [B, T, H, V]`` float32 and ``Gk [B, T, H, K]``
+        float32, every node as if its root path had been decoded serially from the committed
+        state.
+    Raises:
+        ValueError: shapes, dtypes, devices disagree, or ``T > 64``.
+    Formula: :func:`specla.mixers.kda.reference.tree_kda`. ``Gk = M_incl @ g`` is computed once
+    per (sequence, head) by GLA's decay kernel and shared by all V tiles; products in float32
+    ("ieee").
+    """
+    B, T, H, K = k.shape
+    _check(q, k, v, g, beta, state, pending)
+    if mask.shape != (B, T, T) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool [{B}, {T}, {T}], got {mask.dtype} {list(mask.shape)}")
+    if T > MAX_TREE_NODES:
+        raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
+    V = v.shape[3]
+    q, k, v, g, beta, mask = (x.contiguous() for x in (q, k, v, g, beta, mask))
+    o, d, G = out = _outputs(v, K, out)
+    BT = max(16, triton.next_power_of_2(T))  # tl.dot takes no side under 16
+    tune = TUNING["tree"]
+    BKC = max(16, min(triton.next_power_of_2(K), tune["BKC"]))
+    BV = max(16, min(triton.next_power_of_2(V), tune["BV"]))
+    _tree_decay_kernel[(B * H,)](g, mask, G, T, H=H, K=K, BT=BT, BK=max(16, triton.next_power_of_2(K)))
+    _tree_verify_kernel[(B * H, triton.cdiv(V, BV))](
+        q, k, v, beta, mask, G, state, o, d, T=T, H=H, K=K, V=V, BT=BT, BKC=BKC, BV=BV,
+        **_pending_kwargs(pending), num_warps=tune["num_warps"],
+    )
+    return out
