@@ -31,7 +31,7 @@ TINY_VARIANTS = {
 class KimiLinearPlugin(ArchitecturePlugin):
     """Moonshot AI's Kimi Linear (KDA and MLA layers, dense and MoE MLPs) as transformers
     implements it, ``KimiLinearForCausalLM``, detected from ``model_type == "kimi_linear"``
-    (:func:`specla_kimi.spec.kimi_spec`). PyTorch only (no Triton KDA kernel yet)."""
+    (:func:`specla_kimi.spec.kimi_spec`)."""
 
     name = "kimi_linear"
     model_types = ("kimi_linear",)

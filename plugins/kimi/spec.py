@@ -9,7 +9,8 @@ delta, Gk)`` in closed form (``factor``), from per-node states (``snapshot``) or
 tokens again (``replay``); :class:`MLAMixer` runs the core's tree attention in MLA's latent
 space over a KV cache of the latents (one head of ``kv_lora_rank + qk_rope_head_dim``). The
 checkpoint's own modules do everything else (projections, gates, norms, MLP / MoE, LM head).
-PyTorch only: no Triton kernels for KDA yet.
+Where the engine runs Triton kernels, the KDA layers verify and commit with
+:mod:`specla.mixers.kda.verify` and :mod:`specla.mixers.kda.commit`.
 """
 
 from __future__ import annotations

@@ -425,7 +425,7 @@ def test_fixed_shape_prefill_equals_eager_prefill(plugin, device):
         assert got._prefill_graphs[len(prompts)].graph is not None
 
 
-@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen", "mamba2_hybrid"])
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "mamba2", "qwen", "mamba2_hybrid", "kimi_linear"])
 def test_empty_commit_lays_out_the_kernel_records(plugin):
     """The conformance suite's empty-commit check on the plugins' Triton path (float32,
     ``kernels="triton"``: interpreted on the CPU, compiled on a GPU): the zeroed records a graph

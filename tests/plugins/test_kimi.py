@@ -12,7 +12,7 @@ from specla.ops.naive import root_path
 from specla.registry import get_plugin
 
 import transformers_checks
-from trees import SHAPES, tree_parents
+from trees import SHAPES, needs_triton, tree_parents
 
 ARCH = get_plugin("kimi_linear")
 V = 41
@@ -129,13 +129,34 @@ def test_unsupported_models_are_refused_by_name():
         ARCH.check_model(KimiLinearForCausalLM(cfg))
 
 
+@needs_triton
+@pytest.mark.parametrize("variant, graphs", [("base", "off"), ("mla_first", "unrecorded")])
+def test_the_kda_kernels_equal_transformers_greedy(variant, graphs, monkeypatch):
+    """``kernels="triton"`` (interpreted on a CPU): the KDA layers verify with specla's KDA
+    kernels, the pending commit fused into them, eagerly and in the fixed-shape step; float32,
+    accepted tree drafts: outputs equal transformers' greedy decoding, the recurrent states equal
+    the PyTorch path's, and the tree kernel ran with and without a pending commit."""
+    import specla.mixers.kda.verify as kda_verify  # the mixer reads its kernels there at each call
+
+    calls = {"fused": 0, "plain": 0}
+    tree_verify = kda_verify.tree_verify
+
+    def counting(*args, pending=None, **kw):
+        calls["fused" if pending is not None else "plain"] += 1
+        return tree_verify(*args, pending=pending, **kw)
+
+    monkeypatch.setattr(kda_verify, "tree_verify", counting)
+    transformers_checks.check_kernels_equal_reference(ARCH, variant, graphs, V)
+    assert calls["fused"] > 0 and calls["plain"] > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", ARCH.tiny_variants)
 def test_cuda_recorded_steps_equal_transformers_greedy(variant):
-    """On a GPU, recorded CUDA-graph steps (PyTorch KDA and MLA mixers, MoE experts on
-    ``batched_mm``), float32, accepted tree drafts, a ragged batch: every output equals
-    transformers' greedy decoding of the same model on the GPU."""
-    transformers_checks.check_cuda_graphs_equal_transformers(ARCH, variant, V, 12, kernels=False)
+    """On a GPU, recorded CUDA-graph steps (specla's KDA kernels, the MLA mixer's tree attention,
+    MoE experts on ``batched_mm``), float32, accepted tree drafts, a ragged batch: every output
+    equals transformers' greedy decoding of the same model on the GPU."""
+    transformers_checks.check_cuda_graphs_equal_transformers(ARCH, variant, V, 12)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
