@@ -31,11 +31,11 @@ def check_tree_drafts_equal_transformers(arch, variant: str, commit: str, vocab:
     assert out.stats.mean_accepted_tokens > 1
 
 
-def check_kernels_equal_reference(arch, variant: str, graphs: str, vocab: int) -> None:
+def check_kernels_equal_reference(arch, variant: str, graphs: str, vocab: int, verify_kernel: str = "auto") -> None:
     """``kernels="triton"`` against ``"reference"`` on the plugin's tiny ``variant`` (float32,
-    accepted tree drafts, ``cuda_graphs=graphs``): both outputs equal transformers' greedy
-    decoding, the kernels ran only where asked, and the recurrent states agree (rtol 1e-4, atol
-    1e-5)."""
+    accepted tree drafts, ``cuda_graphs=graphs``, ``verify_kernel``): both outputs equal
+    transformers' greedy decoding, the kernels ran only where asked, and the recurrent states agree
+    (rtol 1e-4, atol 1e-5)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = arch.tiny_model(variant, seed=9, dtype=torch.float32).to(dev)
     prompts = [[3], [7, 1, 9, 4, 4], [i % (vocab - 1) + 1 for i in range(12)]]
@@ -44,7 +44,7 @@ def check_kernels_equal_reference(arch, variant: str, graphs: str, vocab: int) -
     for kernels in ("triton", "reference"):
         dec = SpecDecoder(model, drafter=OracleDrafter(prompts, refs, "tree", vocab),
                           config=dict(max_new_tokens=10, num_draft_tokens=6, max_depth=4, top_k=2,
-                                      engine=dict(kernels=kernels, cuda_graphs=graphs)))
+                                      engine=dict(kernels=kernels, cuda_graphs=graphs, verify_kernel=verify_kernel)))
         out = dec.generate(prompts)
         assert out.outputs == refs and out.stats.mean_accepted_tokens > 1
         assert dec.adapter._use_kernel("factor") == (kernels == "triton")

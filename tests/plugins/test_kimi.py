@@ -130,24 +130,28 @@ def test_unsupported_models_are_refused_by_name():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant, graphs", [("base", "off"), ("mla_first", "unrecorded")])
-def test_the_kda_kernels_equal_transformers_greedy(variant, graphs, monkeypatch):
+@pytest.mark.parametrize("variant, graphs, verify_kernel", [("base", "off", "serial"), ("mla_first", "unrecorded", "auto")])
+def test_the_kda_kernels_equal_transformers_greedy(variant, graphs, verify_kernel, monkeypatch):
     """``kernels="triton"`` (interpreted on a CPU): the KDA layers verify with specla's KDA
     kernels, the pending commit fused into them, eagerly and in the fixed-shape step; float32,
     accepted tree drafts: outputs equal transformers' greedy decoding, the recurrent states equal
-    the PyTorch path's, and the tree kernel ran with and without a pending commit."""
+    the PyTorch path's, and the tree kernel ran with and without a pending commit (a forced
+    ``serial`` takes the serial kernel for the prompts' chain passes, the tree kernel for trees)."""
     import specla.mixers.kda.verify as kda_verify  # the mixer reads its kernels there at each call
 
-    calls = {"fused": 0, "plain": 0}
-    tree_verify = kda_verify.tree_verify
+    calls = {"serial": 0, "fused": 0, "plain": 0}
 
-    def counting(*args, pending=None, **kw):
-        calls["fused" if pending is not None else "plain"] += 1
-        return tree_verify(*args, pending=pending, **kw)
+    def counting(fn, serial):
+        def wrapped(*args, pending=None, **kw):
+            calls["serial" if serial else "fused" if pending is not None else "plain"] += 1
+            return fn(*args, pending=pending, **kw)
+        return wrapped
 
-    monkeypatch.setattr(kda_verify, "tree_verify", counting)
-    transformers_checks.check_kernels_equal_reference(ARCH, variant, graphs, V)
+    monkeypatch.setattr(kda_verify, "serial_verify", counting(kda_verify.serial_verify, True))
+    monkeypatch.setattr(kda_verify, "tree_verify", counting(kda_verify.tree_verify, False))
+    transformers_checks.check_kernels_equal_reference(ARCH, variant, graphs, V, verify_kernel)
     assert calls["fused"] > 0 and calls["plain"] > 0
+    assert calls["serial"] > 0 or verify_kernel != "serial"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
