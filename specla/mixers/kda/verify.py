@@ -27,18 +27,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specla.mixers.gla.verify import MAX_TREE_NODES, _apply_pending, _tree_decay_kernel, pick_verify_kernel
+from specla.mixers.gla.verify import MAX_TREE_NODES, _apply_pending, _tree_decay_kernel
+# KDAMixer's kernel rule (serial / parallel / reference): GLA's, whose kernels take the same forms
+# (untimed for KDA)
+from specla.mixers.gla.verify import pick_verify_kernel  # noqa: F401
 from specla.ops.pending import check_layer_commit, pending_launch, with_pending
 from specla.records import LayerCommit
 
 from .records import KDAFactorRecord
 
-__all__ = ["MAX_TREE_NODES", "pick_verify_kernel", "serial_verify", "tree_verify"]  # the kernel rule is GLA's
-
 PENDING_FIELDS = dict(pk="k", pv="delta", pGk="Gk")  # GLA's commit parameter -> KDAFactorRecord field
-# V-tile widths: each serial program keeps a [K, BV] float32 state tile in registers (GDN's serial
-# kernel, the same tile, spills beyond 8 columns at K = 256); the tree kernel visits the state in
-# K blocks of BKC rows, so that nothing larger than a [BT, BKC] or [BT, BV] tile is live. Untimed.
+# Launch parameters, untimed. "serial": each program keeps a [K, BV] float32 state tile in
+# registers; [128, 16] at Kimi Linear's K = 128 holds as many elements as GDN's serial tile [256, 8],
+# past which that one spills. "tree": the state is visited in K blocks of BKC rows, so that nothing
+# larger than a [BT, BKC] or [BT, BV] tile is live.
 TUNING = {"serial": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 32, "num_warps": 4}}
 
 
