@@ -171,3 +171,35 @@ def test_whole_prompt_prefill_equals_transformers_greedy(variant, monkeypatch):
     the prompt in the latent space, in one pass for a ragged batch, then tree drafts: outputs
     equal transformers' greedy decoding."""
     transformers_checks.check_whole_prompt_prefill_equals_transformers(ARCH, variant, V, monkeypatch)
+
+
+@needs_triton
+def test_trees_over_the_kda_kernel_size_take_the_reference_path_after_a_flush(monkeypatch):
+    """``kernels="triton"`` with a 65-node tree (64 drafts and the root, over ``tree_verify``'s
+    64) after a step whose accepted drafts are pending: the KDA layers apply the pending commit
+    with the flush kernel, then verify the tree on the PyTorch path; logits equal the reference
+    adapter's (float32)."""
+    import specla.mixers.kda.commit as kda_commit  # the mixer reads its kernels there at each call
+    from specla import DraftTree, SpecConfig
+    from specla.acceptance import accept_greedy
+
+    flushes = []
+    flush_commit = kda_commit.flush_commit
+    monkeypatch.setattr(kda_commit, "flush_commit", lambda *a: flushes.append(1) or flush_commit(*a))
+    model = ARCH.tiny_model("base", seed=2, dtype=torch.float32)
+    rng = random.Random(9)
+    t1 = DraftTree.from_lists([([4, 5, 6], [-1, 0, 1])])
+    par = tree_parents("random", 64, rng)
+    t2 = DraftTree.from_lists([([rng.randrange(V) for _ in par], par)])
+    logits = {}
+    for kernels in ("triton", "reference"):
+        adapter = ARCH.make_adapter(model, SpecConfig(num_draft_tokens=64, max_depth=64, engine={"kernels": kernels}))
+        adapter.prefill([[1, 2, 3]])
+        out = adapter.verify(t1)
+        adapter.commit(t1, out, accept_greedy(t1, out.logits))
+        assert adapter.pending is not None
+        before = len(flushes)
+        logits[kernels] = adapter.verify(t2).logits
+        # with the kernels, each of the two KDA layers flushed the pending commit before verifying
+        assert len(flushes) - before == (2 if kernels == "triton" else 0)
+    torch.testing.assert_close(logits["triton"], logits["reference"], rtol=1e-4, atol=1e-5)
