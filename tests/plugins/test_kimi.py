@@ -12,7 +12,7 @@ from specla.ops.naive import root_path
 from specla.registry import get_plugin
 
 import transformers_checks
-from trees import SHAPES, needs_triton, tree_parents
+from trees import DEV, SHAPES, needs_triton, tree_parents
 
 ARCH = get_plugin("kimi_linear")
 V = 41
@@ -188,12 +188,13 @@ def test_trees_over_the_kda_kernel_size_take_the_reference_path_after_a_flush(mo
     monkeypatch.setattr(kda_commit, "flush_commit", lambda *a: flushes.append(1) or flush_commit(*a))
     model = ARCH.tiny_model("base", seed=2, dtype=torch.float32)
     rng = random.Random(9)
-    t1 = DraftTree.from_lists([([4, 5, 6], [-1, 0, 1])])
+    t1 = DraftTree.from_lists([([4, 5, 6], [-1, 0, 1])], device=DEV)
     par = tree_parents("random", 64, rng)
-    t2 = DraftTree.from_lists([([rng.randrange(V) for _ in par], par)])
+    t2 = DraftTree.from_lists([([rng.randrange(V) for _ in par], par)], device=DEV)
     logits = {}
     for kernels in ("triton", "reference"):
-        adapter = ARCH.make_adapter(model, SpecConfig(num_draft_tokens=64, max_depth=64, engine={"kernels": kernels}))
+        adapter = ARCH.make_adapter(model, SpecConfig(num_draft_tokens=64, max_depth=64, device=DEV,
+                                                      engine={"kernels": kernels}))
         adapter.prefill([[1, 2, 3]])
         out = adapter.verify(t1)
         adapter.commit(t1, out, accept_greedy(t1, out.logits))
