@@ -252,8 +252,8 @@ def tree_verify(
 
     Args:
         q, k, v, g, beta, state, pending, out: as :func:`serial_verify`.
-        mask: ``[B, T, T]`` bool inclusive-ancestor mask (``specla.tree.inclusive_ancestor_mask``),
-            ``T <= 64``.
+        mask: ``[B, T, T]`` bool inclusive-ancestor mask (``specla.tree.inclusive_ancestor_mask``)
+            of nodes in topological order (a parent's index below its child's), ``T <= 64``.
     Returns:
         ``o [B, T, H, V]`` (``v.dtype``), ``delta [B, T, H, V]`` float32 and ``Gk [B, T, H, K]``
         float32, every node as if its root path had been decoded serially from the committed
