@@ -19,7 +19,7 @@
 # every row's "engine", e.g. ENGINE='"prefill":"chunked"'; default none), LIMIT (prompts per row, default 64),
 # ROW_TIMEOUT (seconds per row, default 100), MAX_NEW_TOKENS (default 128), STEPS, TIME_BUDGET,
 # MTP_TIME_BUDGET and DRAFTER_STEPS (passed to small_target.sh: its training lengths), DEVICE (default cuda; cpu runs the rows, slowly, when OUT_DIR
-# already holds PRESET/ and what DRAFTER reads, e.g. copies of plugins/gdn/assets/tiny and tiny-eagle: a check
+# already holds PRESET/ and what DRAFTER reads, e.g. copies of plugins/fla/assets/tiny and tiny-eagle: a check
 # of the script), ALLOW_DIRTY=1 (the rows run on a tree with uncommitted changes: --allow-dirty). Writes OUT_DIR/bench-ROW.json (the `specla bench` report, ':' as '-') and
 # OUT_DIR/bench.log; the models stay in OUT_DIR/PRESET and OUT_DIR/eagle (one OUT_DIR per preset), small_target.sh's logs
 # beside them.

@@ -1,6 +1,6 @@
 """Held-out loss of a GDN checkpoint, with the same windows as the training recipe.
 
-    python benchmarks/targets/eval_target.py --model plugins/gdn/assets/tiny --corpus ../shared/data/corpus
+    python benchmarks/targets/eval_target.py --model plugins/fla/assets/tiny --corpus ../shared/data/corpus
 
 Runs specla's reference path (CPU or GPU) in float32; prints one JSON line.
 """

@@ -4,7 +4,7 @@ function in a class that transformers ships, so that a model trained with FLA ru
 not installed. This is how the qwen plugin's demo target was made from the trained ``tiny`` GDN
 target:
 
-    python benchmarks/targets/gdn_to_qwen3_5.py plugins/gdn/assets/tiny plugins/qwen/assets/tiny
+    python benchmarks/targets/gdn_to_qwen3_5.py plugins/fla/assets/tiny plugins/qwen/assets/tiny
 
 The two classes compute one function (FLA's ``GatedDeltaNet`` layer with ``use_gate``, short
 convolutions and SiLU, against transformers' ``Qwen3_5GatedDeltaNet``):

@@ -4,7 +4,7 @@ GatedDeltaNetForCausalLM, presets ``tiny`` and ``small``) and Qwen3.5-architectu
 ``tiny-hybrid`` and ``small-hybrid``).
 
     python benchmarks/targets/train_target.py --preset tiny --corpus ../shared/data/corpus \
-        --tokenizer plugins/gdn/assets/tiny --out /tmp/tiny-target
+        --tokenizer plugins/fla/assets/tiny --out /tmp/tiny-target
 
 Presets fix the architecture, the token budget (steps x batch x sequence length), the learning
 rate schedule and the seed, so a rerun on the same GPU type rebuilds the same model up to
@@ -129,7 +129,7 @@ def main() -> None:
     from specla import SpecConfig
     from specla.testing.transformers_oracle import torch_path
     from specla.model.adapter import ModelAdapter
-    from specla_gdn.spec import gdn_spec
+    from specla_fla.gdn import gdn_spec
 
     cfg = dict(PRESETS[args.preset])
     if args.steps is not None:

@@ -13,50 +13,17 @@ GPU without the package).
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mixers import ProjectedAttention
-from .ops.norm import rms_norm
+from specla.mixers import ProjectedAttention
+from specla.ops.norm import rms_norm
 
 _lock = threading.RLock()
-
-
-def fla_installed() -> bool:
-    """Whether FLA (``flash-linear-attention``) is installed: the mixers' whole-prompt prefill runs
-    its chunked kernels on a GPU where it is, and chains of specla's own kernels where it is not."""
-    return importlib.util.find_spec("fla") is not None
-
-
-def fla_models():
-    """FLA's model classes (the ``fla.models`` module), imported with FLA's import-time warning
-    (Triton cannot run on a CPU-only machine) silenced; the import registers them with
-    transformers' ``Auto*`` factories.
-
-    FLA is an optional dependency (``pip install 'specla[fla]'``): installed, it makes transformers
-    route Qwen3.5's and Qwen3-Next's gated delta rule to FLA's Triton kernels, which do not run on a
-    CPU, so only users of FLA's own classes install it.
-
-    Raises:
-        UnsupportedModelError: FLA is not installed (or fails to import: the error is named).
-    """
-    from .errors import UnsupportedModelError
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return importlib.import_module("fla.models")
-    except ImportError as err:
-        raise UnsupportedModelError(f"FLA's model classes need flash-linear-attention, which is not installed "
-                                    f"({err}): pip install 'specla[fla]' (from a clone of specla: "
-                                    "pip install '.[fla]')") from err
 
 
 def _flash_attn_absent(*args, **kwargs):

@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specla.fla_attention import fla_attention_mixer, is_fla_attention
 from specla.hf import eos_token_ids
 from specla.mixers import Mixer
+from specla.mixers.gdn.mixer import GDNMixer
 from specla.model.spec import ModelSpec, Placement, rms_head
 from specla.ops import kernels
 from specla.ops.norm import gated_rms_norm, rms_norm
 
-from specla.mixers.gdn.mixer import GDNMixer
+from .attention import fla_attention_mixer, is_fla_attention
 
 act_kernels = kernels("specla.ops.act_triton")
 norm_kernels = kernels("specla.ops.norm_triton")

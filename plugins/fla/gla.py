@@ -17,14 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specla.fla_attention import fla_attention_mixer, is_fla_attention
 from specla.hf import eos_token_ids
 from specla.mixers import Mixer
 from specla.mixers.gla.mixer import GLAMixer
 from specla.model.spec import ModelSpec, Placement, rms_head
 from specla.ops.norm import rms_norm
 
-from .plugin import FEATURE_MAPS
+from .attention import fla_attention_mixer, is_fla_attention
+
+# feature maps FLA's GatedLinearAttention may apply to q and k (config.feature_map), in PyTorch
+FEATURE_MAPS = {None: lambda x: x, "relu": F.relu, "sigmoid": torch.sigmoid, "swish": F.silu, "silu": F.silu}
 
 
 def _rms(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:

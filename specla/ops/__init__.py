@@ -5,6 +5,7 @@ the kernels of a recorded step's bookkeeping (top-k, greedy acceptance, ancestor
 here names an architecture."""
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -34,6 +35,12 @@ class kernels:  # noqa: N801 (used like a module: ``conv_kernels = kernels("spec
 
     def __repr__(self) -> str:
         return f"kernels({self._name!r})"
+
+
+def fla_installed() -> bool:
+    """Whether FLA (``flash-linear-attention``) is installed: the mixers' whole-prompt prefill runs
+    its chunked kernels on a GPU where it is, and chains of specla's own kernels where it is not."""
+    return importlib.util.find_spec("fla") is not None
 
 
 def compiled_kernels_loaded() -> bool:

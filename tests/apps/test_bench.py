@@ -16,7 +16,7 @@ from specla.apps.bench import (device_name, format_table, gsm8k_answer, humaneva
                                load_prompts, run_bench, source_commit)
 from specla.apps.cli import main
 from specla.registry import get_plugin
-from specla_gdn.plugin import TINY_TARGET
+from specla_fla.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
 DATA = str(resources.files("specla.apps").joinpath("data/demo_prompts.jsonl"))

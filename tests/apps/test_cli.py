@@ -20,7 +20,7 @@ from specla.drafters import make_drafter
 from specla.drafters.eagle import EagleHead
 from specla.apps.train_drafter import DrafterTrainConfig, read_texts, train_drafter
 from specla.registry import detect_plugin, get_plugin
-from specla_gdn.plugin import TINY_TARGET
+from specla_fla.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
 DATA = str(resources.files("specla.apps").joinpath("data/demo_prompts.jsonl"))

@@ -16,7 +16,7 @@ from specla.api import SpecDecoder
 from specla.errors import ConfigError, InvalidTokenError, InvalidTreeError
 from specla.interfaces import Drafter
 from specla.registry import get_plugin
-from specla_gdn.plugin import TINY_TARGET
+from specla_fla.plugin import TINY_TARGET
 
 PROMPT = [55, 60, 54, 3, 5]
 

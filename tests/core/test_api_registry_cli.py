@@ -25,8 +25,8 @@ from specla import SpecConfig, SpecDecoder, UnknownPluginError, UnsupportedModel
 from specla.apps.cli import main
 from specla.drafters import EagleDrafter, NgramDrafter, make_drafter
 from specla.registry import available, detect_plugin, get_plugin, plugin_infos
-from specla_gdn.oracle import naive_greedy_decode
-from specla_gdn.plugin import TINY_TARGET
+from specla_fla.oracle import naive_greedy_decode
+from specla_fla.plugin import TINY_TARGET
 from conftest import make_model
 
 GDN = get_plugin("gdn")
@@ -322,7 +322,7 @@ HOOK = "import sys\nfrom specla.hookspecs import hookimpl\n\n@hookimpl\ndef spec
 
 def gdn_fork(name: str, model_types: tuple[str, ...], claims: str = "True") -> str:
     """A plugin module registering the GDN plugin again as ``name`` for ``model_types``."""
-    return ("from specla.hookspecs import hookimpl\nfrom specla_gdn.plugin import GDNPlugin\n\n"
+    return ("from specla.hookspecs import hookimpl\nfrom specla_fla.plugin import GDNPlugin\n\n"
             f"class Fork(GDNPlugin):\n    name = {name!r}\n    model_types = {model_types!r}\n"
             f"    def claims(self, model):\n        return {claims}\n\n"
             "@hookimpl\ndef specla_architectures():\n    return [Fork()]\n")
@@ -341,7 +341,7 @@ BROKEN = [
     (HOOK.format("return 7"), "specla_architectures() returned int, not a list of ArchitecturePlugin instances"),
     (HOOK.format("return ['gdn']"),
      "specla_architectures() returned a str in its list, not an ArchitecturePlugin instance"),
-    (HOOK.format("from specla_gdn.plugin import GDNPlugin\n"
+    (HOOK.format("from specla_fla.plugin import GDNPlugin\n"
                  "    return [type('Nameless', (GDNPlugin,), {'name': ''})()]"),
      "Nameless.name is '', not a non-empty string"),
     ("def specla_architectures():\n    return []\n",
@@ -439,7 +439,7 @@ def test_a_taken_architecture_or_entry_point_name_skips_the_later_plugin_only(in
         "specla plugin 'gdn' (entry point 'fakegdn' of twin-dist 1.1) is skipped: the architecture name 'gdn' is "
         "taken by specla 0.1.0"]
     assert "twin" in names and "gdn2" not in names and get_plugin("twin").model_types == ("twin_type",)
-    assert type(get_plugin("gdn")).__module__ == "specla_gdn.plugin"
+    assert type(get_plugin("gdn")).__module__ == "specla_fla.plugin"
     assert specla.apps.cli.main(["plugins"]) == 0
     assert capsys.readouterr().out.endswith(
         "failed to load (skipped):\n"
@@ -451,7 +451,7 @@ def test_a_taken_architecture_or_entry_point_name_skips_the_later_plugin_only(in
 def test_the_demo_runs_the_built_in_checkpoint_beside_a_third_party_plugin_that_ships_one(install):
     from specla.apps.demo import default_checkpoint
 
-    demo = "from specla_gdn.plugin import TINY_TARGET\nFork.demo_checkpoint = TINY_TARGET\n"
+    demo = "from specla_fla.plugin import TINY_TARGET\nFork.demo_checkpoint = TINY_TARGET\n"
     install("gdn-fork", "0.3", fork=gdn_fork("agdn", ("agdn_type",)) + demo)  # sorts before qwen
     assert get_plugin("agdn").demo_checkpoint == TINY
     assert default_checkpoint() == ("qwen", get_plugin("qwen").demo_checkpoint)

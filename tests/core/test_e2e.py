@@ -8,8 +8,8 @@ import torch
 
 import specla
 from specla import NonFiniteLogitsError, SpecDecoder
-from specla_gdn.oracle import naive_greedy_decode
-from specla_gdn.plugin import TINY_TARGET
+from specla_fla.oracle import naive_greedy_decode
+from specla_fla.plugin import TINY_TARGET
 from conftest import EVERY_TOKEN, make_model, poison_logits
 from specla.testing import OracleDrafter
 

@@ -10,7 +10,7 @@ import pytest
 import specla
 from specla import EngineOptions, SpecConfig
 from specla.apps.cli import read_config_option
-from specla_gdn.plugin import TINY_TARGET
+from specla_fla.plugin import TINY_TARGET
 
 # a value other than the default for every option
 CHANGED = {"commit": "replay", "kernels": "reference", "verify_kernel": "serial", "cuda_graphs": "off",

@@ -47,7 +47,7 @@ def test_the_demo_and_a_transformers_family_run_without_fla_and_triton():
 def test_an_fla_checkpoint_without_fla_names_the_extra():
     out = _without_fla_and_triton(
         "import specla\n"
-        "from specla_gdn.plugin import TINY_TARGET\n"
+        "from specla_fla.plugin import TINY_TARGET\n"
         "try:\n"
         "    specla.SpecDecoder(TINY_TARGET)\n"
         "except specla.UnsupportedModelError as err:\n"

@@ -51,7 +51,7 @@ class Import:
 
 def module_name(path: Path) -> str:
     """The dotted name a file of the tree installs as (``plugins/gdn/plugin.py`` ->
-    ``specla_gdn.plugin``; a package's ``__init__.py`` -> the package)."""
+    ``specla_fla.plugin``; a package's ``__init__.py`` -> the package)."""
     rel = path.relative_to(ROOT)
     for name, folder in PACKAGE_DIRS.items():
         if rel.parent == Path(folder) or Path(folder) in rel.parents:
@@ -176,10 +176,10 @@ def eager_optional(modules: dict[str, list[Import]]) -> list[str]:
 
 
 def test_the_tree_is_read():
-    assert "specla_gdn.plugin" in MODULES and "RecurrentMixer" in DEFINED["specla.mixers"]
+    assert "specla_fla.plugin" in MODULES and "RecurrentMixer" in DEFINED["specla.mixers"]
     assert {"specla.apps.cli", "specla.apps.bench", "specla.apps.train_drafter"} <= MODULES.keys()
     assert any(p.relative_to(ROOT).parts[0] == "examples" for p in USERS)
-    assert PLUGINS >= {"specla_gdn", "specla_qwen"} and "specla" not in PLUGINS
+    assert PLUGINS >= {"specla_fla", "specla_qwen"} and "specla" not in PLUGINS
     assert {"torch", "transformers", "pluggy"} <= CORE and {"fla", "triton", "pytest", "hypothesis"} <= EXTRAS
 
 

@@ -14,7 +14,7 @@ from specla import SpecDecoder
 from specla.interfaces import TargetAdapter
 from specla.hf import weaken_hook_cycles
 from specla.registry import get_plugin, plugin_infos
-from specla_gdn.plugin import TINY_TARGET
+from specla_fla.plugin import TINY_TARGET
 
 BUNDLED = [p.name for p in plugin_infos() if p.builtin]
 FLOAT32 = dict(max_new_tokens=3, dtype="float32")

@@ -165,7 +165,7 @@ def test_engine_sampling_follows_the_model_distribution_and_repeats_with_a_seed(
     from specla import SpecDecoder
     from specla.registry import get_plugin
     from specla.testing import OracleDrafter
-    from specla_gdn.oracle import NaiveGDN
+    from specla_fla.oracle import NaiveGDN
 
     arch = get_plugin("gdn")
     model = arch.tiny_model("base", seed=4, dtype=torch.float32)
@@ -205,7 +205,7 @@ def test_engine_sampling_with_the_eagle_drafters_q_follows_the_model_distributio
     from specla import acceptance as acc
     from specla.drafters.eagle import EagleDrafter, EagleHead
     from specla.registry import get_plugin
-    from specla_gdn.oracle import NaiveGDN
+    from specla_fla.oracle import NaiveGDN
 
     arch = get_plugin("gdn")
     model = arch.tiny_model("base", seed=4, dtype=torch.float32)

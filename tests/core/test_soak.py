@@ -9,7 +9,7 @@ import torch
 
 import specla
 from specla.registry import get_plugin
-from specla_gdn.plugin import TINY_TARGET
+from specla_fla.plugin import TINY_TARGET
 
 
 @pytest.mark.slow

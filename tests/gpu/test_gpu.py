@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specla
-from specla_gdn.oracle import naive_greedy_decode
+from specla_fla.oracle import naive_greedy_decode
 from conftest import make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

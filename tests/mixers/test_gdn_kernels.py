@@ -230,7 +230,7 @@ import specla  # noqa: E402
 from conftest import make_model  # noqa: E402
 from specla.testing import OracleDrafter  # noqa: E402
 from specla import SpecConfig  # noqa: E402
-from specla_gdn.oracle import naive_greedy_decode  # noqa: E402
+from specla_fla.oracle import naive_greedy_decode  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -509,7 +509,7 @@ def test_interpreter_set_after_the_kernels_loaded_is_refused_clearly():
         code = (
             "import os\n"
             "from specla import SpecDecoder, ConfigError\n"
-            "from specla_gdn.plugin import TINY_TARGET as tiny\n"
+            "from specla_fla.plugin import TINY_TARGET as tiny\n"
             f"{first}\n"
             "os.environ['TRITON_INTERPRET'] = '1'\n"
             "try:\n"

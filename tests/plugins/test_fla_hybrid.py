@@ -1,6 +1,6 @@
 """FLA's hybrid configurations (the ``attn`` option: softmax-attention layers beside the recurrent
 ones) through the gdn and gla plugins: the attention layers run on specla's tree attention
-(:mod:`specla.fla_attention`). The oracle is FLA's own forward (its projections, rotary
+(:mod:`specla_fla.attention`). The oracle is FLA's own forward (its projections, rotary
 embedding, norms and recurrent kernels, interpreted on the CPU by ``tests/fla_oracle.py``) with
 only flash-attn's kernel, which is not installed here, replaced by
 ``F.scaled_dot_product_attention`` under the same causal and sliding-window mask."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import specla
-from specla.fla_attention import without_flash_attn
+from specla_fla.attention import without_flash_attn
 from specla.registry import get_plugin
 from specla.testing.drafters import OracleDrafter
 import transformers_checks
@@ -134,7 +134,7 @@ def test_hybrid_score_is_teacher_forced_decoding():
     """``score`` (used to train drafters) over a GDN hybrid (the plugin's whole-sequence form
     gives way to the chunked pass): every position's logits equal the sequential twin's after
     the same tokens, float64."""
-    from specla_gdn.oracle import NaiveGDN
+    from specla_fla.oracle import NaiveGDN
 
     model = get_plugin("gdn").tiny_model("attn", seed=3, dtype=torch.float64)
     tokens = torch.randint(0, 61, (1, 70), generator=torch.Generator().manual_seed(1))

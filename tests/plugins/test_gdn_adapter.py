@@ -6,7 +6,7 @@ import torch
 from specla import Acceptance, BudgetError, DraftTree, InvalidTokenError, InvalidTreeError, SpecConfig
 from specla.records import PendingCommit
 from specla.registry import get_plugin
-from specla_gdn.oracle import NaiveGDN
+from specla_fla.oracle import NaiveGDN
 from conftest import make_model
 from trees import SHAPES, tree_parents
 
@@ -253,7 +253,7 @@ def test_score_is_teacher_forced_decoding_and_differentiable(rng):
             assert float((logits[b, t] - ref).abs().max()) < TOL
     assert not logits.requires_grad  # inference adapters never build graphs
     from specla.model.adapter import ModelAdapter
-    from specla_gdn.spec import gdn_spec
+    from specla_fla.gdn import gdn_spec
 
     trainable = ModelAdapter(model, SpecConfig(), gdn_spec, differentiable=True)
     loss = torch.nn.functional.cross_entropy(trainable.score(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())

@@ -23,14 +23,13 @@ from specla.ops.naive import root_path
 from specla.mixers.gla.naive import naive_tree_gla
 from specla.mixers.gla.reference import gla_commit_factor, gla_commit_replay, node_states, tree_gla
 from specla.testing import OracleDrafter
-from specla_gla.oracle import NaiveGLA, naive_greedy_decode
-from specla_gla.plugin import TINY_BASE, TINY_VARIANTS
+from specla_fla.oracle import NaiveGLA, naive_greedy_decode
+from specla_fla.plugin import GLA_TINY_BASE, GLA_TINY_VARIANTS
 from trees import SHAPES, f64, ragged_pending, rel_err, tree_parents
 
-BASE = TINY_BASE
 # the GLA-layer tests read every layer's GLA state; the hybrid variant ("attn") has its own tests
 # (test_fla_hybrid.py) and the conformance suite's
-GLA_CONFIGS = {k: v for k, v in TINY_VARIANTS.items() if k != "attn"}
+GLA_CONFIGS = {k: v for k, v in GLA_TINY_VARIANTS.items() if k != "attn"}
 TOL = 1e-9  # float64 models: batched factorized form vs sequential loop
 
 
@@ -313,8 +312,8 @@ def test_bad_prompts_raise_and_leave_state_untouched(prompts, match):
 def test_unsupported_configs_are_rejected_before_loading(cfg, match, tmp_path):
     plugin = get_plugin("gla")
     with pytest.raises(UnsupportedModelError, match=match):
-        plugin.check_config({**BASE, "model_type": "gla", **cfg})
-    (tmp_path / "config.json").write_text(__import__("json").dumps({**BASE, "model_type": "gla", **cfg}))
+        plugin.check_config({**GLA_TINY_BASE, "model_type": "gla", **cfg})
+    (tmp_path / "config.json").write_text(__import__("json").dumps({**GLA_TINY_BASE, "model_type": "gla", **cfg}))
     with pytest.raises(UnsupportedModelError, match=match):  # no weights file: raised before loading
         plugin.load_model(tmp_path, dtype=None, device=None)
 

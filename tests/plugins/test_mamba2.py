@@ -18,7 +18,7 @@ from specla.ops.naive import root_path
 from specla.mixers.mamba2.naive import naive_tree_ssd
 from specla.mixers.mamba2.reference import node_states, ssd_commit_factor, ssd_commit_replay, tree_ssd
 from specla.testing import OracleDrafter
-from specla_mamba2.oracle import NaiveMamba2, naive_greedy_decode
+from specla_fla.oracle import NaiveMamba2, naive_greedy_decode
 from trees import SHAPES, TOL, batch_parents, f64, ragged_pending, rel_err, tree_parents
 
 

@@ -330,7 +330,7 @@ def test_the_demo_target_is_the_fla_target_in_qwen3_5_form(tmp_path):
     from fla_oracle import enable_fla_interpreter, fla_forward_logits
     from safetensors.torch import load_file
     from specla.testing.transformers_oracle import torch_path
-    from specla_gdn.plugin import TINY_TARGET
+    from specla_fla.plugin import TINY_TARGET
 
     enable_fla_interpreter()
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "targets" / "gdn_to_qwen3_5.py"

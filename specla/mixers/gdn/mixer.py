@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.baselines import ReplayRecord
-from specla.fla_attention import fla_installed
+from specla.ops import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import kernels
 from specla.ops.act import decay_and_sigmoid_gates

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from specla.baselines import ReplayRecord
-from specla.fla_attention import fla_installed
+from specla.ops import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
 from specla.ops import kernels
 from specla.ops.conv import conv_window_after, tree_conv
