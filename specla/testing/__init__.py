@@ -6,14 +6,15 @@
 - :func:`check_plugin`: the same without writing a pytest command line.
 - :func:`diagnose`: where a speculative run first leaves plain decoding (sequence, step, layer,
   state), what the suite reports when a token comparison fails.
-- :class:`OracleDrafter`: a drafter that forces acceptance patterns.
+- :class:`OracleDrafter`: a drafter that forces acceptance patterns; :func:`path_acceptance`: the
+  acceptance of chosen paths of a tree.
 """
 
 from __future__ import annotations
 
-from .drafters import OracleDrafter
+from .drafters import OracleDrafter, path_acceptance
 
-__all__ = ["Divergence", "OracleDrafter", "PluginSuite", "check_plugin", "diagnose"]
+__all__ = ["Divergence", "OracleDrafter", "PluginSuite", "check_plugin", "diagnose", "path_acceptance"]
 
 
 def __getattr__(name: str):

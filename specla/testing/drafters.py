@@ -1,9 +1,34 @@
-"""A drafter that forces acceptance patterns, for conformance tests."""
+"""Drafters that force acceptance patterns, and acceptances along chosen paths, for conformance
+tests."""
 
 from __future__ import annotations
 
+import torch
+
 from ..interfaces import Drafter
+from ..records import Acceptance
 from ..tree import DraftTree
+
+
+def path_acceptance(tree: DraftTree, ends: list[int], bonus: list[int]) -> Acceptance:
+    """The :class:`Acceptance` that accepts, in each sequence ``b``, the root path of draft node
+    ``ends[b]`` (``-1``: no draft), then the token ``bonus[b]``; on the tree's device.
+
+    Args:
+        tree: the verified tree (``B`` sequences).
+        ends: ``B`` draft-node indices of ``tree`` (or ``-1``).
+        bonus: ``B`` token ids.
+    """
+    B = tree.batch_size
+    paths = [[0] + [n + 1 for n in (tree.path(b, e) if e >= 0 else [])] for b, e in enumerate(ends)]
+    P = max(len(p) for p in paths)
+    path = torch.tensor([p + [-1] * (P - len(p)) for p in paths])
+    num = torch.tensor([len(p) - 1 for p in paths])
+    toks = torch.tensor([[int(tree.tokens[b, n - 1]) for n in p[1:]] + [-1] * (P - len(p))
+                         for b, p in enumerate(paths)])
+    dev = tree.tokens.device
+    return Acceptance(path=path.to(dev), num_accepted=num.to(dev), bonus=torch.tensor(bonus, device=dev),
+                      tokens=toks.view(B, P - 1).to(dev))
 
 
 class OracleDrafter(Drafter):

@@ -33,11 +33,13 @@ from hypothesis.control import current_build_context
 from ..acceptance import accept_greedy
 from ..baselines import BASELINES
 from ..config import SpecConfig
-from ..errors import ConfigError, InvalidTokenError, InvalidTreeError, SpecError, UnsupportedModelError
+from ..errors import (BudgetError, ConfigError, InvalidTokenError, InvalidTreeError, SpecError,
+                      UnsupportedModelError)
+from ..records import PendingCommit
 from ..registry import get_plugin
 from ..tree import DraftTree
 from .diagnosis import compare_states, diagnose, state_tolerance
-from .drafters import OracleDrafter, ScriptedDrafter
+from .drafters import OracleDrafter, ScriptedDrafter, path_acceptance
 
 N = 6  # draft budget of the suite's runs
 COMMITS = ["factor", *BASELINES]  # factor: every plugin's contract; the baselines where declared
@@ -283,6 +285,32 @@ class PluginSuite:
                           torch.zeros(B, dtype=torch.int64, device=dev))
         return adapter.verify(empty).logits[:, 0]
 
+    @staticmethod
+    def _mixer_adapter(arch, adapter):
+        """``adapter``, which must be specla's :class:`~specla.model.adapter.ModelAdapter` for the
+        checks that read its mixers' states and pending commit; else the test is skipped."""
+        from ..model.adapter import ModelAdapter
+
+        if not isinstance(adapter, ModelAdapter):
+            pytest.skip(f"{arch.name}'s adapter is its own, not specla's ModelAdapter: no mixer states to read")
+        return adapter
+
+    @staticmethod
+    def _snapshot(adapter) -> list[torch.Tensor]:
+        """Copies of every state tensor of every mixer, in the layers' order (a pending commit is
+        not applied)."""
+        return [t.clone() for m in adapter.mixers for t in m.state()]
+
+    @staticmethod
+    def _bit_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    @staticmethod
+    def _fixed_states(adapter) -> list[torch.Tensor]:
+        """The state tensors of the mixers whose state does not grow with the sequence (recurrent
+        states, conv windows): those a batch row and a run of that sequence alone hold alike."""
+        return [t for m in adapter.mixers if m.recurrent for t in m.state()]
+
     @pytest.mark.parametrize("commit", COMMITS)
     def test_every_accepted_count_commits_exactly_the_accepted_tokens(self, arch, rng, commit):
         """Verify a chain whose first ``a`` drafts are right (a = 0..N), commit: the next logits
@@ -384,7 +412,12 @@ class PluginSuite:
         assert torch.allclose(runs[0], runs[1], rtol=tol, atol=tol)  # delayed == eager
         assert torch.equal(runs[1], runs[2])  # a second flush changes nothing
 
-    def test_bad_input_raises_and_leaves_the_state_untouched(self, arch, rng):
+    def test_bad_input_raises_by_name_and_leaves_the_state_untouched(self, arch, rng):
+        """Bad trees (over the node budget, ids out of the vocabulary or negative, a parent after
+        its child, another batch size) and bad prompts (none, an empty one, ids out of the
+        vocabulary, negative or not integers) raise, by name (every variant), before anything
+        changes: the state, the pending commit of the step before and the roots stay as they
+        were, bit for bit, and so do the next logits."""
         model = self._model(arch)
         V = self._vocab(model)
         adapter = self._adapter(arch, model)
@@ -403,6 +436,132 @@ class PluginSuite:
         with pytest.raises(InvalidTokenError):
             adapter.prefill([[]])
         assert torch.equal(self._root_logits(adapter), before)
+
+        for variant in arch.tiny_variants:  # with a pending commit: the messages, and nothing moved, bit for bit
+            self._check_bad_input_by_name(arch, self._model(arch, variant), variant)
+
+    def _check_bad_input_by_name(self, arch, model, variant: str) -> None:
+        V = self._vocab(model)
+        adapter = self._mixer_adapter(arch, self._adapter(arch, model, n=8))
+        adapter.prefill([[1, 2, 3]])
+        t = DraftTree.from_lists([([4, 5], [-1, 0])], device=adapter.device)
+        adapter.commit(t, adapter.verify(t), path_acceptance(t, [1], [9]))  # leaves a pending commit
+        bad = [([([1] * 9, list(range(-1, 8)))], BudgetError, "over the budget N=8"),
+               ([([1, V], [-1, 0])], InvalidTokenError, f"token id {V}"),
+               ([([1, -100], [-1, 0])], InvalidTokenError, "token id -100"),
+               ([([1], [-1]), ([2], [-1])], InvalidTreeError, "batch 2 != adapter batch 1")]
+        for tree, error, match in bad:
+            state, pending, roots = self._snapshot(adapter), adapter.pending, adapter.roots.clone()
+            with pytest.raises(error, match=match):
+                adapter.verify(DraftTree.from_lists(tree, device=adapter.device))
+            assert self._bit_identical(state, self._snapshot(adapter)), f"{variant}: {match}"
+            assert adapter.pending is pending and torch.equal(adapter.roots, roots), f"{variant}: {match}"
+        prompts = [([[1, 2], []], "prompt 1 is empty"), ([[1, V]], f"token id {V}"), ([[-1, 3]], "token id -1"),
+                   ([], "no prompts"), ([[1, 2.5]], "position 1: token ids must be integers, got float 2.5")]
+        adapter.flush()
+        for bad_prompts, match in prompts:
+            state, roots = self._snapshot(adapter), adapter.roots.clone()
+            with pytest.raises(InvalidTokenError, match=match):
+                adapter.prefill(bad_prompts)
+            assert self._bit_identical(state, self._snapshot(adapter)), f"{variant}: {match}"
+            assert torch.equal(adapter.roots, roots), f"{variant}: {match}"
+
+    def test_commit_strategies_agree_and_delayed_equals_eager(self, arch):
+        """Two steps (a branch accepted off the first child, then a chain) under every commit
+        strategy the plugin runs, the ``factor`` commit both delayed and flushed at once, on every
+        variant: the second step's logits and the final states agree within a tenth of
+        ``logits_tolerance`` (absolute), delayed and eager ``factor`` states bit for bit; the
+        delayed commit is pending exactly until a flush, and a second flush changes nothing."""
+        trees = "trees" in arch.capabilities
+        tol = arch.logits_tolerance / 10
+        for variant in arch.tiny_variants:
+            model = self._model(arch, variant)
+            t1, t2 = ([9, 2, 6], [-1, 0, 0] if trees else [-1, 0, 1]), ([5, 3], [-1, 0])
+            logits, states = {}, {}
+            runs = [("factor", "factor", False), ("factor_eager", "factor", True)]
+            runs += [(c, c, False) for c in BASELINES if self._runs_commit(arch, model, c)]
+            for name, commit, eager in runs:
+                adapter = self._mixer_adapter(arch, self._adapter(arch, model, commit))
+                adapter.prefill([[3, 1, 4, 1, 5]])
+                one, two = (DraftTree.from_lists(t, device=adapter.device) for t in ([t1], [t2]))
+                adapter.commit(one, adapter.verify(one), path_acceptance(one, [2], [5]))
+                if eager:
+                    adapter.flush()
+                if commit == "factor":
+                    assert (adapter.pending is None) == eager, f"{variant}, {name}"
+                logits[name] = adapter.verify(two).logits  # applies the pending commit first
+                adapter.commit(two, adapter.verify(two), path_acceptance(two, [1], [8]))
+                adapter.flush()
+                once = self._snapshot(adapter)
+                adapter.flush()  # idempotent
+                assert self._bit_identical(once, self._snapshot(adapter)), \
+                    f"{variant}, {name}: a second flush changed the state"
+                states[name] = once
+            for name in states:
+                assert float((logits[name] - logits["factor"]).abs().max()) < tol, f"{variant}, {name}"
+                for a, b in zip(states[name], states["factor"], strict=True):
+                    assert float((a - b).abs().max()) < tol, f"{variant}, {name}"
+            assert self._bit_identical(states["factor"], states["factor_eager"]), \
+                f"{variant}: delayed and eager factor commits differ"  # same ops, same order
+
+    def test_ragged_batch_states_equal_per_sequence_runs_and_select_keeps_the_order(self, arch, rng):
+        """A batch of prompts of 3, 8 and 1 tokens commits a path of 4 drafts, one off a second
+        root, and none: every recurrent state and conv window of each row equals that of the
+        sequence run alone, on every variant: within 1e-12 (absolute) where the plugin computes in
+        float64 throughout (``logits_tolerance`` 1e-8 or tighter), else within its
+        ``logits_tolerance`` (relative and absolute).
+        ``select`` with a commit pending keeps the chosen sequences in the given order, their roots
+        and their pending commit: after a flush their states equal those rows of the same batch
+        kept whole, bit for bit, and the pending commit moved every recurrent mixer's state."""
+        trees = "trees" in arch.capabilities
+        # the same values through matmuls of other shapes: where every op runs in float64 (the
+        # default logits_tolerance, 1e-8, or tighter) the rows agree to 1e-12; a plugin whose model
+        # rounds to float32 inside a float64 run (a looser logits_tolerance) to that tolerance
+        rtol, atol = (0.0, 1e-12) if arch.logits_tolerance <= 1e-8 else (arch.logits_tolerance,) * 2
+        for variant in arch.tiny_variants:
+            model = self._model(arch, variant)
+            V = self._vocab(model)
+            prompts = [[rng.randrange(V) for _ in range(n)] for n in (3, 8, 1)]
+            lists = [([1, 2, 3, 4], [-1, 0, 1, 2]), ([5, 6, 7], [-1, -1, 0] if trees else [-1, 0, 1]), ([], [])]
+            ends = [3, 2, -1]
+
+            def one_step(prompts, lists, ends, bonus):
+                adapter = self._mixer_adapter(arch, self._adapter(arch, model))
+                adapter.prefill(prompts)
+                tree = DraftTree.from_lists(lists, device=adapter.device)
+                adapter.commit(tree, adapter.verify(tree), path_acceptance(tree, ends, bonus))
+                return adapter, tree
+
+            batch, tree = one_step(prompts, lists, ends, [1, 2, 3])
+            batch.flush()
+            for b in range(3):
+                single, _ = one_step([prompts[b]], [lists[b]], [ends[b]], [b + 1])
+                single.flush()
+                for x, y in zip(self._fixed_states(single), self._fixed_states(batch), strict=True):
+                    assert torch.allclose(x[0], y[b], rtol=rtol, atol=atol), \
+                        f"{variant}: sequence {b} differs by max |d| {float((x[0] - y[b]).abs().max()):.3g}"
+            whole = []
+            for _ in range(2):  # the same two steps twice: one batch is kept whole
+                batch, tree = one_step(prompts, lists, ends, [1, 2, 3])
+                batch.commit(tree, batch.verify(tree), path_acceptance(tree, ends, [4, 5, 6]))
+                whole.append(batch)
+            batch, whole = whole
+            before = self._snapshot(batch)
+            batch.select(torch.tensor([2, 0], device=batch.device))
+            assert batch.roots.tolist() == [6, 4], variant
+            assert isinstance(batch.pending, PendingCommit) and batch.pending.path.shape[0] == 2, variant
+            batch.flush()
+            whole.flush()
+            rows = torch.tensor([2, 0], device=batch.device)
+            after = self._snapshot(batch)
+            assert self._bit_identical(after, [y[rows] for y in self._snapshot(whole)]), variant
+            k = 0
+            for m, mixer in enumerate(batch.mixers):  # row 1 is sequence 0, whose pending commit moves it
+                n = len(mixer.state())
+                if mixer.recurrent:
+                    assert any(not torch.equal(a[1], b[0]) for a, b in zip(after[k:k + n], before[k:k + n])), \
+                        f"{variant}: the pending commit left mixer {m} as it was"
+                k += n
 
     # ------------------------------------------------------------------ 8. precision, features
     def test_bf16_activations_keep_float32_finite_states(self, arch, rng):
