@@ -13,24 +13,6 @@ def prompts_around_the_prefill_chunk(seed: int, vocab: int, lengths=(1, 63, 64, 
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def check_tree_drafts_equal_transformers(arch, variant: str, commit: str, vocab: int, new_tokens: int,
-                                        lengths=(1, 63, 64, 65, 129)) -> None:
-    """Prompts of ``lengths`` in one ragged batch, float32, accepted tree drafts (an oracle
-    drafter), ``commit`` strategy, ``plugin=None`` (detected from ``model_type``): every output
-    equals transformers' greedy decoding of the plugin's tiny ``variant``, and drafts were
-    accepted."""
-    import specla
-    from specla import SpecConfig
-
-    model = arch.tiny_model(variant, seed=2, dtype=torch.float32)
-    prompts = prompts_around_the_prefill_chunk(3, vocab, lengths)
-    refs = [arch.reference_decode(model, p, new_tokens) for p in prompts]
-    cfg = SpecConfig(max_new_tokens=new_tokens, num_draft_tokens=6, max_depth=4, top_k=2, engine={"commit": commit})
-    out = specla.run(model, prompts=prompts, drafter=OracleDrafter(prompts, refs, "tree", vocab), config=cfg)
-    assert out.outputs == refs
-    assert out.stats.mean_accepted_tokens > 1
-
-
 def check_kernels_equal_reference(arch, variant: str, graphs: str, vocab: int, verify_kernel: str = "auto") -> None:
     """``kernels="triton"`` against ``"reference"`` on the plugin's tiny ``variant`` (float32,
     accepted tree drafts, ``cuda_graphs=graphs``, ``verify_kernel``): both outputs equal

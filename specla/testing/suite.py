@@ -197,6 +197,51 @@ class PluginSuite:
             self._check_outputs(arch, model, [p], alone, want[b : b + 1], f"sequence {b} alone", drafter=drafter,
                                 config=cfg)
 
+    @staticmethod
+    def _detected(arch, model) -> str | None:
+        """``None`` (auto-detection) where it picks ``arch`` for ``model`` (a module or a checkpoint
+        directory), else ``arch``'s name. A built-in plugin must be picked for its own models; a
+        third-party one is where no built-in plugin runs its model type (docs/plugins.md,
+        "When plugins disagree")."""
+        from ..registry import detect_plugin, plugin_infos
+
+        builtin = {i.name for i in plugin_infos() if i.builtin}
+        try:
+            detected = detect_plugin(model)
+        except UnsupportedModelError:
+            detected = None
+        if detected is arch:
+            return None
+        assert arch.name not in builtin, f"auto-detection picks {getattr(detected, 'name', None)!r}, not the " \
+                                         f"built-in {arch.name!r}, for its own tiny model"
+        assert detected is not None and detected.name in builtin, f"auto-detection picks nothing for {arch.name!r}"
+        return arch.name
+
+    @pytest.mark.parametrize("commit", COMMITS)
+    def test_tree_drafts_around_the_prefill_passes_in_float32_token_identical(self, arch, commit):
+        """Every variant in float32, one ragged batch of prompts of 1, 63, 64, 65 and 129 tokens
+        (both sides of the 64-token prefill passes), drafts accepted from an oracle drafter (trees
+        where the plugin runs them), the plugin found by auto-detection (``plugin=None``, see
+        :meth:`_detected`): 18 new tokens per prompt equal ``reference_decode``'s, and drafts were
+        accepted."""
+        import specla
+
+        trees = "trees" in arch.capabilities
+        for variant in arch.tiny_variants:
+            model = self._model(arch, variant, dtype=torch.float32, seed=2)
+            self._skip_unless_runs(arch, model, commit)
+            V = self._vocab(model)
+            g = torch.Generator().manual_seed(3)
+            prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 63, 64, 65, 129)]
+            refs = [arch.reference_decode(model, p, 18) for p in prompts]
+            drafter = OracleDrafter(prompts, refs, "tree" if trees else "all", V)
+            cfg = SpecConfig(max_new_tokens=18, num_draft_tokens=6, max_depth=4, top_k=2 if trees else 1,
+                             engine={"commit": commit})
+            out = specla.run(model, self._detected(arch, model), prompts=prompts, drafter=drafter, config=cfg)
+            self._check_outputs(arch, model, prompts, out.outputs, refs, f"variant {variant!r}", drafter=drafter,
+                                config=cfg)
+            assert out.stats.mean_accepted_tokens > 1, variant
+
     @pytest.mark.parametrize("commit", COMMITS)
     def test_cuda_graph_step_token_identical_or_refused(self, arch, rng, commit):
         """The fixed-shape step :class:`specla.cuda.graph_step.GraphRunner` records, run without recording

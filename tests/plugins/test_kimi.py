@@ -105,14 +105,6 @@ def test_factorized_kda_and_its_factor_commit_equal_the_token_by_token_recurrenc
         assert torch.equal(S[1], S0[1])
 
 
-@pytest.mark.parametrize("variant", ARCH.tiny_variants)
-@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
-def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
-    """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
-    (``plugin=None`` detects the plugin): every output equals transformers' greedy decoding."""
-    transformers_checks.check_tree_drafts_equal_transformers(ARCH, variant, commit, V, 12, lengths=(1, 63, 65, 129))
-
-
 def test_a_checkpoint_directory_runs_unchanged(tmp_path):
     transformers_checks.check_checkpoint_directory(ARCH, "mla_first", tmp_path / "ckpt")
 

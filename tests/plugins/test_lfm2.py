@@ -15,14 +15,6 @@ ARCH = get_plugin("lfm2")
 V = 41
 
 
-@pytest.mark.parametrize("variant", ARCH.tiny_variants)
-@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
-def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
-    """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
-    (``plugin=None`` detects the plugin): every output equals transformers' greedy decoding."""
-    transformers_checks.check_tree_drafts_equal_transformers(ARCH, variant, commit, V, 14)
-
-
 def test_the_window_follows_the_accepted_branch_only():
     """After a step whose accepted path is not the tree's first branch, the committed window is
     the last ``L - 1`` inputs along that path: a fresh prefill of the accepted tokens has the same

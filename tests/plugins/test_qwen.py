@@ -21,15 +21,6 @@ ARCH = get_plugin("qwen")
 V = 61
 
 
-@pytest.mark.parametrize("variant", ARCH.tiny_variants)
-@pytest.mark.parametrize("commit", ["factor", "snapshot", "replay"])
-def test_tree_drafts_in_float32_equal_transformers_greedy(variant, commit):
-    """A ragged batch of prompts around the 64-token prefill chunk, float32, accepted tree drafts
-    (an oracle drafter; ``plugin=None`` detects the plugin from ``model_type``): every output
-    equals transformers' own greedy decoding, and drafts were accepted."""
-    transformers_checks.check_tree_drafts_equal_transformers(ARCH, variant, commit, V, 18)
-
-
 def test_ngram_drafts_and_stop_tokens_equal_transformers_greedy():
     """The default drafter on repetitive prompts, with a stop token that ends sequences at
     different steps, batch of 3."""
