@@ -428,6 +428,25 @@ class PluginSuite:
             stepped = [(tuple(t.shape), t.dtype) for t in adapter.graph_state()]
             assert layout == stepped, f"{variant}: empty_commit lays out {layout}, a step leaves {stepped}"
 
+    def test_a_one_token_prompt_beside_longer_ones_leaves_an_exactly_empty_state(self, arch, rng):
+        """A one-token prompt is only the next root: in a batch beside a prompt of 39 tokens
+        (first) or of 150 (second, several prefill passes), every recurrent state and conv window
+        of its row is exactly zero after the prefill, on every variant."""
+        checked = False
+        for variant in arch.tiny_variants:
+            model = self._model(arch, variant)
+            V = self._vocab(model)
+            long = [rng.randrange(V) for _ in range(150)]
+            for prompts, row in (([[1], long[:39]], 0), ([long, [5]], 1)):
+                adapter = self._mixer_adapter(arch, self._adapter(arch, model))
+                adapter.prefill(prompts)
+                states = self._fixed_states(adapter)
+                checked = checked or bool(states)
+                assert all(not t[row].any() for t in states), \
+                    f"{variant}: the state of the one-token prompt {row} is not empty"
+        if not checked:
+            pytest.skip(f"{arch.name}'s models have no recurrent mixer")
+
     def test_verify_never_writes_the_state(self, arch, rng):
         """Verifying the same tree twice gives bit-identical logits."""
         model = self._model(arch)

@@ -194,7 +194,6 @@ def test_prefill_longer_than_one_chunk_and_score(rng):
     adapter = adapter_for(model)
     adapter.prefill([prompt, [5]])
     assert_state_matches(adapter, 0, naive_after(model, prompt[:-1])[0])
-    assert all(not m.S[1].any() for m in adapter.mixers)  # one-token prompt: an exactly empty state
     logits = adapter.score(torch.tensor([prompt[:70]]))
     dec = NaiveGLA(model)
     for t in range(70):
