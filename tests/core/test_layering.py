@@ -50,7 +50,7 @@ class Import:
 
 
 def module_name(path: Path) -> str:
-    """The dotted name a file of the tree installs as (``plugins/gdn/plugin.py`` ->
+    """The dotted name a file of the tree installs as (``plugins/fla/plugin.py`` ->
     ``specla_fla.plugin``; a package's ``__init__.py`` -> the package)."""
     rel = path.relative_to(ROOT)
     for name, folder in PACKAGE_DIRS.items():
