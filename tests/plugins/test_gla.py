@@ -496,7 +496,6 @@ def test_trees_over_the_kernel_size_take_the_reference_path_after_a_flush():
     par = tree_parents("random", 64, rng)
     t2 = DraftTree.from_lists([([rng.randrange(61) for _ in par], par)], device=DEV)
     acc = path_acceptance(t1, [1], [9])
-    acc = Acceptance(acc.path.to(DEV), acc.num_accepted.to(DEV), acc.bonus.to(DEV), acc.tokens.to(DEV))
     logits = {}
     for kernels in ("triton", "reference"):
         adapter = adapter_for(model, engine={"kernels": kernels}, device=DEV, num_draft_tokens=64, max_depth=64)
