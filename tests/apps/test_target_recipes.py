@@ -17,7 +17,7 @@ import specla
 from specla.errors import DrafterError
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / "plugins" / "gdn" / "assets" / "tiny"
+TOKENIZER = ROOT / "plugins" / "fla" / "assets" / "tiny"
 FILES = ("python_stdlib", "python_docs", "linux_docs", "sharegpt_chat", "gsm8k_train")
 
 

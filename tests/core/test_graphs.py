@@ -16,7 +16,7 @@ from specla.drafters.ngram import NgramDrafter
 from specla.errors import ConfigError
 from conftest import EVERY_TOKEN, poison_logits
 
-ASSETS = Path(__file__).resolve().parents[2] / "plugins" / "gdn" / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "plugins" / "fla" / "assets"
 TREES = {"chain": dict(num_draft_tokens=6, max_depth=6, top_k=1), "tree": dict(num_draft_tokens=16, max_depth=6, top_k=4)}
 OFF = dict(cuda_graphs="off")  # eager steps
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

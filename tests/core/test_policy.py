@@ -171,7 +171,7 @@ def test_switching_with_the_eagle_drafter_keeps_the_output_exact(graphs):
     """The trained tiny EAGLE drafter's device trees under a script of tree, chain and plain
     steps (the drafter's cache follows every committed token, whichever candidate committed it):
     outputs equal plain decoding's."""
-    assets = Path(__file__).resolve().parents[2] / "plugins" / "gdn" / "assets"
+    assets = Path(__file__).resolve().parents[2] / "plugins" / "fla" / "assets"
     prompts = [[5, 17, 3, 9, 12, 40, 2], [8, 8, 30], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     cfg = dict(max_new_tokens=24, device="cuda" if graphs == "on" else "cpu", stop_at_eos=False)
     ar = SpecDecoder(assets / "tiny", drafter="ngram", config=dict(cfg, num_draft_tokens=0)).generate(prompts)
