@@ -1,0 +1,192 @@
+"""The plugin's wiring inside SGLang 0.5.23, on SGLang's own objects: its entry point loads through
+SGLang's plugin loader and installs the hooks; the pool of a GDN hybrid with draft trees holds
+records and no per-node states; the tree-verify slot gets specla's kernel, which takes SGLang's
+metadata as SGLang's dispatcher passes it; its outputs and the committed states match SGLang's own
+kernel and scatter on the same inputs (float32; tolerance below)."""
+
+import dataclasses
+import importlib.metadata
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "sglang", reason="SGLang is not installed: see integrations/sglang/README.md for the test environment")
+
+import sglang.srt.plugins as sglang_plugins  # noqa: E402
+from sglang.kernels.ops.mamba import mamba_state_scatter_triton  # noqa: E402
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
+from sglang.srt.layers.attention import hybrid_linear_attn_backend  # noqa: E402
+from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher  # noqa: E402
+from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel  # noqa: E402
+from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import GB, MambaPool  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry, _propagate_patch  # noqa: E402
+
+import specla_sglang  # noqa: E402
+from specla.mixers.gdn.reference import node_states  # noqa: E402
+from specla.tree import inclusive_ancestor_mask  # noqa: E402
+from specla_sglang import RecordLayout, SpeclaGDNTreeKernel, gdn_hybrid_pool  # noqa: E402
+
+H, HV, K, V, CONV = 2, 4, 16, 16, 4  # key heads, value heads, head dims, conv width
+LAYERS, SLOTS, D = 2, 6, 6  # GDN layers, state slots, draft tokens per request
+TOL = dict(rtol=1e-5, atol=1e-5)  # float32: the two kernels sum in different orders
+# three requests' trees in SGLang's retrieve_parent_token form (entry 0 is left unset by SGLang)
+PARENTS = torch.tensor([[99, 0, 0, 1, 1, 2], [99, 0, 1, 2, 3, 4], [99, 0, 0, 0, 0, 0]])
+CACHE_INDICES = torch.tensor([4, 1, -1], dtype=torch.int32)  # the third request is padding
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    """The plugin loaded by SGLang's loader (entry point, SGLANG_PLUGINS filter, apply_hooks); the
+    patched functions are restored afterwards."""
+    import pkgutil
+
+    originals = {}
+    for target in specla_sglang.TARGETS:
+        owner, name = target.rsplit(".", 1)
+        obj = pkgutil.resolve_name(owner)
+        originals[target] = (obj, name, getattr(obj, name))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SGLANG_PLUGINS", "specla")
+    mp.setattr(sglang_plugins, "_plugins_loaded", False)
+    HookRegistry.reset()
+    sglang_plugins.load_plugins()
+    yield HookRegistry
+    for obj, name, original in originals.values():
+        wrapped = getattr(obj, name)
+        setattr(obj, name, original)
+        _propagate_patch(wrapped, original, obj)
+    HookRegistry.reset()
+    mp.undo()
+
+
+def test_entry_point_installs_every_hook(hooks):
+    (ep,) = [e for e in importlib.metadata.entry_points(group="sglang.srt.plugins") if e.name == "specla"]
+    assert ep.load() is specla_sglang.register
+    assert set(hooks._patched) == set(specla_sglang.TARGETS)
+    # SGLang's backend calls the scatter through its own import of it: the patch reached it
+    assert hybrid_linear_attn_backend.scatter_mamba_states_after_mtp_verify is \
+        mamba_state_scatter_triton.scatter_mamba_states_after_mtp_verify
+    assert hybrid_linear_attn_backend.scatter_mamba_states_after_mtp_verify.__wrapped__ is not None
+    dispatcher = GDNKernelDispatcher(LinearAttnKernelBackend.TRITON, LinearAttnKernelBackend.TRITON, None)
+    assert type(dispatcher.tree_verify_kernel) is SpeclaGDNTreeKernel
+    assert type(dispatcher.verify_kernel) is TritonGDNKernel  # chains stay SGLang's
+
+
+def _cache_params():
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=HV * V, n_groups=H, num_heads=HV,
+                                    head_dim=V, state_size=K, conv_kernel=CONV)
+    return Mamba2CacheParams(shape=shape, layers=list(range(LAYERS)))
+
+
+def _pool(gdn_hybrid: bool, topk: int = 4) -> MambaPool:
+    token = gdn_hybrid_pool.set(gdn_hybrid)
+    try:
+        return MambaPool(size=SLOTS - 1, spec_state_size=3, cache_params=_cache_params(),
+                         mamba_layer_ids=list(range(LAYERS)), device="cpu", speculative_num_draft_tokens=D,
+                         speculative_eagle_topk=topk)
+    finally:
+        gdn_hybrid_pool.reset(token)
+
+
+def test_pool_holds_records_and_no_per_node_states(hooks):
+    ours, sglang_own, chain = _pool(True), _pool(False), _pool(True, topk=1)
+    width = RecordLayout(H=H, HV=HV, K=K, V=V).width
+    assert width == H * K + HV * V + HV + 1
+    rec = ours.mamba_cache.intermediate_ssm
+    assert rec.shape == (LAYERS, 4, D, width) and rec.dtype == torch.float32
+    # SGLang's pool and a chain's (topk 1) keep one [HV, V, K] state per node
+    for pool in (sglang_own, chain):
+        assert pool.mamba_cache.intermediate_ssm.shape == (LAYERS, 4, D, HV, V, K)
+    states = [f.name for f in dataclasses.fields(ours.mamba_cache)
+              if isinstance(getattr(ours.mamba_cache, f.name), torch.Tensor)
+              and getattr(ours.mamba_cache, f.name).shape[-3:] == (HV, V, K)]
+    assert states == ["temporal"]
+    assert [w.shape for w in ours.mamba_cache.intermediate_conv_window] == \
+        [w.shape for w in sglang_own.mamba_cache.intermediate_conv_window]
+    assert ours.mamba_cache.temporal.shape == sglang_own.mamba_cache.temporal.shape
+    # per layer, as SGLang slices it for a layer's forward
+    assert ours.mamba2_layer_cache(1).intermediate_ssm.shape == (4, D, width)
+    saved = LAYERS * 4 * D * (HV * V * K - width) * 4
+    assert ours.mem_usage == pytest.approx(sglang_own.mem_usage - saved / GB, rel=1e-12)
+
+
+def test_build_hybrid_req_pool_marks_only_gdn_hybrids():
+    seen = []
+
+    class Configurator:
+        def __init__(self, gdn, kda):
+            self.hybrid_gdn_config, self.hybrid_kda_config = gdn, kda
+
+    def build(configurator):
+        seen.append(gdn_hybrid_pool.get())
+
+    for gdn, kda in ((object(), None), (None, None), (None, object())):
+        specla_sglang._build_hybrid_req_pool(build, Configurator(gdn, kda))
+    assert seen == [True, False, False] and gdn_hybrid_pool.get() is False
+
+
+def _layer_inputs(gen):
+    bs = PARENTS.shape[0]
+    N = bs * D
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(A_log=r(HV) * 0.5, dt_bias=r(HV) * 0.5, q=r(1, N, H, K), k=r(1, N, H, K), v=r(1, N, HV, V),
+                a=r(N, HV), b=r(N, HV))
+
+
+def _verify_both(dispatcher, gen, ssm_states, sgl_buffer, rec_buffer):
+    """One layer verified by SGLang's kernel into its per-node buffer and by the dispatcher's tree
+    slot into the records, from the same pool state and inputs."""
+    x = _layer_inputs(gen)
+    bs = PARENTS.shape[0]
+    meta = dict(ssm_states=ssm_states, cache_indices=CACHE_INDICES,
+                query_start_loc=torch.arange(0, bs * D + 1, D, dtype=torch.int32),
+                intermediate_state_indices=torch.arange(4, dtype=torch.int32), cache_steps=D,
+                retrieve_parent_token=PARENTS.clone())
+    o_sgl = TritonGDNKernel().target_verify(**x, **meta, intermediate_states_buffer=sgl_buffer)
+    # the keyword arguments SGLang's GDN backend passes to its dispatcher
+    o_ours = dispatcher.target_verify(**x, **meta, intermediate_states_buffer=rec_buffer, stable_rows=False)
+    return o_sgl, o_ours
+
+
+def test_tree_verify_and_commit_match_sglang(hooks, monkeypatch):
+    # SGLang's scatter kernels refuse CPU tensors; its backend's CPU fallback does the same scatter
+    cpu_scatter = hybrid_linear_attn_backend.HybridLinearAttnBackend._scatter_speculative_state_with_mask
+    monkeypatch.setattr(mamba_state_scatter_triton, "fused_mamba_state_scatter_with_mask", cpu_scatter)
+    monkeypatch.setattr(mamba_state_scatter_triton, "fused_conv_window_scatter_with_mask", cpu_scatter)
+    monkeypatch.setattr(mamba_state_scatter_triton, "_conv_multi_eligible", lambda pairs: False)
+    gen = torch.Generator().manual_seed(0)
+    dispatcher = GDNKernelDispatcher(LinearAttnKernelBackend.TRITON, LinearAttnKernelBackend.TRITON, None)
+    ours, sgl = _pool(True), _pool(False)
+    init = torch.randn(LAYERS, SLOTS, HV, V, K, generator=gen) * 0.3
+    conv = torch.randn(ours.mamba_cache.intermediate_conv_window[0].shape, generator=gen).to(torch.bfloat16)
+    for pool in (ours, sgl):
+        pool.mamba_cache.temporal.copy_(init)
+        pool.mamba_cache.intermediate_conv_window[0].copy_(conv)
+    layout = RecordLayout(H=H, HV=HV, K=K, V=V)
+    for layer in range(LAYERS):
+        o_sgl, o_ours = _verify_both(dispatcher, gen, init[layer], sgl.mamba_cache.intermediate_ssm[layer],
+                                     ours.mamba_cache.intermediate_ssm[layer])
+        assert o_ours.shape == o_sgl.shape == (1, PARENTS.numel(), HV, V)
+        torch.testing.assert_close(o_ours, o_sgl, **TOL)
+        # the records say what SGLang's per-node states say: each node's state from them
+        k, delta, G, parent = layout.unpack(ours.mamba_cache.intermediate_ssm[layer, :3])
+        assert parent[:, 0].eq(-1).all() and parent[:, 1:].eq(PARENTS[:, 1:].float()).all()
+        parents = PARENTS.clone()
+        parents[:, 0] = -1
+        S0 = init[layer, CACHE_INDICES.long().clamp(min=0)] * (CACHE_INDICES >= 0).view(-1, 1, 1, 1)
+        from_records = node_states(S0.transpose(-1, -2), k, delta, G, inclusive_ancestor_mask(parents))
+        torch.testing.assert_close(from_records.transpose(-1, -2), sgl.mamba_cache.intermediate_ssm[layer, :3], **TOL)
+
+    # the accepted node of each request, and the node whose state the prefix cache tracks
+    last = torch.tensor([4, 5, 0])
+    track_slots = torch.tensor([5, 2, -1], dtype=torch.int32)  # padding tracks nothing
+    track_steps = torch.tensor([1, -1, 0])
+    for pool in (sgl, ours):  # the same call for both: the hook routes on what the pool holds
+        hybrid_linear_attn_backend.scatter_mamba_states_after_mtp_verify(
+            pool.mamba_cache, CACHE_INDICES, last, track_slots, track_steps)
+    torch.testing.assert_close(ours.mamba_cache.temporal, sgl.mamba_cache.temporal, **TOL)
+    assert torch.equal(ours.mamba_cache.conv[0], sgl.mamba_cache.conv[0])
+    changed = (ours.mamba_cache.temporal != init).flatten(2).any(-1)  # [layers, slots]
+    assert changed.eq(torch.tensor([False, True, False, False, True, True])).all()  # slots 1, 4 and track 5
