@@ -3,8 +3,11 @@ tree kernel and commit from factor records, and the pool keeps those records ins
 state per draft node.
 
 SGLang calls :func:`register` in each of its processes (entry-point group ``sglang.srt.plugins``);
-it registers four hooks through ``HookRegistry``, which SGLang applies once all plugins have run:
+it registers five hooks through ``HookRegistry``, which SGLang applies once all plugins have run:
 
+- ``KVCacheConfigurator._handle_max_mamba_cache`` (around): sizes the state pool with the memory a
+  draft node takes as records (its conv window and record) instead of as a full state, so the
+  memory the records free becomes running requests;
 - ``KVCacheConfigurator._build_hybrid_req_pool`` (around): marks the pool being built as a GDN
   hybrid's, the one place that knows the model's architecture;
 - ``MambaPool.__init__`` (around): for such a pool with draft trees, builds it without SGLang's
@@ -34,9 +37,10 @@ SGLANG_VERSION = "0.5.23"
 
 _POOL = "sglang.srt.mem_cache.memory_pool.MambaPool.__init__"
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
+_SIZING = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._handle_max_mamba_cache"
 _DISPATCHER = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.__init__"
 _SCATTER = "sglang.kernels.ops.mamba.mamba_state_scatter_triton.scatter_mamba_states_after_mtp_verify"
-TARGETS = (_CONFIGURATOR, _POOL, _DISPATCHER, _SCATTER)
+TARGETS = (_SIZING, _CONFIGURATOR, _POOL, _DISPATCHER, _SCATTER)
 
 # set while SGLang builds the request pool of a GDN hybrid (and only then)
 gdn_hybrid_pool = contextvars.ContextVar("specla_sglang_gdn_hybrid_pool", default=False)
@@ -46,32 +50,66 @@ def register() -> None:
     """The entry point: registers the hooks (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register(_SIZING, _handle_max_mamba_cache, HookType.AROUND)
     HookRegistry.register(_CONFIGURATOR, _build_hybrid_req_pool, HookType.AROUND)
     HookRegistry.register(_POOL, _pool_init, HookType.AROUND)
     HookRegistry.register(_DISPATCHER, _dispatcher_init, HookType.AFTER)
     HookRegistry.register(_SCATTER, _scatter_after_verify, HookType.AROUND)
 
 
+def keeps_records(*, gdn_hybrid: bool, topk: int | None, is_kda: bool, page_major: bool, replayssm: bool) -> bool:
+    """Whether a state pool keeps records: a GDN hybrid's (not KDA's), for draft trees, in SGLang's
+    standard layout (not page-major) and without SGLang's ReplaySSM rings."""
+    return gdn_hybrid and topk is not None and topk > 1 and not is_kda and not page_major and not replayssm
+
+
+def engages(**pool_kwargs) -> bool:
+    """Whether a ``MambaPool`` built with these keyword arguments keeps records
+    (:func:`keeps_records`; the pool is a GDN hybrid's while :data:`gdn_hybrid_pool` is set)."""
+    return pool_kwargs.get("speculative_num_draft_tokens") is not None and keeps_records(
+        gdn_hybrid=gdn_hybrid_pool.get(), topk=pool_kwargs.get("speculative_eagle_topk"),
+        is_kda=pool_kwargs["cache_params"].is_kda, page_major=pool_kwargs.get("envelope_layout", False),
+        replayssm=pool_kwargs.get("enable_linear_replayssm", False)
+        or pool_kwargs.get("enable_linear_replayssm_spec", False))
+
+
+def _is_gdn_hybrid(configurator) -> bool:
+    return configurator.hybrid_gdn_config is not None and configurator.hybrid_kda_config is None
+
+
 def _build_hybrid_req_pool(original, configurator, *args, **kwargs):
-    gdn = configurator.hybrid_gdn_config is not None and configurator.hybrid_kda_config is None
-    token = gdn_hybrid_pool.set(gdn)
+    token = gdn_hybrid_pool.set(_is_gdn_hybrid(configurator))
     try:
         return original(configurator, *args, **kwargs)
     finally:
         gdn_hybrid_pool.reset(token)
 
 
-def engages(**pool_kwargs) -> bool:
-    """Whether a ``MambaPool`` built with these keyword arguments keeps records: a GDN hybrid's
-    pool (:data:`gdn_hybrid_pool`) for draft trees, in SGLang's standard layout."""
-    topk = pool_kwargs.get("speculative_eagle_topk")
-    return (gdn_hybrid_pool.get()
-            and pool_kwargs.get("speculative_num_draft_tokens") is not None
-            and topk is not None and topk > 1
-            and not pool_kwargs["cache_params"].is_kda
-            and not pool_kwargs.get("envelope_layout", False)
-            and not pool_kwargs.get("enable_linear_replayssm", False)
-            and not pool_kwargs.get("enable_linear_replayssm_spec", False))
+def node_bytes_ratio(params) -> float:
+    """Bytes a draft node takes with records (its conv window and record) over SGLang's charge for
+    it (a conv window and a full state: ``mamba_cache_per_req``), for a pool of ``params``
+    (``Mamba2CacheParams``); every layer has the same, so the ratio is per layer."""
+    HV, V, K = params.shape.temporal
+    conv = sum(a * b for a, b in params.shape.conv) * params.dtype.conv.itemsize
+    record = RecordLayout(H=params.shape.num_k_heads_per_tp, HV=HV, K=K, V=V).width * 4
+    return (conv + record) / (conv + HV * V * K * params.dtype.temporal.itemsize)
+
+
+def _handle_max_mamba_cache(original, configurator, total_rest_memory):
+    from sglang.srt.runtime_context import get_exec, get_memory, get_spec
+
+    spec, mamba = get_spec(), get_exec().mamba
+    if (configurator.mambaish_config is None or get_memory().enable_unified_memory
+            or configurator.fused_entry_bytes("mamba") is not None
+            or not keeps_records(gdn_hybrid=_is_gdn_hybrid(configurator), topk=spec.speculative_eagle_topk,
+                                 is_kda=False, page_major=get_memory().enable_page_major_kv_layout,
+                                 replayssm=mamba.enable_linear_replayssm or mamba.enable_linear_replayssm_spec)):
+        return original(configurator, total_rest_memory)
+    # SGLang charges each of the D draft nodes of a running request ``mamba_cache_per_req``; as
+    # many record-sized nodes are that charge times the ratio
+    nodes = spec.speculative_num_draft_tokens * node_bytes_ratio(configurator.mambaish_config.mamba2_cache_params)
+    with spec.override(speculative_num_draft_tokens=nodes):
+        return original(configurator, total_rest_memory)
 
 
 def _pool_init(original, pool, **kwargs):

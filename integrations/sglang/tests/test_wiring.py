@@ -190,3 +190,44 @@ def test_tree_verify_and_commit_match_sglang(hooks, monkeypatch):
     assert torch.equal(ours.mamba_cache.conv[0], sgl.mamba_cache.conv[0])
     changed = (ours.mamba_cache.temporal != init).flatten(2).any(-1)  # [layers, slots]
     assert changed.eq(torch.tensor([False, True, False, False, True, True])).all()  # slots 1, 4 and track 5
+
+
+def test_sizing_charges_draft_nodes_as_records(hooks):
+    """SGLang's pool sizing, run with and without the plugin: with it, each draft node is charged
+    what the pool built for it allocates per request row, and the memory left over holds more
+    requests' states."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: F401  (configurator's imports)
+    from sglang.srt.runtime_context import get_context, get_schedule
+
+    params = _cache_params()
+
+    class Configurator:
+        mambaish_config = type("Config", (), {"mamba2_cache_params": params})()
+        hybrid_gdn_config, hybrid_kda_config = object(), None
+        spec_algorithm = type("Spec", (), {"is_none": lambda self: False})()
+        pp_size = attn_dp_size = 1
+        extra_mamba_cache_bytes_per_req = 0
+
+        def fused_entry_bytes(self, kind):
+            return None
+
+        def _calculate_mamba_ratio(self):
+            return KVCacheConfigurator._calculate_mamba_ratio(self)
+
+    total_gib = 0.05
+    sizing = KVCacheConfigurator._handle_max_mamba_cache
+    results = {}
+    for name, fn in (("sglang", sizing.__wrapped__), ("specla", sizing)):
+        with get_context().override_server_args(speculative_algorithm="EAGLE", speculative_num_draft_tokens=D,
+                                                speculative_eagle_topk=4, max_running_requests=64):
+            rest = fn(Configurator(), total_gib)
+            results[name] = (rest, get_schedule().max_mamba_cache_size, Configurator()._calculate_mamba_ratio())
+    (rest_s, slots_s, ratio), (rest_p, slots_p, _) = results["sglang"], results["specla"]
+    assert slots_p > slots_s
+    pool = _pool(True)
+    row_bytes = (pool.mamba_cache.intermediate_ssm.nbytes
+                 + sum(w.nbytes for w in pool.mamba_cache.intermediate_conv_window)) / pool.mamba_cache.intermediate_ssm.shape[1]
+    rows = min(64, slots_p // ratio) + 1
+    states = (slots_p + 1) * params.mamba_cache_per_req
+    assert (total_gib - rest_p) * GB == pytest.approx(states + rows * row_bytes, rel=1e-9)
