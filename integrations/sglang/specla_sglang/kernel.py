@@ -59,8 +59,8 @@ def verify_tree(
         ssm_states: ``[slots, HV, V, K]`` float32, read only (slot ``cache_indices[i]``; a negative
             index is a padding request, verified from a zero state).
         cache_indices: ``[>= bs]`` int; query_start_loc: ``[bs + 1]`` int32 (its length gives ``bs``).
-        records: ``[rows, D, W]`` float32, this layer's record buffer; row ``record_rows[i]`` of
-            request ``i`` is written.
+        records: ``[rows, D, W]`` float32, this layer's record buffer (:mod:`specla_sglang.records`);
+            row ``record_rows[i]`` of request ``i`` is written.
         record_rows: ``[>= bs]`` int; retrieve_parent_token: ``[bs, D]`` int (entry 0 unused).
     Returns:
         ``[1, N, HV, V]`` (``v``'s shape), ``v.dtype``.
@@ -84,8 +84,9 @@ def verify_tree(
     parents = tree_parents(retrieve_parent_token[:bs])
     o, delta, G = tree_verify(qh, kh, vh, g, beta, S0.transpose(-1, -2).contiguous(), inclusive_ancestor_mask(parents),
                               scale=K ** -0.5)
-    layout = RecordLayout(H=H, HV=HV, K=K, V=V)
-    records[record_rows[:bs].to(torch.int64), :D] = layout.pack(kh, delta, G, parents)
+    rows = record_rows[:bs].to(torch.int64)
+    for block, x in zip(RecordLayout(H=H, HV=HV, K=K, V=V).views(records), (kh, delta, G, parents)):
+        block[rows, :D] = x.to(block.dtype)
     return o.reshape(1, N, HV, V)
 
 
@@ -113,16 +114,16 @@ def commit_paths(
     base, dst = (x[:bs][valid].to(torch.int64) for x in (base, dst))
     layout = RecordLayout.of_buffer(temporal.shape, records.shape[-1])
     D = records.shape[2]
-    parents = layout.unpack(records[0, src])[3].to(torch.int64)  # [n, D]: the same in every layer
+    parents = layout.views(records[0])[3][src].to(torch.int64)  # [n, D]: the same in every layer
     on_path = inclusive_ancestor_mask(parents)[torch.arange(valid.numel(), device=device), steps]  # [n, D]
     # parents precede children, so the ancestors in index order run root to leaf
     order = torch.where(on_path, torch.arange(D, device=device), D).sort(-1).values
     path = torch.where(order < D, order, -1)
     path_len = on_path.sum(-1)
     for layer in range(temporal.shape[0]):
-        k, delta, G, _ = layout.unpack(records[layer, src])
+        k, delta, G, _ = (x[src] for x in layout.views(records[layer]))
         S = temporal[layer, base].float().transpose(-1, -2).contiguous()
-        flush_commit(S, k.contiguous(), delta.contiguous(), G.contiguous(), path, path_len)
+        flush_commit(S, k, delta, G, path, path_len)
         temporal[layer, dst] = S.transpose(-1, -2).to(temporal.dtype)
 
 

@@ -1,24 +1,27 @@
-"""The factor records of a draft tree, packed into the buffer SGLang's pool keeps per layer, request
-row and draft node in place of one full state per node.
+"""The factor records of a draft tree, kept in the buffer SGLang's pool has per layer, request row
+and draft node, in place of one full state per node.
 
-SGLang's ``MambaPool`` holds ``intermediate_ssm`` ``[layers, rows, D, HV, V, K]`` (``rows`` = running
-requests + 1 padding row, ``D`` draft tokens). This plugin puts there ``[layers, rows, D, W]``
-float32, one row of ``W = H * K + HV * V + HV + 1`` per node, laid out as
+SGLang's ``MambaPool`` holds ``intermediate_ssm`` ``[layers, R, D, HV, V, K]`` (``R`` = running
+requests + 1 padding row, ``D`` draft tokens). This plugin puts there a float32 buffer of shape
+``[layers, R, D, W]``, ``W = H * K + HV * V + HV + 1`` (``H`` key heads, ``HV`` value heads, head
+dims ``K``, ``V``), so that SGLang sizes it, slices it per layer (``at_layer_idx``) and accounts it
+(``mem_usage``) as any tensor of its pool. Its shape gives the sizes, not the memory order: each
+layer's memory holds four contiguous blocks, read only through :meth:`RecordLayout.views`:
 
-    ``k [H, K]`` (L2-normalised key) | ``delta [HV, V]`` | ``G [HV]`` (log decay summed along the
-    node's root path) | ``parent`` (the node's parent within the tree, ``-1`` for node 0)
+    ``k [R, D, H, K]`` (L2-normalised keys) | ``delta [R, D, HV, V]`` | ``G [R, D, HV]`` (log decay
+    summed along each node's root path) | ``parent [R, D]`` (each node's parent in its tree, ``-1``
+    for node 0, a float32 integer: exact below ``2**24``)
 
-so every tensor SGLang sizes, slices per layer (``at_layer_idx``) and accounts (``mem_usage``)
-stays a plain tensor. The parent is stored as a float32 integer (exact below ``2**24``): the commit
-then needs nothing but this buffer. ``k``, ``delta`` and ``G`` are a
-:class:`specla.mixers.gdn.records.GDNFactorRecord`.
+``k``, ``delta`` and ``G`` are a :class:`specla.mixers.gdn.records.GDNFactorRecord` per row, each
+one contiguous tensor, as specla's pool kernels take them; the parents let the commit find an
+accepted path from this buffer alone.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 
@@ -50,15 +53,19 @@ class RecordLayout:
             raise ValueError(f"a record width of {width} does not fit states of shape (HV, V, K) = {(HV, V, K)}")
         return cls(H=H, HV=HV, K=K, V=V)
 
-    def unpack(self, rec: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Views of ``rec [..., W]``: ``k [..., H, K]``, ``delta [..., HV, V]``, ``G [..., HV]``,
-        ``parent [...]`` (float32; see the module docstring)."""
-        a = self.H * self.K
-        b = a + self.HV * self.V
-        return (rec[..., :a].unflatten(-1, (self.H, self.K)), rec[..., a:b].unflatten(-1, (self.HV, self.V)),
-                rec[..., b:b + self.HV], rec[..., -1])
+    def views(self, buffer: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The four blocks of ``buffer`` (``[R, D, W]`` one layer's, or ``[layers, R, D, W]``),
+        as views: ``k [..., R, D, H, K]``, ``delta [..., R, D, HV, V]``, ``G [..., R, D, HV]``,
+        ``parent [..., R, D]``; each contiguous for one layer's buffer.
 
-    def pack(self, k: Tensor, delta: Tensor, G: Tensor, parents: Tensor) -> Tensor:
-        """``[..., W]`` float32 from ``k [..., H, K]``, ``delta [..., HV, V]``, ``G [..., HV]`` and
-        integer ``parents [...]``."""
-        return torch.cat([k.flatten(-2).float(), delta.flatten(-2).float(), G.float(), parents.float()[..., None]], -1)
+        Raises:
+            ValueError: ``buffer`` is not a contiguous float32 buffer of this layout's width.
+        """
+        if buffer.shape[-1] != self.width or not buffer.is_contiguous() or buffer.dim() not in (3, 4):
+            raise ValueError(f"a record buffer must be contiguous [(layers,) R, D, {self.width}], "
+                             f"got {list(buffer.shape)}")
+        *lead, R, D, _ = buffer.shape
+        flat = buffer.view(*lead, -1)
+        tails = ((self.H, self.K), (self.HV, self.V), (self.HV,), ())
+        sizes = [R * D * math.prod(t) for t in tails]
+        return tuple(x.view(*lead, R, D, *t) for x, t in zip(flat.split(sizes, -1), tails))

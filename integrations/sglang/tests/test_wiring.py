@@ -112,6 +112,22 @@ def test_pool_holds_records_and_no_per_node_states(hooks):
     assert ours.mem_usage == pytest.approx(sglang_own.mem_usage - saved / GB, rel=1e-12)
 
 
+def test_record_blocks_tile_the_buffer():
+    layout = RecordLayout(H=H, HV=HV, K=K, V=V)
+    buffer = torch.zeros(LAYERS, 4, D, layout.width)
+    blocks = layout.views(buffer)
+    assert [tuple(b.shape) for b in blocks] == [(LAYERS, 4, D, H, K), (LAYERS, 4, D, HV, V), (LAYERS, 4, D, HV),
+                                                (LAYERS, 4, D)]
+    for i, block in enumerate(blocks):
+        block.fill_(i + 1)
+    counts = [int((buffer == i + 1).sum()) for i in range(4)]
+    assert counts == [LAYERS * 4 * D * n for n in (H * K, HV * V, HV, 1)]  # disjoint, and nothing left over
+    assert all(b.is_contiguous() for b in layout.views(buffer[1]))
+    with pytest.raises(ValueError, match=r"a record buffer must be contiguous \[\(layers,\) R, D, 101\], "
+                                         r"got \[4, 6, 100\]"):
+        layout.views(buffer[0, ..., :-1].contiguous())
+
+
 def test_build_hybrid_req_pool_marks_only_gdn_hybrids():
     seen = []
 
@@ -171,7 +187,7 @@ def test_tree_verify_and_commit_match_sglang(hooks, monkeypatch):
         assert o_ours.shape == o_sgl.shape == (1, PARENTS.numel(), HV, V)
         torch.testing.assert_close(o_ours, o_sgl, **TOL)
         # the records say what SGLang's per-node states say: each node's state from them
-        k, delta, G, parent = layout.unpack(ours.mamba_cache.intermediate_ssm[layer, :3])
+        k, delta, G, parent = (x[:3] for x in layout.views(ours.mamba_cache.intermediate_ssm[layer]))
         assert parent[:, 0].eq(-1).all() and parent[:, 1:].eq(PARENTS[:, 1:].float()).all()
         parents = PARENTS.clone()
         parents[:, 0] = -1
