@@ -12,7 +12,8 @@ it registers five hooks through ``HookRegistry``, which SGLang applies once all 
   hybrid's, the one place that knows the model's architecture;
 - ``MambaPool.__init__`` (around): for such a pool with draft trees, builds it without SGLang's
   per-node state buffer and puts the record buffer (:mod:`specla_sglang.records`) in its place;
-- ``GDNKernelDispatcher.__init__`` (after): the tree-verify slot gets :class:`SpeclaGDNTreeKernel`;
+- ``GDNKernelDispatcher.__init__`` (after): both verify slots get :class:`SpeclaGDNVerifyKernel`, which
+  verifies with specla where the pool holds records and calls the slot's kernel otherwise;
 - ``scatter_mamba_states_after_mtp_verify`` (around): commits the accepted path from the records;
   SGLang still rolls the conv windows back.
 
@@ -28,10 +29,10 @@ import dataclasses
 
 import torch
 
-from .kernel import SpeclaGDNTreeKernel, commit_paths, is_record_buffer
+from .kernel import SpeclaGDNVerifyKernel, commit_paths, is_record_buffer
 from .records import RecordLayout
 
-__all__ = ["register", "SpeclaGDNTreeKernel", "RecordLayout"]
+__all__ = ["register", "SpeclaGDNVerifyKernel", "RecordLayout"]
 
 SGLANG_VERSION = "0.5.23"
 
@@ -138,7 +139,8 @@ def _pool_init(original, pool, **kwargs):
 
 
 def _dispatcher_init(result, dispatcher, *args, **kwargs):
-    dispatcher.tree_verify_kernel = SpeclaGDNTreeKernel()
+    dispatcher.tree_verify_kernel = SpeclaGDNVerifyKernel(dispatcher.tree_verify_kernel)
+    dispatcher.verify_kernel = SpeclaGDNVerifyKernel(dispatcher.verify_kernel)
 
 
 def _scatter_after_verify(original, mamba_caches, state_indices_tensor, last_correct_step_indices,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
 from specla.mixers.gdn.commit import flush_commit
 from specla.mixers.gdn.verify import tree_verify
 from specla.tree import inclusive_ancestor_mask
@@ -36,9 +36,12 @@ def _l2norm(x: Tensor) -> Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
 
 
-def tree_parents(retrieve_parent_token: Tensor) -> Tensor:
-    """``[bs, D]`` int64 parents with node 0 as the root: SGLang leaves entry 0 unset."""
-    parents = retrieve_parent_token.to(torch.int64).clone()
+def tree_parents(retrieve_parent_token: Tensor | None, bs: int, D: int, device) -> Tensor:
+    """``[bs, D]`` int64 parents with node 0 as the root (SGLang leaves its entry 0 unset); a chain
+    (node ``t`` the child of ``t - 1``) without ``retrieve_parent_token``."""
+    if retrieve_parent_token is None:
+        return torch.arange(-1, D - 1, device=device).expand(bs, D)
+    parents = retrieve_parent_token[:bs, :D].to(torch.int64).clone()
     parents[:, 0] = -1
     return parents
 
@@ -61,7 +64,8 @@ def verify_tree(
         cache_indices: ``[>= bs]`` int; query_start_loc: ``[bs + 1]`` int32 (its length gives ``bs``).
         records: ``[rows, D, W]`` float32, this layer's record buffer (:mod:`specla_sglang.records`);
             row ``record_rows[i]`` of request ``i`` is written.
-        record_rows: ``[>= bs]`` int; retrieve_parent_token: ``[bs, D]`` int (entry 0 unused).
+        record_rows: ``[>= bs]`` int; retrieve_parent_token: ``[bs, D]`` int (entry 0 unused), or
+            ``None`` for chains.
     Returns:
         ``[1, N, HV, V]`` (``v``'s shape), ``v.dtype``.
     Raises:
@@ -81,7 +85,7 @@ def verify_tree(
     beta = torch.sigmoid(b.reshape(bs, D, HV).float())
     slots = cache_indices[:bs].to(torch.int64)
     S0 = ssm_states[slots.clamp(min=0)].float() * (slots >= 0).view(-1, 1, 1, 1)
-    parents = tree_parents(retrieve_parent_token[:bs])
+    parents = tree_parents(retrieve_parent_token, bs, D, v.device)
     o, delta, G = tree_verify(qh, kh, vh, g, beta, S0.transpose(-1, -2).contiguous(), inclusive_ancestor_mask(parents),
                               scale=K ** -0.5)
     rows = record_rows[:bs].to(torch.int64)
@@ -127,18 +131,33 @@ def commit_paths(
         temporal[layer, dst] = S.transpose(-1, -2).to(temporal.dtype)
 
 
-class SpeclaGDNTreeKernel(TritonGDNKernel):
-    """SGLang's tree-verify kernel slot (``GDNKernelDispatcher.tree_verify_kernel``): specla's tree
-    verify where the pool holds factor records, SGLang's own kernel where it holds per-node states
-    (a pool this plugin did not build). Decode and extend stay SGLang's."""
+class SpeclaGDNVerifyKernel(LinearAttnKernelBase):
+    """A verify slot of SGLang's ``GDNKernelDispatcher`` (``tree_verify_kernel``, ``verify_kernel``):
+    specla's verify where the pool holds factor records (trees, and the chains of SGLang's dummy
+    runs, which come without ``retrieve_parent_token``), the kernel it replaces where the pool
+    holds per-node states (a pool this plugin did not build). Decode and extend stay that kernel's.
+
+    Args:
+        sglang_kernel: the ``LinearAttnKernelBase`` SGLang put in the slot.
+    """
+
+    def __init__(self, sglang_kernel: LinearAttnKernelBase):
+        self.sglang_kernel = sglang_kernel
+        self.supports_strided_target_verify_qkv = sglang_kernel.supports_strided_target_verify_qkv
+
+    def decode(self, *args, **kwargs):
+        return self.sglang_kernel.decode(*args, **kwargs)
+
+    def extend(self, *args, **kwargs):
+        return self.sglang_kernel.extend(*args, **kwargs)
 
     def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc,
-                      intermediate_states_buffer, intermediate_state_indices, cache_steps, retrieve_parent_token,
-                      **kwargs) -> Tensor:
+                      intermediate_states_buffer, intermediate_state_indices, cache_steps,
+                      retrieve_parent_token=None, **kwargs) -> Tensor:
         """``LinearAttnKernelBase.target_verify``: see :func:`verify_tree` (``intermediate_states_buffer``
         is ``records``, ``intermediate_state_indices`` is ``record_rows``)."""
-        if retrieve_parent_token is None or not is_record_buffer(intermediate_states_buffer, per_layer=True):
-            return super().target_verify(
+        if not is_record_buffer(intermediate_states_buffer, per_layer=True):
+            return self.sglang_kernel.target_verify(
                 A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
                 query_start_loc=query_start_loc, intermediate_states_buffer=intermediate_states_buffer,
                 intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,

@@ -6,12 +6,14 @@ kernel and scatter on the same inputs (float32; tolerance below)."""
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 
 import pytest
 import torch
 
-pytest.importorskip(
-    "sglang", reason="SGLang is not installed: see integrations/sglang/README.md for the test environment")
+if importlib.util.find_spec("sglang") is None:  # installed but failing to import is a failure, not a skip
+    pytest.skip("SGLang is not installed: see integrations/sglang/README.md for the test environment",
+                allow_module_level=True)
 
 import sglang.srt.plugins as sglang_plugins  # noqa: E402
 from sglang.kernels.ops.mamba import mamba_state_scatter_triton  # noqa: E402
@@ -26,7 +28,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, _propagate_patch  # n
 import specla_sglang  # noqa: E402
 from specla.mixers.gdn.reference import node_states  # noqa: E402
 from specla.tree import inclusive_ancestor_mask  # noqa: E402
-from specla_sglang import RecordLayout, SpeclaGDNTreeKernel, gdn_hybrid_pool  # noqa: E402
+from specla_sglang import RecordLayout, SpeclaGDNVerifyKernel, gdn_hybrid_pool  # noqa: E402
 
 H, HV, K, V, CONV = 2, 4, 16, 16, 4  # key heads, value heads, head dims, conv width
 LAYERS, SLOTS, D = 2, 6, 6  # GDN layers, state slots, draft tokens per request
@@ -70,8 +72,8 @@ def test_entry_point_installs_every_hook(hooks):
         mamba_state_scatter_triton.scatter_mamba_states_after_mtp_verify
     assert hybrid_linear_attn_backend.scatter_mamba_states_after_mtp_verify.__wrapped__ is not None
     dispatcher = GDNKernelDispatcher(LinearAttnKernelBackend.TRITON, LinearAttnKernelBackend.TRITON, None)
-    assert type(dispatcher.tree_verify_kernel) is SpeclaGDNTreeKernel
-    assert type(dispatcher.verify_kernel) is TritonGDNKernel  # chains stay SGLang's
+    for slot in (dispatcher.tree_verify_kernel, dispatcher.verify_kernel):
+        assert type(slot) is SpeclaGDNVerifyKernel and type(slot.sglang_kernel) is TritonGDNKernel
 
 
 def _cache_params():
@@ -151,15 +153,16 @@ def _layer_inputs(gen):
                 a=r(N, HV), b=r(N, HV))
 
 
-def _verify_both(dispatcher, gen, ssm_states, sgl_buffer, rec_buffer):
-    """One layer verified by SGLang's kernel into its per-node buffer and by the dispatcher's tree
-    slot into the records, from the same pool state and inputs."""
+def _verify_both(dispatcher, gen, ssm_states, sgl_buffer, rec_buffer, parents=PARENTS):
+    """One layer verified by SGLang's kernel into its per-node buffer and by the dispatcher (its
+    tree slot, or its chain slot where ``parents`` is None) into the records, from the same pool
+    state and inputs."""
     x = _layer_inputs(gen)
     bs = PARENTS.shape[0]
     meta = dict(ssm_states=ssm_states, cache_indices=CACHE_INDICES,
                 query_start_loc=torch.arange(0, bs * D + 1, D, dtype=torch.int32),
                 intermediate_state_indices=torch.arange(4, dtype=torch.int32), cache_steps=D,
-                retrieve_parent_token=PARENTS.clone())
+                retrieve_parent_token=None if parents is None else parents.clone())
     o_sgl = TritonGDNKernel().target_verify(**x, **meta, intermediate_states_buffer=sgl_buffer)
     # the keyword arguments SGLang's GDN backend passes to its dispatcher
     o_ours = dispatcher.target_verify(**x, **meta, intermediate_states_buffer=rec_buffer, stable_rows=False)
@@ -247,3 +250,17 @@ def test_sizing_charges_draft_nodes_as_records(hooks):
     rows = min(64, slots_p // ratio) + 1
     states = (slots_p + 1) * params.mamba_cache_per_req
     assert (total_gib - rest_p) * GB == pytest.approx(states + rows * row_bytes, rel=1e-9)
+
+
+def test_chain_verify_on_records_matches_sglang(hooks):
+    """SGLang's dummy runs verify a tree pool's batch as chains (no retrieve_parent_token), through
+    the dispatcher's chain slot: on records, that slot verifies with specla too."""
+    gen = torch.Generator().manual_seed(1)
+    dispatcher = GDNKernelDispatcher(LinearAttnKernelBackend.TRITON, LinearAttnKernelBackend.TRITON, None)
+    ours, sgl = _pool(True), _pool(False)
+    init = torch.randn(SLOTS, HV, V, K, generator=gen) * 0.3
+    o_sgl, o_ours = _verify_both(dispatcher, gen, init, sgl.mamba_cache.intermediate_ssm[0],
+                                 ours.mamba_cache.intermediate_ssm[0], parents=None)
+    torch.testing.assert_close(o_ours, o_sgl, **TOL)
+    parent = RecordLayout(H=H, HV=HV, K=K, V=V).views(ours.mamba_cache.intermediate_ssm[0])[3]
+    assert parent[:3].eq(torch.arange(-1, D - 1).float()).all()
