@@ -216,7 +216,6 @@ def test_sizing_charges_draft_nodes_as_records(hooks):
     what the pool built for it allocates per request row, and the memory left over holds more
     requests' states."""
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: F401  (configurator's imports)
     from sglang.srt.runtime_context import get_context, get_schedule
 
     params = _cache_params()
