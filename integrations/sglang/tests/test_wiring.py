@@ -1,8 +1,9 @@
 """The plugin's wiring inside SGLang 0.5.23, on SGLang's own objects: its entry point loads through
 SGLang's plugin loader and installs the hooks; the pool of a GDN hybrid with draft trees holds
-records and no per-node states; the tree-verify slot gets specla's kernel, which takes SGLang's
-metadata as SGLang's dispatcher passes it; its outputs and the committed states match SGLang's own
-kernel and scatter on the same inputs (float32; tolerance below)."""
+records and no per-node states, and SGLang's pool sizing charges a draft node what the pool
+allocates for it; both verify slots get specla's kernel, which takes SGLang's metadata as SGLang's
+dispatcher passes it; its outputs and the committed states match SGLang's own kernel and scatter
+on the same inputs (float32; tolerance below)."""
 
 import dataclasses
 import importlib.metadata
