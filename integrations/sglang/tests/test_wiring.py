@@ -154,11 +154,11 @@ def _layer_inputs(gen):
                 a=r(N, HV), b=r(N, HV))
 
 
-def _verify_both(dispatcher, gen, ssm_states, sgl_buffer, rec_buffer, parents=PARENTS):
+def _verify_both(dispatcher, gen, ssm_states, sgl_buffer, rec_buffer, parents=PARENTS, dtype=torch.float32):
     """One layer verified by SGLang's kernel into its per-node buffer and by the dispatcher (its
     tree slot, or its chain slot where ``parents`` is None) into the records, from the same pool
-    state and inputs."""
-    x = _layer_inputs(gen)
+    state and inputs (activations in ``dtype``)."""
+    x = {name: t.to(dtype) if name in "qkvab" else t for name, t in _layer_inputs(gen).items()}
     bs = PARENTS.shape[0]
     meta = dict(ssm_states=ssm_states, cache_indices=CACHE_INDICES,
                 query_start_loc=torch.arange(0, bs * D + 1, D, dtype=torch.int32),
@@ -264,3 +264,15 @@ def test_chain_verify_on_records_matches_sglang(hooks):
     torch.testing.assert_close(o_ours, o_sgl, **TOL)
     parent = RecordLayout(H=H, HV=HV, K=K, V=V).views(ours.mamba_cache.intermediate_ssm[0])[3]
     assert parent[:3].eq(torch.arange(-1, D - 1).float()).all()
+
+
+def test_bfloat16_activations_match_sglang(hooks):
+    """q, k, v, a, b in bfloat16, as SGLang serves: outputs in bfloat16 within its rounding."""
+    gen = torch.Generator().manual_seed(2)
+    dispatcher = GDNKernelDispatcher(LinearAttnKernelBackend.TRITON, LinearAttnKernelBackend.TRITON, None)
+    ours, sgl = _pool(True), _pool(False)
+    init = torch.randn(SLOTS, HV, V, K, generator=gen) * 0.3
+    o_sgl, o_ours = _verify_both(dispatcher, gen, init, sgl.mamba_cache.intermediate_ssm[0],
+                                 ours.mamba_cache.intermediate_ssm[0], dtype=torch.bfloat16)
+    assert o_ours.dtype == o_sgl.dtype == torch.bfloat16
+    torch.testing.assert_close(o_ours, o_sgl)  # bfloat16's default tolerance: rtol 1.6e-2, atol 1e-5
