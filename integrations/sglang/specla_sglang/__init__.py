@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import importlib.metadata
+import logging
 
 import torch
 
@@ -35,6 +37,7 @@ from .records import RecordLayout
 __all__ = ["register", "SpeclaGDNVerifyKernel", "RecordLayout"]
 
 SGLANG_VERSION = "0.5.23"
+logger = logging.getLogger(__name__)
 
 _POOL = "sglang.srt.mem_cache.memory_pool.MambaPool.__init__"
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
@@ -48,9 +51,16 @@ gdn_hybrid_pool = contextvars.ContextVar("specla_sglang_gdn_hybrid_pool", defaul
 
 
 def register() -> None:
-    """The entry point: registers the hooks (SGLang applies them after all plugins load)."""
+    """The entry point: registers the hooks (SGLang applies them after all plugins load), or none,
+    with a warning, under an SGLang other than :data:`SGLANG_VERSION` (the internals they name
+    change between releases)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    installed = importlib.metadata.version("sglang")
+    if installed != SGLANG_VERSION:
+        logger.warning("specla-sglang supports SGLang %s, not %s: its hooks are not installed", SGLANG_VERSION,
+                       installed)
+        return
     HookRegistry.register(_SIZING, _handle_max_mamba_cache, HookType.AROUND)
     HookRegistry.register(_CONFIGURATOR, _build_hybrid_req_pool, HookType.AROUND)
     HookRegistry.register(_POOL, _pool_init, HookType.AROUND)

@@ -5,6 +5,7 @@ allocates for it; both verify slots get specla's kernel, which takes SGLang's me
 dispatcher passes it; its outputs and the committed states match SGLang's own kernel and scatter
 on the same inputs (float32; tolerance below)."""
 
+import collections
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -75,6 +76,14 @@ def test_entry_point_installs_every_hook(hooks):
     dispatcher = GDNKernelDispatcher(LinearAttnKernelBackend.TRITON, LinearAttnKernelBackend.TRITON, None)
     for slot in (dispatcher.tree_verify_kernel, dispatcher.verify_kernel):
         assert type(slot) is SpeclaGDNVerifyKernel and type(slot.sglang_kernel) is TritonGDNKernel
+
+
+def test_other_sglang_releases_get_no_hooks(monkeypatch, caplog):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.24")
+    monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(list))
+    specla_sglang.register()
+    assert not HookRegistry._hooks
+    assert caplog.messages == ["specla-sglang supports SGLang 0.5.23, not 0.5.24: its hooks are not installed"]
 
 
 def _cache_params():
