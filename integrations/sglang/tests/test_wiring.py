@@ -3,12 +3,24 @@ SGLang's plugin loader and installs the hooks; the pool of a GDN hybrid with dra
 records and no per-node states, and SGLang's pool sizing charges a draft node what the pool
 allocates for it; both verify slots get specla's kernel, which takes SGLang's metadata as SGLang's
 dispatcher passes it; its outputs and the committed states match SGLang's own kernel and scatter
-on the same inputs (float32; tolerance below)."""
+on the same inputs (float32; tolerance below).
+
+SGLang's modules import torchvision at import time (image transforms of its multimodal configs),
+which these tests never run. The test environment leaves torchvision out (PyPI builds it against
+CUDA torch, and installed beside torch's CPU build it breaks transformers' model imports for the
+rest of the suite); :func:`_torchvision_placeholder` gives SGLang's imports a placeholder
+after transformers has recorded torchvision as absent, and removes it once they are done. (Here, not in a
+conftest.py: the suite's tests import their own ``conftest`` by that name.)"""
 
 import collections
+import contextlib
 import dataclasses
+import importlib.machinery
 import importlib.metadata
 import importlib.util
+import os
+import sys
+import types
 
 import pytest
 import torch
@@ -17,15 +29,66 @@ if importlib.util.find_spec("sglang") is None:  # installed but failing to impor
     pytest.skip("SGLang is not installed: see integrations/sglang/README.md for the test environment",
                 allow_module_level=True)
 
-import sglang.srt.plugins as sglang_plugins  # noqa: E402
-from sglang.kernels.ops.mamba import mamba_state_scatter_triton  # noqa: E402
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
-from sglang.srt.layers.attention import hybrid_linear_attn_backend  # noqa: E402
-from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher  # noqa: E402
-from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel  # noqa: E402
-from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import GB, MambaPool  # noqa: E402
-from sglang.srt.plugins.hook_registry import HookRegistry, _propagate_patch  # noqa: E402
+# On a CPU, SGLang's Triton kernels and specla's run under Triton's interpreter (the suite's
+# tests/conftest.py decides the same way where it runs first)
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+
+class _AnyMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+
+class _Any(metaclass=_AnyMeta):
+    """Any attribute of a placeholder module, and any attribute of that (``InterpolationMode.X``)."""
+
+
+class _Placeholder(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Any
+
+
+@contextlib.contextmanager
+def _torchvision_placeholder():
+    """Placeholder ``torchvision`` modules while SGLang's modules import, where torchvision is not
+    installed, recorded as absent by transformers first; removed afterwards, so that any later
+    ``import torchvision`` fails as it would without SGLang."""
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+    if importlib.util.find_spec("torchvision") is not None:
+        yield
+        return
+    from transformers.utils import import_utils
+
+    if import_utils.is_torchvision_available():  # cached by transformers from here on
+        raise RuntimeError("torchvision is absent (find_spec) but transformers found it")
+    for name in names:
+        module = _Placeholder(name)
+        module.__spec__, module.__path__ = importlib.machinery.ModuleSpec(name, None), []
+        sys.modules[name] = module
+    try:
+        yield
+    finally:
+        for name in names:
+            if isinstance(sys.modules.get(name), _Placeholder):
+                del sys.modules[name]
+
+
+with _torchvision_placeholder():
+    import sglang.srt.plugins as sglang_plugins
+    from sglang.kernels.ops.mamba import mamba_state_scatter_triton
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.layers.attention import hybrid_linear_attn_backend
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+    from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
+    from sglang.srt.mem_cache.memory_pool import GB, MambaPool
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.plugins.hook_registry import HookRegistry, _propagate_patch
+    from sglang.srt.runtime_context import get_context, get_schedule
 
 import specla_sglang  # noqa: E402
 from specla.mixers.gdn.reference import node_states  # noqa: E402
@@ -225,8 +288,6 @@ def test_sizing_charges_draft_nodes_as_records(hooks):
     """SGLang's pool sizing, run with and without the plugin: with it, each draft node is charged
     what the pool built for it allocates per request row, and the memory left over holds more
     requests' states."""
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.runtime_context import get_context, get_schedule
 
     params = _cache_params()
 
