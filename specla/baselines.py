@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from .errors import ConfigError
-from .records import Record, take_accepted
+from .records import LayerCommit, Record, take_accepted
 
 if TYPE_CHECKING:
     from .mixers.base import Mixer, TreePass
@@ -80,12 +80,14 @@ def baseline_record(mixer: Mixer, record: Record, tp: TreePass) -> Record:
     return record if states is None else SnapshotRecord(tuple(states))
 
 
-def commit_record(mixer: Mixer, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-    """Commit ``path`` (``[B, P]`` int64, ``path_len [B]``) to ``mixer`` from a record of any
-    strategy: a baseline's record by its own rule, any other by :meth:`Mixer.commit`."""
+def commit_record(mixer: Mixer, pending: LayerCommit, kernels: bool) -> None:
+    """Commit ``pending.path`` (``[B, P]`` int64, ``pending.path_len [B]``) to ``mixer`` from its
+    record of any strategy: a baseline's record by its own rule, any other by
+    :meth:`Mixer.commit`."""
+    record, path, path_len = pending
     if isinstance(record, SnapshotRecord):
         record.commit(mixer, path, path_len)
     elif isinstance(record, ReplayRecord):
         mixer.replay(record, path, path_len)
     else:
-        mixer.commit(record, path, path_len, kernels)
+        mixer.commit(pending, kernels)

@@ -8,6 +8,7 @@ can be compared behind one interface.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple, TypeVar
 
@@ -32,6 +33,15 @@ class Record:
         out)."""
         values = (getattr(self, f.name) for f in fields(self))
         return [x for v in values for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, Tensor)]
+
+    def rebind(self: R, tensors: Iterator[Tensor]) -> R:
+        """The record with its tensor fields bound to the next tensors of ``tensors``, in the
+        order of :meth:`tensors` (``None`` fields stay ``None``)."""
+        def take(v):
+            return next(tensors) if isinstance(v, Tensor) else v
+
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: tuple(map(take, v)) if isinstance(v, tuple) else take(v) for k, v in values.items()})
 
     def nbytes_per_sequence(self) -> int:
         """Bytes this record holds per sequence (all fields, a tensor held by two fields once;
@@ -75,33 +85,10 @@ class Acceptance:
         return Acceptance(*(_take(x, index) for x in (self.path, self.num_accepted, self.bonus, self.tokens)))
 
 
-@dataclass(frozen=True)
-class PendingCommit:
-    """An accepted path not yet applied to the recurrent state (delayed commit, ``factor`` only).
-
-    Attributes:
-        records: one factor record per layer, from the verify pass that produced the path.
-        path: ``[B, P]`` int64 node indices of the accepted path (indexing of the verified tree),
-            root-to-leaf, padded with ``-1``.
-        path_len: ``[B]`` int64 nodes to commit per sequence; ``0`` leaves that sequence's state
-            bit-identical.
-    """
-
-    records: tuple[Record, ...]
-    path: Tensor
-    path_len: Tensor
-
-    def select(self, index: Tensor) -> "PendingCommit":
-        """Keep the sequences ``index`` (``[B']`` int64)."""
-        return PendingCommit(
-            tuple(r.select(index) for r in self.records), _take(self.path, index), _take(self.path_len, index)
-        )
-
-
 class LayerCommit(NamedTuple):
-    """One layer's part of a pending commit, as a verify kernel takes it to apply fused before it
-    verifies (:mod:`specla.ops.pending`): the layer's factor record and the accepted paths of
-    :class:`PendingCommit`."""
+    """One layer's part of a :class:`PendingCommit`, as its mixer and the mixer's kernels take it
+    (a verify kernel binds the record's fields to its parameters, :mod:`specla.ops.pending`): the
+    layer's record and the commit's accepted paths."""
 
     record: Record
     path: Tensor  # [B, P] int64
@@ -110,6 +97,52 @@ class LayerCommit(NamedTuple):
     def tensors(self) -> list[Tensor]:
         """Every tensor of the record and the paths (for device checks)."""
         return [*self.record.tensors(), self.path, self.path_len]
+
+
+@dataclass(frozen=True)
+class PendingCommit:
+    """An accepted path not yet applied to the recurrent state (delayed commit, ``factor`` only),
+    built once per step (:meth:`from_records`) and handed whole to the next verify.
+
+    Attributes:
+        path: ``[B, P]`` int64 node indices of the accepted path (indexing of the verified tree),
+            root-to-leaf, padded with ``-1``.
+        path_len: ``[B]`` int64 nodes to commit per sequence; ``0`` leaves that sequence's state
+            bit-identical.
+        layers: one :class:`LayerCommit` per mixer, in the model's mixer order: ``layers[i]`` is
+            what mixer ``i`` and its kernels take (its record from the verify pass that produced
+            the path, with ``path`` and ``path_len`` themselves).
+    """
+
+    path: Tensor
+    path_len: Tensor
+    layers: tuple[LayerCommit, ...]
+
+    @classmethod
+    def from_records(cls, records: Iterable[Record], path: Tensor, path_len: Tensor) -> "PendingCommit":
+        """The commit of ``path`` / ``path_len`` with one record per mixer, in mixer order."""
+        return cls(path, path_len, tuple(LayerCommit(r, path, path_len) for r in records))
+
+    @property
+    def records(self) -> tuple[Record, ...]:
+        """Each layer's record, in mixer order."""
+        return tuple(layer.record for layer in self.layers)
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the commit holds, in a fixed order: each layer's record tensors
+        (:meth:`Record.tensors`) layer by layer, then ``path`` and ``path_len``."""
+        return [t for r in self.records for t in r.tensors()] + [self.path, self.path_len]
+
+    def rebind(self, tensors: Iterator[Tensor]) -> "PendingCommit":
+        """The same commit on the next tensors of ``tensors``, in the order (and the shapes) of
+        :meth:`tensors`; ``tensors`` is left at the first tensor not taken."""
+        records = [r.rebind(tensors) for r in self.records]
+        return PendingCommit.from_records(records, next(tensors), next(tensors))
+
+    def select(self, index: Tensor) -> "PendingCommit":
+        """Keep the sequences ``index`` (``[B']`` int64)."""
+        return PendingCommit.from_records([r.select(index) for r in self.records], _take(self.path, index),
+                                          _take(self.path_len, index))
 
 
 def path_end(path: Tensor, path_len: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..ops import kernels
 from ..ops.conv import conv_ancestors, conv_window_after, conv_windows_per_node
-from ..records import Record
+from ..records import LayerCommit, Record
 
 # prompt tokens per prefill pass (each pass is a chain through the tree path): with the draft
 # budget, the widest pass a mixer verifies and commits, which fixed-capacity caches are sized for
@@ -50,8 +50,6 @@ class TreePass:
         kernels: whether the plugin's Triton kernels run
             (:meth:`specla.model.adapter.ModelAdapter._use_kernel`).
         static_shapes: a CUDA graph is being recorded: nothing may be read on the host.
-        path, path_len: the pending commit's accepted path (``[B, P]``, ``[B]`` int64), applied
-            by each mixer before it verifies; ``None`` when nothing is pending.
         choose: ``choose(pick)``: the verify kernel of this pass by a plugin's rule ``pick(parents,
             counts, verify_kernel)``, or the graph-safe one while a graph records
             (:meth:`specla.model.adapter.ModelAdapter._kernel_choice`).
@@ -66,8 +64,6 @@ class TreePass:
     records: str
     kernels: bool
     static_shapes: bool
-    path: Tensor | None = None
-    path_len: Tensor | None = None
     choose: Callable[[Callable], str] | None = None
     memo: dict = field(default_factory=dict)
 
@@ -103,7 +99,7 @@ class Mixer(ABC):
     """One sequence mixer of one layer: its per-sequence state, tree verify and commit.
 
     Contract: :meth:`verify` never writes the committed state except to apply the ``pending``
-    record it is given (the delayed commit of the previous step, with ``tp.path``); the record it
+    commit it is given (its layer's part of the previous step's delayed commit); the record it
     returns is all :meth:`commit` needs to move the state along any accepted path of the tree;
     ``path_len == 0`` leaves a row's state bit-identical.
     """
@@ -141,19 +137,22 @@ class Mixer(ABC):
         recurrent = {id(t) for t in self.recurrent_states()}
         return ["recurrent" if id(t) in recurrent else f"state {j}" for j, t in enumerate(self.state())]
 
-    def check(self, tp: TreePass) -> None:
-        """Raise :class:`SpecError` if this pass cannot run from the current state; called for
-        every mixer before any of them runs, so that a refused pass leaves every state as it
-        was. Nothing to check by default."""
+    def check(self, tp: TreePass, pending: LayerCommit | None) -> None:
+        """Raise :class:`SpecError` if this pass cannot run from the current state and its
+        ``pending`` commit (the one :meth:`verify` will be given); called for every mixer before
+        any of them runs, so that a refused pass leaves every state as it was. Nothing to check
+        by default."""
 
     def select(self, index: Tensor) -> None:
         """Keep the sequences ``index`` (``[B']`` int64, on the state's device)."""
         self.set_state(iter([t.index_select(0, index) for t in self.state()]))
 
     @abstractmethod
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
-        """Apply ``pending`` along ``tp.path`` (if given), then run the tree ``h`` (``[B, T,
-        hidden]``, the layer's normalised input) from the committed state.
+    def verify(self, h: Tensor, tp: TreePass, pending: LayerCommit | None) -> tuple[Tensor, Record]:
+        """Apply ``pending`` (this layer's part of the previous step's delayed commit: its record
+        and accepted paths, handed as they are to a verify kernel that applies it fused; ``None``
+        when nothing is pending), then run the tree ``h`` (``[B, T, hidden]``, the layer's
+        normalised input) from the committed state.
 
         Returns:
             ``(y [B, T, hidden], record)``: the mixer's output (before the layer's residual add)
@@ -199,10 +198,11 @@ class Mixer(ABC):
         (:meth:`specla.model.adapter.ModelAdapter.empty_commit`)."""
 
     @abstractmethod
-    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        """Move the state along ``path`` (``[B, P]`` int64 node indices from the root, ``-1``
-        padded; ``path_len [B]``) from ``record``; ``kernels``: the plugin's Triton kernels may
-        run (float32 state, factor records)."""
+    def commit(self, pending: LayerCommit, kernels: bool) -> None:
+        """Move the state along ``pending.path`` (``[B, P]`` int64 node indices from the root,
+        ``-1`` padded; ``pending.path_len [B]``) from ``pending.record``, a record :meth:`verify`
+        returned; ``kernels``: the plugin's Triton kernels may run (float32 state, factor
+        records)."""
 
     # ------------------------------------------------------------------ optional: the baselines
     baselines: frozenset[str] = frozenset()

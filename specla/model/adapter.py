@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import fields, replace
 
 import torch
 from torch import Tensor
@@ -185,7 +184,7 @@ class ModelAdapter(TargetAdapter):
     @torch.no_grad()
     def flush(self) -> None:
         if self.pending is not None:
-            self._apply(self.pending.records, self.pending.path, self.pending.path_len)
+            self._apply(self.pending)
             self.pending = None
 
     def recurrent_states(self) -> list[Tensor]:
@@ -226,7 +225,7 @@ class ModelAdapter(TargetAdapter):
                 pending: PendingCommit | None = None):
         """Run the model over ``[B, T]`` trees hanging from the committed state (``parents`` int64,
         ``-1`` = child of the state; ``counts [B]`` real nodes); each mixer applies its part of
-        ``pending`` first.
+        ``pending`` (``pending.layers[i]`` to mixer ``i``) first.
 
         Returns:
             ``(logits [B, T, vocab] or None, hidden [B, T, hidden], records)``, one record per
@@ -238,15 +237,15 @@ class ModelAdapter(TargetAdapter):
             mask = inclusive_ancestor_mask(parents)
             depth = mask.sum(-1) - 1
         tp = TreePass(parents, counts, mask, depth, records, self._use_kernel(records), self.static_shapes,
-                      pending.path if pending is not None else None, pending.path_len if pending is not None else None,
-                      lambda pick: self._kernel_choice(pick, parents, counts))
-        for m in self.mixers:
-            m.check(tp)
+                      choose=lambda pick: self._kernel_choice(pick, parents, counts))
+        layers = pending.layers if pending is not None else (None,) * len(self.mixers)
+        for m, layer in zip(self.mixers, layers):
+            m.check(tp, layer)
         out_records: list[Record] = []
 
         def mix(h: Tensor) -> Tensor:
             i = len(out_records)  # the mixers run in self.mixers order
-            y, rec = self.mixers[i].verify(h, tp, pending.records[i] if pending is not None else None)
+            y, rec = self.mixers[i].verify(h, tp, layers[i])
             out_records.append(baseline_record(self.mixers[i], rec, tp))
             return y
 
@@ -259,12 +258,11 @@ class ModelAdapter(TargetAdapter):
         # returned in the activation dtype
         return out, x.to(self.dtype), tuple(out_records)
 
-    def _apply(self, records: tuple[Record, ...], path: Tensor, path_len: Tensor) -> None:
-        """Commit ``path`` (``[B, P]`` int64, ``-1`` padded; ``path_len [B]``) to every mixer from
-        its record."""
+    def _apply(self, pending: PendingCommit) -> None:
+        """Commit ``pending`` to every mixer, ``pending.layers[i]`` to mixer ``i``."""
         kernels = self._use_kernel("factor")
-        for m, rec in zip(self.mixers, records):
-            commit_record(m, rec, path, path_len, kernels)
+        for m, layer in zip(self.mixers, pending.layers):
+            commit_record(m, layer, kernels)
 
     def _run_whole(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """Whole prompts ``tokens [B, T]`` int64 (right-padded, ``lengths [B]``) through every
@@ -297,7 +295,8 @@ class ModelAdapter(TargetAdapter):
             lg, hidden, recs = self.forward(tree.tokens, tree.parents, n, "factor", logits=logits)
             outs.append(lg)
             feats.append(hidden)
-            self._apply(recs, torch.where(tree.valid, torch.arange(W, device=self.device), -1), n)
+            self._apply(PendingCommit.from_records(recs, torch.where(tree.valid, torch.arange(W, device=self.device), -1),
+                                                   n))
         return (torch.cat(outs, 1) if logits else None), torch.cat(feats, 1)
 
     def score(self, tokens: Tensor, return_hidden: bool = False):
@@ -413,7 +412,7 @@ class ModelAdapter(TargetAdapter):
                 _, hidden, recs = self.forward(g.tokens, g.parents, g.counts, "factor", logits=False)
                 W = g.tokens.shape[1]
                 idx = torch.arange(W, device=self.device)
-                self._apply(recs, torch.where(idx < g.counts[:, None], idx, -1), g.counts)
+                self._apply(PendingCommit.from_records(recs, torch.where(idx < g.counts[:, None], idx, -1), g.counts))
         finally:
             self.static_shapes = False
         copy_into(g.state + [g.hidden], self._state_list() + [hidden])
@@ -472,11 +471,11 @@ class ModelAdapter(TargetAdapter):
 
     @torch.no_grad()
     def _commit(self, tree: DraftTree, out: VerifyOutput, acceptance: Acceptance) -> None:
-        pending = PendingCommit(out.records, acceptance.path, acceptance.path_len)
+        pending = PendingCommit.from_records(out.records, acceptance.path, acceptance.path_len)
         if self.config.engine.commit == "factor":
             self.pending = pending
         else:
-            self._apply(pending.records, pending.path, pending.path_len)
+            self._apply(pending)
         self._roots = acceptance.bonus.to(self.device)
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -496,7 +495,8 @@ class ModelAdapter(TargetAdapter):
     def graph_state(self) -> list[Tensor] | None:
         """Every tensor a decoding step reads and replaces, in a fixed order: every mixer's state
         (:meth:`_state_list`), ``roots``, then, with the ``factor`` commit, the pending commit's
-        record fields mixer by mixer, ``path`` and ``path_len``. ``None`` while a ``factor`` run
+        (:meth:`PendingCommit.tensors`: record fields mixer by mixer, ``path`` and ``path_len``).
+        ``None`` while a ``factor`` run
         has no pending commit yet (before its first step, see :meth:`empty_commit`): its record
         shapes are not known. :class:`specla.cuda.graph_step.GraphRunner` keeps static copies of them and
         rebinds them with :meth:`set_graph_state`."""
@@ -505,9 +505,7 @@ class ModelAdapter(TargetAdapter):
             if self.pending is None:
                 return None
             self._pending_template = self.pending
-            for rec in self.pending.records:
-                out += rec.tensors()
-            out += [self.pending.path, self.pending.path_len]
+            out += self.pending.tensors()
         return out
 
     def empty_commit(self, nodes: int, depth: int) -> None:
@@ -520,9 +518,9 @@ class ModelAdapter(TargetAdapter):
         if self.config.engine.commit != "factor" or self.pending is not None:
             return
         B, dev = self.batch_size, self.device
-        self.pending = PendingCommit(tuple(m.empty_record(B, nodes + 1) for m in self.mixers),
-                                     torch.full((B, depth + 1), -1, dtype=torch.int64, device=dev),
-                                     torch.zeros(B, dtype=torch.int64, device=dev))
+        self.pending = PendingCommit.from_records([m.empty_record(B, nodes + 1) for m in self.mixers],
+                                                  torch.full((B, depth + 1), -1, dtype=torch.int64, device=dev),
+                                                  torch.zeros(B, dtype=torch.int64, device=dev))
 
     def set_graph_state(self, tensors: list[Tensor]) -> None:
         """Rebind the state to ``tensors`` (the layout of :meth:`graph_state`)."""
@@ -530,8 +528,5 @@ class ModelAdapter(TargetAdapter):
         self._set_state_list(it)
         self._roots = next(it)
         if self.config.engine.commit == "factor":
-            records = tuple(
-                replace(r, **{f.name: next(it) for f in fields(r) if isinstance(getattr(r, f.name), Tensor)})
-                for r in self._pending_template.records)
-            self.pending = PendingCommit(records, next(it), next(it))
+            self.pending = self._pending_template.rebind(it)
             self._pending_template = self.pending  # the template holds the bound tensors, nothing older

@@ -11,6 +11,7 @@ import specla
 from specla.baselines import BASELINES, ReplayRecord, SnapshotRecord
 from specla.config import SpecConfig
 from specla.errors import ConfigError
+from specla.records import PendingCommit
 from specla.registry import get_plugin
 from specla.testing.diagnosis import state_tolerance
 from specla.tree import DraftTree
@@ -61,7 +62,7 @@ def test_snapshot_states_are_the_factor_commit_of_every_node(plugin):
         factor = arch.make_adapter(model, SpecConfig())
         factor.prefill([prompt])
         out = factor.verify(tree)
-        factor._apply(out.records, torch.tensor([nodes]), torch.tensor([len(nodes)]))
+        factor._apply(PendingCommit.from_records(out.records, torch.tensor([nodes]), torch.tensor([len(nodes)])))
         for i, (m, rec) in enumerate(zip(factor.mixers, records)):
             if not isinstance(rec, SnapshotRecord):
                 continue

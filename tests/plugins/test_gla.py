@@ -164,7 +164,7 @@ def test_commit_every_path_equals_sequential_state(gla_name, commit, rng):
     adapter.prefill([prompt])
     out = adapter.verify(tree)
     before = snapshot(adapter)
-    adapter._apply(out.records, torch.full((1, 1), -1), torch.zeros(1, dtype=torch.int64))
+    adapter._apply(PendingCommit.from_records(out.records, torch.full((1, 1), -1), torch.zeros(1, dtype=torch.int64)))
     assert_bit_identical(before, snapshot(adapter))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specla
-from specla import DraftTree, SpecConfig
+from specla import DraftTree, PendingCommit, SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.registry import get_plugin
 from specla.tree import inclusive_ancestor_mask
@@ -209,7 +209,7 @@ def test_empty_commit_is_bit_identical(commit):
     tree = DraftTree.from_lists([([6, 7], [-1, 0]), ([8], [-1])])
     out = adapter.verify(tree)
     before = snapshot(adapter)
-    adapter._apply(out.records, torch.full((2, 1), -1), torch.zeros(2, dtype=torch.int64))
+    adapter._apply(PendingCommit.from_records(out.records, torch.full((2, 1), -1), torch.zeros(2, dtype=torch.int64)))
     assert_bit_identical(before, snapshot(adapter))
 
 

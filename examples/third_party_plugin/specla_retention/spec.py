@@ -25,7 +25,7 @@ from specla.hf import eos_token_ids
 from specla.mixers import AttentionMixer, Mixer, TreePass
 from specla.model.spec import ModelSpec, Placement, rms_head
 from specla.ops.norm import rms_norm
-from specla.records import Record, path_end
+from specla.records import LayerCommit, Record, path_end
 
 
 @dataclass(frozen=True)
@@ -86,17 +86,17 @@ class RetentionMixer(Mixer):
     def recurrent_states(self) -> list[Tensor]:
         return [self.S]
 
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None):
+    def verify(self, h: Tensor, tp: TreePass, pending: LayerCommit | None):
         if pending is not None:  # the delayed commit of the previous step
-            self.commit(pending, tp.path, tp.path_len, tp.kernels)
+            self.commit(pending, tp.kernels)
         B, T = h.shape[:2]
         q, k, v = (lin(h).view(B, T, self.H, self.K).to(self.state_dtype)
                    for lin in (self.layer.q, self.layer.k, self.layer.v))
         o, G = tree_retention(q * self.K**-0.5, k, v, self.log_gamma, self.S, tp.mask)
         return self.layer.o(o.reshape(B, T, -1).to(self.dtype)), RetentionFactorRecord(k=k, v=v, G=G)
 
-    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        self.S = commit_factor(self.S, record, path, path_len)
+    def commit(self, pending: LayerCommit, kernels: bool) -> None:
+        self.S = commit_factor(self.S, pending.record, pending.path, pending.path_len)
 
 
 class PlainAttention(AttentionMixer):

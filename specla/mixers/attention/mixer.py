@@ -15,7 +15,7 @@ from torch import Tensor
 
 from specla.errors import SpecError
 from specla.mixers.base import PREFILL_CHUNK, Mixer, TreePass
-from specla.records import Record
+from specla.records import LayerCommit, Record
 
 from .records import KVRecord
 from .reference import commit_kv, tree_attention
@@ -94,14 +94,14 @@ class AttentionMixer(Mixer):
         self.v_cache = self.k_cache if self.shared_kv else next(tensors)
         self.cache_len = next(tensors)
 
-    def check(self, tp: TreePass) -> None:
+    def check(self, tp: TreePass, pending: LayerCommit | None) -> None:
         """Raises :class:`SpecError` when the pending commit and the longest path of this tree
         would not fit in the cache (read on the host, so not while a CUDA graph records; prefill
         sizes the cache for ``max_new_tokens``, so only a longer run than configured gets
         here)."""
         if tp.static_shapes or not self.cache_len.numel():
             return
-        grow = tp.path_len if tp.path_len is not None else 0
+        grow = pending.path_len if pending is not None else 0
         # every attention layer commits the same paths: one host read per pass, for all of them
         filled, deepest = tp.shared("attention-filled",
                                     lambda: torch.stack([(self.cache_len + grow).max(), tp.depth.max()]).tolist())
@@ -110,9 +110,9 @@ class AttentionMixer(Mixer):
             raise SpecError(f"the KV cache holds {self.capacity} tokens and this pass needs {need}: the run is longer "
                             "than the prefill sized it for (prompt + max_new_tokens + draft depth)")
 
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+    def verify(self, h: Tensor, tp: TreePass, pending: LayerCommit | None) -> tuple[Tensor, Record]:
         if pending is not None:
-            self.commit(pending, tp.path, tp.path_len, tp.kernels)
+            self.commit(pending, tp.kernels)
         q, k, v, gate = self.project(h, self.cache_len[:, None] + tp.depth)
         k = k.to(self.dtype)
         v = k if self.shared_kv else v.to(self.dtype)
@@ -154,8 +154,9 @@ class AttentionMixer(Mixer):
             is_causal=mask is None, scale=self.scale, enable_gqa=q.shape[2] != self.HKV)
         return self.output(o.transpose(1, 2).to(q.dtype), gate)
 
-    def commit(self, record: Record, path: Tensor, path_len: Tensor, kernels: bool = False) -> None:
+    def commit(self, pending: LayerCommit, kernels: bool = False) -> None:
         # a shared cache is written once: the keys are the values
+        record, path, path_len = pending
         self.cache_len = commit_kv(self.k_cache, None if self.shared_kv else self.v_cache, self.cache_len, record.k,
                                    None if self.shared_kv else record.v, path, path_len, capacity=self.capacity)
 

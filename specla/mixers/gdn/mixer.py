@@ -144,11 +144,12 @@ class GDNMixer(RecurrentMixer):
             g, beta = decay_and_sigmoid_gates(a, b, self.dt_bias, self.neg_A, self.beta_scale, self.state_dtype)
         return q, k, qkv[..., 2 * H * K :].reshape(B, T, HV, V), g, beta
 
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+    def verify(self, h: Tensor, tp: TreePass, pending: LayerCommit | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels
         if pending is not None:
-            self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
-            self.S = apply_pending(self.S, pending, tp.path, tp.path_len, kernel)
+            prev, path, path_len = pending
+            self.commit_window(prev.conv_x, path, path_len, kernel)
+            self.S = apply_pending(self.S, prev, path, path_len, kernel)
         proj, a, b, z = self.project(h, kernel)
         anc = tp.conv_ancestors(self.C) if self.C else None
         if anc is not None:
@@ -158,9 +159,8 @@ class GDNMixer(RecurrentMixer):
         q, k, v, g, beta = self.inputs(qkv, a, b, kernel)
         if kernel:  # fused: the kernel applies the pending commit to S in place, then verifies
             plan = tp.shared("gdn-kernel", lambda: kernel_plan(tp.choose, tp.parents, tp.counts))
-            fused = None if pending is None else LayerCommit(pending, tp.path, tp.path_len)
             o, delta, G = run_verify_kernel(plan, q, k, v, g, beta, self.S, tp.parents, tp.counts, tp.mask,
-                                            self.K**-0.5, fused)
+                                            self.K**-0.5, pending)
         else:
             o, delta, G = self.recurrence(q, k, v, g, beta, self.S, tp.mask, self.K**-0.5, tp.records)
         conv_x = proj if anc is not None else None
@@ -217,7 +217,8 @@ class GDNMixer(RecurrentMixer):
         o, _ = chunk_gdn(q, k, v, g, beta, S0, self.K**-0.5, chunk)
         return self.output(o, z, False)
 
-    def commit(self, record: GDNFactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+    def commit(self, pending: LayerCommit, kernels: bool) -> None:
+        record, path, path_len = pending
         if kernels:
             commit_kernels.flush_commit(self.S, record.k, record.delta, record.G, path, path_len)  # in place
         else:

@@ -90,28 +90,29 @@ class GLAMixer(RecurrentMixer):
             gk = gk.clamp_min(self.clamp_min)
         return self.feature_map(q.reshape(B, T, H, K).to(st)), self.feature_map(k.to(st)), v.to(st), gk
 
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+    def verify(self, h: Tensor, tp: TreePass, pending: LayerCommit | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels
         # one kernel for every layer of the pass, chosen once (the rule may read the tree on the host)
         choice = tp.shared("gla-kernel", lambda: tp.choose(verify_kernels.pick_verify_kernel)) if kernel else "reference"
         if pending is not None:  # the conv window commits first
-            self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
-        if pending is not None and not kernel:
-            self.S = gla_commit_factor(self.S, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
+            prev, path, path_len = pending
+            self.commit_window(prev.conv_x, path, path_len, kernel)
+            if not kernel:
+                self.S = gla_commit_factor(self.S, prev.k, prev.v, prev.Gk, path, path_len)
         proj, gk_raw, gate = self.project(h)
         anc = tp.conv_ancestors(self.C) if self.C else None
         qkv = (conv_kernels.tree_conv if kernel else tree_conv)(proj, self.conv, self.conv_w, self.conv_b,
                                                                 anc) if anc is not None else proj
         q, k, v, gk = self._inputs(qkv, gk_raw)
         S0, scale = self.S, self.K**-0.5
-        fused = None if pending is None or not kernel else LayerCommit(pending, tp.path, tp.path_len)
+        fused = pending if kernel else None
         if choice == "serial":  # the kernels apply the pending commit to S0 in place, then verify
             o, Gk = verify_kernels.serial_verify(q, k, v, gk, S0, tp.counts, scale, pending=fused)
         elif choice == "parallel":
             o, Gk = verify_kernels.tree_verify(q, k, v, gk, S0, tp.mask, scale, pending=fused)
         else:
             if fused is not None:  # a tree over the kernels' size: commit, then verify unfused
-                commit_kernels.flush_commit(S0, pending.k, pending.v, pending.Gk, tp.path, tp.path_len)
+                commit_kernels.flush_commit(S0, prev.k, prev.v, prev.Gk, path, path_len)
             o, Gk = tree_gla(q, k, v, gk, S0, tp.mask, scale)
         conv_x = proj if anc is not None else None
         if tp.records == "replay":
@@ -147,7 +148,8 @@ class GLAMixer(RecurrentMixer):
         self.S = S.to(self.state_dtype)
         return self.output(o, gate)
 
-    def commit(self, record: GLAFactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+    def commit(self, pending: LayerCommit, kernels: bool) -> None:
+        record, path, path_len = pending
         if kernels:
             commit_kernels.flush_commit(self.S, record.k, record.v, record.Gk, path, path_len)  # in place
         else:

@@ -10,9 +10,8 @@ import torch
 from torch import Tensor
 
 from specla.baselines import ReplayRecord
-from specla.ops import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
-from specla.ops import kernels
+from specla.ops import fla_installed, kernels
 from specla.ops.conv import conv_window_after, tree_conv
 from specla.records import LayerCommit, Record
 
@@ -60,16 +59,16 @@ class KDAMixer(RecurrentMixer):
         self.S = torch.zeros(B, self.H, self.D, self.D, dtype=self.state_dtype, device=self.device)
         self.conv = torch.zeros(B, self.C - 1, 3 * self.H * self.D, dtype=self.dtype, device=self.device)
 
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+    def verify(self, h: Tensor, tp: TreePass, pending: LayerCommit | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels
         # one kernel for every layer of the pass, chosen once (the rule may read the tree on the host)
         choice = tp.shared("kda-kernel", lambda: tp.choose(verify_kernels.pick_verify_kernel)) if kernel else "reference"
         fused = None  # the delayed commit of the previous step: fused into the verify kernels
         if pending is not None and choice == "reference":
-            self.commit(pending, tp.path, tp.path_len, kernel)
+            self.commit(pending, kernel)
         elif pending is not None:
-            self.commit_window(pending.conv_x, tp.path, tp.path_len, True)
-            fused = LayerCommit(pending, tp.path, tp.path_len)
+            self.commit_window(pending.record.conv_x, pending.path, pending.path_len, True)
+            fused = pending
         m, (B, T), H, D, st = self.m, h.shape[:2], self.H, self.D, self.state_dtype
         mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)
         anc = tp.conv_ancestors(self.C)
@@ -125,7 +124,8 @@ class KDAMixer(RecurrentMixer):
         gate = m.g_b_proj(m.g_a_proj(h)).view(B, T, H, D)
         return m.o_proj(m.o_norm(o.to(h.dtype), gate).reshape(B, T, -1))
 
-    def commit(self, record: KDAFactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+    def commit(self, pending: LayerCommit, kernels: bool) -> None:
+        record, path, path_len = pending
         if kernels:
             commit_kernels.flush_commit(self.S, record.k, record.delta, record.Gk, path, path_len)  # in place
         else:

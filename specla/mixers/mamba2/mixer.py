@@ -78,17 +78,18 @@ class Mamba2Mixer(RecurrentMixer):
         self.S = torch.zeros(B, self.H, self.N, self.P, dtype=self.state_dtype, device=self.device)
         self.conv = torch.zeros(B, self.C - 1, self.conv_w.shape[0], dtype=self.dtype, device=self.device)
 
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+    def verify(self, h: Tensor, tp: TreePass, pending: LayerCommit | None) -> tuple[Tensor, Record]:
         kernel = tp.kernels
         # one kernel for every layer of the pass: serial (chains), parallel, or the reference
         # path for a tree too large for the parallel kernel
         choice = tp.shared("mamba2-kernel", lambda: tp.choose(verify_kernels.pick_verify_kernel)) if kernel else "reference"
         if pending is not None:  # the delayed commit of the previous step, conv window first
-            self.commit_window(pending.conv_x, tp.path, tp.path_len, kernel)
+            prev, path, path_len = pending
+            self.commit_window(prev.conv_x, path, path_len, kernel)
             if kernel and choice == "reference":  # commit in place, then verify unfused
-                commit_kernels.flush_commit(self.S, pending.Bm, pending.u, pending.G, tp.path, tp.path_len)
+                commit_kernels.flush_commit(self.S, prev.Bm, prev.u, prev.G, path, path_len)
             elif not kernel:
-                self.S = ssd_commit_factor(self.S, pending.Bm, pending.u, pending.G, tp.path, tp.path_len)
+                self.S = ssd_commit_factor(self.S, prev.Bm, prev.u, prev.G, path, path_len)
         B, T = h.shape[:2]
         H, P, N, G = self.H, self.P, self.N, self.G
         z, xbc_in, dt_raw = self.project(h)
@@ -98,7 +99,7 @@ class Mamba2Mixer(RecurrentMixer):
         xs, Bm, Cm = xs.reshape(B, T, H, P), Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N)
         dt, a = discretize(dt_raw, self.dt_bias, self.A_log, self.dt_limit)
         S0 = self.S
-        fused = None if pending is None or choice == "reference" else LayerCommit(pending, tp.path, tp.path_len)
+        fused = None if choice == "reference" else pending
         if choice == "serial":  # the kernels apply the pending commit to S0 in place first
             y, u, Gs = verify_kernels.serial_verify(xs, dt, a, Bm, Cm, self.D, S0, tp.counts, pending=fused)
         elif choice == "parallel":
@@ -145,7 +146,8 @@ class Mamba2Mixer(RecurrentMixer):
         y = y + (D[:, None] if D.dim() == 1 else D) * xs
         return self.output(y.reshape(B, T, H * P), z)
 
-    def commit(self, record: Mamba2FactorRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
+    def commit(self, pending: LayerCommit, kernels: bool) -> None:
+        record, path, path_len = pending
         if kernels:
             commit_kernels.flush_commit(self.S, record.Bm, record.u, record.G, path, path_len)  # in place
         else:

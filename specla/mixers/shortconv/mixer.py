@@ -9,7 +9,7 @@ from torch import Tensor
 
 from specla.mixers import Mixer, TreePass
 from specla.ops.conv import conv_window_after, conv_windows_per_node, tree_conv
-from specla.records import Record
+from specla.records import LayerCommit, Record
 
 from .records import ConvRecord
 
@@ -54,9 +54,9 @@ class ShortConvMixer(Mixer):
     def set_state(self, tensors) -> None:
         self.conv = next(tensors)
 
-    def verify(self, h: Tensor, tp: TreePass, pending: Record | None) -> tuple[Tensor, Record]:
+    def verify(self, h: Tensor, tp: TreePass, pending: LayerCommit | None) -> tuple[Tensor, Record]:
         if pending is not None:  # the delayed commit of the previous step
-            self.conv = conv_window_after(pending.conv_x, self.conv, tp.path, tp.path_len)
+            self.commit(pending, False)
         Bg, Cg, x = self.module.in_proj(h).chunk(3, dim=-1)
         bx = Bg * x
         anc = tp.conv_ancestors(self.L)
@@ -81,5 +81,5 @@ class ShortConvMixer(Mixer):
         self.conv = conv_window_after(bx, self.conv, tp.chain()[0], tp.counts)
         return self.module.out_proj(y)
 
-    def commit(self, record: ConvRecord, path: Tensor, path_len: Tensor, kernels: bool) -> None:
-        self.conv = conv_window_after(record.conv_x, self.conv, path, path_len)
+    def commit(self, pending: LayerCommit, kernels: bool) -> None:
+        self.conv = conv_window_after(pending.record.conv_x, self.conv, pending.path, pending.path_len)
