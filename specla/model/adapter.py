@@ -79,7 +79,9 @@ class ModelAdapter(TargetAdapter):
 
     State: every mixer's (:meth:`Mixer.state`: recurrent states and conv windows, KV caches),
     ``roots [B]`` int64, ``last_hidden [B, hidden]`` and, with the ``factor`` commit, the pending
-    commit (one record per mixer, in :attr:`mixers` order), applied inside the next verify.
+    commit (:attr:`pending`, a :class:`PendingCommit` built once per step by :meth:`commit`: one
+    :class:`~specla.records.LayerCommit` per mixer, in :attr:`mixers` order), each mixer's part
+    applied inside the next verify.
 
     Args:
         model: the model to run (see :func:`place` for when it is copied).
