@@ -297,8 +297,8 @@ class ModelAdapter(TargetAdapter):
             lg, hidden, recs = self.forward(tree.tokens, tree.parents, n, "factor", logits=logits)
             outs.append(lg)
             feats.append(hidden)
-            self._apply(PendingCommit.from_records(recs, torch.where(tree.valid, torch.arange(W, device=self.device), -1),
-                                                   n))
+            path = torch.where(tree.valid, torch.arange(W, device=self.device), -1)
+            self._apply(PendingCommit.from_records(recs, path, n))
         return (torch.cat(outs, 1) if logits else None), torch.cat(feats, 1)
 
     def score(self, tokens: Tensor, return_hidden: bool = False):
@@ -498,10 +498,10 @@ class ModelAdapter(TargetAdapter):
         """Every tensor a decoding step reads and replaces, in a fixed order: every mixer's state
         (:meth:`_state_list`), ``roots``, then, with the ``factor`` commit, the pending commit's
         (:meth:`PendingCommit.tensors`: record fields mixer by mixer, ``path`` and ``path_len``).
-        ``None`` while a ``factor`` run
-        has no pending commit yet (before its first step, see :meth:`empty_commit`): its record
-        shapes are not known. :class:`specla.cuda.graph_step.GraphRunner` keeps static copies of them and
-        rebinds them with :meth:`set_graph_state`."""
+        ``None`` while a ``factor`` run has no pending commit yet (before its first step, see
+        :meth:`empty_commit`): its record shapes are not known.
+        :class:`specla.cuda.graph_step.GraphRunner` keeps static copies of them and rebinds them
+        with :meth:`set_graph_state`."""
         out = [*self._state_list(), self._roots]
         if self.config.engine.commit == "factor":
             if self.pending is None:
