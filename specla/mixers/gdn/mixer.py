@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specla.baselines import ReplayRecord
-from specla.ops import fla_installed
 from specla.mixers import RecurrentMixer, TreePass
-from specla.ops import kernels
+from specla.ops import fla_installed, kernels
 from specla.ops.act import decay_and_sigmoid_gates
 from specla.ops.conv import causal_conv, tree_conv
 from specla.ops.norm import l2norm
