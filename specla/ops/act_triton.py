@@ -28,6 +28,17 @@ def _swiglu_kernel(gu, y, n, inter, srow, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def softplus(x):
+    """PyTorch's softplus of float32 ``x``: ``x`` above 20, else ``log1p(exp(x))`` to float32
+    accuracy (in float64, where ``1 + e`` keeps ``e`` down to 1e-16, and ``e`` itself where it is
+    below 1e-8: ``log1p(e) = e`` to 5e-9 relative); NaN stays NaN (``min(NaN, 20)`` is 20)."""
+    xd = tl.minimum(x, 20.0).to(tl.float64)
+    e = tl.exp(xd)
+    sp = tl.where(x > 20.0, x, tl.where(xd < -18.5, e, tl.log(1.0 + e)).to(tl.float32))
+    return tl.where(x != x, x, sp)
+
+
+@triton.jit
 def _gates_kernel(a, b, dt_bias, neg_A, g, beta, n, HV, sa, sb, beta_scale, BLOCK: tl.constexpr,
                   SCALE: tl.constexpr):
     """Element ``i`` of ``[rows, HV]``: ``g = neg_A * softplus(a + dt_bias)`` (PyTorch's
@@ -37,13 +48,7 @@ def _gates_kernel(a, b, dt_bias, neg_A, g, beta, n, HV, sa, sb, beta_scale, BLOC
     m = i < n
     row, h = i // HV, i % HV
     x = tl.load(a + row * sa + h, mask=m, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=m, other=0.0)
-    # log1p(exp(x)) to float32 accuracy: in float64 (1 + e keeps e down to 1e-16), and e itself
-    # where it is below 1e-8 (log1p(e) = e to 5e-9 relative)
-    xd = tl.minimum(x, 20.0).to(tl.float64)
-    e = tl.exp(xd)
-    sp = tl.where(x > 20.0, x, tl.where(xd < -18.5, e, tl.log(1.0 + e)).to(tl.float32))
-    sp = tl.where(x != x, x, sp)  # NaN stays NaN (min(NaN, 20) is 20), as in PyTorch
-    tl.store(g + i, tl.load(neg_A + h, mask=m, other=0.0) * sp, mask=m)
+    tl.store(g + i, tl.load(neg_A + h, mask=m, other=0.0) * softplus(x), mask=m)
     bt = tl.sigmoid(tl.load(b + row * sb + h, mask=m, other=0.0).to(tl.float32))
     if SCALE:
         bt = bt * beta_scale

@@ -13,7 +13,7 @@ from specla.ops.pending import flush
 from specla.records import LayerCommit
 
 from .records import GDNFactorRecord
-from .verify import TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel
+from .verify import TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel, own_slots
 
 
 def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
@@ -36,5 +36,5 @@ def flush_commit(state: Tensor, k: Tensor, delta: Tensor, G: Tensor, path: Tenso
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     return flush(_serial_verify_kernel, (B * HV, triton.cdiv(V, BV)), state, "[B, HV, K, V]", commit,
                  lambda: _check_pending(B, H, K, HV, V, commit), scale=1.0, SV=0, H=H, HV=HV, K=K, V=V,
-                 BK=triton.next_power_of_2(K), BV=BV, **_pending_kwargs(commit),
+                 BK=triton.next_power_of_2(K), BV=BV, **_pending_kwargs(commit), **own_slots(state),
                  num_warps=TUNING["serial"]["num_warps"])

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, pending_launch, with_pending
 from specla.records import LayerCommit
 
@@ -49,21 +50,23 @@ TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps":
 
 
 @triton.jit
-def _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
+def _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_r, off, i_h, i_hv, o_k, o_v, m_k, m_v,
                    P, Tp, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
     """Fused delayed commit of one state tile: S = exp(G_a) S + sum_{j on path} exp(G_a - G_j)
-    k_j Delta_j^T, written back once; an empty path leaves the tile (and memory) untouched."""
+    k_j Delta_j^T, written back once (where ``m_s``); an empty path leaves the tile (and memory)
+    untouched. Sequence ``i_b``'s path entries less ``off`` are node indices into its records' row
+    ``i_r``."""
     n_p = tl.load(path_len + i_b)
     if n_p > 0:
-        end = tl.load(path + i_b * P + n_p - 1)
-        G_a = tl.load(pG + (i_b * Tp + end) * HV + i_hv)
+        end = tl.load(path + i_b * P + n_p - 1) - off
+        G_a = tl.load(pG + (i_r * Tp + end) * HV + i_hv)
         acc = b_S * tl.exp(G_a)
         for j in range(0, P):
             if j < n_p:
-                node = tl.load(path + i_b * P + j)
-                w = tl.exp(G_a - tl.load(pG + (i_b * Tp + node) * HV + i_hv))
-                b_kp = tl.load(pk + ((i_b * Tp + node) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                b_dp = tl.load(pdelta + ((i_b * Tp + node) * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
+                node = tl.load(path + i_b * P + j) - off
+                w = tl.exp(G_a - tl.load(pG + (i_r * Tp + node) * HV + i_hv))
+                b_kp = tl.load(pk + ((i_r * Tp + node) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_dp = tl.load(pdelta + ((i_r * Tp + node) * HV + i_hv) * V + o_v, mask=m_v, other=0.0)
                 acc += w * b_kp.to(tl.float32)[:, None] * b_dp.to(tl.float32)[None, :]
         b_S = acc
         tl.store(p_S, b_S, mask=m_s)
@@ -74,27 +77,37 @@ PENDING_FIELDS = dict(pk="k", pdelta="delta", pG="G")  # kernel parameter -> GDN
 
 
 @with_pending
-@triton.heuristics({"ONE": lambda args: args["T"] == 1})  # one token: plain decoding's pass
+@triton.heuristics({"ONE": lambda args: args["T"] == 1,  # one token: plain decoding's pass
+                    "SLOTS": lambda args: args["state_idx"] is not None})
 @triton.jit
 def _serial_verify_kernel(
     q, k, v, g, beta, S, o, delta, G, num_nodes,
-    pk, pdelta, pG, path, path_len,
-    scale, T, P, Tp, SV,
+    pk, pdelta, pG, path, path_len, state_idx, rec_idx,
+    scale, T, P, Tp, SV, sS_b, sS_h, sS_k, sS_v, path_step,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, ONE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, ONE: tl.constexpr, SLOTS: tl.constexpr,
 ):
+    """Per (sequence, value head, V tile): the pending commit, then the chain's tokens. The state
+    of sequence ``b`` lies at slot ``b``, or ``state_idx[b]`` (``SLOTS``; a negative slot is
+    neither read nor written), element ``(hv, k, v)`` at ``hv sS_h + k sS_k + v sS_v``; its
+    pending records at row ``b``, or ``rec_idx[b]``, node ``path[b, j] - b * path_step``."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)  # grouped value heads read key head hv // (HV // H), as FLA
+    if SLOTS:
+        slot = tl.load(state_idx + i_b).to(tl.int64)
+        i_r = tl.load(rec_idx + i_b).to(tl.int64)
+    else:
+        slot, i_r = i_b, i_b
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :] & (slot >= tl.zeros([1, BV], dtype=tl.int64))
+    p_S = S + slot * sS_b + i_hv * sS_h + o_k[:, None] * sS_k + o_v[None, :] * sS_v
     b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
     if HAS_PENDING:  # fused delayed commit: the committed state is written once
-        b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v, m_k, m_v,
-                             P, Tp, H, HV, K, V)
+        b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_r, i_b * path_step, i_h, i_hv,
+                             o_k, o_v, m_k, m_v, P, Tp, H, HV, K, V)
     n = tl.load(num_nodes + i_b)
     if ONE:  # one token (plain decoding): o = exp(g) q.S + (q.k) delta; no new state tile is formed
         b_q = tl.load(q + (i_b * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
@@ -143,7 +156,7 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     BV = min(triton.next_power_of_2(V), tune["BV"])
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, state, o, d, G, num_nodes, scale=scale, T=T, SV=SV, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        **_pending_kwargs(pending), num_warps=tune["num_warps"],
+        **_pending_kwargs(pending), **own_slots(state), num_warps=tune["num_warps"],
     )
 
 
@@ -189,6 +202,12 @@ def serial_verify(
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out)
     return out
+
+
+def own_slots(state: Tensor) -> dict:
+    """The serial kernel's placement arguments for specla's own states: sequence ``b``'s state
+    at slot ``b`` of ``state [B, HV, K, V]``, its records at row ``b``, path entries as nodes."""
+    return dict(state_idx=None, rec_idx=None, path_step=0, **dict(zip(("sS_b", "sS_h", "sS_k", "sS_v"), state.stride())))
 
 
 def _value_rows(v: Tensor) -> tuple[Tensor, int]:
@@ -278,16 +297,43 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.con
     tl.store(G + (i_b * T + o_t) * HV + i_hv, b_G, mask=m_t)
 
 
+@triton.jit
+def _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC: tl.constexpr):
+    """The inclusive-ancestor mask ``[BT, BT]`` of sequence ``i_b``'s ``n`` nodes: loaded from
+    ``mask`` (``ANC == 0``, ``[B, T, T]``), built from one parent index per node (``ANC == 1``:
+    ``parents[i_b * sP + i]`` local, ``< i``; node 0 hangs from the state and its entry is not
+    read) row by row (row ``i`` = row ``parent(i)`` plus ``i``), or a chain (``ANC == 2``)."""
+    m_tt = m_t[:, None] & m_t[None, :]
+    if ANC == 0:
+        b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_tt, other=0) != 0
+    elif ANC == 1:
+        par = tl.load(parents + i_b * sP + o_t, mask=m_t & (o_t > 0), other=-1)
+        b_M = (o_t[:, None] == o_t[None, :]) & m_tt
+        for i in range(1, n):
+            p_i = tl.sum(tl.where(o_t == i, par, 0), 0)
+            row = tl.sum(tl.where(o_t[:, None] == p_i, b_M.to(tl.int32), 0), 0) > 0
+            b_M = b_M | ((o_t[:, None] == i) & row[None, :])
+    else:
+        b_M = (o_t[None, :] <= o_t[:, None]) & m_tt
+    return b_M
+
+
 @with_pending
-@triton.heuristics({"PREPARE": lambda args: args["Tm"] is None})  # no prepare launch's results to load
+@triton.heuristics({"PREPARE": lambda args: args["Tm"] is None,  # no prepare launch's results to load
+                    "VARLEN": lambda args: args["cu_seqlens"] is not None,
+                    "SLOTS": lambda args: args["state_idx"] is not None,
+                    "RAW_GATES": lambda args: args["A_log"] is not None,
+                    "ANC": lambda args: 0 if args["mask"] is not None else (1 if args["parents"] is not None else 2)})
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, g, beta, mask, Tm, G, S, o, delta,
     pk, pdelta, pG, path, path_len,
-    scale, T, P, Tp, SV,
+    cu_seqlens, parents, state_idx, rec_idx, A_log, dt_bias, rk,
+    scale, T, P, Tp, SV, SQK, SG, D, sP, sS_b, sS_h, sS_k, sS_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PREC: tl.constexpr,
-    COMMIT_PREC: tl.constexpr, BP: tl.constexpr, PREPARE: tl.constexpr,
+    COMMIT_PREC: tl.constexpr, BP: tl.constexpr, PREPARE: tl.constexpr, VARLEN: tl.constexpr,
+    SLOTS: tl.constexpr, RAW_GATES: tl.constexpr, ANC: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """Per (sequence, value head, V tile): fused delayed commit, then the tree-masked factorized
     verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta.
@@ -299,17 +345,43 @@ def _tree_verify_kernel(
     live at a time. Without ``Tm`` (``PREPARE``)
     each program also computes ``T`` and ``G`` (:func:`_tree_inverse`; ``k k^T`` in the same K
     loop) instead of loading them from :func:`_tree_prepare_kernel`'s launch, and the first V
-    tile writes ``G``."""
+    tile writes ``G``.
+
+    Where the data lives (specla's own calls use the first of each pair): tokens of sequence
+    ``b`` at rows ``b * T + t`` or packed at ``cu_seqlens[b] + t`` (``VARLEN``; ``n`` tokens,
+    ``n <= BT``); the state of sequence ``b`` at slot ``b`` or ``state_idx[b]`` (``SLOTS``; a
+    negative slot reads a zero state), element ``(hv, k, v)`` at ``hv sS_h + k sS_k + v sS_v``;
+    the records ``delta``, ``G`` (and the keys ``rk``, when given) of node ``t`` at row
+    ``r * D + t``, ``r = b`` or ``rec_idx[b]`` (a negative row writes none); gates ``g``,
+    ``beta`` given, or formed from the raw ``a``, ``b`` in their place (``RAW_GATES``: ``g =
+    -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``); ``L2NORM``: q and k are
+    L2-normalised here (sums of squares gathered over the K blocks, the products rescaled after)."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_v = o_t < T, o_v < V
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
+        n = (tl.load(cu_seqlens + i_b + 1) - bos).to(tl.int32)
+    else:
+        bos = i_b * T
+        n = T
+    if SLOTS:
+        slot = tl.load(state_idx + i_b).to(tl.int64)
+        row = tl.load(rec_idx + i_b).to(tl.int64)
+    else:
+        slot, row = i_b, i_b
+    m_t, m_v = o_t < n, o_v < V
+    tok = bos + o_t
+    rec = row * D + o_t
+    m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
     b_kS = tl.zeros([BT, BV], dtype=tl.float32)
     b_qS = tl.zeros([BT, BV], dtype=tl.float32)
     b_qk = tl.zeros([BT, BT], dtype=tl.float32)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    ssq_q = tl.zeros([BT], dtype=tl.float32)
+    ssq_k = tl.zeros([BT], dtype=tl.float32)
     if HAS_PENDING:
         # the pending commit as one product per K block: S = exp(G_a) S + K_p^T (w * Delta_p), with
         # the path's weighted Delta rows [BP, BV] loaded once (they do not depend on the K block)
@@ -326,8 +398,8 @@ def _tree_verify_kernel(
     for kb in range(0, K, BKC):
         o_k = kb + tl.arange(0, BKC)
         m_k = o_k < K
-        m_s = m_k[:, None] & m_v[None, :]
-        p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+        m_s = m_k[:, None] & m_v[None, :] & (slot >= tl.zeros([1, BV], dtype=tl.int64))
+        p_S = S + slot * sS_b + i_hv * sS_h + o_k[:, None] * sS_k + o_v[None, :] * sS_v
         b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
         if HAS_PENDING:  # no branch on n_p: after a decoder's first step every sequence commits
             b_kp = tl.load(pk + ((i_b * Tp + nodes[None, :]) * H + i_h) * K + o_k[:, None],
@@ -338,24 +410,47 @@ def _tree_verify_kernel(
             tl.store(p_S, b_S, mask=m_s & (n_p > tl.zeros([BKC, 1], dtype=tl.int32)))
         m_tk = m_t[:, None] & m_k[None, :]
         # products in DOT_PREC: "ieee" for float32 runs, TUNING["tree"]["dot"] otherwise
-        b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        if L2NORM:
+            ssq_q += tl.sum(b_q * b_q, 1)
+            ssq_k += tl.sum(b_k * b_k, 1)
         b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
         if PREPARE:
             b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
         b_kS += tl.dot(b_k, b_S, input_precision=DOT_PREC)
         b_qS += tl.dot(b_q, b_S, input_precision=DOT_PREC)
-    b_v = tl.load(v + (i_b * T + o_t[:, None]) * SV + i_hv * V + o_v[None, :],
+    r_k = tl.full([BT], 1.0, dtype=tl.float32)
+    if L2NORM:  # every product above is linear in each q and k row: normalise them now
+        r_q = 1.0 / tl.sqrt(ssq_q + 1e-6)
+        r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
+        b_qk = b_qk * r_q[:, None] * r_k[None, :]
+        b_kk = b_kk * r_k[:, None] * r_k[None, :]
+        b_kS = b_kS * r_k[:, None]
+        b_qS = b_qS * r_q[:, None]
+    if rk is not None:  # the records' keys, normalised, from one program per key head
+        if (i_v == 0) & (i_hv % (HV // H) == 0):
+            for kb in range(0, K, BKC):
+                o_k = kb + tl.arange(0, BKC)
+                m_tk = m_rec[:, None] & (o_k[None, :] < K)
+                b_k = tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+                tl.store(rk + (rec[:, None] * H + i_h) * K + o_k[None, :], b_k * r_k[:, None], mask=m_tk)
+    b_v = tl.load(v + tok[:, None] * SV + i_hv * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0) != 0
+    b_beta = tl.load(beta + tok * SG + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+    b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
     if PREPARE:
-        b_g = tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T)
+        b_g = tl.load(g + tok * SG + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        if RAW_GATES:
+            x = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
+            b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus(x), 0.0)
+        b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n)
         if i_v == 0:
-            tl.store(G + (i_b * T + o_t) * HV + i_hv, b_G, mask=m_t)
+            tl.store(G + rec * HV + i_hv, b_G, mask=m_rec)
     else:
-        b_G = tl.load(G + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+        b_G = tl.load(G + rec * HV + i_hv, mask=m_t, other=0.0)
         b_T = tl.load(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :])
     eG = tl.exp(b_G)
     rhs = b_beta[:, None] * (b_v - eG[:, None] * b_kS)
@@ -363,9 +458,8 @@ def _tree_verify_kernel(
     gam = tl.where(b_M, tl.exp(tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     b_o = scale * (eG[:, None] * b_qS + tl.dot(b_qk * gam, b_d, input_precision=DOT_PREC))
     m_tv = m_t[:, None] & m_v[None, :]
-    p_o = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-    tl.store(o + p_o, b_o.to(o.dtype.element_ty), mask=m_tv)
-    tl.store(delta + p_o, b_d, mask=m_tv)
+    tl.store(o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    tl.store(delta + (rec[:, None] * HV + i_hv) * V + o_v[None, :], b_d, mask=m_rec[:, None] & m_v[None, :])
 
 
 MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees need the hybrid kernel
@@ -423,13 +517,30 @@ def tree_verify(
     if not fused:
         _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
                                         num_warps=TUNING["prepare"]["num_warps"])
-    pend = _pending_kwargs(pending)
-    _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        q, k, v, g, beta, mask, Tm, G, state, o, d, scale=scale, T=T, SV=SV,
-        H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, COMMIT_PREC=commit,
-        BP=max(16, triton.next_power_of_2(pend["P"])), **pend, num_warps=tune["num_warps"], num_stages=tune["num_stages"],
-    )
+    _launch_tree(B, q, k, v, g, beta, state, out, scale, BT, BV, BKC, prec, commit, mask=mask, Tm=Tm, T=T, SV=SV,
+                 SQK=H * K, SG=HV, D=T, pending=pending)
     return out
+
+
+def _launch_tree(B, q, k, v, g, beta, state, out, scale, BT, BV, BKC, prec, commit, *, pending=None,
+                 state_strides=None, **where):
+    """One launch of :func:`_tree_verify_kernel` over ``B`` sequences: ``where`` gives the
+    kernel's data-placement arguments (``mask``/``parents``, ``cu_seqlens``, ``state_idx``,
+    ``rec_idx``, ``A_log``/``dt_bias``, ``rk``, ``L2NORM``, the strides and sizes); those left out
+    are specla's own layout; ``state_strides`` defaults to ``state``'s."""
+    H, K = k.shape[-2], k.shape[-1]
+    HV, V = v.shape[-2], v.shape[-1]
+    o, d, G = out
+    pend = _pending_kwargs(pending)
+    where = dict(mask=None, Tm=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, A_log=None,
+                 dt_bias=None, rk=None, T=0, sP=0, L2NORM=False) | where
+    sS = state_strides if state_strides is not None else state.stride()
+    _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
+        q=q, k=k, v=v, g=g, beta=beta, G=G, S=state, o=o, delta=d, scale=scale, sS_b=sS[0], sS_h=sS[1], sS_k=sS[2],
+        sS_v=sS[3], H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, COMMIT_PREC=commit,
+        BP=max(16, triton.next_power_of_2(pend["P"])), **pend, **where, num_warps=TUNING["tree"]["num_warps"],
+        num_stages=TUNING["tree"]["num_stages"],
+    )
 
 
 @with_pending
@@ -460,7 +571,7 @@ def _chain_kernel(
     if src < 0:
         b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
         if HAS_PENDING:  # only the root chain of a sequence reads the committed state
-            b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_h, i_hv, o_k, o_v,
+            b_S = _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_b, 0, i_h, i_hv, o_k, o_v,
                                  m_k, m_v, P, Tp, H, HV, K, V)
     else:
         b_S = tl.load(branch + (src * HV + i_hv) * K * V + tile, mask=m_s, other=0.0)

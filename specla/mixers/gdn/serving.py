@@ -1,0 +1,240 @@
+"""specla's GDN verify and commit on a serving engine's own data (SGLang's, vLLM's): the recurrent
+states stay in the engine's state pool, read and written in place by slot index in its layout;
+the tokens come packed (``cu_seqlens``) with the raw gate inputs; a tree is one parent index per
+node; the factor records go to engine-owned per-row buffers. No state is copied in or out.
+
+- :func:`gdn_pool_verify`: a drop-in for SGLang's tree verify call,
+  ``fused_sigmoid_gating_delta_rule_update(..., disable_state_update=True,
+  intermediate_states_buffer=..., retrieve_parent_token=...)`` (``TritonGDNKernel.target_verify``
+  in ``srt/layers/attention/linear/kernels/gdn_triton.py``): the same argument names for what both
+  take, ``records`` in place of ``intermediate_states_buffer`` (a key, a delta and a decay per node
+  and head instead of a full ``[HV, V, K]`` state per node). The state pool is not written.
+- :func:`gdn_pool_commit`: after acceptance, the accepted path of every row into its slot of the
+  pool, from the engine's ``accept_index`` / ``accept_lens`` (what SGLang's
+  ``commit_mamba_states_after_verify`` holds), in closed form from the records.
+
+Both run the kernels specla's own engine runs (:mod:`.verify`: the tree-masked factorized verify
+for ``gdn_pool_verify``, the serial kernel's fused commit for ``gdn_pool_commit``), one launch each.
+
+Shapes: ``N`` rows (requests) of a batch, ``Ttot`` packed tokens, ``H`` key heads, ``HV`` value
+heads (a multiple of ``H``; value head ``j`` reads key head ``j // (HV / H)``), ``K``/``V`` head
+dims, ``R`` record rows, ``D`` record steps per row (the most draft tokens a row verifies, root
+included; at most 64), ``slots`` state slots.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+from torch import Tensor
+
+from .verify import MAX_TREE_NODES, TUNING, _launch_tree, _serial_verify_kernel
+
+
+class GDNRecordBuffers(NamedTuple):
+    """One layer's factor records, engine-owned, float32, contiguous: row ``r`` holds the records
+    of the request whose ``intermediate_state_indices`` entry is ``r``; step ``t`` is its ``t``-th
+    verified token (0: the root, the last committed token). Allocate them once (CUDA graphs,
+    preemption and prefix-cache donation see them) with :func:`empty_record_buffers`."""
+
+    k: Tensor  # [R, D, H, K] L2-normalised keys
+    delta: Tensor  # [R, D, HV, V] each node's delta on its own root path
+    G: Tensor  # [R, D, HV] log decay summed along each node's root path
+
+
+def empty_record_buffers(rows: int, steps: int, H: int, HV: int, K: int, V: int,
+                         device: torch.device | str) -> GDNRecordBuffers:
+    """Uninitialised :class:`GDNRecordBuffers` of ``rows`` rows of ``steps`` steps (float32)."""
+    f = lambda *s: torch.empty(rows, steps, *s, dtype=torch.float32, device=device)  # noqa: E731
+    return GDNRecordBuffers(k=f(H, K), delta=f(HV, V), G=f(HV))
+
+
+def _token_rows(x: Tensor, *inner: int) -> Tensor:
+    """``x [..., *inner]`` as ``[tokens, *inner]`` with dense inner dims, a view where the strides
+    allow (the engine's q, k, v are slices of one wider projection)."""
+    y = x.reshape(-1, *inner)
+    dense = y.stride(-1) == 1 and (len(inner) == 1 or y.stride(-2) == inner[-1])
+    return y if dense else y.contiguous()
+
+
+def _check_records(records: GDNRecordBuffers, H: int, HV: int, K: int, V: int, device) -> int:
+    """Records must be contiguous float32 ``[R, D, ...]`` of the layer's heads; returns ``D``."""
+    if not isinstance(records, GDNRecordBuffers):
+        raise ValueError(f"records must be GDNRecordBuffers, got {type(records).__name__}")
+    R, D = records.k.shape[:2]
+    for name, x, tail in (("k", records.k, (H, K)), ("delta", records.delta, (HV, V)), ("G", records.G, (HV,))):
+        if tuple(x.shape) != (R, D, *tail) or x.dtype != torch.float32 or not x.is_contiguous() or x.device != device:
+            raise ValueError(f"records.{name} must be contiguous float32 [{R}, {D}, {', '.join(map(str, tail))}] "
+                             f"on {device}, got {x.dtype} {list(x.shape)} on {x.device}")
+    return D
+
+
+def _check_pool(state: Tensor, HV: int, K: int, V: int) -> tuple[int, int, int, int]:
+    """The pool's strides as the kernels take them, ``(slot, head, k, v)`` (ValueError unless a
+    float32 ``[slots, HV, V, K]``)."""
+    if state.dim() != 4 or tuple(state.shape[1:]) != (HV, V, K) or state.dtype != torch.float32:
+        raise ValueError(f"initial_state_source must be float32 [slots, {HV}, {V}, {K}] (V before K), "
+                         f"got {state.dtype} {list(state.shape)}")
+    s = state.stride()
+    return s[0], s[1], s[3], s[2]
+
+
+def _check_index(name: str, x: Tensor, N: int, device) -> None:
+    if x.shape != (N,) or x.dtype not in (torch.int32, torch.int64) or x.device != device:
+        raise ValueError(f"{name} must be int32 or int64 [{N}] on {device}, got {x.dtype} {list(x.shape)}")
+
+
+def gdn_pool_verify(
+    A_log: Tensor, a: Tensor, dt_bias: Tensor, softplus_beta: float, softplus_threshold: float,
+    q: Tensor, k: Tensor, v: Tensor, b: Tensor, initial_state_source: Tensor, initial_state_indices: Tensor,
+    scale: float | None = None, use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None, *,
+    records: GDNRecordBuffers, intermediate_state_indices: Tensor, cache_steps: int | None = None,
+    retrieve_parent_token: Tensor | None = None,
+) -> Tensor:
+    """Verify a batch of draft trees (or chains) of one GDN layer against the states in the
+    engine's pool, and write each node's factor records; the pool is not written.
+
+    Node ``t`` of row ``n`` is token ``cu_seqlens[n] + t``; node 0 (the root) hangs from the
+    state in slot ``initial_state_indices[n]``, node ``t > 0`` from node
+    ``retrieve_parent_token[n, t]`` (``< t``), or from node ``t - 1`` without
+    ``retrieve_parent_token`` (chains). Every node's output is the serial gated delta rule's
+    along its root path from that state (docs/DESIGN.md section 4, tree-masked factorized form).
+
+    Args:
+        A_log, dt_bias: ``[HV]``; a, b: ``[Ttot, HV]`` (or ``[N, T, HV]``) raw gate inputs, any
+            float dtype, token rows may be strided: ``g = -exp(A_log) softplus(a + dt_bias)``,
+            ``beta = sigmoid(b)`` in float32 in the kernel.
+        softplus_beta, softplus_threshold: must be ``1.0`` and ``20.0`` (PyTorch's softplus; what
+            SGLang passes); ValueError otherwise.
+        q, k: ``[1, Ttot, H, K]`` with ``cu_seqlens`` (or ``[N, T, H, K]`` without), float32 or
+            bfloat16; token rows may be strided (slices of one projection), each row dense.
+        v: ``[1, Ttot, HV, V]`` (or ``[N, T, HV, V]``), likewise.
+        initial_state_source: ``[slots, HV, V, K]`` float32 state pool (V before K; the slot
+            stride is read from the tensor, the rest dense); read only.
+        initial_state_indices: ``[N]`` int32/int64 slot per row; a negative slot reads a zero
+            state (padding rows).
+        scale: query scale, default ``K ** -0.5``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k in the kernel (``x / sqrt(sum x^2 +
+            1e-6)``), as SGLang's call does; else they come normalised.
+        cu_seqlens: ``[N + 1]`` int32/int64 packed row starts (SGLang's ``query_start_loc``), or
+            ``None``: ``N = q.shape[0]`` rows of ``T = q.shape[1]`` tokens.
+        records: the layer's :class:`GDNRecordBuffers` (``D`` steps a row): node ``t`` of row
+            ``n`` is written to step ``t`` of row ``intermediate_state_indices[n]``; a negative
+            row writes none.
+        intermediate_state_indices: ``[N]`` int32/int64 record row per row.
+        cache_steps: the most tokens a row has (SGLang's ``draft_token_num``), ``<= D``; default
+            ``D``. It sizes the kernel's tiles (no device sync reads ``cu_seqlens``).
+        retrieve_parent_token: ``[N, >= cache_steps]`` int32/int64 parent of each node, local
+            indices (entry 0 unread), or ``None`` for chains.
+    Returns:
+        ``o``: ``v``'s shape (``[1, Ttot, HV, V]``), in ``q.dtype``.
+    Raises:
+        ValueError: shapes, dtypes or devices disagree, ``cache_steps > D``, or more than 64
+        tokens a row (checked before any launch).
+    """
+    if (softplus_beta, softplus_threshold) != (1.0, 20.0):
+        raise ValueError(f"the gates take softplus_beta 1.0 and softplus_threshold 20.0, got {softplus_beta}, "
+                         f"{softplus_threshold}")
+    H, K = k.shape[-2], k.shape[-1]
+    HV, V = v.shape[-2], v.shape[-1]
+    dev = v.device
+    if q.shape != k.shape or q.dim() != 4 or v.dim() != 4 or v.shape[:2] != q.shape[:2] or HV % H:
+        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, HV, V] with HV % H == 0; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if a.shape[-1] != HV or b.shape != a.shape or a.numel() != q.shape[0] * q.shape[1] * HV:
+        raise ValueError(f"a, b must be [tokens, {HV}] of the {q.shape[0] * q.shape[1]} tokens, got "
+                         f"{list(a.shape)}, {list(b.shape)}")
+    if A_log.shape != (HV,) or dt_bias.shape != (HV,):
+        raise ValueError(f"A_log and dt_bias must be [{HV}], got {list(A_log.shape)}, {list(dt_bias.shape)}")
+    D = _check_records(records, H, HV, K, V, dev)
+    steps = D if cache_steps is None else cache_steps
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if cu_seqlens is None and q.shape[1] > steps:
+        raise ValueError(f"rows of {q.shape[1]} tokens exceed the records' {steps} steps")
+    if steps > D or steps > MAX_TREE_NODES:
+        raise ValueError(f"cache_steps must be at most the records' D = {D} and {MAX_TREE_NODES}, got {steps}")
+    sS = _check_pool(initial_state_source, HV, K, V)
+    _check_index("initial_state_indices", initial_state_indices, N, dev)
+    _check_index("intermediate_state_indices", intermediate_state_indices, N, dev)
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"cu_seqlens must be int32 or int64 [N + 1], got {cu_seqlens.dtype} {list(cu_seqlens.shape)}")
+    parents = retrieve_parent_token
+    if parents is not None:
+        if parents.dim() != 2 or parents.shape[0] != N or parents.shape[1] < steps or \
+                parents.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"retrieve_parent_token must be int32 or int64 [{N}, >= {steps}], got "
+                             f"{parents.dtype} {list(parents.shape)}")
+        parents = parents if parents.stride(1) == 1 else parents.contiguous()
+    if len({x.device for x in (q, k, a, b, A_log, dt_bias, initial_state_source, *(
+            y for y in (cu_seqlens, parents) if y is not None))} | {dev}) != 1:
+        raise ValueError("all tensors must be on one device")
+    qr, kr = _token_rows(q, H, K), _token_rows(k, H, K)
+    if qr.stride(0) != kr.stride(0):  # one token stride for both
+        qr, kr = qr.contiguous(), kr.contiguous()
+    vr = _token_rows(v, HV, V)
+    ar, br = _token_rows(a, HV), _token_rows(b, HV)
+    if ar.stride(0) != br.stride(0):
+        ar, br = ar.contiguous(), br.contiguous()
+    o = torch.empty(v.shape, dtype=q.dtype, device=dev)
+    tune = TUNING["tree"]
+    BV, BKC = tune["tiles"]["fused"]  # the prepare runs inside each program (no per-call scratch)
+    BKC = max(16, min(triton.next_power_of_2(K), BKC))
+    BV = max(16, min(triton.next_power_of_2(V), BV))
+    prec = "ieee" if v.dtype == torch.float32 else tune["dot"]
+    _launch_tree(N, qr, kr, vr, ar, br, initial_state_source, (o, records.delta, records.G),
+                 K**-0.5 if scale is None else scale, max(16, triton.next_power_of_2(steps)), BV, BKC, prec, prec,
+                 state_strides=sS, T=q.shape[1], SV=vr.stride(0), SQK=qr.stride(0), SG=ar.stride(0), D=D,
+                 cu_seqlens=cu_seqlens, parents=parents, sP=0 if parents is None else parents.stride(0),
+                 state_idx=initial_state_indices, rec_idx=intermediate_state_indices, A_log=A_log, dt_bias=dt_bias,
+                 rk=records.k, L2NORM=use_qk_l2norm_in_kernel)
+    return o
+
+
+def gdn_pool_commit(
+    initial_state_source: Tensor, initial_state_indices: Tensor, records: GDNRecordBuffers,
+    intermediate_state_indices: Tensor, accept_index: Tensor, accept_lens: Tensor, draft_token_num: int,
+) -> None:
+    """Commit each row's accepted path into its slot of the pool, in place, in closed form from
+    the records of :func:`gdn_pool_verify`: ``S = exp(G_a) S + sum_{j on the path} exp(G_a -
+    G_j) k_j delta_j^T`` (``a`` the path's last node; docs/DESIGN.md section 4). One launch.
+
+    Args:
+        initial_state_source: ``[slots, HV, V, K]`` float32 pool, as :func:`gdn_pool_verify`'s;
+            written in place (only the slots of rows with a path).
+        initial_state_indices: ``[N]`` int32/int64 slot per row (negative: left alone).
+        records, intermediate_state_indices: as given to the verify of this step.
+        accept_index: ``[N, P]`` int32/int64, SGLang's: row ``n``'s accepted nodes root to leaf
+            as flat positions ``n * draft_token_num + t`` (node ``t``), ``-1`` padded.
+        accept_lens: ``[N]`` int32/int64 accepted nodes per row, the root included (``1``: the
+            root alone; ``0`` leaves the slot untouched, not even written).
+        draft_token_num: the verify's tokens per row (the stride of ``accept_index``'s positions).
+    Raises:
+        ValueError: shapes, dtypes or devices disagree (checked before the launch).
+    """
+    st = initial_state_source
+    N = initial_state_indices.shape[0]
+    H, K = records.k.shape[-2:]
+    HV, V = records.delta.shape[-2:]
+    sS = _check_pool(st, HV, K, V)
+    D = _check_records(records, H, HV, K, V, st.device)
+    _check_index("initial_state_indices", initial_state_indices, N, st.device)
+    _check_index("intermediate_state_indices", intermediate_state_indices, N, st.device)
+    _check_index("accept_lens", accept_lens, N, st.device)
+    if accept_index.dim() != 2 or accept_index.shape[0] != N or accept_index.dtype not in (torch.int32, torch.int64) \
+            or accept_index.device != st.device:
+        raise ValueError(f"accept_index must be int32 or int64 [{N}, P] on {st.device}, got {accept_index.dtype} "
+                         f"{list(accept_index.shape)}")
+    if draft_token_num > D:
+        raise ValueError(f"draft_token_num {draft_token_num} exceeds the records' {D} steps")
+    BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
+    chain = _serial_verify_kernel.arg_names.index("num_nodes")
+    # the serial kernel with an empty chain (T = 0) runs its fused commit alone (specla.ops.pending.flush)
+    _serial_verify_kernel[(N * HV, triton.cdiv(V, BV))](
+        *[st] * chain, accept_lens, pk=records.k, pdelta=records.delta, pG=records.G,
+        path=accept_index.contiguous(), path_len=accept_lens, state_idx=initial_state_indices,
+        rec_idx=intermediate_state_indices, scale=1.0, T=0, P=accept_index.shape[1], Tp=D, SV=0,
+        sS_b=sS[0], sS_h=sS[1], sS_k=sS[2], sS_v=sS[3], path_step=draft_token_num, H=H, HV=HV, K=K, V=V,
+        BK=triton.next_power_of_2(K), BV=BV, num_warps=TUNING["serial"]["num_warps"],
+    )
