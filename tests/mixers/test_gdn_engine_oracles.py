@@ -373,7 +373,8 @@ def _plain_step(model, sglang, pools, cache_indices, tokens):
 def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engines_plain_decoding(sglang):
     """Greedy decoding of a small random GDN model, two rows in state slots 3 and 1: plain, one
     token a step through SGLang's decode kernel, against speculation on ragged random draft trees
-    (6 and 4 nodes, root included) through ``gdn_pool_verify`` and ``gdn_pool_commit``. The
+    (6 and 4 nodes, root included) through ``gdn_pool_verify`` and ``gdn_pool_commit`` (every
+    layer in one launch). The
     drafter knows part of the answer (a random-depth branch of the plain tokens, the other
     branches wrong), so steps accept from nothing to a whole branch. Tokens must be identical."""
     model, new = TinyGDNModel(seed=6), 12
@@ -391,11 +392,11 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
             plain.append(nxt)
     plain = torch.stack(plain, 1).tolist()
 
-    pools = [torch.zeros(slots, HV, V, K) for _ in range(model.layers)]
+    pools = torch.zeros(model.layers, slots, HV, V, K)  # every layer's pool, committed in one launch
     for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
         _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
     rows = torch.tensor([1, 0], dtype=torch.int32)
-    records = [empty_record_buffers(N, max(sizes), H, HV, K, V, "cpu") for _ in range(model.layers)]
+    records = empty_record_buffers(N, max(sizes), H, HV, K, V, "cpu", layers=model.layers)
     gen = torch.Generator().manual_seed(7)
     out, roots, accepted = [[], []], prompts[:, -1].tolist(), []
     while min(len(o) for o in out) < new:
@@ -421,7 +422,7 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
 
         def gdn(i, A_log, a, dt_bias, q, k, v, b):
             return gdn_pool_verify(A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pools[i], cache_indices,
-                                   use_qk_l2norm_in_kernel=True, cu_seqlens=qsl, records=records[i],
+                                   use_qk_l2norm_in_kernel=True, cu_seqlens=qsl, records=records.layer(i),
                                    intermediate_state_indices=rows, cache_steps=max(sizes),
                                    retrieve_parent_token=parents)
 
@@ -439,7 +440,6 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
             paths.append(path)
             accepted.append(len(path) - 1)
         accept_index, accept_lens = _accept(paths, max(sizes), max(sizes))
-        for i in range(model.layers):
-            gdn_pool_commit(pools[i], cache_indices, records[i], rows, accept_index, accept_lens, max(sizes))
+        gdn_pool_commit(pools, cache_indices, records, rows, accept_index, accept_lens, max(sizes))
     assert [o[:new] for o in out] == plain
     assert 0 in accepted and max(accepted) >= 3  # steps accepting nothing, and deep ones

@@ -34,20 +34,28 @@ from .verify import MAX_TREE_NODES, TUNING, _launch_tree, _serial_verify_kernel
 
 
 class GDNRecordBuffers(NamedTuple):
-    """One layer's factor records, engine-owned, float32, contiguous: row ``r`` holds the records
-    of the request whose ``intermediate_state_indices`` entry is ``r``; step ``t`` is its ``t``-th
-    verified token (0: the root, the last committed token). Allocate them once (CUDA graphs,
-    preemption and prefix-cache donation see them) with :func:`empty_record_buffers`."""
+    """Factor records, engine-owned, float32, contiguous: row ``r`` holds the records of the
+    request whose ``intermediate_state_indices`` entry is ``r``; step ``t`` is its ``t``-th
+    verified token (0: the root, the token after the committed state). One layer's (as
+    :func:`gdn_pool_verify` writes them), or every layer's with a leading ``[layers]`` dim (as
+    :func:`gdn_pool_commit` may take them; :meth:`layer` is one layer's view). Allocate them once
+    (CUDA graphs, preemption and prefix-cache donation see them) with :func:`empty_record_buffers`."""
 
-    k: Tensor  # [R, D, H, K] L2-normalised keys
-    delta: Tensor  # [R, D, HV, V] each node's delta on its own root path
-    G: Tensor  # [R, D, HV] log decay summed along each node's root path
+    k: Tensor  # [(layers,) R, D, H, K] L2-normalised keys
+    delta: Tensor  # [(layers,) R, D, HV, V] each node's delta on its own root path
+    G: Tensor  # [(layers,) R, D, HV] log decay summed along each node's root path
+
+    def layer(self, i: int) -> "GDNRecordBuffers":
+        """Layer ``i``'s records (views) of every layer's."""
+        return GDNRecordBuffers(self.k[i], self.delta[i], self.G[i])
 
 
-def empty_record_buffers(rows: int, steps: int, H: int, HV: int, K: int, V: int,
-                         device: torch.device | str) -> GDNRecordBuffers:
-    """Uninitialised :class:`GDNRecordBuffers` of ``rows`` rows of ``steps`` steps (float32)."""
-    f = lambda *s: torch.empty(rows, steps, *s, dtype=torch.float32, device=device)  # noqa: E731
+def empty_record_buffers(rows: int, steps: int, H: int, HV: int, K: int, V: int, device: torch.device | str,
+                         layers: int | None = None) -> GDNRecordBuffers:
+    """Uninitialised :class:`GDNRecordBuffers` of ``rows`` rows of ``steps`` steps (float32), of
+    one layer, or of ``layers`` layers (a leading dim)."""
+    lead = () if layers is None else (layers,)
+    f = lambda *s: torch.empty(*lead, rows, steps, *s, dtype=torch.float32, device=device)  # noqa: E731
     return GDNRecordBuffers(k=f(H, K), delta=f(HV, V), G=f(HV))
 
 
@@ -59,25 +67,28 @@ def _token_rows(x: Tensor, *inner: int) -> Tensor:
     return y if dense else y.contiguous()
 
 
-def _check_records(records: GDNRecordBuffers, H: int, HV: int, K: int, V: int, device) -> int:
-    """Records must be contiguous float32 ``[R, D, ...]`` of the layer's heads; returns ``D``."""
+def _check_records(records: GDNRecordBuffers, H: int, HV: int, K: int, V: int, device, lead: tuple = ()) -> int:
+    """Records must be contiguous float32 ``[*lead, R, D, ...]`` of the layer's heads; returns
+    ``D``."""
     if not isinstance(records, GDNRecordBuffers):
         raise ValueError(f"records must be GDNRecordBuffers, got {type(records).__name__}")
-    R, D = records.k.shape[:2]
+    R, D = records.k.shape[len(lead):len(lead) + 2]
     for name, x, tail in (("k", records.k, (H, K)), ("delta", records.delta, (HV, V)), ("G", records.G, (HV,))):
-        if tuple(x.shape) != (R, D, *tail) or x.dtype != torch.float32 or not x.is_contiguous() or x.device != device:
-            raise ValueError(f"records.{name} must be contiguous float32 [{R}, {D}, {', '.join(map(str, tail))}] "
-                             f"on {device}, got {x.dtype} {list(x.shape)} on {x.device}")
+        shape = (*lead, R, D, *tail)
+        if tuple(x.shape) != shape or x.dtype != torch.float32 or not x.is_contiguous() or x.device != device:
+            raise ValueError(f"records.{name} must be contiguous float32 {list(shape)} on {device}, got {x.dtype} "
+                             f"{list(x.shape)} on {x.device}")
     return D
 
 
-def _check_pool(state: Tensor, HV: int, K: int, V: int) -> tuple[int, int, int, int]:
+def _check_pool(state: Tensor, HV: int, K: int, V: int, layers: bool = False) -> tuple[int, int, int, int]:
     """The pool's strides as the kernels take them, ``(slot, head, k, v)`` (ValueError unless a
-    float32 ``[slots, HV, V, K]``)."""
-    if state.dim() != 4 or tuple(state.shape[1:]) != (HV, V, K) or state.dtype != torch.float32:
-        raise ValueError(f"initial_state_source must be float32 [slots, {HV}, {V}, {K}] (V before K), "
+    float32 ``[slots, HV, V, K]``, or ``[layers, slots, HV, V, K]`` where ``layers``)."""
+    lead = "layers, " if layers else ""
+    if state.dim() != 4 + layers or tuple(state.shape[-3:]) != (HV, V, K) or state.dtype != torch.float32:
+        raise ValueError(f"initial_state_source must be float32 [{lead}slots, {HV}, {V}, {K}] (V before K), "
                          f"got {state.dtype} {list(state.shape)}")
-    s = state.stride()
+    s = state.stride()[layers:]
     return s[0], s[1], s[3], s[2]
 
 
@@ -198,27 +209,35 @@ def gdn_pool_commit(
 ) -> None:
     """Commit each row's accepted path into its slot of the pool, in place, in closed form from
     the records of :func:`gdn_pool_verify`: ``S = exp(G_a) S + sum_{j on the path} exp(G_a -
-    G_j) k_j delta_j^T`` (``a`` the path's last node; docs/DESIGN.md section 4). One launch.
+    G_j) k_j delta_j^T`` (``a`` the path's last node; docs/DESIGN.md section 4). One launch, for
+    one layer or for every layer at once.
 
     Args:
-        initial_state_source: ``[slots, HV, V, K]`` float32 pool, as :func:`gdn_pool_verify`'s;
-            written in place (only the slots of rows with a path).
-        initial_state_indices: ``[N]`` int32/int64 slot per row (negative: left alone).
-        records, intermediate_state_indices: as given to the verify of this step.
+        initial_state_source: ``[slots, HV, V, K]`` float32 pool, as :func:`gdn_pool_verify`'s,
+            or every layer's ``[layers, slots, HV, V, K]`` (the layer and slot strides are read
+            from the tensor, the rest dense); written in place (only the slots of rows with a
+            path).
+        initial_state_indices: ``[N]`` int32/int64 slot per row (negative: left alone); every
+            layer's pool takes the same slots.
+        records: as the verify of this step wrote them, one layer's or with a leading
+            ``[layers]`` dim matching the pool's.
+        intermediate_state_indices: ``[N]`` record row per row, as given to the verify.
         accept_index: ``[N, P]`` int32/int64, SGLang's: row ``n``'s accepted nodes root to leaf
             as flat positions ``n * draft_token_num + t`` (node ``t``), ``-1`` padded.
         accept_lens: ``[N]`` int32/int64 accepted nodes per row, the root included (``1``: the
             root alone; ``0`` leaves the slot untouched, not even written).
-        draft_token_num: the verify's tokens per row (the stride of ``accept_index``'s positions).
+        draft_token_num: the stride of ``accept_index``'s positions (SGLang's tokens per row).
     Raises:
         ValueError: shapes, dtypes or devices disagree (checked before the launch).
     """
     st = initial_state_source
+    layered = st.dim() == 5
     N = initial_state_indices.shape[0]
     H, K = records.k.shape[-2:]
     HV, V = records.delta.shape[-2:]
-    sS = _check_pool(st, HV, K, V)
-    D = _check_records(records, H, HV, K, V, st.device)
+    sS = _check_pool(st, HV, K, V, layers=layered)
+    L = st.shape[0] if layered else 1
+    D = _check_records(records, H, HV, K, V, st.device, lead=(L,) if layered else ())
     _check_index("initial_state_indices", initial_state_indices, N, st.device)
     _check_index("intermediate_state_indices", intermediate_state_indices, N, st.device)
     _check_index("accept_lens", accept_lens, N, st.device)
@@ -228,13 +247,15 @@ def gdn_pool_commit(
                          f"{list(accept_index.shape)}")
     if draft_token_num > D:
         raise ValueError(f"draft_token_num {draft_token_num} exceeds the records' {D} steps")
+    layer_strides = [x.stride(0) if layered else 0 for x in (st, *records)]
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     chain = _serial_verify_kernel.arg_names.index("num_nodes")
     # the serial kernel with an empty chain (T = 0) runs its fused commit alone (specla.ops.pending.flush)
-    _serial_verify_kernel[(N * HV, triton.cdiv(V, BV))](
+    _serial_verify_kernel[(N * HV, triton.cdiv(V, BV), L)](
         *[st] * chain, accept_lens, pk=records.k, pdelta=records.delta, pG=records.G,
         path=accept_index.contiguous(), path_len=accept_lens, state_idx=initial_state_indices,
         rec_idx=intermediate_state_indices, scale=1.0, T=0, P=accept_index.shape[1], Tp=D, SV=0,
-        sS_b=sS[0], sS_h=sS[1], sS_k=sS[2], sS_v=sS[3], path_step=draft_token_num, H=H, HV=HV, K=K, V=V,
+        sS_b=sS[0], sS_h=sS[1], sS_k=sS[2], sS_v=sS[3], path_step=draft_token_num,
+        **dict(zip(("lS", "lk", "ld", "lG"), layer_strides)), H=H, HV=HV, K=K, V=V,
         BK=triton.next_power_of_2(K), BV=BV, num_warps=TUNING["serial"]["num_warps"],
     )

@@ -83,15 +83,23 @@ PENDING_FIELDS = dict(pk="k", pdelta="delta", pG="G")  # kernel parameter -> GDN
 def _serial_verify_kernel(
     q, k, v, g, beta, S, o, delta, G, num_nodes,
     pk, pdelta, pG, path, path_len, state_idx, rec_idx,
-    scale, T, P, Tp, SV, sS_b, sS_h, sS_k, sS_v, path_step,
+    scale, T, P, Tp, SV, sS_b, sS_h, sS_k, sS_v, path_step, lS, lk, ld, lG,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, ONE: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """Per (sequence, value head, V tile): the pending commit, then the chain's tokens. The state
-    of sequence ``b`` lies at slot ``b``, or ``state_idx[b]`` (``SLOTS``; a negative slot is
-    neither read nor written), element ``(hv, k, v)`` at ``hv sS_h + k sS_k + v sS_v``; its
-    pending records at row ``b``, or ``rec_idx[b]``, node ``path[b, j] - b * path_step``."""
+    """Per (sequence, value head, V tile[, layer]): the pending commit, then the chain's tokens.
+    The state of sequence ``b`` lies at slot ``b``, or ``state_idx[b]`` (``SLOTS``; a negative
+    slot is neither read nor written), element ``(hv, k, v)`` at ``hv sS_h + k sS_k + v sS_v``;
+    its pending records at row ``b``, or ``rec_idx[b]``, node ``path[b, j] - b * path_step``.
+    A third grid axis runs one commit per layer (``T = 0``): layer ``l``'s state and records
+    lie ``l lS``, ``l lk``, ``l ld``, ``l lG`` elements on."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
+    i_l = tl.program_id(2).to(tl.int64)
+    S += i_l * lS
+    if HAS_PENDING:
+        pk += i_l * lk
+        pdelta += i_l * ld
+        pG += i_l * lG
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)  # grouped value heads read key head hv // (HV // H), as FLA
     if SLOTS:
@@ -207,7 +215,8 @@ def serial_verify(
 def own_slots(state: Tensor) -> dict:
     """The serial kernel's placement arguments for specla's own states: sequence ``b``'s state
     at slot ``b`` of ``state [B, HV, K, V]``, its records at row ``b``, path entries as nodes."""
-    return dict(state_idx=None, rec_idx=None, path_step=0, **dict(zip(("sS_b", "sS_h", "sS_k", "sS_v"), state.stride())))
+    return dict(state_idx=None, rec_idx=None, path_step=0, lS=0, lk=0, ld=0, lG=0,
+                **dict(zip(("sS_b", "sS_h", "sS_k", "sS_v"), state.stride())))
 
 
 def _value_rows(v: Tensor) -> tuple[Tensor, int]:
