@@ -180,9 +180,18 @@ def _root_path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang):
+@pytest.fixture(params=["fused", "separate"])
+def prepare(request, monkeypatch):
+    """Both forms of the tree kernels' prepare (inside each verify program, or its own launch)."""
+    import specla.mixers.gdn.verify as gdn_verify
+
+    monkeypatch.setitem(gdn_verify.TUNING, "tree", {**gdn_verify.TUNING["tree"], "prepare": request.param})
+
+
+def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, prepare):
     """Ragged 6-node trees (a different shape a row), rows whose root alone is accepted: specla's
-    outputs and committed states against SGLang's tree verify and its snapshot commit."""
+    outputs and committed states against SGLang's tree verify and its snapshot commit, with
+    either form of the prepare."""
     D, N, slots = 6, 4, 7
     trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 0, 0], [-1, 0, 1, 1, 3, 3]]
     leaves = [4, 5, 0, 5]  # row 2: the root alone is accepted
@@ -232,7 +241,7 @@ def _specla_chains(layer, pool, cache_indices, qsl, hv):
     return _specla(layer, pool, cache_indices, rows, qsl, steps, None, paths, len(CHAIN_LENS), hv=hv)
 
 
-def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm):
+def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm, prepare):
     """vLLM's chain speculative kernel writes the state after every position into its own slot
     (``ssm_state_indices [N, T]``) and reads the committed one from the slot of the last accepted
     position: specla's outputs and committed states against it, on ragged chains up to 48 long."""
@@ -309,20 +318,22 @@ def test_pool_entry_points_reject_bad_input_clearly():
     with pytest.raises(ValueError, match=r"^initial_state_source must be float32 \[slots, 2, 16, 16\] \(V before K\), "
                                          r"got torch.float64 \[4, 2, 16, 16\]$"):
         gdn_pool_verify(**call | dict(initial_state_source=pool.double()))
-    with pytest.raises(ValueError, match=r"^the gates take softplus_beta 1.0 and softplus_threshold 20.0, got 2.0, 20.0$"):
+    with pytest.raises(ValueError, match=r"^the gates take softplus_beta 1.0 and softplus_threshold 20.0, "
+                                         r"got 2.0, 20.0$"):
         gdn_pool_verify(**call | dict(softplus_beta=2.0))
     with pytest.raises(ValueError, match=r"^cache_steps must be at most the records' D = 48 and 64, got 49$"):
         gdn_pool_verify(**call | dict(cache_steps=49))
     with pytest.raises(ValueError, match=r"^records must be GDNRecordBuffers, got tuple$"):
         gdn_pool_verify(**call | dict(records=tuple(records)))
     bad = GDNRecordBuffers(records.k, records.delta.to(torch.bfloat16), records.G)
-    with pytest.raises(ValueError, match=r"^records.delta must be contiguous float32 \[3, 48, 2, 16\] on cpu, got "
+    with pytest.raises(ValueError, match=r"^records.delta must be float32 \[3, 48, 2, 16\] on cpu, contiguous, got "
                                          r"torch.bfloat16 \[3, 48, 2, 16\] on cpu$"):
         gdn_pool_verify(**call | dict(records=bad))
     with pytest.raises(ValueError, match=r"^intermediate_state_indices must be int32 or int64 \[3\] on cpu, got "
                                          r"torch.int32 \[2\]$"):
         gdn_pool_verify(**call | dict(intermediate_state_indices=rows[:2]))
-    with pytest.raises(ValueError, match=r"^accept_index must be int32 or int64 \[3, P\] on cpu, got torch.int64 \[3\]$"):
+    with pytest.raises(ValueError, match=r"^accept_index must be int32 or int64 \[3, P\] on cpu, "
+                                         r"got torch.int64 \[3\]$"):
         gdn_pool_commit(pool, cache_indices, records, rows, torch.zeros(3, dtype=torch.int64),
                         torch.ones(3, dtype=torch.int64), 48)
 
@@ -396,7 +407,11 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
     for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
         _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
     rows = torch.tensor([1, 0], dtype=torch.int32)
-    records = empty_record_buffers(N, max(sizes), H, HV, K, V, "cpu", layers=model.layers)
+    # every layer's records in one buffer, a layer's k, delta and G blocks one after another
+    blocks = [N * max(sizes) * w for w in (H * K, HV * V, HV)]
+    buf = torch.empty(model.layers, sum(blocks)).split(blocks, dim=1)
+    records = GDNRecordBuffers(*(x.view(model.layers, N, max(sizes), *tail)
+                                 for x, tail in zip(buf, [(H, K), (HV, V), (HV,)])))
     gen = torch.Generator().manual_seed(7)
     out, roots, accepted = [[], []], prompts[:, -1].tolist(), []
     while min(len(o) for o in out) < new:
@@ -431,7 +446,8 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
         for n in range(N):  # greedy acceptance: follow the child holding the target's token
             base, path = int(qsl[n]), [0]
             while True:
-                nxt = [c for c in range(1, sizes[n]) if trees[n][c] == path[-1] and toks[base + c] == pred[base + path[-1]]]
+                want = pred[base + path[-1]]
+                nxt = [c for c in range(1, sizes[n]) if trees[n][c] == path[-1] and toks[base + c] == want]
                 if not nxt:
                     break
                 path.append(nxt[0])

@@ -13,8 +13,9 @@ node; the factor records go to engine-owned per-row buffers. No state is copied 
   pool, from the engine's ``accept_index`` / ``accept_lens`` (what SGLang's
   ``commit_mamba_states_after_verify`` holds), in closed form from the records.
 
-Both run the kernels specla's own engine runs (:mod:`.verify`: the tree-masked factorized verify
-for ``gdn_pool_verify``, the serial kernel's fused commit for ``gdn_pool_commit``), one launch each.
+Both run the kernels specla's own engine runs (:mod:`.verify`): the tree-masked factorized verify
+for ``gdn_pool_verify`` (one launch, two where the prepare runs separately: ``TUNING["tree"]``), the
+serial kernel's fused commit for ``gdn_pool_commit`` (one launch for every layer).
 
 Shapes: ``N`` rows (requests) of a batch, ``Ttot`` packed tokens, ``H`` key heads, ``HV`` value
 heads (a multiple of ``H``; value head ``j`` reads key head ``j // (HV / H)``), ``K``/``V`` head
@@ -34,12 +35,14 @@ from .verify import MAX_TREE_NODES, TUNING, _launch_tree, _serial_verify_kernel
 
 
 class GDNRecordBuffers(NamedTuple):
-    """Factor records, engine-owned, float32, contiguous: row ``r`` holds the records of the
-    request whose ``intermediate_state_indices`` entry is ``r``; step ``t`` is its ``t``-th
-    verified token (0: the root, the token after the committed state). One layer's (as
-    :func:`gdn_pool_verify` writes them), or every layer's with a leading ``[layers]`` dim (as
-    :func:`gdn_pool_commit` may take them; :meth:`layer` is one layer's view). Allocate them once
-    (CUDA graphs, preemption and prefix-cache donation see them) with :func:`empty_record_buffers`."""
+    """Factor records, engine-owned, float32: row ``r`` holds the records of the request whose
+    ``intermediate_state_indices`` entry is ``r``; step ``t`` is its ``t``-th verified token (0:
+    the root, the token after the committed state). One layer's, contiguous (as
+    :func:`gdn_pool_verify` writes them), or every layer's with a leading ``[layers]`` dim of any
+    stride, each layer's contiguous (as :func:`gdn_pool_commit` may take them; :meth:`layer` is
+    one layer's view). Allocate them once (CUDA graphs, preemption and prefix-cache donation see
+    them), e.g. with :func:`empty_record_buffers`.
+    """
 
     k: Tensor  # [(layers,) R, D, H, K] L2-normalised keys
     delta: Tensor  # [(layers,) R, D, HV, V] each node's delta on its own root path
@@ -50,12 +53,10 @@ class GDNRecordBuffers(NamedTuple):
         return GDNRecordBuffers(self.k[i], self.delta[i], self.G[i])
 
 
-def empty_record_buffers(rows: int, steps: int, H: int, HV: int, K: int, V: int, device: torch.device | str,
-                         layers: int | None = None) -> GDNRecordBuffers:
-    """Uninitialised :class:`GDNRecordBuffers` of ``rows`` rows of ``steps`` steps (float32), of
-    one layer, or of ``layers`` layers (a leading dim)."""
-    lead = () if layers is None else (layers,)
-    f = lambda *s: torch.empty(*lead, rows, steps, *s, dtype=torch.float32, device=device)  # noqa: E731
+def empty_record_buffers(rows: int, steps: int, H: int, HV: int, K: int, V: int,
+                         device: torch.device | str) -> GDNRecordBuffers:
+    """Uninitialised :class:`GDNRecordBuffers` of one layer, ``rows`` rows of ``steps`` steps."""
+    f = lambda *s: torch.empty(rows, steps, *s, dtype=torch.float32, device=device)  # noqa: E731
     return GDNRecordBuffers(k=f(H, K), delta=f(HV, V), G=f(HV))
 
 
@@ -68,16 +69,18 @@ def _token_rows(x: Tensor, *inner: int) -> Tensor:
 
 
 def _check_records(records: GDNRecordBuffers, H: int, HV: int, K: int, V: int, device, lead: tuple = ()) -> int:
-    """Records must be contiguous float32 ``[*lead, R, D, ...]`` of the layer's heads; returns
-    ``D``."""
+    """Records must be float32 ``[*lead, R, D, ...]`` of the layer's heads, each layer's
+    contiguous (the layer stride is free); returns ``D``."""
     if not isinstance(records, GDNRecordBuffers):
         raise ValueError(f"records must be GDNRecordBuffers, got {type(records).__name__}")
     R, D = records.k.shape[len(lead):len(lead) + 2]
     for name, x, tail in (("k", records.k, (H, K)), ("delta", records.delta, (HV, V)), ("G", records.G, (HV,))):
         shape = (*lead, R, D, *tail)
-        if tuple(x.shape) != shape or x.dtype != torch.float32 or not x.is_contiguous() or x.device != device:
-            raise ValueError(f"records.{name} must be contiguous float32 {list(shape)} on {device}, got {x.dtype} "
-                             f"{list(x.shape)} on {x.device}")
+        if tuple(x.shape) != shape or x.dtype != torch.float32 or x.device != device or \
+                not x[(0,) * len(lead)].is_contiguous():
+            layer = "each layer's " if lead else ""
+            raise ValueError(f"records.{name} must be float32 {list(shape)} on {device}, {layer}contiguous, got "
+                             f"{x.dtype} {list(x.shape)} on {x.device}")
     return D
 
 
@@ -189,17 +192,12 @@ def gdn_pool_verify(
     if ar.stride(0) != br.stride(0):
         ar, br = ar.contiguous(), br.contiguous()
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
-    tune = TUNING["tree"]
-    BV, BKC = tune["tiles"]["fused"]  # the prepare runs inside each program (no per-call scratch)
-    BKC = max(16, min(triton.next_power_of_2(K), BKC))
-    BV = max(16, min(triton.next_power_of_2(V), BV))
-    prec = "ieee" if v.dtype == torch.float32 else tune["dot"]
-    _launch_tree(N, qr, kr, vr, ar, br, initial_state_source, (o, records.delta, records.G),
-                 K**-0.5 if scale is None else scale, max(16, triton.next_power_of_2(steps)), BV, BKC, prec, prec,
-                 state_strides=sS, T=q.shape[1], SV=vr.stride(0), SQK=qr.stride(0), SG=ar.stride(0), D=D,
-                 cu_seqlens=cu_seqlens, parents=parents, sP=0 if parents is None else parents.stride(0),
-                 state_idx=initial_state_indices, rec_idx=intermediate_state_indices, A_log=A_log, dt_bias=dt_bias,
-                 rk=records.k, L2NORM=use_qk_l2norm_in_kernel)
+    _launch_tree(N, steps, qr, kr, vr, ar, br, initial_state_source, (o, records.delta, records.G),
+                 K**-0.5 if scale is None else scale, state_strides=sS, T=q.shape[1], SV=vr.stride(0),
+                 SQK=qr.stride(0), SG=ar.stride(0), D=D, cu_seqlens=cu_seqlens, parents=parents,
+                 sP=0 if parents is None else parents.stride(0), state_idx=initial_state_indices,
+                 rec_idx=intermediate_state_indices, A_log=A_log, dt_bias=dt_bias, rk=records.k,
+                 L2NORM=use_qk_l2norm_in_kernel)
     return o
 
 

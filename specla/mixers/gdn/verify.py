@@ -279,31 +279,77 @@ def _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T):
     return b_T, b_G
 
 
+_PLACEMENT = {"VARLEN": lambda args: args["cu_seqlens"] is not None,
+              "RAW_GATES": lambda args: args["A_log"] is not None,
+              "ANC": lambda args: 0 if args["mask"] is not None else (1 if args["parents"] is not None else 2)}
+"""Heuristics of the tree kernels' data placement (:func:`_tree_verify_kernel`)."""
+
+
 @triton.jit
-def _tree_prepare_kernel(k, g, beta, mask, Tm, G, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         BT: tl.constexpr, BKC: tl.constexpr, DOT_PREC: tl.constexpr):
+def _rows(cu_seqlens, i_b, T, VARLEN: tl.constexpr):
+    """First token row and token count of sequence ``i_b``: ``b * T`` and ``T``, or from
+    ``cu_seqlens`` (``VARLEN``)."""
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
+        n = (tl.load(cu_seqlens + i_b + 1) - bos).to(tl.int32)
+    else:
+        bos = i_b * T
+        n = T
+    return bos, n
+
+
+@triton.jit
+def _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES: tl.constexpr):
+    """Log decays and betas ``[BT]`` of tokens ``tok`` (rows ``SG`` apart; zero where not
+    ``m_t``): given, or from the raw ``a``, ``b`` in their place (``RAW_GATES``: ``g = -exp(A_log)
+    softplus(a + dt_bias)``, ``beta = sigmoid(b)``, in float32)."""
+    b_g = tl.load(g + tok * SG + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + tok * SG + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        x = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
+        b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus(x), 0.0)
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+    return b_g, b_beta
+
+
+@triton.heuristics(_PLACEMENT)
+@triton.jit
+def _tree_prepare_kernel(k, g, beta, mask, Tm, G, cu_seqlens, parents, rec_idx, A_log, dt_bias, T, SQK, SG, D, sP,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKC: tl.constexpr,
+                         DOT_PREC: tl.constexpr, VARLEN: tl.constexpr, RAW_GATES: tl.constexpr, ANC: tl.constexpr,
+                         L2NORM: tl.constexpr):
     """Per (sequence, value head): ``T`` and ``G`` (:func:`_tree_inverse`) once, for all V tiles
     of a separate verify launch. ``k k^T`` accumulates over K in blocks of ``BKC`` (a whole
-    [BT, 256] tile would spill)."""
+    [BT, 256] tile would spill). Data placement as :func:`_tree_verify_kernel`'s."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
-    m_t = o_t < T
-    m_tt = m_t[:, None] & m_t[None, :]
-    b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_tt, other=0) != 0
-    b_g = tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    bos, n = _rows(cu_seqlens, i_b, T, VARLEN)
+    row = i_b
+    if rec_idx is not None:
+        row = tl.load(rec_idx + i_b).to(tl.int64)
+    m_t = o_t < n
+    tok = bos + o_t
+    m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
+    b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_g, b_beta = _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    ssq_k = tl.zeros([BT], dtype=tl.float32)
     for kb in range(0, K, BKC):
         o_k = kb + tl.arange(0, BKC)
-        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
-                      mask=m_t[:, None] & (o_k[None, :] < K), other=0.0)
+        b_k = tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < K),
+                      other=0.0)
         b_k = b_k.to(tl.float32)  # float32 from the mixer, or bf16 (exact in float32)
+        if L2NORM:
+            ssq_k += tl.sum(b_k * b_k, 1)
         b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
-    b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T)
+    if L2NORM:
+        r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
+        b_kk = b_kk * r_k[:, None] * r_k[None, :]
+    b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n)
     tl.store(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :], b_T)
-    tl.store(G + (i_b * T + o_t) * HV + i_hv, b_G, mask=m_t)
+    tl.store(G + (row * D + o_t) * HV + i_hv, b_G, mask=m_rec)
 
 
 @triton.jit
@@ -329,10 +375,7 @@ def _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC: tl.constexpr):
 
 @with_pending
 @triton.heuristics({"PREPARE": lambda args: args["Tm"] is None,  # no prepare launch's results to load
-                    "VARLEN": lambda args: args["cu_seqlens"] is not None,
-                    "SLOTS": lambda args: args["state_idx"] is not None,
-                    "RAW_GATES": lambda args: args["A_log"] is not None,
-                    "ANC": lambda args: 0 if args["mask"] is not None else (1 if args["parents"] is not None else 2)})
+                    "SLOTS": lambda args: args["state_idx"] is not None, **_PLACEMENT})
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, g, beta, mask, Tm, G, S, o, delta,
@@ -370,12 +413,7 @@ def _tree_verify_kernel(
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
-        n = (tl.load(cu_seqlens + i_b + 1) - bos).to(tl.int32)
-    else:
-        bos = i_b * T
-        n = T
+    bos, n = _rows(cu_seqlens, i_b, T, VARLEN)
     if SLOTS:
         slot = tl.load(state_idx + i_b).to(tl.int64)
         row = tl.load(rec_idx + i_b).to(tl.int64)
@@ -446,20 +484,14 @@ def _tree_verify_kernel(
                 tl.store(rk + (rec[:, None] * H + i_h) * K + o_k[None, :], b_k * r_k[:, None], mask=m_tk)
     b_v = tl.load(v + tok[:, None] * SV + i_hv * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + tok * SG + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    if RAW_GATES:
-        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+    b_g, b_beta = _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES)
     b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
     if PREPARE:
-        b_g = tl.load(g + tok * SG + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        if RAW_GATES:
-            x = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
-            b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus(x), 0.0)
         b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n)
         if i_v == 0:
             tl.store(G + rec * HV + i_hv, b_G, mask=m_rec)
     else:
-        b_G = tl.load(G + rec * HV + i_hv, mask=m_t, other=0.0)
+        b_G = tl.load(G + rec * HV + i_hv, mask=m_rec, other=0.0)
         b_T = tl.load(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :])
     eG = tl.exp(b_G)
     rhs = b_beta[:, None] * (b_v - eG[:, None] * b_kS)
@@ -508,47 +540,50 @@ def tree_verify(
     q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
     v, SV = _value_rows(v)
     mask = mask.contiguous()  # bool: the kernels load it as int1 (no int8 copy per layer)
-    BT = max(16, triton.next_power_of_2(T))
+    if out is None:
+        out = (torch.empty(v.shape, dtype=v.dtype, device=v.device),
+               torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
+               torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
+    _launch_tree(B, T, q, k, v, g, beta, state, out, scale, mask=mask, T=T, SV=SV, SQK=H * K, SG=HV, D=T,
+                 pending=pending)
+    return out
+
+
+def _launch_tree(B, steps, q, k, v, g, beta, state, out, scale, *, pending=None, state_strides=None, **where):
+    """The tree verify of ``B`` sequences of at most ``steps`` nodes: :func:`_tree_verify_kernel`,
+    after :func:`_tree_prepare_kernel` where the prepare runs separately (``TUNING``). ``out`` is
+    ``(o, delta, G)``; ``where`` gives the kernels' data-placement arguments (``mask``/``parents``,
+    ``cu_seqlens``, ``state_idx``, ``rec_idx``, ``A_log``/``dt_bias``, ``rk``, ``L2NORM``, the
+    strides and sizes); those left out are specla's own layout; ``state_strides`` (slot, head,
+    k, v) defaults to ``state``'s. Products in float32 ("ieee") where ``v`` is float32, else in
+    ``TUNING["tree"]["dot"]`` and ``["commit"]``."""
+    H, K = k.shape[-2], k.shape[-1]
+    HV, V = v.shape[-2], v.shape[-1]
+    o, d, G = out
+    BT = max(16, triton.next_power_of_2(steps))
     tune = TUNING["tree"]
     form = tune["prepare"]
-    fused = form == "fused" or (form == "auto" and ((T <= 8 and B <= 8) or (T <= 16 and B == 1)))
+    fused = form == "fused" or (form == "auto" and ((steps <= 8 and B <= 8) or (steps <= 16 and B == 1)))
     BV, BKC = tune["tiles"]["fused" if fused else "separate"]
     BKC = max(16, min(triton.next_power_of_2(K), BKC))
     BV = max(16, min(triton.next_power_of_2(V), BV))
     # the activations' dtype decides, not q's (the mixer's q and k are float32 in every run)
     prec, commit = ("ieee", "ieee") if v.dtype == torch.float32 else (tune["dot"], tune["commit"])
-    if out is None:
-        out = (torch.empty(v.shape, dtype=v.dtype, device=v.device),
-               torch.empty(B, T, HV, V, dtype=torch.float32, device=v.device),
-               torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
-    o, d, G = out
+    where = dict(mask=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, A_log=None, dt_bias=None,
+                 rk=None, sP=0, L2NORM=False) | where
     Tm = None if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     if not fused:
-        _tree_prepare_kernel[(B * HV,)](k, g, beta, mask, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=BKC, DOT_PREC=prec,
-                                        num_warps=TUNING["prepare"]["num_warps"])
-    _launch_tree(B, q, k, v, g, beta, state, out, scale, BT, BV, BKC, prec, commit, mask=mask, Tm=Tm, T=T, SV=SV,
-                 SQK=H * K, SG=HV, D=T, pending=pending)
-    return out
-
-
-def _launch_tree(B, q, k, v, g, beta, state, out, scale, BT, BV, BKC, prec, commit, *, pending=None,
-                 state_strides=None, **where):
-    """One launch of :func:`_tree_verify_kernel` over ``B`` sequences: ``where`` gives the
-    kernel's data-placement arguments (``mask``/``parents``, ``cu_seqlens``, ``state_idx``,
-    ``rec_idx``, ``A_log``/``dt_bias``, ``rk``, ``L2NORM``, the strides and sizes); those left out
-    are specla's own layout; ``state_strides`` defaults to ``state``'s."""
-    H, K = k.shape[-2], k.shape[-1]
-    HV, V = v.shape[-2], v.shape[-1]
-    o, d, G = out
+        prep = {name: where[name] for name in ("mask", "cu_seqlens", "parents", "rec_idx", "A_log", "dt_bias", "T",
+                                               "SQK", "SG", "D", "sP", "L2NORM")}
+        _tree_prepare_kernel[(B * HV,)](k=k, g=g, beta=beta, Tm=Tm, G=G, H=H, HV=HV, K=K, BT=BT, BKC=BKC,
+                                        DOT_PREC=prec, **prep, num_warps=TUNING["prepare"]["num_warps"])
     pend = _pending_kwargs(pending)
-    where = dict(mask=None, Tm=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, A_log=None,
-                 dt_bias=None, rk=None, T=0, sP=0, L2NORM=False) | where
     sS = state_strides if state_strides is not None else state.stride()
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
-        q=q, k=k, v=v, g=g, beta=beta, G=G, S=state, o=o, delta=d, scale=scale, sS_b=sS[0], sS_h=sS[1], sS_k=sS[2],
-        sS_v=sS[3], H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, COMMIT_PREC=commit,
-        BP=max(16, triton.next_power_of_2(pend["P"])), **pend, **where, num_warps=TUNING["tree"]["num_warps"],
-        num_stages=TUNING["tree"]["num_stages"],
+        q=q, k=k, v=v, g=g, beta=beta, Tm=Tm, G=G, S=state, o=o, delta=d, scale=scale, sS_b=sS[0], sS_h=sS[1],
+        sS_k=sS[2], sS_v=sS[3], H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, COMMIT_PREC=commit,
+        BP=max(16, triton.next_power_of_2(pend["P"])), **pend, **where, num_warps=tune["num_warps"],
+        num_stages=tune["num_stages"],
     )
 
 
