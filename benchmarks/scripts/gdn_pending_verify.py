@@ -89,7 +89,8 @@ def kernel_table():
             G = torch.empty(B, T, HV, device="cuda")
             for w in (1, 2, 4, 8):
                 res[f"w{w}"] = us(lambda: vk._tree_prepare_kernel[(B * HV,)](
-                    k, g, beta, m8, Tm, G, T, H=H, HV=HV, K=K, BT=BT, BKC=64, DOT_PREC="tf32", num_warps=w))
+                    k, g, beta, m8, Tm, G, None, None, None, None, None, T, SQK=H * K, SG=HV, D=T, sP=0, H=H, HV=HV,
+                    K=K, BT=BT, BKC=64, DOT_PREC="tf32", L2NORM=False, num_warps=w))
             cols = ("serial", "fused", "separate", "nopend", "w1", "w2", "w4", "w8")
             print(f"| {B} | {T} | {P} | " + " | ".join(f"{res[c]:.1f}" for c in cols) + " |", flush=True)
 
