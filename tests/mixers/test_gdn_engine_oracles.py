@@ -58,8 +58,10 @@ def _kernel_files(engine: dict) -> dict[str, Path]:
     if all(p.exists() for p in paths.values()):
         return paths
     wheels = root / "wheel"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-           "--platform", engine["platform"], "-d", str(wheels), f"{engine['name']}=={engine['version']}"]
+    # the wheel for one pinned platform and Python, whatever this machine's (only .py files are used)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--retries", "1", "--timeout", "30",
+           "--only-binary=:all:", "--python-version", "3.11", "--platform", engine["platform"], "-d", str(wheels),
+           f"{engine['name']}=={engine['version']}"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if run.returncode != 0:
         log = run.stdout + run.stderr
