@@ -125,8 +125,8 @@ def gdn_pool_verify(
         q, k: ``[1, Ttot, H, K]`` with ``cu_seqlens`` (or ``[N, T, H, K]`` without), float32 or
             bfloat16; token rows may be strided (slices of one projection), each row dense.
         v: ``[1, Ttot, HV, V]`` (or ``[N, T, HV, V]``), likewise.
-        initial_state_source: ``[slots, HV, V, K]`` float32 state pool (V before K; the slot
-            stride is read from the tensor, the rest dense); read only.
+        initial_state_source: ``[slots, HV, V, K]`` float32 state pool (V before K; any strides,
+            read from the tensor); read only.
         initial_state_indices: ``[N]`` int32/int64 slot per row; a negative slot reads a zero
             state (padding rows).
         scale: query scale, default ``K ** -0.5``.
@@ -212,9 +212,8 @@ def gdn_pool_commit(
 
     Args:
         initial_state_source: ``[slots, HV, V, K]`` float32 pool, as :func:`gdn_pool_verify`'s,
-            or every layer's ``[layers, slots, HV, V, K]`` (the layer and slot strides are read
-            from the tensor, the rest dense); written in place (only the slots of rows with a
-            path).
+            or every layer's ``[layers, slots, HV, V, K]`` (any strides); written in place (only
+            the slots of rows with a path).
         initial_state_indices: ``[N]`` int32/int64 slot per row (negative: left alone); every
             layer's pool takes the same slots.
         records: as the verify of this step wrote them, one layer's or with a leading
