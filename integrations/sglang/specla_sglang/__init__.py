@@ -156,13 +156,8 @@ def _dispatcher_init(result, dispatcher, *args, **kwargs):
 def _scatter_after_verify(original, mamba_caches, state_indices_tensor, last_correct_step_indices,
                           mamba_track_indices, mamba_steps_to_track, src_indices_raw=None):
     if is_record_buffer(mamba_caches.intermediate_ssm, per_layer=False):
-        states, records = mamba_caches.temporal, mamba_caches.intermediate_ssm
-        # the prefix-cache track slot first: it starts from the request's state before this commit
-        if mamba_track_indices is not None:
-            commit_paths(states, records, state_indices_tensor, mamba_track_indices, mamba_steps_to_track,
-                         src_indices_raw)
-        commit_paths(states, records, state_indices_tensor, state_indices_tensor, last_correct_step_indices,
-                     src_indices_raw)
+        commit_paths(mamba_caches.temporal, mamba_caches.intermediate_ssm, state_indices_tensor,
+                     last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, src_indices_raw)
         # the conv windows: SGLang's rollback, with no state left for it to scatter
         mamba_caches = dataclasses.replace(mamba_caches, temporal=mamba_caches.temporal[:, :0])
     return original(mamba_caches, state_indices_tensor, last_correct_step_indices, mamba_track_indices,

@@ -1,39 +1,34 @@
-"""specla's GDN tree verify and commit on SGLang's data: its state pool by slot index, its packed
-draft tokens, its raw gates and its ``retrieve_parent_token``, with factor records
-(:mod:`specla_sglang.records`) in the pool's per-node buffer instead of per-node states.
+"""specla's GDN tree verify and commit on SGLang's data, in place: its state pool by slot index
+(read by the verify, committed into by the commit; no state is copied out of it or transposed),
+its packed draft tokens, its raw gates and its ``retrieve_parent_token``, with factor records
+(:mod:`specla_sglang.records`) in the pool's per-node buffer instead of per-node states. Both run
+:mod:`specla.mixers.gdn.serving`'s entry points on views of the record blocks.
 
-Shapes as SGLang passes them: ``bs`` requests of ``D`` draft tokens each (``N = bs * D`` packed
+Shapes as SGLang passes them: ``bs`` requests of up to ``D`` draft tokens each (``N`` packed
 tokens; node 0 of each request is its last committed token), ``H`` key heads, ``HV`` value heads,
-``K``/``V`` head dims; SGLang's states are ``[HV, V, K]`` (V before K), specla's ``[HV, K, V]``.
+``K``/``V`` head dims; SGLang's states are ``[HV, V, K]`` float32 (V before K), as the entry points
+take them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
-from specla.mixers.gdn.commit import flush_commit
-from specla.mixers.gdn.verify import tree_verify
+from specla.mixers.gdn.serving import GDNRecordBuffers, gdn_pool_commit, gdn_pool_verify
 from specla.tree import inclusive_ancestor_mask
 
 from .records import RecordLayout
 
-# SGLang's in-kernel q/k normalisation and gate (fused_sigmoid_gating_delta_rule_update)
-_L2_EPS = 1e-6
-_SOFTPLUS_THRESHOLD = 20.0
+# SGLang's gate (fused_sigmoid_gating_delta_rule_update): PyTorch's softplus
+_SOFTPLUS_BETA, _SOFTPLUS_THRESHOLD = 1.0, 20.0
 
 
 def is_record_buffer(buffer: Tensor | None, per_layer: bool) -> bool:
     """Whether SGLang's ``intermediate_ssm`` holds this plugin's records (``[layers, rows, D, W]``,
     or ``[rows, D, W]`` for one layer) rather than its per-node states (two dimensions more)."""
     return buffer is not None and buffer.dim() == (3 if per_layer else 4)
-
-
-def _l2norm(x: Tensor) -> Tensor:
-    x = x.float()
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
 
 
 def tree_parents(retrieve_parent_token: Tensor | None, bs: int, D: int, device) -> Tensor:
@@ -49,86 +44,98 @@ def tree_parents(retrieve_parent_token: Tensor | None, bs: int, D: int, device) 
 def verify_tree(
     A_log: Tensor, dt_bias: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, *,
     ssm_states: Tensor, cache_indices: Tensor, query_start_loc: Tensor, records: Tensor,
-    record_rows: Tensor, retrieve_parent_token: Tensor,
+    record_rows: Tensor, retrieve_parent_token: Tensor | None, cache_steps: int | None = None,
 ) -> Tensor:
-    """One GDN layer's tree verify: outputs of every node as if its root path had been decoded
-    serially from the request's state, and its factor records written to ``records``.
+    """One GDN layer's tree verify (:func:`~specla.mixers.gdn.serving.gdn_pool_verify`): outputs
+    of every node as if its root path had been decoded serially from the request's state in the
+    pool, read in place; its factor records and its tree's parents written to ``records``.
 
     Args:
         A_log, dt_bias: ``[HV]``; the gate is ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta =
             sigmoid(b)`` (SGLang's).
-        q, k: ``[N, H, K]`` or ``[1, N, H, K]``, any strides, before L2 normalisation.
+        q, k: ``[N, H, K]`` or ``[1, N, H, K]``, float32 or bfloat16, token rows may be strided,
+            before L2 normalisation.
         v: ``[N, HV, V]`` or ``[1, N, HV, V]``; a, b: ``[N, HV]``.
-        ssm_states: ``[slots, HV, V, K]`` float32, read only (slot ``cache_indices[i]``; a negative
-            index is a padding request, verified from a zero state).
-        cache_indices: ``[>= bs]`` int; query_start_loc: ``[bs + 1]`` int32 (its length gives ``bs``).
+        ssm_states: ``[slots, HV, V, K]`` float32 state pool of the layer, any strides, read only
+            (slot ``cache_indices[i]``; a negative index is a padding request, verified from a
+            zero state).
+        cache_indices: ``[>= bs]`` int32/int64; query_start_loc: ``[bs + 1]`` int32/int64 packed
+            request starts (its length gives ``bs``; requests may differ in draft count).
         records: ``[rows, D, W]`` float32, this layer's record buffer (:mod:`specla_sglang.records`);
-            row ``record_rows[i]`` of request ``i`` is written.
-        record_rows: ``[>= bs]`` int; retrieve_parent_token: ``[bs, D]`` int (entry 0 unused), or
-            ``None`` for chains.
+            row ``record_rows[i]`` of request ``i`` is written, steps up to its draft count.
+        record_rows: ``[>= bs]`` int32/int64; retrieve_parent_token: ``[>= bs, >= cache_steps]`` int
+            (entry 0 unused), or ``None`` for chains.
+        cache_steps: the most draft tokens a request has (SGLang's ``draft_token_num``), ``<= D``;
+            default ``D``.
     Returns:
-        ``[1, N, HV, V]`` (``v``'s shape), ``v.dtype``.
+        ``[1, N, HV, V]`` in ``q.dtype``.
     Raises:
-        NotImplementedError: requests of different draft lengths (a ragged verify layout).
+        ValueError: from ``gdn_pool_verify``: shapes or dtypes it does not take (a pool not
+            float32, ``cache_steps > D``).
     """
     bs = query_start_loc.shape[0] - 1
-    HV, V = v.shape[-2:]
     H, K = k.shape[-2:]
-    N = v.numel() // (HV * V)
-    if N % bs:
-        raise NotImplementedError(f"{N} draft tokens over {bs} requests: ragged tree verify is not supported")
-    D = N // bs
-    qh, kh = (_l2norm(x.reshape(bs, D, H, K)) for x in (q, k))
-    vh = v.reshape(bs, D, HV, V)
-    x = a.reshape(bs, D, HV).float() + dt_bias.float()
-    g = -torch.exp(A_log.float()) * F.softplus(x, beta=1.0, threshold=_SOFTPLUS_THRESHOLD)
-    beta = torch.sigmoid(b.reshape(bs, D, HV).float())
-    slots = cache_indices[:bs].to(torch.int64)
-    S0 = ssm_states[slots.clamp(min=0)].float() * (slots >= 0).view(-1, 1, 1, 1)
-    parents = tree_parents(retrieve_parent_token, bs, D, v.device)
-    o, delta, G = tree_verify(qh, kh, vh, g, beta, S0.transpose(-1, -2).contiguous(), inclusive_ancestor_mask(parents),
-                              scale=K ** -0.5)
-    rows = record_rows[:bs].to(torch.int64)
-    for block, x in zip(RecordLayout(H=H, HV=HV, K=K, V=V).views(records), (kh, delta, G, parents)):
-        block[rows, :D] = x.to(block.dtype)
-    return o.reshape(1, N, HV, V)
+    HV, V = v.shape[-2:]
+    blocks = RecordLayout(H=H, HV=HV, K=K, V=V).views(records)
+    steps = records.shape[1] if cache_steps is None else cache_steps
+    rows = record_rows[:bs]
+    q, k, v = (x if x.dim() == 4 else x.unsqueeze(0) for x in (q, k, v))
+    o = gdn_pool_verify(A_log, a, dt_bias, _SOFTPLUS_BETA, _SOFTPLUS_THRESHOLD, q, k, v, b, ssm_states,
+                        cache_indices[:bs], use_qk_l2norm_in_kernel=True, cu_seqlens=query_start_loc,
+                        records=GDNRecordBuffers(*blocks[:3]), intermediate_state_indices=rows, cache_steps=steps,
+                        retrieve_parent_token=None if retrieve_parent_token is None else retrieve_parent_token[:bs])
+    # the commit finds each accepted path from these alone
+    blocks[3][rows.to(torch.int64), :steps] = tree_parents(retrieve_parent_token, bs, steps, v.device).float()
+    return o
 
 
 def commit_paths(
-    temporal: Tensor, records: Tensor, base: Tensor, dst: Tensor, steps: Tensor, src_rows: Tensor | None,
+    temporal: Tensor, records: Tensor, slots: Tensor, steps: Tensor, track_slots: Tensor | None = None,
+    track_steps: Tensor | None = None, src_rows: Tensor | None = None,
 ) -> None:
-    """Commit, in every layer, the root path of node ``steps[i]`` of request ``i``, applied to the
-    state in slot ``base[i]`` (the one the tree was verified from), into slot ``dst[i]``, from the
-    records alone (closed form, docs/DESIGN.md section 4).
+    """Commit, in every layer and in one launch (:func:`~specla.mixers.gdn.serving.gdn_pool_commit`),
+    the root path of node ``steps[i]`` of request ``i`` into its slot ``slots[i]`` (the state the
+    tree was verified from), and that of node ``track_steps[i]`` into the prefix cache's track slot
+    ``track_slots[i]``, from the records alone (closed form, docs/DESIGN.md section 4). A track slot
+    first receives a copy of the request's slot (within the pool, every layer): the commit adds a
+    path to the state in the slot it writes.
 
     Args:
-        temporal: ``[layers, slots, HV, V, K]`` SGLang's state pool, updated in place.
+        temporal: ``[layers, slots, HV, V, K]`` float32, SGLang's state pool, updated in place.
         records: ``[layers, rows, D, W]`` float32 (:mod:`specla_sglang.records`).
-        base, dst: ``[>= bs]`` int slots; steps: ``[bs]`` int node of the last token to commit; a
-            negative slot or node leaves that request's states untouched.
+        slots: ``[>= bs]`` int; steps: ``[bs]`` int node of the last token to commit.
+        track_slots: ``[>= bs]`` int, or ``None`` (no tracking); track_steps: ``[bs]`` int node whose
+            state the track slot takes.
         src_rows: ``[>= bs]`` int record row of each request; ``None``: row ``i`` for request ``i``.
+        A negative slot or node leaves that slot untouched (and a negative ``slots[i]`` the
+        request's track slot too).
     """
     bs = steps.shape[0]
     device = temporal.device
-    src = torch.arange(bs, device=device) if src_rows is None else src_rows[:bs].to(torch.int64)
-    valid = ((steps >= 0) & (base[:bs] >= 0) & (dst[:bs] >= 0)).nonzero().squeeze(1)
-    if valid.numel() == 0:
-        return
-    src, steps = src[valid], steps[valid].to(torch.int64)
-    base, dst = (x[:bs][valid].to(torch.int64) for x in (base, dst))
     layout = RecordLayout.of_buffer(temporal.shape, records.shape[-1])
+    blocks = layout.views(records)
     D = records.shape[2]
-    parents = layout.views(records[0])[3][src].to(torch.int64)  # [n, D]: the same in every layer
-    on_path = inclusive_ancestor_mask(parents)[torch.arange(valid.numel(), device=device), steps]  # [n, D]
-    # parents precede children, so the ancestors in index order run root to leaf
+    base = slots[:bs].to(torch.int64)
+    src = torch.arange(bs, device=device) if src_rows is None else src_rows[:bs].to(torch.int64)
+    dst, nodes = [base], [steps.to(torch.int64)]
+    if track_slots is not None:
+        track = track_slots[:bs].to(torch.int64)
+        tracked = (track_steps >= 0) & (base >= 0) & (track >= 0)
+        temporal[:, track[tracked]] = temporal[:, base[tracked]]
+        dst.append(torch.where(tracked, track, -1))
+        nodes.append(track_steps.to(torch.int64))
+    # one commit row per destination slot: the requests', then the track slots'
+    src = src.repeat(len(dst))
+    dst, nodes = torch.cat(dst), torch.cat(nodes)
+    n = dst.shape[0]
+    parents = blocks[3][0][src].to(torch.int64)  # [n, D]: the same in every layer
+    on_path = inclusive_ancestor_mask(parents)[torch.arange(n, device=device), nodes.clamp(min=0)]
+    on_path &= ((nodes >= 0) & (dst >= 0))[:, None]
+    # parents precede children, so the ancestors in index order run root to leaf; accept_index
+    # holds them as SGLang's flat positions row * D + node
     order = torch.where(on_path, torch.arange(D, device=device), D).sort(-1).values
-    path = torch.where(order < D, order, -1)
-    path_len = on_path.sum(-1)
-    for layer in range(temporal.shape[0]):
-        k, delta, G, _ = (x[src] for x in layout.views(records[layer]))
-        S = temporal[layer, base].float().transpose(-1, -2).contiguous()
-        flush_commit(S, k, delta, G, path, path_len)
-        temporal[layer, dst] = S.transpose(-1, -2).to(temporal.dtype)
+    accept_index = torch.where(order < D, order + D * torch.arange(n, device=device)[:, None], -1)
+    gdn_pool_commit(temporal, dst, GDNRecordBuffers(*blocks[:3]), src, accept_index, on_path.sum(-1), D)
 
 
 class SpeclaGDNVerifyKernel(LinearAttnKernelBase):
@@ -164,4 +171,5 @@ class SpeclaGDNVerifyKernel(LinearAttnKernelBase):
                 retrieve_parent_token=retrieve_parent_token, **kwargs)
         return verify_tree(A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
                            query_start_loc=query_start_loc, records=intermediate_states_buffer,
-                           record_rows=intermediate_state_indices, retrieve_parent_token=retrieve_parent_token)
+                           record_rows=intermediate_state_indices, retrieve_parent_token=retrieve_parent_token,
+                           cache_steps=cache_steps)
