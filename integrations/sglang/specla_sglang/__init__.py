@@ -68,10 +68,13 @@ def register() -> None:
     HookRegistry.register(_SCATTER, _scatter_after_verify, HookType.AROUND)
 
 
-def keeps_records(*, gdn_hybrid: bool, topk: int | None, is_kda: bool, page_major: bool, replayssm: bool) -> bool:
+def keeps_records(*, gdn_hybrid: bool, topk: int | None, is_kda: bool, page_major: bool, replayssm: bool,
+                  state_dtype: torch.dtype) -> bool:
     """Whether a state pool keeps records: a GDN hybrid's (not KDA's), for draft trees, in SGLang's
-    standard layout (not page-major) and without SGLang's ReplaySSM rings."""
-    return gdn_hybrid and topk is not None and topk > 1 and not is_kda and not page_major and not replayssm
+    standard layout (not page-major), without SGLang's ReplaySSM rings, with float32 states (specla's
+    pool kernels read and write them in place; ``--mamba-ssm-dtype`` bfloat16 stays SGLang's)."""
+    return (gdn_hybrid and topk is not None and topk > 1 and not is_kda and not page_major and not replayssm
+            and state_dtype == torch.float32)
 
 
 def engages(**pool_kwargs) -> bool:
@@ -81,7 +84,8 @@ def engages(**pool_kwargs) -> bool:
         gdn_hybrid=gdn_hybrid_pool.get(), topk=pool_kwargs.get("speculative_eagle_topk"),
         is_kda=pool_kwargs["cache_params"].is_kda, page_major=pool_kwargs.get("envelope_layout", False),
         replayssm=pool_kwargs.get("enable_linear_replayssm", False)
-        or pool_kwargs.get("enable_linear_replayssm_spec", False))
+        or pool_kwargs.get("enable_linear_replayssm_spec", False),
+        state_dtype=pool_kwargs["cache_params"].dtype.temporal)
 
 
 def _is_gdn_hybrid(configurator) -> bool:
@@ -114,7 +118,8 @@ def _handle_max_mamba_cache(original, configurator, total_rest_memory):
             or configurator.fused_entry_bytes("mamba") is not None
             or not keeps_records(gdn_hybrid=_is_gdn_hybrid(configurator), topk=spec.speculative_eagle_topk,
                                  is_kda=False, page_major=get_memory().enable_page_major_kv_layout,
-                                 replayssm=mamba.enable_linear_replayssm or mamba.enable_linear_replayssm_spec)):
+                                 replayssm=mamba.enable_linear_replayssm or mamba.enable_linear_replayssm_spec,
+                                 state_dtype=configurator.mambaish_config.mamba2_cache_params.dtype.temporal)):
         return original(configurator, total_rest_memory)
     # SGLang charges each of the D draft nodes of a running request ``mamba_cache_per_req``; as
     # many record-sized nodes are that charge times the ratio

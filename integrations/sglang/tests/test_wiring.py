@@ -3,7 +3,7 @@ SGLang's plugin loader and installs the hooks; the pool of a GDN hybrid with dra
 records and no per-node states, and SGLang's pool sizing charges a draft node what the pool
 allocates for it; both verify slots get specla's kernel, which takes SGLang's metadata as SGLang's
 dispatcher passes it; its outputs and the committed states match SGLang's own kernel and scatter
-on the same inputs (float32; tolerance below).
+on the same inputs (float32; tolerance below), and neither copies a state out of SGLang's pool.
 
 SGLang's modules import torchvision at import time (image transforms of its multimodal configs),
 which these tests never run. The test environment leaves torchvision out (PyPI builds it against
@@ -24,6 +24,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if importlib.util.find_spec("sglang") is None:  # installed but failing to import is a failure, not a skip
     pytest.skip("SGLang is not installed: see integrations/sglang/README.md for the test environment",
@@ -80,7 +81,7 @@ def _torchvision_placeholder():
 with _torchvision_placeholder():
     import sglang.srt.plugins as sglang_plugins
     from sglang.kernels.ops.mamba import mamba_state_scatter_triton
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.layers.attention import hybrid_linear_attn_backend
     from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
     from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
@@ -101,6 +102,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)  # float32: the two kernels sum in different or
 # three requests' trees in SGLang's retrieve_parent_token form (entry 0 is left unset by SGLang)
 PARENTS = torch.tensor([[99, 0, 0, 1, 1, 2], [99, 0, 1, 2, 3, 4], [99, 0, 0, 0, 0, 0]])
 CACHE_INDICES = torch.tensor([4, 1, -1], dtype=torch.int32)  # the third request is padding
+# draft tokens of each request: all D, or the same trees cut to 6, 4 and 3 nodes (a ragged verify
+# layout; PARENTS' later entries unread)
+UNIFORM, RAGGED = torch.full((3,), D), torch.tensor([6, 4, 3])
 
 
 @pytest.fixture(scope="module")
@@ -149,16 +153,17 @@ def test_other_sglang_releases_get_no_hooks(monkeypatch, caplog):
     assert caplog.messages == ["specla-sglang supports SGLang 0.5.23, not 0.5.24: its hooks are not installed"]
 
 
-def _cache_params():
+def _cache_params(state_dtype: torch.dtype = torch.float32):
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=HV * V, n_groups=H, num_heads=HV,
                                     head_dim=V, state_size=K, conv_kernel=CONV)
-    return Mamba2CacheParams(shape=shape, layers=list(range(LAYERS)))
+    return Mamba2CacheParams(shape=shape, layers=list(range(LAYERS)),
+                             dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=state_dtype))
 
 
-def _pool(gdn_hybrid: bool, topk: int = 4) -> MambaPool:
+def _pool(gdn_hybrid: bool, topk: int = 4, state_dtype: torch.dtype = torch.float32) -> MambaPool:
     token = gdn_hybrid_pool.set(gdn_hybrid)
     try:
-        return MambaPool(size=SLOTS - 1, spec_state_size=3, cache_params=_cache_params(),
+        return MambaPool(size=SLOTS - 1, spec_state_size=3, cache_params=_cache_params(state_dtype),
                          mamba_layer_ids=list(range(LAYERS)), device="cpu", speculative_num_draft_tokens=D,
                          speculative_eagle_topk=topk)
     finally:
@@ -167,12 +172,13 @@ def _pool(gdn_hybrid: bool, topk: int = 4) -> MambaPool:
 
 def test_pool_holds_records_and_no_per_node_states(hooks):
     ours, sglang_own, chain = _pool(True), _pool(False), _pool(True, topk=1)
+    bf16_states = _pool(True, state_dtype=torch.bfloat16)  # --mamba-ssm-dtype bfloat16
     width = RecordLayout(H=H, HV=HV, K=K, V=V).width
     assert width == H * K + HV * V + HV + 1
     rec = ours.mamba_cache.intermediate_ssm
     assert rec.shape == (LAYERS, 4, D, width) and rec.dtype == torch.float32
-    # SGLang's pool and a chain's (topk 1) keep one [HV, V, K] state per node
-    for pool in (sglang_own, chain):
+    # SGLang's pool, a chain's (topk 1) and one of bfloat16 states keep one [HV, V, K] state per node
+    for pool in (sglang_own, chain, bf16_states):
         assert pool.mamba_cache.intermediate_ssm.shape == (LAYERS, 4, D, HV, V, K)
     states = [f.name for f in dataclasses.fields(ours.mamba_cache)
               if isinstance(getattr(ours.mamba_cache, f.name), torch.Tensor)
@@ -218,36 +224,48 @@ def test_build_hybrid_req_pool_marks_only_gdn_hybrids():
     assert seen == [True, False, False] and gdn_hybrid_pool.get() is False
 
 
-def _layer_inputs(gen):
-    bs = PARENTS.shape[0]
-    N = bs * D
+def _layer_inputs(gen, N=PARENTS.numel()):
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     return dict(A_log=r(HV) * 0.5, dt_bias=r(HV) * 0.5, q=r(1, N, H, K), k=r(1, N, H, K), v=r(1, N, HV, V),
                 a=r(N, HV), b=r(N, HV))
 
 
-def _verify_both(dispatcher, gen, ssm_states, sgl_buffer, rec_buffer, parents=PARENTS, dtype=torch.float32):
-    """One layer verified by SGLang's kernel into its per-node buffer and by the dispatcher (its
-    tree slot, or its chain slot where ``parents`` is None) into the records, from the same pool
-    state and inputs (activations in ``dtype``)."""
-    x = {name: t.to(dtype) if name in "qkvab" else t for name, t in _layer_inputs(gen).items()}
-    bs = PARENTS.shape[0]
-    meta = dict(ssm_states=ssm_states, cache_indices=CACHE_INDICES,
-                query_start_loc=torch.arange(0, bs * D + 1, D, dtype=torch.int32),
+def _verify_meta(ssm_states, parents=PARENTS, sizes=UNIFORM):
+    """SGLang's verify metadata for :data:`PARENTS`' requests of ``sizes`` draft tokens, states
+    read from ``ssm_states``."""
+    return dict(ssm_states=ssm_states, cache_indices=CACHE_INDICES,
+                query_start_loc=torch.cat([torch.zeros(1), sizes.cumsum(0)]).to(torch.int32),
                 intermediate_state_indices=torch.arange(4, dtype=torch.int32), cache_steps=D,
                 retrieve_parent_token=None if parents is None else parents.clone())
+
+
+def _verify_both(dispatcher, gen, ssm_states, sgl_buffer, rec_buffer, parents=PARENTS, dtype=torch.float32,
+                 sizes=UNIFORM):
+    """One layer verified by SGLang's kernel into its per-node buffer and by the dispatcher (its
+    tree slot, or its chain slot where ``parents`` is None) into the records, from the same pool
+    state and inputs (activations in ``dtype``), requests of ``sizes`` draft tokens."""
+    meta = _verify_meta(ssm_states, parents, sizes)
+    N = int(meta["query_start_loc"][-1])
+    x = {name: t.to(dtype) if name in "qkvab" else t for name, t in _layer_inputs(gen, N).items()}
     o_sgl = TritonGDNKernel().target_verify(**x, **meta, intermediate_states_buffer=sgl_buffer)
     # the keyword arguments SGLang's GDN backend passes to its dispatcher
     o_ours = dispatcher.target_verify(**x, **meta, intermediate_states_buffer=rec_buffer, stable_rows=False)
     return o_sgl, o_ours
 
 
-def test_tree_verify_and_commit_match_sglang(hooks, monkeypatch):
-    # SGLang's scatter kernels refuse CPU tensors; its backend's CPU fallback does the same scatter
+@pytest.fixture
+def cpu_scatter(monkeypatch):
+    """SGLang's scatter kernels refuse CPU tensors; its backend's CPU fallback does the same scatter."""
     cpu_scatter = hybrid_linear_attn_backend.HybridLinearAttnBackend._scatter_speculative_state_with_mask
     monkeypatch.setattr(mamba_state_scatter_triton, "fused_mamba_state_scatter_with_mask", cpu_scatter)
     monkeypatch.setattr(mamba_state_scatter_triton, "fused_conv_window_scatter_with_mask", cpu_scatter)
     monkeypatch.setattr(mamba_state_scatter_triton, "_conv_multi_eligible", lambda pairs: False)
+
+
+@pytest.mark.parametrize("sizes, last", [(UNIFORM, [4, 5, 0]), (RAGGED, [4, 3, 0])], ids=["uniform", "ragged"])
+def test_tree_verify_and_commit_match_sglang(hooks, cpu_scatter, sizes, last):
+    """Three trees (one a padding request's) over two layers, every request of ``D`` draft tokens
+    or of :data:`RAGGED` counts; ``last``: each request's accepted node."""
     gen = torch.Generator().manual_seed(0)
     dispatcher = GDNKernelDispatcher(LinearAttnKernelBackend.TRITON, LinearAttnKernelBackend.TRITON, None)
     ours, sgl = _pool(True), _pool(False)
@@ -259,8 +277,8 @@ def test_tree_verify_and_commit_match_sglang(hooks, monkeypatch):
     layout = RecordLayout(H=H, HV=HV, K=K, V=V)
     for layer in range(LAYERS):
         o_sgl, o_ours = _verify_both(dispatcher, gen, init[layer], sgl.mamba_cache.intermediate_ssm[layer],
-                                     ours.mamba_cache.intermediate_ssm[layer])
-        assert o_ours.shape == o_sgl.shape == (1, PARENTS.numel(), HV, V)
+                                     ours.mamba_cache.intermediate_ssm[layer], sizes=sizes)
+        assert o_ours.shape == o_sgl.shape == (1, int(sizes.sum()), HV, V)
         torch.testing.assert_close(o_ours, o_sgl, **TOL)
         # the records say what SGLang's per-node states say: each node's state from them
         k, delta, G, parent = (x[:3] for x in layout.views(ours.mamba_cache.intermediate_ssm[layer]))
@@ -269,10 +287,12 @@ def test_tree_verify_and_commit_match_sglang(hooks, monkeypatch):
         parents[:, 0] = -1
         S0 = init[layer, CACHE_INDICES.long().clamp(min=0)] * (CACHE_INDICES >= 0).view(-1, 1, 1, 1)
         from_records = node_states(S0.transpose(-1, -2), k, delta, G, inclusive_ancestor_mask(parents))
-        torch.testing.assert_close(from_records.transpose(-1, -2), sgl.mamba_cache.intermediate_ssm[layer, :3], **TOL)
+        verified = torch.arange(D) < sizes[:, None]  # [3, D]: each request's nodes
+        torch.testing.assert_close(from_records.transpose(-1, -2)[verified],
+                                   sgl.mamba_cache.intermediate_ssm[layer, :3][verified], **TOL)
 
     # the accepted node of each request, and the node whose state the prefix cache tracks
-    last = torch.tensor([4, 5, 0])
+    last = torch.tensor(last)
     track_slots = torch.tensor([5, 2, -1], dtype=torch.int32)  # padding tracks nothing
     track_steps = torch.tensor([1, -1, 0])
     for pool in (sgl, ours):  # the same call for both: the hook routes on what the pool holds
@@ -282,6 +302,68 @@ def test_tree_verify_and_commit_match_sglang(hooks, monkeypatch):
     assert torch.equal(ours.mamba_cache.conv[0], sgl.mamba_cache.conv[0])
     changed = (ours.mamba_cache.temporal != init).flatten(2).any(-1)  # [layers, slots]
     assert changed.eq(torch.tensor([False, True, False, False, True, True])).all()  # slots 1, 4 and track 5
+
+
+class _CopiesOutOf(TorchDispatchMode):
+    """Records every PyTorch op, outside the calls of specla's pool kernels, that reads ``pool``'s
+    memory into a tensor of other memory (a gather, a clone, a transposed copy): views of the pool
+    and writes into it are not copies out."""
+
+    def __init__(self, pool: torch.Tensor):
+        super().__init__()
+        self.storage, self.copies, self.in_kernel = pool.untyped_storage().data_ptr(), [], False
+
+    def _of_pool(self, x) -> bool:
+        return isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == self.storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        reads = any(self._of_pool(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)))
+        outs = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if not self.in_kernel and reads and outs and not any(self._of_pool(x) for x in outs):
+            self.copies.append((func.overloadpacket.__name__, tuple(outs[0].shape)))
+        return out
+
+
+@pytest.mark.parametrize("tracking", [False, True])
+def test_verify_and_commit_copy_no_state_out_of_the_pool(hooks, cpu_scatter, monkeypatch, tracking):
+    """SGLang's per-layer pool views go to specla's pool kernels as they are (the same memory, no
+    copy), the commit runs once for every layer on the whole pool, and no other op reads a state
+    out of the pool; with prefix-cache tracking, the one copy is the tracked request's state into
+    its track slot (a gather of its slot, written into the track slot)."""
+    from specla_sglang import kernel
+
+    gen = torch.Generator().manual_seed(3)
+    dispatcher = GDNKernelDispatcher(LinearAttnKernelBackend.TRITON, LinearAttnKernelBackend.TRITON, None)
+    ours = _pool(True)
+    pool = ours.mamba_cache.temporal
+    pool.copy_(torch.randn(pool.shape, generator=gen) * 0.3)
+    spy, calls = _CopiesOutOf(pool), []
+
+    def kernel_call(name, fn):
+        def call(*args, **kwargs):
+            state = kwargs.get("initial_state_source", args[9] if name == "verify" else args[0])
+            calls.append((name, state.data_ptr(), tuple(state.shape), state.stride()))
+            spy.in_kernel = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spy.in_kernel = False
+        return call
+
+    monkeypatch.setattr(kernel, "gdn_pool_verify", kernel_call("verify", kernel.gdn_pool_verify))
+    monkeypatch.setattr(kernel, "gdn_pool_commit", kernel_call("commit", kernel.gdn_pool_commit))
+    track = (torch.tensor([5, -1, -1], dtype=torch.int32), torch.tensor([1, -1, 0])) if tracking else (None, None)
+    with spy:
+        for layer in range(LAYERS):
+            layer_cache = ours.mamba2_layer_cache(layer)
+            dispatcher.target_verify(**_layer_inputs(gen), **_verify_meta(layer_cache.temporal),
+                                     intermediate_states_buffer=layer_cache.intermediate_ssm, stable_rows=False)
+        hybrid_linear_attn_backend.scatter_mamba_states_after_mtp_verify(
+            ours.mamba_cache, CACHE_INDICES, torch.tensor([4, 5, 0]), *track)
+    assert calls == [("verify", pool[layer].data_ptr(), (SLOTS, HV, V, K), pool[layer].stride())
+                     for layer in range(LAYERS)] + [("commit", pool.data_ptr(), tuple(pool.shape), pool.stride())]
+    assert spy.copies == ([("index", (LAYERS, 1, HV, V, K))] if tracking else [])
 
 
 def test_sizing_charges_draft_nodes_as_records(hooks):
