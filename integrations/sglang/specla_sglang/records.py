@@ -12,9 +12,9 @@ layer's memory holds four contiguous blocks, read only through :meth:`RecordLayo
     summed along each node's root path) | ``parent [R, D]`` (each node's parent in its tree, ``-1``
     for node 0, a float32 integer: exact below ``2**24``)
 
-``k``, ``delta`` and ``G`` are a :class:`specla.mixers.gdn.records.GDNFactorRecord` per row, each
-one contiguous tensor, as specla's pool kernels take them; the parents let the commit find an
-accepted path from this buffer alone.
+``k``, ``delta`` and ``G`` are, as views, the :class:`specla.mixers.gdn.serving.GDNRecordBuffers`
+that specla's pool kernels take (one layer's, or every layer's with each layer's block contiguous);
+the parents let the commit find an accepted path from this buffer alone.
 """
 
 from __future__ import annotations
