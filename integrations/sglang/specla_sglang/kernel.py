@@ -1,5 +1,6 @@
 """specla's GDN tree verify and commit on SGLang's data, in place: its state pool by slot index
-(read by the verify, committed into by the commit; no state is copied out of it or transposed),
+(read by the verify, committed into by the commit; no state is copied out of it or transposed,
+but a request's state into its prefix-cache track slot: :func:`commit_paths`),
 its packed draft tokens, its raw gates and its ``retrieve_parent_token``, with factor records
 (:mod:`specla_sglang.records`) in the pool's per-node buffer instead of per-node states. Both run
 :mod:`specla.mixers.gdn.serving`'s entry points on views of the record blocks.
