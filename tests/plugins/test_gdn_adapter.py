@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specla import DraftTree, SpecConfig
+from specla import DraftTree, PendingCommit, SpecConfig
 from specla.registry import get_plugin
 from specla.testing import path_acceptance
 from specla_fla.oracle import NaiveGDN

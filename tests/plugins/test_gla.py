@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAForCausalLM
 
 import specla
-from specla import DraftTree, SpecConfig
+from specla import DraftTree, PendingCommit, SpecConfig
 from specla.errors import UnsupportedModelError
 from specla.registry import get_plugin
 from specla.tree import inclusive_ancestor_mask
