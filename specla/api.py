@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import sys
 import threading
 import warnings
@@ -147,6 +148,11 @@ class SpecDecoder:
                     model = weaken_hook_cycles(self.plugin.load_model(path, dtype=dtype, device=self.config.device))
             except (UnsupportedModelError, ConfigError):
                 raise
+            except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused a pickle's objects
+                raise UnsupportedModelError(
+                    f"cannot load the checkpoint in {path}: a pickled weights file in it holds objects other than "
+                    "tensors, and specla loads no such file (loading it could run code); convert it to "
+                    "safetensors where it comes from a source you trust") from err
             except Exception as err:  # transformers, huggingface_hub and safetensors each raise their own
                 raise UnsupportedModelError(f"cannot load the checkpoint in {path}: {type(err).__name__}: {err}") from err
         if isinstance(tokenizer, (str, Path)):

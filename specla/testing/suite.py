@@ -45,6 +45,32 @@ N = 6  # draft budget of the suite's runs
 COMMITS = ["factor", *BASELINES]  # factor: every plugin's contract; the baselines where declared
 
 
+
+def _plain_decoding_gap(arch, model, prompts, expected, config) -> str | None:
+    """Where specla's plain decoding (no drafts) of ``prompts`` already differs from ``expected``
+    (the plugin's ``reference_decode``): then the fault lies in code plain decoding runs as well
+    (the model spec, a mixer's verify or commit), not in the speculation, and the message says so. ``None`` where plain decoding matches, or where the plain run itself
+    raises (the caller's diagnosis then reports the failure)."""
+    import specla
+
+    cfg = config.model_dump() if isinstance(config, SpecConfig) else dict(config or {})
+    for key in ("max_depth", "top_k", "tau_tree"):
+        cfg.pop(key, None)
+    cfg["num_draft_tokens"] = 0
+    cfg.setdefault("max_new_tokens", max((len(e) for e in expected), default=1))
+    try:
+        plain = specla.run(model, arch.name, prompts=prompts, config=cfg).outputs
+    except Exception:
+        return None
+    for i, (got, want) in enumerate(zip(plain, expected)):
+        if got != want:
+            j = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            return (f"specla's plain decoding (no drafts) already differs from the plugin's reference_decode "
+                    f"(prompt {i}, from new token {j}: {got[j:j + 4]} against {want[j:j + 4]}): the fault is in "
+                    "what plain decoding runs too (the model spec's mixers, block wiring, norms or head, or a "
+                    "mixer's verify or commit), not in the speculation")
+    return None
+
 class PluginSuite:
     """Base class of a plugin's conformance tests; set :attr:`plugin` in a ``Test*`` subclass.
 
@@ -123,8 +149,11 @@ class PluginSuite:
                 found = diagnose(arch, model, prompts, expected, drafter=drafter, config=config)
             except Exception as err:  # the failure is reported whatever the re-run meets
                 found = f"the step-by-step re-run raised {type(err).__name__}: {err}"
-        raise AssertionError(f"{what}: speculative output differs from plain decoding: "
-                             f"{found or 'a step-by-step re-run matched plain decoding throughout'}")
+        found = found or "a step-by-step re-run matched plain decoding throughout"
+        plain = _plain_decoding_gap(arch, model, prompts, expected, config)
+        if plain:
+            raise AssertionError(f"{what}: {plain}; the step-by-step re-run: {found}")
+        raise AssertionError(f"{what}: speculative output differs from plain decoding: {found}")
 
     # ------------------------------------------------------------------ 5. end to end
     def test_greedy_ngram_token_identical_every_variant(self, arch, rng):

@@ -5,6 +5,7 @@ detection, prompts as tensors and token ids of the wrong type, option bounds, a 
 the exact output, error type or message."""
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,6 +259,39 @@ def test_a_corrupt_checkpoint_is_an_unsupported_model_naming_the_directory(tmp_p
     for path in (bad_field, truncated):
         with pytest.raises(specla.UnsupportedModelError, match=f"cannot load the checkpoint in {path}: "):
             SpecDecoder(path)
+
+
+class _RunsCode:
+    """Pickles as a call of ``pathlib.Path.touch``: unpickled without ``weights_only`` it would
+    create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(tmp_path):
+    """A ``pytorch_model.bin`` holding more than tensors: an UnsupportedModelError in one line
+    that names the directory and why, without torch's advice to load it unsafely; the code in
+    it never runs."""
+    import shutil
+
+    from specla_qwen.plugin import QwenPlugin
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "ran"
+    ckpt.mkdir()
+    shutil.copy(QwenPlugin.demo_checkpoint / "config.json", ckpt)
+    torch.save({"model.embed_tokens.weight": _RunsCode(marker)}, ckpt / "pytorch_model.bin")
+    with pytest.raises(specla.UnsupportedModelError) as err:
+        SpecDecoder(ckpt)
+    assert str(err.value) == (f"cannot load the checkpoint in {ckpt}: a pickled weights file in it holds objects "
+                              "other than tensors, and specla loads no such file (loading it could run code); "
+                              "convert it to safetensors where it comes from a source you trust")
+    assert not marker.exists()
 
 
 def test_stop_ids_and_seeds_are_integers_not_coerced():

@@ -38,8 +38,12 @@ def test_pytest_option_names_the_plugin_and_without_it_the_suite_says_so():
                            text=True, timeout=600)
     assert named.returncode == 0 and "1 passed" in named.stdout, named.stdout[-2000:]
     unnamed = subprocess.run(base + ["-k", "verify_never_writes"], capture_output=True, text=True, timeout=600)
-    assert unnamed.returncode != 0, "a run that names no plugin must not pass"
-    assert "pass --specla-plugin=NAME" in unnamed.stdout, unnamed.stdout[-2000:]
+    assert unnamed.returncode == 4, "a run that names no plugin must not pass"  # pytest's usage error
+    assert "ERROR: no plugin named: pass --specla-plugin=NAME" in unnamed.stderr, unnamed.stderr[-2000:]
+    unknown = subprocess.run(base + ["--specla-plugin=nosuch", "-k", "verify_never_writes"], capture_output=True,
+                             text=True, timeout=600)
+    assert unknown.returncode == 4 and "ERROR: --specla-plugin=nosuch: " in unknown.stderr, unknown.stderr[-2000:]
+    assert "error" not in unknown.stdout.lower(), unknown.stdout[-2000:]  # no per-test setup errors
 
 
 def test_check_plugin_rejects_an_unknown_plugin_before_running_anything():
@@ -140,19 +144,50 @@ def assert_finite_difference(message: str) -> None:
     assert 0 < float(x) < math.inf and 0 < float(y) < math.inf, message
 
 
-@pytest.mark.parametrize("commit, pattern, accepted, state, mismatch", [
-    (commit_next_node, "none", "0 accepted drafts", "recurrent", "position 1: 15 != 31"),
-    (commit_keeping_windows, "all", "6 accepted drafts", "conv window", "position 7: 44 != 4"),
+@pytest.mark.parametrize("commit, pattern, accepted, state, mismatch, plain_ok", [
+    (commit_next_node, "none", "0 accepted drafts", "recurrent", "position 1: 15 != 31", True),
+    (commit_keeping_windows, "all", "6 accepted drafts", "conv window", "position 7: 44 != 4", False),
 ])
 def test_a_broken_commit_fails_the_suite_naming_the_sequence_step_layer_and_state(monkeypatch, commit, pattern,
-                                                                                   accepted, state, mismatch):
+                                                                                   accepted, state, mismatch,
+                                                                                   plain_ok):
     """The suite's forced acceptance patterns against a gdn adapter that commits the wrong node,
     or skips the conv window: the first pattern that fails names where it left plain decoding."""
     message = forced_acceptance_failure(monkeypatch, commit)
-    assert re.fullmatch(rf"pattern '{pattern}': speculative output differs from plain decoding: sequence 0, step 1 "
+    # a commit that skips the conv window breaks plain decoding too (its one-token steps commit
+    # through it), and the message says so before the re-run's finding
+    head = (r"speculative output differs from plain decoding" if plain_ok else
+            r"specla's plain decoding \(no drafts\) already differs from the plugin's reference_decode \(prompt \d+, "
+            r"from new token \d+: \[[\d, ]+\] against \[[\d, ]+\]\): the fault is in what plain decoding runs too "
+            r"\(the model spec's mixers, block wiring, norms or head, or a mixer's verify or commit\), not in the "
+            r"speculation; the step-by-step re-run")
+    assert re.fullmatch(rf"pattern '{pattern}': {head}: sequence 0, step 1 "
                         rf"\(after committing {accepted}\): layer 0 '{state}' state differs from plain decoding's by "
                         rf"max \|d\| \S+ \(rel \S+\); first token mismatch at {mismatch}", message), message
     assert_finite_difference(message)
+
+
+def test_a_wrong_model_spec_fails_the_suite_naming_plain_decoding_not_speculation(monkeypatch):
+    """Logits that are not the model's (token 5 raised in every verify, as a wrong spec would)
+    fail the suite's token checks with a message that puts the fault before speculation:
+    specla's own plain decoding already differs from ``reference_decode``."""
+    model, prompts, refs, drafter = mixed_batch()
+    real = ModelAdapter._verify
+
+    def shifted_logits(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        out.logits[..., 5] += 1e3  # token 5 wins every step: not the model reference_decode runs
+        return out
+
+    monkeypatch.setattr(ModelAdapter, "_verify", shifted_logits)
+    with pytest.raises(AssertionError) as err:
+        PluginSuite._check_outputs(get_plugin("gdn"), model, prompts, [[5] * 12 for _ in prompts],
+                                   [r[:12] for r in refs], "case", config=dict(num_draft_tokens=6, max_new_tokens=12))
+    assert re.fullmatch(r"case: specla's plain decoding \(no drafts\) already differs from the plugin's "
+                        r"reference_decode \(prompt 0, from new token 0: \[5, 5, 5, 5\] against \[\d+, \d+, \d+, "
+                        r"\d+\]\): the fault is in what plain decoding runs too \(the model spec's mixers, block "
+                        r"wiring, norms or head, or a mixer's verify or commit\), not in the speculation; the "
+                        r"step-by-step re-run: .+", str(err.value)), str(err.value)
 
 
 def test_the_accepted_count_check_names_the_state_that_differs(monkeypatch):
