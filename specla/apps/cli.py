@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     _add_threads(gen)
     gen.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"],
-                     help="(default: the model's; half precision runs in float32 on a CPU)")
+                     help="(default: the model's, but a half-precision checkpoint runs in float32 on a CPU)")
     gen.add_argument("--max-new-tokens", type=_integer, default=None, metavar="N",
                      help=f"tokens generated per prompt (default: {_spec_default('max_new_tokens')})")
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

@@ -6,7 +6,7 @@ def pytest_addoption(parser):
                      help="run specla's conformance suite (pytest --pyargs specla.testing) against this plugin")
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(config, items):
     """The packaged suite (``pytest --pyargs specla.testing``) collected without a usable
     ``--specla-plugin``: one usage error before anything runs, not one setup error per test."""
     if not any(getattr(item, "cls", None) is not None
