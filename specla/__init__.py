@@ -13,6 +13,7 @@ import importlib.util
 
 from .errors import (
     BudgetError,
+    ConfigDeprecationWarning,
     ConfigError,
     ContextLengthWarning,
     DrafterError,
@@ -39,7 +40,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigError", "ContextLengthWarning", "DrafterError",
+    "Acceptance", "ArchitecturePlugin", "BudgetError", "ConfigDeprecationWarning", "ConfigError", "ContextLengthWarning", "DrafterError",
     "DraftTree", "Drafter", "Engine", "EngineOptions", "GenerationInterrupted", "InvalidTokenError",
     "InvalidTreeError", "NonFiniteLogitsError", "PendingCommit", "PluginConflictWarning", "PluginLoadWarning",
     "Record", "RunResult", "RunStats", "SpecConfig", "SpecDecoder", "SpecError", "TargetAdapter",

@@ -12,6 +12,8 @@ from typing import Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
 
+from .errors import ConfigDeprecationWarning
+
 CommitStrategy = Literal["factor", "snapshot", "replay"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
 
@@ -148,7 +150,7 @@ def nest_engine_options(data: dict) -> dict:
                          f"in engine only (engine={{{flat[0]!r}: ...}})")
     for k in flat:
         warnings.warn(f"SpecConfig field {k!r} is deprecated and will be removed in the next release: "
-                      f"use engine={{{k!r}: {data[k]!r}}}", DeprecationWarning, stacklevel=_outside_frame())
+                      f"use engine={{{k!r}: {data[k]!r}}}", ConfigDeprecationWarning, stacklevel=_outside_frame())
     return {**{k: v for k, v in data.items() if k not in flat}, "engine": {k: data[k] for k in flat}}
 
 

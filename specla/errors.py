@@ -78,6 +78,11 @@ class ContextLengthWarning(UserWarning):
     the quality of what a model generates there is unknown."""
 
 
+class ConfigDeprecationWarning(DeprecationWarning):
+    """A configuration spelling of the previous release that still works and will be removed in
+    the next one (the message gives the new spelling)."""
+
+
 class GenerationInterrupted(KeyboardInterrupt):
     """A ``KeyboardInterrupt`` (Ctrl-C) stopped a ``generate`` call; it carries what had been
     decoded by then. Being a ``KeyboardInterrupt``, it still ends a program that does not catch it.

@@ -426,6 +426,20 @@ def test_the_commands_that_decode_on_a_cpu_take_one_torch_thread_unless_told(mon
     assert exit_.value.code == 2 and "--threads: must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_a_deprecated_config_key_on_the_command_line_is_one_warning_line():
+    """A flat engine key in ``--config`` (the previous release's spelling) still runs, with one
+    ``specla: warning:`` line naming the new spelling (run in a fresh process: pytest records
+    warnings instead of printing them)."""
+    code = ("import specla.apps.cli\n"
+            f"specla.apps.cli.main(['generate', '--model', {str(TINY)!r}, '--prompt', 'def', '--device', 'cpu', "
+            "'--max-new-tokens', '2', '--config', '{\"kernels\": \"reference\"}', '--no-progress'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "deprecated" in ln]
+    assert lines == ["specla: warning: SpecConfig field 'kernels' is deprecated and will be removed in the next "
+                     "release: use engine={'kernels': 'reference'}"], out.stderr
+
+
 def test_the_command_line_prints_speclas_warnings_in_one_line_and_leaves_others_as_they_are():
     """Run in a fresh process: pytest records warnings instead of printing them."""
     code = (
