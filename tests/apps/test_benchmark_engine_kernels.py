@@ -1,0 +1,90 @@
+"""``benchmarks/engine_kernels.py`` on the CPU (Triton's interpreter, its ``tiny`` preset: float32,
+H = 2, HV = 4, K = V = 16, two layers): every cell's contenders agree, the report has every cell,
+and its memory figures are the bytes of the buffers each engine allocates. The engines' kernel
+files are extracted into a folder the script reads (``--extract``'s layout); without network
+the test skips, like the oracle tests."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specla.testing import engine_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "engine_kernels.py"
+
+
+def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
+    try:
+        engine_kernels.extract(tmp_path / "engines")
+    except engine_kernels.RegistryUnreachable as err:
+        pytest.skip(str(err))
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path / "engines"), "--device", "cpu",
+                           "--preset", "tiny", "--reps", "1", "--out", str(out), "--allow-dirty"],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cells = report["cells"]
+    assert [(c["batch"], c["workload"]) for c in cells] == [(1, "tree6"), (1, "chain3"), (3, "tree6"), (3, "chain3")]
+    for c in cells:
+        assert c["agree"], c["errors"]
+        others = {"tree6": {"specla"}, "chain3": {"specla", "sglang_replayssm", "vllm"}}[c["workload"]]
+        assert set(c["us"]) == others | {"sglang"}
+        for name in others:  # float32: observed at most 2.4e-7 (outputs up to 0.22, states up to 1.6)
+            assert c["errors"][name]["out"] < 2e-6 and c["errors"][name]["state"] < 2e-6
+    # one layer's bytes a running request holds beyond its 4 x 16 x 16 float32 state slot (4096 B)
+    H, HV, K, V, state = 2, 4, 16, 16, 4096
+    spec = {("tree6", "sglang"): 6 * state, ("tree6", "specla"): 6 * (H * K + HV * V + HV) * 4,
+            ("chain3", "sglang"): 3 * state, ("chain3", "specla"): 3 * (H * K + HV * V + HV) * 4,
+            ("chain3", "sglang_replayssm"): 3 * (H * K + HV * V) * 4 + 2 * 3 * HV * 4, ("chain3", "vllm"): 2 * state}
+    rows = {(m["workload"], m["contender"]): m for m in report["memory"]}
+    assert set(rows) == set(spec)
+    for key, m in rows.items():
+        assert (m["model"], m["tp"], m["spec_layer_bytes"], m["layer_bytes"]) == (
+            "tiny", 1, spec[key], state + spec[key])
+        per_request = 2 * m["layer_bytes"]  # the tiny model's two GDN layers
+        assert (m["model_bytes"], m["requests_in_budget"]) == (per_request, 10 * 2**30 // per_request)
+    assert report["meta"]["engines"] == {"sglang": "0.5.23", "vllm": "0.34.0"}
+    assert {"commit", "device", "versions", "date", "command"} <= set(report["meta"])
+    table = out.with_suffix(".md").read_text()
+    assert table.count("| yes |") == 4 and "**NO**" not in table
+
+
+def _script():
+    """The script as a module (its imports of ``kernels`` and ``provenance`` need its folder on
+    the path while it loads)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("engine_kernels_bench", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return module
+
+
+def test_the_check_marks_a_contender_that_disagrees():
+    bench = _script()
+    gen = torch.Generator().manual_seed(0)
+    o, s = torch.randn(1, 6, 4, 16, generator=gen).bfloat16(), torch.randn(3, 4, 16, 16, generator=gen)
+    ulp = o.float() * 2**-8  # one bf16 rounding of an output: within tolerance
+    errors, ok = bench.check({"sglang": (o, s), "near": ((o.float() + ulp).bfloat16(), s + 1e-5 * s.abs().max()),
+                              "far": (o, s + 1e-3 * s.abs().max()), "nan": (o * float("nan"), s)})
+    assert not ok
+    assert (errors["near"]["agree"], errors["far"]["agree"], errors["nan"]["agree"]) == (True, False, False)
+    assert errors["far"]["state"] == pytest.approx(1e-3 * s.abs().max().item(), rel=1e-3)
+
+
+def test_a_kernel_folder_without_the_files_is_refused_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path), "--out", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"engine_kernels.py: error: sglang 0.5.23's kernel files are not under {tmp_path}: ")
+    assert proc.stderr.count("\n") == 1
