@@ -504,8 +504,30 @@ def exact_rate(outputs: list[list[int]], ref: list[list[int]]) -> float:
     return sum(o == r[: len(o)] for o, r in zip(outputs, ref)) / len(ref)
 
 
+PUBLISHED = Path(__file__).resolve().parent / "profiles" / "published.json"
+
+
 def measured_profile(spec: str, D: int = 6) -> list[float]:
-    """``FILE.json:RUN``: the accepted-drafts histogram of ``RUN`` in an acceptance.py report."""
+    """``P(a)`` for ``a = 0..D`` correct drafts per step, normalised, from ``spec``:
+
+    - ``FILE.json:RUN``: the accepted-drafts histogram of ``RUN`` in an acceptance.py report;
+    - ``published:NAME``: the histogram of profile ``NAME`` in ``benchmarks/profiles/published.json``
+      (a drafter's published acceptance at its own depth ``d``). A deeper one is cut to ``D``
+      (``P(a = D)`` takes ``P(a >= D)``: the same drafter drafting ``D`` deep accepts ``min(a, D)``);
+      a shallower one gets ``P(a) = 0`` for ``a > d`` (nothing past its depth was measured as accepted).
+
+    Raises:
+        ValueError: a report histogram without ``D + 1`` bins; an unknown ``NAME`` (the message
+            names the known ones).
+    """
+    if spec.startswith("published:"):
+        name = spec.removeprefix("published:")
+        profiles = json.loads(PUBLISHED.read_text())["profiles"]
+        if name not in profiles:
+            raise ValueError(f"{spec}: no such published profile; known: {', '.join(sorted(profiles))}")
+        hist = profiles[name]["histogram"]
+        hist = hist[:D] + [sum(hist[D:])] if len(hist) > D + 1 else hist + [0.0] * (D + 1 - len(hist))
+        return [h / sum(hist) for h in hist]
     path, _, run = spec.rpartition(":")
     hist = json.loads(Path(path).read_text())[run]["categories"]["all"]["accepted_histogram"]
     if len(hist) != D + 1:
@@ -595,10 +617,10 @@ def main() -> None:
     ap.add_argument("--budgets", default="0,1,2,4,8,16,32,63")
     ap.add_argument("--alphas", default="0.5,0.6,0.7,0.8,0.9,0.95")
     ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree",
-                    help="FILE.json:RUN of acceptance.py: the tree's measured profile (default: the small "
-                    "target's attention drafter on GSM8K, commit a172ee1)")
+                    help="FILE.json:RUN of acceptance.py, or published:NAME of benchmarks/profiles/published.json: "
+                    "the tree's profile (default: the small target's attention drafter on GSM8K, commit a172ee1)")
     ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json"
-                    ":gsm8k/eagle-chain", help="FILE.json:RUN: the chain's measured profile")
+                    ":gsm8k/eagle-chain", help="FILE.json:RUN or published:NAME: the chain's profile")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per sequence")
     ap.add_argument("--hf-tokens", type=int, default=32, help="new tokens per transformers generate run")
     ap.add_argument("--prompt-len", type=int, default=32)

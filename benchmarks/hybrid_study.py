@@ -5,9 +5,10 @@
 Each model is a transformers class at a published model's layer shapes (:data:`SHAPES`) with random
 weights in bfloat16, except that the input embedding is scaled by ``--embed-scale`` and copied into
 the LM head, as in ``benchmarks/e2e.py``: the greedy next token is then the input token, which lets
-the oracle drafter of ``e2e.py`` (:class:`ProfileDrafter`) set acceptance exactly from a measured
-profile (the ``small`` target's trained EAGLE drafter on GSM8K, tree N 15 / depth 6 and chain N 6)
-while a random EAGLE head of the model's width drafts a full tree each step, so the drafter's cost
+the oracle drafter of ``e2e.py`` (:class:`ProfileDrafter`) set acceptance exactly from a profile
+(by default the ``small`` target's trained EAGLE drafter on GSM8K, tree N 15 / depth 6 and chain N 6;
+``--profile published:NAME`` and ``--chain-profile published:NAME`` take a drafter's published
+acceptance from ``benchmarks/profiles/published.json``, each the tree's or the chain's own) while a random EAGLE head of the model's width drafts a full tree each step, so the drafter's cost
 is counted. Acceptance is therefore a replayed profile, not this model's: these rows are a cost
 model, not a speed claim for a trained checkpoint.
 
@@ -196,9 +197,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--embed-scale", type=float, default=32.0)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree")
+    ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree",
+                    help="the tree's profile: FILE.json:RUN of acceptance.py, or published:NAME of "
+                    "benchmarks/profiles/published.json (e2e.measured_profile)")
     ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json"
-                    ":gsm8k/eagle-chain")
+                    ":gsm8k/eagle-chain", help="the chain's profile, as --profile")
     a = add_allow_dirty(ap).parse_args()
     meta = dict(provenance(a.device, a.allow_dirty), args=dict(vars(a)))
     out_dir = Path(a.out)

@@ -62,6 +62,37 @@ def test_measured_profile_is_read_as_recorded(tmp_path):
         e2e.measured_profile(f"{path}:gsm8k/eagle-tree", D=5)
 
 
+def test_published_profiles_load_at_their_depth_and_at_the_study_depth():
+    profiles = json.loads(e2e.PUBLISHED.read_text())["profiles"]
+    assert profiles
+    for name, entry in profiles.items():
+        d = entry["settings"]["max_depth"]
+        assert entry["shape"] in ("chain", "tree"), name
+        assert len(entry["histogram"]) == d + 1, name
+        assert abs(sum(entry["histogram"]) - 1) < 1e-3, name
+        if "accepted_length" in entry:  # counts the bonus token; published to two decimals
+            mean = sum(a * p for a, p in enumerate(entry["histogram"]))
+            assert abs(1 + mean - entry["accepted_length"]) <= 5e-3, name
+        own = e2e.measured_profile(f"published:{name}", D=d)
+        assert own == pytest.approx([h / sum(entry["histogram"]) for h in entry["histogram"]], abs=1e-12)
+        study = e2e.measured_profile(f"published:{name}")
+        assert len(study) == 7 and abs(sum(study) - 1) < 1e-12, name
+        # cut deeper: min(a, 6) keeps the mass of a >= 6 in the last bin; padded shallower: zeros
+        assert study[:min(d, 6)] == pytest.approx(own[:min(d, 6)], abs=1e-12)
+        assert study[6] == pytest.approx(sum(own[6:]), abs=1e-12) if d >= 6 else study[d + 1:] == [0.0] * (6 - d)
+
+
+def test_published_profile_values_and_unknown_name():
+    assert e2e.measured_profile("published:qwen3.6-27b-mtp-d6") == pytest.approx(
+        [0.083, 0.08, 0.189, 0.11, 0.087, 0.103, 0.348], abs=1e-12)
+    assert e2e.measured_profile("published:deepseek-v3-mtp-sglang-chain") == pytest.approx(
+        [0.1, 0.9, 0, 0, 0, 0, 0], abs=1e-12)
+    known = ", ".join(sorted(json.loads(e2e.PUBLISHED.read_text())["profiles"]))
+    with pytest.raises(ValueError) as err:
+        e2e.measured_profile("published:no-such-drafter")
+    assert str(err.value) == f"published:no-such-drafter: no such published profile; known: {known}"
+    assert "eagle3-llama3.1-8b-steps8" in known and "deepseek-v3-mtp-sglang-tree" in known
+
 def test_tables_mark_cells_that_were_not_run():
     rows = [dict(study="step", N=0, B=1, ms_per_step=3.0, vs_ar_step=1.0),
             dict(study="step", N=16, B=1, ms_per_step=4.9, vs_ar_step=1.63),
