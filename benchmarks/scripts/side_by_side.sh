@@ -24,6 +24,7 @@ data=${4:-../shared/data}
 phases=,${PHASES:-train,step,rows},
 root=$(cd "$(dirname "$0")/../.." && pwd)
 base=$(cd "$base" && pwd)
+data=$(cd "$data" && pwd)
 mkdir -p "$out"
 log=$out/side_by_side.log
 
@@ -66,7 +67,9 @@ for r in $(seq 1 "${REPEATS:-2}"); do
         if nested "$tree"; then config="{$s,\"dtype\":\"bfloat16\",\"engine\":{\"budget_policy\":\"fixed\"}}"
         else config="{$s,\"dtype\":\"bfloat16\",\"budget_policy\":\"fixed\"}"; fi
         name=rows-$shape-$side-$r
-        (cd "$root" && timeout "${ROW_TIMEOUT:-120}" "${envs[@]}" python -m "$mod" bench --model "$out/small" \
+        # from the tree's own folder: `python -m` puts the working directory first on sys.path, so
+        # from the repository root BASE's run would import this checkout's specla
+        (cd "$tree" && timeout "${ROW_TIMEOUT:-120}" "${envs[@]}" python -m "$mod" bench --model "$out/small" \
             --drafter "$out/eagle" --prompts "$data/prompts/gsm8k_test.jsonl" --limit "${LIMIT:-24}" \
             --max-new-tokens 128 --batch-size 1 --device cuda --config "$config" --out "$out/$name.json" \
             --allow-dirty > "$out/$name.log" 2>&1)
