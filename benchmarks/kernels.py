@@ -254,14 +254,15 @@ def bench_commit(batches: list[int], bw: float, fla_replay) -> list[dict]:
                 return fla_replay(q, k, v, g=g, beta=b, scale=K**-0.5, initial_state=sets[i][5],
                                   output_final_state=True)
 
+            commits = [LayerCommit(GDNFactorRecord(k=st[1], delta=st[6], G=st[7], conv_x=None), path, plen)
+                       for st in sets]
             times = {
-                "factor": graph_ms([lambda i=i: flush_commit(work[i], sets[i][1], sets[i][6], sets[i][7], path, plen)
-                                    for i in range(n)]),
+                "factor": graph_ms([lambda i=i: flush_commit(work[i], commits[i]) for i in range(n)]),
                 "replay": graph_ms([lambda i=i: replay(i) for i in range(n)]),
                 "snapshot": graph_ms([lambda i=i: work[i].copy_(snapshot) for i in range(n)]),
             }
             check = sets[0][5].clone()
-            flush_commit(check, sets[0][1], sets[0][6], sets[0][7], path, plen)
+            flush_commit(check, commits[0])
             replayed = replay(0)[1]
             err = float((check - replayed).abs().max() / replayed.abs().max())
             row = dict(batch=B, accepted=a, input_sets=n, **{f"{m}_ms": t for m, t in times.items()},
@@ -317,8 +318,7 @@ def bench_fused(batches: list[int], bw: float) -> list[dict]:
                 return hybrid_verify(*xs, parents, K**-0.5, pending=pending, plan=plan)
 
             def separate(i):
-                c = sets[i][1]
-                flush_commit(sets[i][0][5], c.record.k, c.record.delta, c.record.G, c.path, c.path_len)
+                flush_commit(sets[i][0][5], sets[i][1])
                 return verify(i, None)
 
             n = len(sets)
@@ -375,9 +375,11 @@ class GLALayer:
     def __init__(self, H: int = 4, K: int = 256, V: int = 512):
         from fla.ops.gla import fused_recurrent_gla
         from specla.mixers.gla import commit, verify
+        from specla.mixers.gla.records import GLAFactorRecord
 
         self.H, self.K, self.V, self.scale = H, K, V, K**-0.5
         self.kernels, self.flush_commit, self.fla = verify, commit.flush_commit, fused_recurrent_gla
+        self.record_type = GLAFactorRecord
 
     def shape(self) -> dict:
         return dict(H=self.H, K=self.K, V=self.V)
@@ -394,11 +396,11 @@ class GLALayer:
     def parallel(self, xs, mask):
         return self.kernels.tree_verify(*xs, mask, self.scale)
 
-    def records(self, xs, out) -> tuple:  # the factor record: k, v and the path-summed log decay
-        return xs[1], xs[2], out[1]
+    def records(self, xs, out):  # the factor record: k, v and the path-summed log decay
+        return self.record_type(k=xs[1], v=xs[2], Gk=out[1], conv_x=None)
 
-    def flush(self, state, records, path, plen):
-        return self.flush_commit(state, *records, path, plen)
+    def flush(self, state, record, path, plen):
+        return self.flush_commit(state, LayerCommit(record, path, plen))
 
     def gather(self, xs, nodes: list[int]) -> tuple:
         """FLA's inputs along ``nodes`` (a root path), gathered beforehand."""
@@ -431,9 +433,11 @@ class Mamba2Layer:
     def __init__(self, H: int = 64, P: int = 64, N: int = 128, NG: int = 1):
         from fla.ops.simple_gla import fused_recurrent_simple_gla
         from specla.mixers.mamba2 import commit, verify
+        from specla.mixers.mamba2.records import Mamba2FactorRecord
 
         self.H, self.P, self.N, self.NG = H, P, N, NG
         self.kernels, self.flush_commit, self.fla = verify, commit.flush_commit, fused_recurrent_simple_gla
+        self.record_type = Mamba2FactorRecord
 
     def shape(self) -> dict:
         return dict(H=self.H, P=self.P, N=self.N, NG=self.NG)
@@ -452,11 +456,11 @@ class Mamba2Layer:
     def parallel(self, xs, mask):
         return self.kernels.tree_verify(*xs, mask)
 
-    def records(self, xs, out) -> tuple:  # the factor record: Bm, u = dt x and the path-summed log decay
-        return xs[3], out[1], out[2]
+    def records(self, xs, out):  # the factor record: Bm, u = dt x and the path-summed log decay
+        return self.record_type(Bm=xs[3], u=out[1], G=out[2], conv_x=None)
 
-    def flush(self, state, records, path, plen):
-        return self.flush_commit(state, *records, path, plen)
+    def flush(self, state, record, path, plen):
+        return self.flush_commit(state, LayerCommit(record, path, plen))
 
     def gather(self, xs, nodes: list[int]) -> tuple:
         """FLA's inputs along ``nodes`` (a root path), gathered beforehand: q = C and k = B

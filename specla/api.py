@@ -21,7 +21,7 @@ from .engine import Engine, RunStats
 from .errors import (ConfigError, ContextLengthWarning, DrafterError, GenerationInterrupted, InvalidTokenError,
                      TokenTypeError, UnsupportedModelError)
 from .interfaces import ArchitecturePlugin, Drafter
-from .hf import weaken_hook_cycles
+from .hf import load_tokenizer, tokenizer_dir, weaken_hook_cycles
 from .registry import detect_plugin, get_plugin
 
 # transformers' from_pretrained is not thread-safe: two threads loading at once can leave a tied
@@ -100,7 +100,9 @@ class SpecDecoder:
             message names the directory, the counts and the first few weight names); a model
             whose weights are on the ``meta`` device (built under ``torch.device("meta")`` or
             loaded with ``device_map="meta"``), refused before anything else.
-        FileNotFoundError: a tokenizer directory that does not exist.
+        FileNotFoundError: a tokenizer directory that does not exist or holds no tokenizer (no
+            ``tokenizer.json``, ``vocab.*``, ``*.model`` or ``*.tiktoken`` file: the message names
+            the directory and those files), refused before the checkpoint loads.
         ConfigError: invalid config fields given as a dict (e.g. ``temperature < 0``, an unknown
             key: the message names each field and its problem; a ``SpecConfig`` built directly
             raises pydantic's ``ValidationError``).
@@ -137,6 +139,8 @@ class SpecDecoder:
                 raise DrafterError(f"drafter={drafter!r} is a model's own drafter, and the {self.plugin.name} "
                                    f"plugin's models bring none (the {', '.join(owners)} plugins' do)")
             self.drafter = make_drafter(drafter)
+        if isinstance(tokenizer, (str, Path)):  # before the checkpoint loads, as the drafter
+            tokenizer = tokenizer_dir(tokenizer)
         owned = isinstance(model, (str, Path))  # loaded here: nobody else holds it
         if owned:
             path = Path(model)
@@ -155,12 +159,8 @@ class SpecDecoder:
                     "safetensors where it comes from a source you trust") from err
             except Exception as err:  # transformers, huggingface_hub and safetensors each raise their own
                 raise UnsupportedModelError(f"cannot load the checkpoint in {path}: {type(err).__name__}: {err}") from err
-        if isinstance(tokenizer, (str, Path)):
-            if not Path(tokenizer).is_dir():
-                raise FileNotFoundError(f"tokenizer directory {tokenizer} does not exist")
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        if isinstance(tokenizer, Path):  # after the model, whose type its plugin registers (transformers warns otherwise)
+            tokenizer = load_tokenizer(tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         asked = self.config.dtype

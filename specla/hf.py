@@ -1,6 +1,6 @@
 """transformers glue: loading a transformers-format checkpoint and refusing weights that do not
-fit it, the end-of-sequence ids a model's generation stops at, and the hook cycles of a model
-specla owns (loaded or copied by it)."""
+fit it, loading a tokenizer directory, the end-of-sequence ids a model's generation stops at, and
+the hook cycles of a model specla owns (loaded or copied by it)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ from .errors import UnsupportedModelError
 
 # weight names an error shows of each kind; the count says how many there are
 _SHOWN = 3
+
+# the files a tokenizer's vocabulary is read from: a fast tokenizer's serialization, or a slow
+# one's vocabulary (BPE's vocab.json, WordPiece's vocab.txt, SentencePiece, tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.*", "*.model", "*.tiktoken")
 
 
 def _count(kind: str, names: list[str]) -> str:
@@ -76,6 +80,35 @@ def load_pretrained(model_class, path: Path, *, dtype: torch.dtype | None) -> to
         raise UnsupportedModelError(f"{path}: its weights do not fit its config.json (the model would run on "
                                     f"random or dropped weights): {'; '.join(problems)}")
     return model
+
+
+def tokenizer_dir(directory: str | Path) -> Path:
+    """``directory`` as a tokenizer directory, checked before anything loads: transformers,
+    given a directory without a vocabulary, raises a multi-line error, or with a checkpoint's
+    config.json alone, builds an empty tokenizer.
+
+    Raises:
+        FileNotFoundError: ``directory`` does not exist, or holds none of
+            :data:`TOKENIZER_FILES` (the message names the directory and the files looked for).
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise FileNotFoundError(f"tokenizer directory {directory} holds no tokenizer (no "
+                                f"{', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]} file in it)")
+    return path
+
+
+def load_tokenizer(directory: str | Path):
+    """The transformers tokenizer saved in ``directory`` (``AutoTokenizer.from_pretrained``).
+
+    Raises:
+        FileNotFoundError: as :func:`tokenizer_dir`.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir(directory)))
 
 
 def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:

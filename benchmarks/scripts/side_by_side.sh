@@ -9,8 +9,8 @@
 #     | tar -x -C .old && rm -rf .old/plugins/*/assets           # here, beside .whl/ (device_env.sh)
 #   bash benchmarks/scripts/side_by_side.sh .old COMMIT OUT_DIR [DATA_DIR]   # on the GPU machine
 #
-# Both trees are installed with FLA and pydantic from .whl/ (HEAD into /tmp/site, BASE into
-# /tmp/site_base). The target and its EAGLE drafter are trained once, with HEAD, by
+# Both trees are installed with FLA and pydantic from .whl/ by device_env.sh (HEAD into /tmp/site,
+# BASE into /tmp/site_base). The target and its EAGLE drafter are trained once, with HEAD, by
 # benchmarks/small_target.sh (OUT_DIR/small, OUT_DIR/eagle; a finished stage is kept, so a
 # cut-off run is finished by running the command again) and both trees decode that checkpoint.
 # PHASES (default train,step,rows) picks the parts; LIMIT (prompts per row, default 24) and
@@ -28,12 +28,9 @@ data=$(cd "$data" && pwd)
 mkdir -p "$out"
 log=$out/side_by_side.log
 
-install() {  # install() SITE TREE: the wheels and TREE's packages into SITE, once per machine
+install() {  # install() SITE TREE: device_env.sh's install of TREE into SITE, once per machine
   [ -f "$1/.installed" ] && return 0
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" \
-      "$root"/.whl/*.whl &&
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-      --target "$1" "$2" && touch "$1/.installed"
+  bash "$root/benchmarks/scripts/device_env.sh" "$1" "$2" && touch "$1/.installed"
 }
 install /tmp/site "$root" && install /tmp/site_base "$base" || { echo "install failed" >&2; exit 1; }
 head_env=(env PYTHONPATH=/tmp/site)

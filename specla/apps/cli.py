@@ -55,26 +55,28 @@ def _checkpoint_dir(model: str) -> Path:
 
 
 def _tokenizer_dir(model: Path, tokenizer: str | None) -> Path:
-    """The tokenizer directory for text prompts: ``--tokenizer DIR``, else the checkpoint's."""
+    """The tokenizer directory for text prompts: ``--tokenizer DIR`` (checked by
+    :func:`specla.hf.tokenizer_dir`), else the checkpoint's."""
+    from ..hf import tokenizer_dir
+
     if tokenizer is None:
         if not (model / "tokenizer.json").is_file():
             raise ValueError(f"--model {model} has no tokenizer (no tokenizer.json in it): pass --tokenizer DIR")
         return model
-    if not Path(tokenizer).is_dir():
-        raise FileNotFoundError(f"--tokenizer {tokenizer}: directory does not exist")
-    return Path(tokenizer)
+    return tokenizer_dir(tokenizer)
 
 
 def _load_tokenizer(directory: Path):
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from ..hf import load_tokenizer
 
     # loaded before the model: transformers would warn that it does not know the model type,
     # which the plugin registers only when it loads the model
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        return load_tokenizer(directory)
     finally:
         hf_logging.set_verbosity(verbosity)
 

@@ -7,13 +7,11 @@ The standalone commit (:func:`flush`) is the same kernel launched with an empty 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 from torch import Tensor
 
-from ..records import LayerCommit
+from ..records import LayerCommit, R
 
 with_pending = triton.heuristics({"HAS_PENDING": lambda args: args["path"] is not None})
 """Decorator (above ``@triton.jit``) of a kernel with a fused pending commit: ``HAS_PENDING`` is
@@ -44,6 +42,17 @@ def pending_launch(pending: LayerCommit | None, fields: dict[str, str], width: s
                   width: pending.path.shape[1], length: first.shape[1]}
 
 
+def layer_record(pending: LayerCommit, record_type: type[R]) -> R:
+    """``pending.record``, checked to be a ``record_type``.
+
+    Raises:
+        ValueError: ``pending`` is not a :class:`LayerCommit` of a ``record_type``.
+    """
+    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, record_type):
+        raise ValueError(f"pending must be a LayerCommit of a {record_type.__name__}, got {type(pending).__name__}")
+    return pending.record
+
+
 def check_layer_commit(pending: LayerCommit, record_type: type, batch: int, shapes: dict[str, tuple[int, ...]],
                        float32: tuple[str, ...] = ()) -> None:
     """Check a verify or commit kernel's pending commit against the state it applies to.
@@ -58,9 +67,7 @@ def check_layer_commit(pending: LayerCommit, record_type: type, batch: int, shap
             (the message gives the expected layout).
     """
     name = record_type.__name__
-    if not isinstance(pending, LayerCommit) or not isinstance(pending.record, record_type):
-        raise ValueError(f"pending must be a LayerCommit of a {name}, got {type(pending).__name__}")
-    rec, path, plen = pending
+    rec, path, plen = layer_record(pending, record_type), pending.path, pending.path_len
     Tp = getattr(rec, next(iter(shapes))).shape[1]
     fields_ok = all(getattr(rec, f).shape == (batch, Tp, *tail) for f, tail in shapes.items()) and \
         all(getattr(rec, f).dtype == torch.float32 for f in float32)
@@ -73,8 +80,7 @@ def check_layer_commit(pending: LayerCommit, record_type: type, batch: int, shap
                          "int64 and path_len [B] int64")
 
 
-def flush(kernel, grid: tuple[int, int], state: Tensor, layout: str, commit: LayerCommit,
-          check: Callable[[], None], **launch) -> Tensor:
+def flush(kernel, grid: tuple[int, int], state: Tensor, layout: str, commit: LayerCommit, **launch) -> Tensor:
     """Standalone closed-form commit, in place: ``commit`` applied to ``state`` by a serial verify
     kernel launched with an empty chain (``T = 0``), so the commit code is the very code that runs
     fused inside the verify kernels. No chain token is read or written, so ``state`` stands in for
@@ -85,20 +91,18 @@ def flush(kernel, grid: tuple[int, int], state: Tensor, layout: str, commit: Lay
         kernel: a serial verify kernel decorated with :data:`with_pending`; grid: its launch grid.
         state: float32, contiguous, of the shape ``layout`` names (``"[B, HV, K, V]"``, used in
             the error message); updated in place and returned.
-        commit: the layer's pending commit; path_len ``0`` leaves a sequence's state bit-identical
-            (it is not even written).
-        check: raises ValueError when ``commit`` does not fit ``state`` (the op's shape check).
+        commit: the layer's pending commit, already checked to fit ``state`` (the op's shape
+            check); path_len ``0`` leaves a sequence's state bit-identical (it is not even written).
         launch: the kernel's remaining arguments (sizes, block sizes, the pending commit's
             keyword arguments from :func:`pending_launch`, ``num_warps``).
     Returns:
         ``state``.
     Raises:
-        ValueError: ``state`` is not contiguous float32, ``check`` fails, or the tensors are on
-            more than one device.
+        ValueError: ``state`` is not contiguous float32, or the tensors are on more than one
+            device.
     """
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"state must be a contiguous float32 {layout}, got {state.dtype}")
-    check()
     if len({x.device for x in (state, *commit.tensors())}) != 1:
         raise ValueError("all tensors must be on one device")
     chain = kernel.arg_names.index("num_nodes")

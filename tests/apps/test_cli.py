@@ -282,6 +282,35 @@ def test_cli_asks_for_the_tokenizer_flag(capsys, tmp_path):
     assert stats["generated_tokens"] == 3
 
 
+
+@pytest.mark.parametrize("files", [(), ("config.json",), ("config.json", "tokenizer_config.json")])
+def test_a_tokenizer_directory_without_a_tokenizer_is_one_line_naming_it(capsys, tmp_path, monkeypatch, files):
+    """A tokenizer directory with no vocabulary file is refused in one line that names it and the
+    files looked for, before the checkpoint loads: transformers raises a multi-line error for an
+    empty directory and builds an empty tokenizer from a checkpoint's config.json alone."""
+    for name in files:
+        shutil.copy(TINY / name, tmp_path)
+    message = (f"tokenizer directory {tmp_path} holds no tokenizer (no tokenizer.json, vocab.*, *.model or "
+               "*.tiktoken file in it)")
+    monkeypatch.setattr(get_plugin("gdn"), "load_model", lambda *a, **k: pytest.fail("the checkpoint was loaded"))
+    for run in (lambda: SpecDecoder(TINY, tokenizer=tmp_path, config=dict(device="cpu")),
+                lambda: specla.run(TINY, prompts=["hi"], tokenizer=str(tmp_path), config=dict(device="cpu"))):
+        with pytest.raises(FileNotFoundError) as err:
+            run()
+        assert str(err.value) == message
+    for extra in ((), ("--stop", "\n")):  # --stop reads the tokenizer before the decoder is built
+        code, out, err = cli(capsys, "generate", "--model", TINY, "--prompt", "hi", "--device", "cpu",
+                             "--tokenizer", tmp_path, *extra)
+        assert (code, out, err) == (2, "", f"specla: error: {message}\n")
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench", "--prompts", DATA, "--allow-dirty"]])
+def test_an_unknown_drafter_name_is_one_line_listing_the_drafters(capsys, command):
+    code, out, err = cli(capsys, command[0], "--model", TINY, *command[1:], "--device", "cpu", "--drafter", "nosuch")
+    assert (code, out, err) == (2, "", "specla: error: unknown drafter 'nosuch'; available drafters: ngram, or a "
+                                       "directory saved by `specla train-drafter`\n")
+
+
 # the demo
 
 

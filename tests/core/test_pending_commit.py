@@ -2,6 +2,8 @@
 pieces handed as they are to each mixer and verify kernel, and its tensors listed and bound back
 in one fixed order (what the CUDA-graph state is made of)."""
 
+import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import pytest
@@ -84,3 +86,30 @@ def test_each_mixer_and_verify_kernel_takes_the_layer_commit_it_is_handed(kernel
     gdn_layers = [layer for m, layer in zip(adapter.mixers, pending.layers) if isinstance(m, gdn_mixer.GDNMixer)]
     assert gdn_layers
     assert (launched == []) if kernels == "reference" else all(p is q for p, q in zip(launched, gdn_layers, strict=True))
+
+
+@pytest.mark.parametrize("plugin", ["gdn", "gla", "kimi_linear", "mamba2"])
+def test_flush_commit_takes_the_layer_commit_it_is_handed(plugin, monkeypatch):
+    """A flush on the kernel path hands ``pending.layers[i]`` itself to the commit kernel of
+    mixer ``i``'s op (``specla.mixers.<op>.commit.flush_commit``, under Triton's interpreter on
+    the CPU), once per layer of an op that has one, in mixer order."""
+    arch = get_plugin(plugin)
+    adapter = arch.make_adapter(arch.tiny_model(arch.tiny_variants[0], dtype=torch.float32),
+                                SpecConfig(dtype="float32", engine={"kernels": "triton"}))
+    adapter.prefill([[3, 1, 4, 1, 5], [9, 2, 6]])
+    tree = DraftTree.from_lists([([2, 7, 1], [-1, 0, 1]), ([8, 2], [-1, -1])])
+    out = adapter.verify(tree)
+    adapter.commit(tree, out, accept_greedy(tree, out.logits))
+    pending = adapter.pending
+    # the op of a mixer is the specla.mixers package of its class or of the class it extends
+    ops = [next(c.__module__ for c in type(m).__mro__ if c.__module__.startswith("specla.mixers.")) for m in adapter.mixers]
+    commit_modules = [op.rsplit(".", 1)[0] + ".commit" for op in ops]
+    flushing = {name for name in commit_modules if importlib.util.find_spec(name)}  # attention has none
+    handed = []
+    for name in flushing:
+        module = importlib.import_module(name)
+        flush = module.flush_commit
+        monkeypatch.setattr(module, "flush_commit", lambda state, p, flush=flush: handed.append(p) or flush(state, p))
+    adapter.flush()
+    expected = [layer for name, layer in zip(commit_modules, pending.layers) if name in flushing]
+    assert expected and len(handed) == len(expected) and all(p is q for p, q in zip(handed, expected))

@@ -116,7 +116,7 @@ def test_gdn_kernels_beyond_65535_programs(kernel):
         pending = LayerCommit(GDNFactorRecord(k=pk, delta=pd, G=pG, conv_x=None), path, plen)
         out = tuple(torch.full(s, float("nan"), device="cuda") for s in ((q.shape[0], T, HV, V),) * 2 + ((q.shape[0], T, HV),))
         if kernel == "flush":
-            return flush_commit(state, pk, pd, pG, path, plen).clone()
+            return flush_commit(state, pending).clone()
         if kernel == "serial":
             n = torch.full((q.shape[0],), T, device="cuda")
             return serial_verify(q, k, v, g, beta, state, n, K**-0.5, pending=pending, out=out)
@@ -168,9 +168,9 @@ def test_gla_mamba2_kernels_beyond_65535_programs(plugin, kernel):
 
     def call(*a):
         ins, state, mask, pend = a[:n_in], a[n_in], a[n_in + 1], tuple(a[n_in + 2 :])
-        if kernel == "flush":
-            return flush_commit(state, *pend).clone()
         commit = LayerCommit(Record(*pend[:3], conv_x=None), *pend[3:])  # the record's first three fields
+        if kernel == "flush":
+            return flush_commit(state, commit).clone()
         if kernel == "serial":
             n = torch.full((state.shape[0],), T, device="cuda")
             return serial_verify(*ins, state, n, *extra, pending=commit)

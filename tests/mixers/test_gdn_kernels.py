@@ -291,12 +291,12 @@ def test_flush_kernel_equals_closed_form_and_skips_empty_paths():
     path = torch.tensor([[0, 2, 5], [1, -1, -1], [-1, -1, -1]])
     plen = torch.tensor([3, 1, 0])
     state = S0.clone().to(DEV)
-    flush_commit(state, *(x.to(DEV) for x in (k, delta, G, path, plen)))
+    assert flush_commit(state, layer_commit(k, delta, G, path, plen)) is state
     ref = gdn_commit_factor(S0, k, delta, G, path, plen)
     assert torch.allclose(state.cpu(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(state[2].cpu(), S0[2])
     with pytest.raises(ValueError, match="pending must be"):
-        flush_commit(state, k.to(DEV), delta.double().to(DEV), G.to(DEV), path.to(DEV), plen.to(DEV))
+        flush_commit(state, layer_commit(k, delta.double(), G, path, plen))
 
 
 

@@ -151,11 +151,11 @@ def test_pending_commit_ragged(kernel):
 
     state = on_dev(S0)[0]
     if kernel == "flush":
-        assert flush_commit(state, *pending.record.tensors(), pending.path, pending.path_len) is state
+        assert flush_commit(state, pending) is state
     else:
         fused = verify(state, pending)
         flushed = on_dev(S0)[0]
-        flush_commit(flushed, *pending.record.tensors(), pending.path, pending.path_len)
+        flush_commit(flushed, pending)
         torch.testing.assert_close(state, flushed, **SAME_CODE)
         for x, y in zip(fused, verify(flushed, None)):
             torch.testing.assert_close(x, y, **SAME_CODE)
@@ -227,9 +227,11 @@ def test_kernels_reject_bad_input():
     path, plen = torch.zeros(1, 1, dtype=torch.int64, device=DEV), torch.ones(1, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match=r"^pending must be a LayerCommit of a KDAFactorRecord \(k \[B, Tp, 1, 4\], "
                                          r"delta \[B, Tp, 1, 4\] f32, Gk \[B, Tp, 1, 4\] f32\)"):
-        flush_commit(S0, k, v, g.double(), path, plen)
+        flush_commit(S0, LayerCommit(KDAFactorRecord(k=k, delta=v, Gk=g.double(), conv_x=None), path, plen))
     with pytest.raises(ValueError, match="^state must be a contiguous float32 \\[B, H, K, V\\], got torch.float64"):
-        flush_commit(S0.double(), k, v, g, path, plen)
+        flush_commit(S0.double(), layer_commit(k, v, g, path, plen))
+    with pytest.raises(ValueError, match="^pending must be a LayerCommit of a KDAFactorRecord, got tuple$"):
+        flush_commit(S0, (k, v, g, path, plen))
 
 
 @pytest.mark.parametrize("kernel", ["serial", "parallel"])

@@ -378,7 +378,7 @@ def test_fused_pending_commit_ragged(kernel):
         o, _ = tree_verify(*args, state, inclusive_ancestor_mask(chain(B, T)).to(DEV), K**-0.5, pending=layer_commit(*pending),
                            out=nan_out(B, T, H, K, V))
     else:
-        flush_commit(state, *pending)
+        assert flush_commit(state, layer_commit(*pending)) is state
     for b, e in enumerate(ends):
         if e < 0:
             assert torch.equal(state[b].cpu(), S0[b])
@@ -436,8 +436,8 @@ def test_kernels_reject_bad_input():
     with pytest.raises(ValueError, match="mask must be bool"):
         tree_verify(q, k, v, gk, S0, torch.ones(1, 3, 3, device=DEV), 0.5)
     with pytest.raises(ValueError, match="pending must be"):
-        flush_commit(S0, k, v, gk.double(), torch.zeros(1, 1, dtype=torch.int64, device=DEV),
-                     torch.zeros(1, dtype=torch.int64, device=DEV))
+        flush_commit(S0, layer_commit(k, v, gk.double(), torch.zeros(1, 1, dtype=torch.int64, device=DEV),
+                                      torch.zeros(1, dtype=torch.int64, device=DEV)))
 
 
 @needs_triton
@@ -538,7 +538,7 @@ def test_kernels_at_gla13b_layer_shape_bf16(kernel):
 
 
     if kernel == "flush":
-        flush_commit(state, *pending)
+        assert flush_commit(state, layer_commit(*pending)) is state
     else:
         args = on_dev(q.bfloat16(), k.bfloat16(), v.bfloat16(), gk)
         out = (torch.full((B, T, H, V), float("nan"), device=DEV, dtype=torch.bfloat16), nan_out(B, T, H, K, V)[1])

@@ -456,13 +456,13 @@ def test_flush_commit_equals_naive_and_bad_inputs_raise():
     gen = torch.Generator().manual_seed(9)
     S0, pending, committed, ends = pending_inputs(3, 4, 5, 2, 3, gen, rng)
     state = S0.clone().to(DEV)
-    assert flush_commit(state, *(t.to(DEV) for t in pending)) is state
+    assert flush_commit(state, layer_commit(*(t.to(DEV) for t in pending))) is state
     assert torch.equal(state[1].cpu(), S0[1])  # 0 accepted: bit-identical
     assert rel_err(state.cpu(), committed) < 1e-5
     with pytest.raises(ValueError, match="float32"):
-        flush_commit(S0.double(), *pending)
+        flush_commit(S0.double(), layer_commit(*pending))
     with pytest.raises(ValueError, match="pending must be"):
-        flush_commit(S0.clone(), pending[0], pending[1].double(), *pending[2:])
+        flush_commit(S0.clone(), layer_commit(pending[0], pending[1].double(), *pending[2:]))
 
 
 @needs_triton
@@ -538,7 +538,7 @@ def test_kernels_at_mamba2_13b_layer_shape_bf16(kernel):
 
 
     if kernel == "flush":
-        flush_commit(state, *pending)
+        assert flush_commit(state, layer_commit(*pending)) is state
     else:
         args = [t.to(DEV) for t in (x.bfloat16(), dt, dt * A, Bm.bfloat16(), Cm.bfloat16(), D)]
         if kernel == "serial":

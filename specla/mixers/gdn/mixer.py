@@ -50,8 +50,7 @@ def run_verify_kernel(plan, q, k, v, g, beta, S0, parents, counts, mask, scale, 
     if choice == "parallel":
         return verify_kernels.tree_verify(q, k, v, g, beta, S0, mask, scale, pending=pending)
     if pending is not None and hplan.waves and hplan.waves[0][0].shape[0] != parents.shape[0]:
-        rec = pending.record  # not root-explicit: commit first, then verify unfused
-        commit_kernels.flush_commit(S0, rec.k, rec.delta, rec.G, pending.path, pending.path_len)
+        commit_kernels.flush_commit(S0, pending)  # not root-explicit: commit first, then verify unfused
         pending = None
     return verify_kernels.hybrid_verify(q, k, v, g, beta, S0, parents, scale, pending=pending, plan=hplan)
 
@@ -219,7 +218,7 @@ class GDNMixer(RecurrentMixer):
     def commit(self, pending: LayerCommit, kernels: bool) -> None:
         record, path, path_len = pending
         if kernels:
-            commit_kernels.flush_commit(self.S, record.k, record.delta, record.G, path, path_len)  # in place
+            commit_kernels.flush_commit(self.S, pending)  # in place
         else:
             self.S = gdn_commit_factor(self.S, record.k, record.delta, record.G, path, path_len)
         self.commit_window(record.conv_x, path, path_len, False)

@@ -111,7 +111,7 @@ class GLAMixer(RecurrentMixer):
             o, Gk = verify_kernels.tree_verify(q, k, v, gk, S0, tp.mask, scale, pending=fused)
         else:
             if fused is not None:  # a tree over the kernels' size: commit, then verify unfused
-                commit_kernels.flush_commit(S0, prev.k, prev.v, prev.Gk, path, path_len)
+                commit_kernels.flush_commit(S0, fused)
             o, Gk = tree_gla(q, k, v, gk, S0, tp.mask, scale)
         conv_x = proj if anc is not None else None
         if tp.records == "replay":
@@ -150,7 +150,7 @@ class GLAMixer(RecurrentMixer):
     def commit(self, pending: LayerCommit, kernels: bool) -> None:
         record, path, path_len = pending
         if kernels:
-            commit_kernels.flush_commit(self.S, record.k, record.v, record.Gk, path, path_len)  # in place
+            commit_kernels.flush_commit(self.S, pending)  # in place
         else:
             self.S = gla_commit_factor(self.S, record.k, record.v, record.Gk, path, path_len)
         self.commit_window(record.conv_x, path, path_len, kernels)

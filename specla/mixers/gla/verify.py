@@ -29,26 +29,47 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BK]; larger trees use the referenc
 
 
 @triton.jit
-def _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v,
-                   P, Tp, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Fused delayed commit of one state tile, written back once; an empty path leaves the tile
-    (and memory) untouched."""
-    n_p = tl.load(path_len + i_b)
-    if n_p > 0:
-        end = tl.load(path + i_b * P + n_p - 1)
-        G_a = tl.load(pGk + ((i_b * Tp + end) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        acc = b_S * tl.exp(G_a)[:, None]
-        for j in range(0, P):
-            if j < n_p:
-                node = tl.load(path + i_b * P + j)
-                row = (i_b * Tp + node) * H + i_h
-                G_j = tl.load(pGk + row * K + o_k, mask=m_k, other=0.0)
-                b_kp = tl.load(pk + row * K + o_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(G_a - G_j)
-                b_vp = tl.load(pv + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-                acc += b_kp[:, None] * b_vp[None, :]
-        b_S = acc
-        tl.store(p_S, b_S, mask=m_s)
+def _committed_state(S, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v, P, Tp,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_PENDING: tl.constexpr):
+    """The float32 state tile ``S[i_b, i_h][o_k, o_v]`` (``[BK, BV]``, masked by ``m_k``, ``m_v``)
+    after the fused delayed commit: loaded once and, with a pending path, committed in closed form
+    and written back once; an empty path leaves the tile (and memory) untouched."""
+    m_s = m_k[:, None] & m_v[None, :]
+    p_S = S + (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+    if HAS_PENDING:
+        n_p = tl.load(path_len + i_b)
+        if n_p > 0:
+            end = tl.load(path + i_b * P + n_p - 1)
+            G_a = tl.load(pGk + ((i_b * Tp + end) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            acc = b_S * tl.exp(G_a)[:, None]
+            for j in range(0, P):
+                if j < n_p:
+                    node = tl.load(path + i_b * P + j)
+                    row = (i_b * Tp + node) * H + i_h
+                    G_j = tl.load(pGk + row * K + o_k, mask=m_k, other=0.0)
+                    b_kp = tl.load(pk + row * K + o_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(G_a - G_j)
+                    b_vp = tl.load(pv + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                    acc += b_kp[:, None] * b_vp[None, :]
+            b_S = acc
+            tl.store(p_S, b_S, mask=m_s)
     return b_S
+
+
+@triton.jit
+def _serial_tile(S, pk, pv, pGk, path, path_len, P, Tp, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr):
+    """A serial verify program's start (GLA's and KDA's, grid ``(B * H, cdiv(V, BV))``): its
+    sequence ``i_b`` and head ``i_h``, key rows ``o_k`` (all ``K``) and value columns ``o_v`` (V
+    tile ``program_id(1)``) with their masks, and its committed state tile
+    (:func:`_committed_state`)."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    b_S = _committed_state(S, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v, P, Tp, H, K, V, HAS_PENDING)
+    return i_b, i_h, o_k, o_v, m_k, m_v, b_S
 
 
 @with_pending
@@ -60,17 +81,11 @@ def _serial_verify_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
 ):
-    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
-    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-    if HAS_PENDING:  # fused delayed commit: the committed state is written once
-        b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v,
-                             P, Tp, H, K, V)
+    """Per (sequence, head, V tile), from the committed state tile: ``S <- diag(exp(gk)) S + k
+    v^T`` and ``o = S^T (scale q)`` token by token along the chain; padding tokens ``t >=
+    num_nodes`` leave ``S`` as it is and get zero ``o`` and ``Gk``."""
+    i_b, i_h, o_k, o_v, m_k, m_v, b_S = _serial_tile(S, pk, pv, pGk, path, path_len, P, Tp, H, K, V, BK, BV,
+                                                     HAS_PENDING)
     n = tl.load(num_nodes + i_b)
     b_G = tl.zeros([BK], dtype=tl.float32)
     for t in range(0, T):
@@ -85,7 +100,7 @@ def _serial_verify_kernel(
         b_S = tl.where(valid, S_new, b_S)
         b_G = tl.where(valid, b_G + b_g, b_G)
         tl.store(o + row * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
-        if i_v == 0:
+        if tl.program_id(1) == 0:
             tl.store(Gk + row * K + o_k, tl.where(valid, b_G, 0.0), mask=m_k)
 
 
@@ -203,12 +218,7 @@ def _tree_verify_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
-    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-    if HAS_PENDING:
-        b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v,
-                             P, Tp, H, K, V)
+    b_S = _committed_state(S, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v, P, Tp, H, K, V, HAS_PENDING)
     m_tk = m_t[:, None] & m_k[None, :]
     rows = (i_b * T + o_t[:, None]) * H + i_h
     b_q = tl.load(q + rows * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale

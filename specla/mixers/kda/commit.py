@@ -12,27 +12,28 @@ from torch import Tensor
 from specla.ops.pending import flush
 from specla.records import LayerCommit
 
-from .records import KDAFactorRecord
 from .verify import TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel
 
 
-def flush_commit(state: Tensor, k: Tensor, delta: Tensor, Gk: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
+def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
     """Closed-form commit, in place: ``S_new = diag(exp(Gk_a)) S0 + sum_{j on path(a)}
     diag(exp(Gk_a - Gk_j)) k_j delta_j^T`` (:func:`specla.mixers.kda.reference.kda_commit_factor`).
 
     Args:
         state: ``[B, H, K, V]`` float32, contiguous; updated in place and returned.
-        k: ``[B, T, H, K]``; delta: ``[B, T, H, V]`` float32; Gk: ``[B, T, H, K]`` float32.
-        path: ``[B, P]`` int64 root-to-leaf node indices, ``-1`` padded; path_len: ``[B]`` int64
-            (``0`` leaves that sequence's state bit-identical: it is not even written).
+        pending: the layer's pending commit as its mixer is handed it, a
+            :class:`specla.records.LayerCommit` of a ``KDAFactorRecord`` (``k [B, T, H, K]``,
+            ``delta [B, T, H, V]`` float32, ``Gk [B, T, H, K]`` float32; ``conv_x`` is not read)
+            with ``path [B, P]`` int64 root-to-leaf node indices, ``-1`` padded, and ``path_len
+            [B]`` int64 (``0`` leaves that sequence's state bit-identical: it is not even written).
     Returns:
         ``state``.
     Raises:
-        ValueError: shapes, dtypes or devices disagree.
+        ValueError: ``pending`` is not such a LayerCommit, or shapes, dtypes or devices disagree.
     """
     B, H, K, V = state.shape
-    commit = LayerCommit(KDAFactorRecord(k=k, delta=delta, Gk=Gk, conv_x=None), path, path_len)
+    _check_pending(B, H, K, V, pending)
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
-    return flush(_serial_verify_kernel, (B * H, triton.cdiv(V, BV)), state, "[B, H, K, V]", commit,
-                 lambda: _check_pending(B, H, K, V, commit), H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-                 **_pending_kwargs(commit), num_warps=TUNING["serial"]["num_warps"])
+    return flush(_serial_verify_kernel, (B * H, triton.cdiv(V, BV)), state, "[B, H, K, V]", pending,
+                 H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, **_pending_kwargs(pending),
+                 num_warps=TUNING["serial"]["num_warps"])

@@ -127,7 +127,7 @@ class KDAMixer(RecurrentMixer):
     def commit(self, pending: LayerCommit, kernels: bool) -> None:
         record, path, path_len = pending
         if kernels:
-            commit_kernels.flush_commit(self.S, record.k, record.delta, record.Gk, path, path_len)  # in place
+            commit_kernels.flush_commit(self.S, pending)  # in place
         else:
             self.S = kda_commit_factor(self.S, record.k, record.delta, record.Gk, path, path_len)
         self.commit_window(record.conv_x, path, path_len, kernels)

@@ -6,7 +6,7 @@ parallel verify for trees of up to 64 nodes. Both start with the fused delayed c
 per (sequence, head, V tile) loads its state tile, applies the pending accepted path of the
 previous step in closed form from its factor records (``S = diag(exp(Gk_a)) S + sum_j
 diag(exp(Gk_a - Gk_j)) k_j delta_j^T``: GLA's commit with ``delta`` as the written values, so
-GLA's :func:`specla.mixers.gla.verify._apply_pending` runs it), writes the committed state once,
+GLA's :func:`specla.mixers.gla.verify._committed_state` runs it), writes the committed state once,
 then verifies from it, emitting outputs and this step's factor records (``delta`` and the
 path-summed log decay ``Gk``). The state is never written with speculative tokens.
 
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specla.mixers.gla.verify import MAX_TREE_NODES, _apply_pending, _tree_decay_kernel
+from specla.mixers.gla.verify import MAX_TREE_NODES, _committed_state, _serial_tile, _tree_decay_kernel
 # KDAMixer's kernel rule (serial / parallel / reference): GLA's, whose kernels take the same forms
 # (untimed for KDA)
 from specla.mixers.gla.verify import pick_verify_kernel  # noqa: F401
@@ -56,17 +56,8 @@ def _serial_verify_kernel(
     """Per (sequence, head, V tile): fused delayed commit, then the chain token by token with the
     ``[BK, BV]`` state tile in registers. Tokens ``t >= num_nodes`` leave the tile as it is and get
     zero outputs and records."""
-    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
-    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-    if HAS_PENDING:  # fused delayed commit: the committed state is written once
-        b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v,
-                             P, Tp, H, K, V)
+    i_b, i_h, o_k, o_v, m_k, m_v, b_S = _serial_tile(S, pk, pv, pGk, path, path_len, P, Tp, H, K, V, BK, BV,
+                                                     HAS_PENDING)
     n = tl.load(num_nodes + i_b)
     b_G = tl.zeros([BK], dtype=tl.float32)
     for t in range(0, T):
@@ -85,7 +76,7 @@ def _serial_verify_kernel(
         b_G = tl.where(valid, b_G + b_g, b_G)
         tl.store(o + row * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
         tl.store(delta + row * V + o_v, tl.where(valid, b_d, 0.0), mask=m_v)
-        if i_v == 0:
+        if tl.program_id(1) == 0:
             tl.store(Gk + row * K + o_k, tl.where(valid, b_G, 0.0), mask=m_k)
 
 
@@ -120,13 +111,9 @@ def _tree_verify_kernel(
     for kb in range(0, K, BKC):
         o_k = kb + tl.arange(0, BKC)
         m_k = o_k < K
-        m_s = m_k[:, None] & m_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
-        p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
-        b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-        if HAS_PENDING:
-            b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v,
-                                 P, Tp, H, K, V)
+        b_S = _committed_state(S, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v, P, Tp, H, K, V,
+                               HAS_PENDING)
         e_G = tl.exp(tl.load(Gk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0))  # <= 1: no overflow
         b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)

@@ -9,33 +9,35 @@ from __future__ import annotations
 import triton
 from torch import Tensor
 
-from specla.ops.pending import flush
+from specla.ops.pending import flush, layer_record
 from specla.records import LayerCommit
 
 from .records import Mamba2FactorRecord
 from .verify import _check_pending, _pending_kwargs, _serial_verify_kernel
 
 
-def flush_commit(state: Tensor, Bm: Tensor, u: Tensor, G: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
+def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
     """Closed-form commit, in place: ``S_new = exp(G_a) S0 + sum_{j on path(a)} exp(G_a - G_j)
     Bm_j u_j^T`` (docs/DESIGN.md sections 4-5).
 
     Args:
         state: ``[B, H, N, P]`` float32, contiguous; updated in place and returned.
-        Bm: ``[B, T, NG, N]``; u: ``[B, T, H, P]`` float32; G: ``[B, T, H]`` float32.
-        path: ``[B, L]`` int64 root-to-leaf node indices, ``-1`` padded; path_len: ``[B]`` int64
-            (``0`` leaves that sequence's state bit-identical: it is not even written).
+        pending: the layer's pending commit as its mixer is handed it, a
+            :class:`specla.records.LayerCommit` of a ``Mamba2FactorRecord`` (``Bm [B, T, NG, N]``,
+            ``u [B, T, H, P]`` float32, ``G [B, T, H]`` float32; ``conv_x`` is not read) with
+            ``path [B, L]`` int64 root-to-leaf node indices, ``-1`` padded, and ``path_len [B]``
+            int64 (``0`` leaves that sequence's state bit-identical: it is not even written).
     Returns:
         ``state``.
     Raises:
-        ValueError: shapes, dtypes or devices disagree.
+        ValueError: ``pending`` is not such a LayerCommit, or shapes, dtypes or devices disagree.
     """
     B, H, N, P = state.shape
+    Bm = layer_record(pending, Mamba2FactorRecord).Bm
     if Bm.dim() != 4 or H % Bm.shape[2]:
         raise ValueError(f"Bm must be [B, T, NG, N] with H % NG == 0, got {list(Bm.shape)}")
     NG = Bm.shape[2]
-    commit = LayerCommit(Mamba2FactorRecord(Bm=Bm, u=u, G=G, conv_x=None), path, path_len)
+    _check_pending(B, H, NG, N, P, pending)
     BP = min(triton.next_power_of_2(P), 64)
-    return flush(_serial_verify_kernel, (B * H, triton.cdiv(P, BP)), state, "[B, H, N, P]", commit,
-                 lambda: _check_pending(B, H, NG, N, P, commit), H=H, NG=NG, N=N, P=P,
-                 BN=triton.next_power_of_2(N), BP=BP, D_HDIM=False, **_pending_kwargs(commit))
+    return flush(_serial_verify_kernel, (B * H, triton.cdiv(P, BP)), state, "[B, H, N, P]", pending,
+                 H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=False, **_pending_kwargs(pending))

@@ -86,7 +86,7 @@ class Mamba2Mixer(RecurrentMixer):
             prev, path, path_len = pending
             self.commit_window(prev.conv_x, path, path_len, kernel)
             if kernel and choice == "reference":  # commit in place, then verify unfused
-                commit_kernels.flush_commit(self.S, prev.Bm, prev.u, prev.G, path, path_len)
+                commit_kernels.flush_commit(self.S, pending)
             elif not kernel:
                 self.S = ssd_commit_factor(self.S, prev.Bm, prev.u, prev.G, path, path_len)
         B, T = h.shape[:2]
@@ -148,7 +148,7 @@ class Mamba2Mixer(RecurrentMixer):
     def commit(self, pending: LayerCommit, kernels: bool) -> None:
         record, path, path_len = pending
         if kernels:
-            commit_kernels.flush_commit(self.S, record.Bm, record.u, record.G, path, path_len)  # in place
+            commit_kernels.flush_commit(self.S, pending)  # in place
         else:
             self.S = ssd_commit_factor(self.S, record.Bm, record.u, record.G, path, path_len)
         self.commit_window(record.conv_x, path, path_len, kernels)
