@@ -35,6 +35,7 @@ from specla.mixers.mamba2.serving import (
     Mamba2RecordBuffers, empty_record_buffers, mamba2_pool_commit, mamba2_pool_verify,
 )
 from test_gdn_engine_oracles import SGLANG, VLLM, _accept, _import_by_file, _kernel_files, _root_path
+from tree_speculation import plain_decode, speculate
 
 SGLANG_MAMBA = dict(SGLANG, files={"ssm": "sglang/kernels/ops/mamba/triton_ops/mamba_ssm.py"})
 VLLM_MAMBA = dict(VLLM, files={"ssm": "vllm/model_executor/layers/mamba/ops/mamba_ssm.py",
@@ -265,3 +266,86 @@ def test_pool_entry_points_reject_bad_input_clearly():
                                          r"got torch.int64 \[2\]$"):
         mamba2_pool_commit(pool, cache_indices, records, rows, torch.zeros(2, dtype=torch.int64),
                            torch.ones(2, dtype=torch.int64), 4)
+
+
+class TinyMamba2Model:
+    """A two-layer Mamba2 language model of random weights (vocabulary 5, width 32; no short conv
+    and no gated norm, which the engines run outside the SSM kernel): ``h += ssm(x, dt, B, C) W_o``
+    a layer, ``ssm`` being the caller's kernel call on its state pool ``pools[layer]``."""
+
+    vocab, width, layers = 5, 32, 2
+
+    def __init__(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+        d = self.width
+        self.emb = r(self.vocab, d)
+        self.lm = r(d, self.vocab, scale=d**-0.5)
+        self.w = []
+        for _ in range(self.layers):
+            layer = _layer(1, seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
+            self.w.append(dict(xbc=r(d, H * P + 2 * NG * NS, scale=d**-0.5), dt=r(d, H, scale=d**-0.5),
+                               out=r(H * P, d, scale=(H * P) ** -0.5),
+                               **{k: layer[k] for k in ("A", "dt_bias", "D")}))
+
+    def logits(self, tokens: torch.Tensor, ssm) -> torch.Tensor:
+        """``[Ttot, vocab]`` of packed ``tokens [Ttot]``; ``ssm(layer, x [Ttot, H, P], dt [Ttot, H],
+        B, C [Ttot, NG, Ns], A, dt_bias, D) -> y [Ttot, H, P]``, x, B, C strided views of one
+        projection as the engines'."""
+        h = self.emb[tokens]
+        T = tokens.shape[0]
+        for i, w in enumerate(self.w):
+            x, B, C = torch.split(h @ w["xbc"], [H * P, NG * NS, NG * NS], dim=-1)
+            y = ssm(i, x.view(T, H, P), h @ w["dt"], B.view(T, NG, NS), C.view(T, NG, NS), w["A"], w["dt_bias"],
+                    w["D"])
+            h = h + y.reshape(T, H * P) @ w["out"]
+        return h @ self.lm
+
+
+def _plain_step(model, sglang, pools, cache_indices, tokens):
+    """One token a row through SGLang's own decode kernel (states updated in place)."""
+
+    def ssm(i, x, dt, B, C, A, dt_bias, D):
+        y = torch.empty_like(x)
+        sglang.selective_state_update(pools[i], z=None, dt_softplus=True, state_batch_indices=cache_indices, out=y,
+                                      **_engine_args(dict(x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D)))
+        return y
+
+    return model.logits(tokens, ssm)
+
+
+def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engines_plain_decoding(sglang):
+    """Greedy decoding of a small random Mamba2 model, two rows in state slots 3 and 1: plain, one
+    token a step through SGLang's decode kernel, against speculation on ragged random draft trees
+    (6 and 4 nodes, root included, packed) through ``mamba2_pool_verify`` and
+    ``mamba2_pool_commit`` (every layer in one launch). Tokens must be identical."""
+    model, new = TinyMamba2Model(seed=8), 12
+    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]])
+    N, slots, sizes = 2, 5, [6, 4]
+    cache_indices = torch.tensor([3, 1], dtype=torch.int32)
+
+    pools = [torch.zeros(slots, H, P, NS) for _ in range(model.layers)]
+    plain = plain_decode(lambda tokens: _plain_step(model, sglang, pools, cache_indices, tokens), prompts, new)
+
+    pools = torch.zeros(model.layers, slots, H, P, NS)  # every layer's pool, committed in one launch
+    for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
+        _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
+    rows, width = torch.tensor([1, 0], dtype=torch.int32), max(sizes)
+    records = Mamba2RecordBuffers(*(torch.empty(model.layers, *r.shape) for r in
+                                    empty_record_buffers(N, width, H, P, NG, NS, "cpu")))
+
+    def verify(toks, qsl, parents):
+        def ssm(i, x, dt, B, C, A, dt_bias, D):
+            return mamba2_pool_verify(pools[i], x, dt, A, B, C, D, dt_bias, True, cache_indices, qsl,
+                                      records=records.layer(i), intermediate_state_indices=rows, cache_steps=width,
+                                      retrieve_parent_token=parents)
+
+        return model.logits(torch.tensor(toks), ssm).argmax(-1).tolist()
+
+    def commit(paths):
+        accept_index, accept_lens = _accept(paths, width, width)
+        mamba2_pool_commit(pools, cache_indices, records, rows, accept_index, accept_lens, width)
+
+    out, accepted = speculate(plain, prompts[:, -1].tolist(), sizes, model.vocab, 9, verify, commit)
+    assert [o[:new] for o in out] == plain
+    assert 0 in accepted and max(accepted) >= 3  # steps accepting nothing, and deep ones
