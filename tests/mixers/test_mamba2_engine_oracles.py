@@ -235,6 +235,24 @@ def test_commit_leaves_padding_rows_and_empty_paths_alone():
     assert not torch.equal(committed[2], pool[2])
 
 
+def test_verify_writes_a_strided_out_in_place_and_takes_every_form_of_d():
+    """``out`` may be a strided view (SGLang's preallocated output is one): it is written in
+    place, equal to the returned output without it; ``D`` per head, its stride-0 expand and a
+    materialised ``[H, P]`` give the same outputs."""
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    layer, pool = _layer(5, seed=10), _pool(3, seed=11)
+    call = dict(state=pool, dt_softplus=True, state_batch_indices=torch.tensor([2, 0]), cu_seqlens=qsl,
+                records=empty_record_buffers(2, 3, H, P, NG, NS, "cpu"), intermediate_state_indices=torch.arange(2),
+                **layer)
+    y = mamba2_pool_verify(**call)
+    wide = torch.full((5, H * P + 8), float("nan"))
+    out = wide[:, 8:].view(5, H, P)
+    assert mamba2_pool_verify(**call | dict(out=out)) is out
+    assert torch.equal(out, y) and wide[:, :8].isnan().all()
+    for D in (layer["D"][:, None].expand(H, P), layer["D"][:, None].repeat(1, P)):
+        assert torch.equal(mamba2_pool_verify(**call | dict(D=D)), y)
+
+
 def test_pool_entry_points_reject_bad_input_clearly():
     qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
     layer, pool = _layer(5, seed=6), _pool(4, seed=7)
