@@ -151,8 +151,8 @@ def mamba2_pool_verify(
         dt = _per_head("dt", dt, P)
     if tuple(dt.shape) != (*lead, H):
         raise ValueError(f"dt must be [{', '.join(map(str, lead))}, {H}] or its expand over P, got {list(dt.shape)}")
-    A = _per_head("A", A, P, Ns) if A.dim() == 3 else A
-    dt_bias = _per_head("dt_bias", dt_bias, P) if dt_bias.dim() == 2 else dt_bias
+    A = (_per_head("A", A, P, Ns) if A.dim() == 3 else A).contiguous()
+    dt_bias = (_per_head("dt_bias", dt_bias, P) if dt_bias.dim() == 2 else dt_bias).contiguous()
     D = _per_head("D", D, P) if D.dim() == 2 and D.stride(-1) == 0 else D.contiguous()
     if A.shape != (H,) or dt_bias.shape != (H,) or tuple(D.shape) not in ((H,), (H, P)):
         raise ValueError(f"A and dt_bias must be [{H}] and D [{H}] or [{H}, {P}] (or the engines' expands), got "
