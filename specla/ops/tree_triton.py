@@ -3,6 +3,10 @@ launch where the PyTorch form, a closure by repeated squaring, takes about fifte
 (casts, batched products, comparisons, the row sums) in every verify pass of a recorded step,
 which is bound by the number of kernels it launches. One program per tree climbs from every
 node to the root, one parent per iteration.
+
+Also the tree verify kernels' shared device helpers (GDN's and Mamba2's): where a sequence's
+tokens lie (:func:`token_rows`) and its ancestor mask as a register tile
+(:func:`ancestor_mask_tile`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,47 @@ def _ancestor_mask_kernel(parents, mask, depth, T, TP: tl.constexpr):
         cur = tl.load(parents + b * T + cur, mask=up, other=-1)
     tl.store(mask + b * T * T + i[:, None] * T + i[None, :], on, mask=inside[:, None] & inside[None, :])
     tl.store(depth + b * T + i, count, mask=inside)
+
+
+PLACEMENT = {"VARLEN": lambda args: args["cu_seqlens"] is not None,
+             "ANC": lambda args: 0 if args["mask"] is not None else (1 if args["parents"] is not None else 2)}
+"""Heuristics (``@triton.heuristics``) of a tree kernel's token rows (:func:`token_rows`) and
+tree (:func:`ancestor_mask_tile`) from its ``cu_seqlens``, ``mask`` and ``parents`` arguments."""
+
+
+@triton.jit
+def token_rows(cu_seqlens, i_b, T, VARLEN: tl.constexpr):
+    """In a tree kernel: the first token row and token count of sequence ``i_b``: ``b * T`` and
+    ``T``, or from ``cu_seqlens`` (``VARLEN``)."""
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
+        n = (tl.load(cu_seqlens + i_b + 1) - bos).to(tl.int32)
+    else:
+        bos = i_b * T
+        n = T
+    return bos, n
+
+
+@triton.jit
+def ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC: tl.constexpr):
+    """In a tree kernel: the inclusive-ancestor mask ``[BT, BT]`` of sequence ``i_b``'s ``n``
+    nodes: loaded from ``mask`` (``ANC == 0``, ``[B, T, T]``), built from one parent index per
+    node (``ANC == 1``: ``parents[i_b * sP + i]`` local, ``< i``; node 0 hangs from the state and
+    its entry is not read) row by row (row ``i`` = row ``parent(i)`` plus ``i``), or a chain
+    (``ANC == 2``)."""
+    m_tt = m_t[:, None] & m_t[None, :]
+    if ANC == 0:
+        b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_tt, other=0) != 0
+    elif ANC == 1:
+        par = tl.load(parents + i_b * sP + o_t, mask=m_t & (o_t > 0), other=-1)
+        b_M = (o_t[:, None] == o_t[None, :]) & m_tt
+        for i in range(1, n):
+            p_i = tl.sum(tl.where(o_t == i, par, 0), 0)
+            row = tl.sum(tl.where(o_t[:, None] == p_i, b_M.to(tl.int32), 0), 0) > 0
+            b_M = b_M | ((o_t[:, None] == i) & row[None, :])
+    else:
+        b_M = (o_t[None, :] <= o_t[:, None]) & m_tt
+    return b_M
 
 
 MAX_NODES = 128  # larger trees (no verify or prefill pass builds one): the twin

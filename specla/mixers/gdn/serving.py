@@ -31,6 +31,8 @@ import torch
 import triton
 from torch import Tensor
 
+from specla.ops.serving import check_commit, check_pool, check_records, check_rows, token_rows
+
 from .verify import MAX_TREE_NODES, TUNING, _launch_tree, _serial_verify_kernel
 
 
@@ -60,44 +62,16 @@ def empty_record_buffers(rows: int, steps: int, H: int, HV: int, K: int, V: int,
     return GDNRecordBuffers(k=f(H, K), delta=f(HV, V), G=f(HV))
 
 
-def _token_rows(x: Tensor, *inner: int) -> Tensor:
-    """``x [..., *inner]`` as ``[tokens, *inner]`` with dense inner dims, a view where the strides
-    allow (the engine's q, k, v are slices of one wider projection)."""
-    y = x.reshape(-1, *inner)
-    dense = y.stride(-1) == 1 and (len(inner) == 1 or y.stride(-2) == inner[-1])
-    return y if dense else y.contiguous()
-
-
 def _check_records(records: GDNRecordBuffers, H: int, HV: int, K: int, V: int, device, lead: tuple = ()) -> int:
-    """Records must be float32 ``[*lead, R, D, ...]`` of the layer's heads, each layer's
-    contiguous (the layer stride is free); returns ``D``."""
-    if not isinstance(records, GDNRecordBuffers):
-        raise ValueError(f"records must be GDNRecordBuffers, got {type(records).__name__}")
-    R, D = records.k.shape[len(lead):len(lead) + 2]
-    for name, x, tail in (("k", records.k, (H, K)), ("delta", records.delta, (HV, V)), ("G", records.G, (HV,))):
-        shape = (*lead, R, D, *tail)
-        if tuple(x.shape) != shape or x.dtype != torch.float32 or x.device != device or \
-                not x[(0,) * len(lead)].is_contiguous():
-            layer = "each layer's " if lead else ""
-            raise ValueError(f"records.{name} must be float32 {list(shape)} on {device}, {layer}contiguous, got "
-                             f"{x.dtype} {list(x.shape)} on {x.device}")
-    return D
+    """GDN's record fields (:func:`specla.ops.serving.check_records`); returns ``D``."""
+    return check_records(records, GDNRecordBuffers, dict(k=(H, K), delta=(HV, V), G=(HV,)), device, lead)
 
 
 def _check_pool(state: Tensor, HV: int, K: int, V: int, layers: bool = False) -> tuple[int, int, int, int]:
     """The pool's strides as the kernels take them, ``(slot, head, k, v)`` (ValueError unless a
     float32 ``[slots, HV, V, K]``, or ``[layers, slots, HV, V, K]`` where ``layers``)."""
-    lead = "layers, " if layers else ""
-    if state.dim() != 4 + layers or tuple(state.shape[-3:]) != (HV, V, K) or state.dtype != torch.float32:
-        raise ValueError(f"initial_state_source must be float32 [{lead}slots, {HV}, {V}, {K}] (V before K), "
-                         f"got {state.dtype} {list(state.shape)}")
-    s = state.stride()[layers:]
+    s = check_pool("initial_state_source", state, (HV, V, K), "(V before K)", layers)
     return s[0], s[1], s[3], s[2]
-
-
-def _check_index(name: str, x: Tensor, N: int, device) -> None:
-    if x.shape != (N,) or x.dtype not in (torch.int32, torch.int64) or x.device != device:
-        raise ValueError(f"{name} must be int32 or int64 [{N}] on {device}, got {x.dtype} {list(x.shape)}")
 
 
 def gdn_pool_verify(
@@ -163,32 +137,17 @@ def gdn_pool_verify(
     if A_log.shape != (HV,) or dt_bias.shape != (HV,):
         raise ValueError(f"A_log and dt_bias must be [{HV}], got {list(A_log.shape)}, {list(dt_bias.shape)}")
     D = _check_records(records, H, HV, K, V, dev)
-    steps = D if cache_steps is None else cache_steps
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if cu_seqlens is None and q.shape[1] > steps:
-        raise ValueError(f"rows of {q.shape[1]} tokens exceed the records' {steps} steps")
-    if steps > D or steps > MAX_TREE_NODES:
-        raise ValueError(f"cache_steps must be at most the records' D = {D} and {MAX_TREE_NODES}, got {steps}")
     sS = _check_pool(initial_state_source, HV, K, V)
-    _check_index("initial_state_indices", initial_state_indices, N, dev)
-    _check_index("intermediate_state_indices", intermediate_state_indices, N, dev)
-    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"cu_seqlens must be int32 or int64 [N + 1], got {cu_seqlens.dtype} {list(cu_seqlens.shape)}")
-    parents = retrieve_parent_token
-    if parents is not None:
-        if parents.dim() != 2 or parents.shape[0] != N or parents.shape[1] < steps or \
-                parents.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"retrieve_parent_token must be int32 or int64 [{N}, >= {steps}], got "
-                             f"{parents.dtype} {list(parents.shape)}")
-        parents = parents if parents.stride(1) == 1 else parents.contiguous()
+    N, steps, parents = check_rows(D, cache_steps, MAX_TREE_NODES, tuple(q.shape), cu_seqlens, "initial_state_indices",
+                                   initial_state_indices, intermediate_state_indices, retrieve_parent_token, dev)
     if len({x.device for x in (q, k, a, b, A_log, dt_bias, initial_state_source, *(
             y for y in (cu_seqlens, parents) if y is not None))} | {dev}) != 1:
         raise ValueError("all tensors must be on one device")
-    qr, kr = _token_rows(q, H, K), _token_rows(k, H, K)
+    qr, kr = token_rows(q, H, K), token_rows(k, H, K)
     if qr.stride(0) != kr.stride(0):  # one token stride for both
         qr, kr = qr.contiguous(), kr.contiguous()
-    vr = _token_rows(v, HV, V)
-    ar, br = _token_rows(a, HV), _token_rows(b, HV)
+    vr = token_rows(v, HV, V)
+    ar, br = token_rows(a, HV), token_rows(b, HV)
     if ar.stride(0) != br.stride(0):
         ar, br = ar.contiguous(), br.contiguous()
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
@@ -235,15 +194,8 @@ def gdn_pool_commit(
     sS = _check_pool(st, HV, K, V, layers=layered)
     L = st.shape[0] if layered else 1
     D = _check_records(records, H, HV, K, V, st.device, lead=(L,) if layered else ())
-    _check_index("initial_state_indices", initial_state_indices, N, st.device)
-    _check_index("intermediate_state_indices", intermediate_state_indices, N, st.device)
-    _check_index("accept_lens", accept_lens, N, st.device)
-    if accept_index.dim() != 2 or accept_index.shape[0] != N or accept_index.dtype not in (torch.int32, torch.int64) \
-            or accept_index.device != st.device:
-        raise ValueError(f"accept_index must be int32 or int64 [{N}, P] on {st.device}, got {accept_index.dtype} "
-                         f"{list(accept_index.shape)}")
-    if draft_token_num > D:
-        raise ValueError(f"draft_token_num {draft_token_num} exceeds the records' {D} steps")
+    check_commit(st, D, "initial_state_indices", initial_state_indices, intermediate_state_indices, accept_index,
+                 accept_lens, draft_token_num)
     layer_strides = [x.stride(0) if layered else 0 for x in (st, *records)]
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     chain = _serial_verify_kernel.arg_names.index("num_nodes")

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, pending_launch, with_pending
+from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
 from specla.records import LayerCommit
 
 from .records import GDNFactorRecord
@@ -279,23 +280,8 @@ def _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T):
     return b_T, b_G
 
 
-_PLACEMENT = {"VARLEN": lambda args: args["cu_seqlens"] is not None,
-              "RAW_GATES": lambda args: args["A_log"] is not None,
-              "ANC": lambda args: 0 if args["mask"] is not None else (1 if args["parents"] is not None else 2)}
+_PLACEMENT = {**PLACEMENT, "RAW_GATES": lambda args: args["A_log"] is not None}
 """Heuristics of the tree kernels' data placement (:func:`_tree_verify_kernel`)."""
-
-
-@triton.jit
-def _rows(cu_seqlens, i_b, T, VARLEN: tl.constexpr):
-    """First token row and token count of sequence ``i_b``: ``b * T`` and ``T``, or from
-    ``cu_seqlens`` (``VARLEN``)."""
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
-        n = (tl.load(cu_seqlens + i_b + 1) - bos).to(tl.int32)
-    else:
-        bos = i_b * T
-        n = T
-    return bos, n
 
 
 @triton.jit
@@ -325,14 +311,14 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, cu_seqlens, parents, rec_idx, 
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
-    bos, n = _rows(cu_seqlens, i_b, T, VARLEN)
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
     row = i_b
     if rec_idx is not None:
         row = tl.load(rec_idx + i_b).to(tl.int64)
     m_t = o_t < n
     tok = bos + o_t
     m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
-    b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
     b_g, b_beta = _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     ssq_k = tl.zeros([BT], dtype=tl.float32)
@@ -350,27 +336,6 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, cu_seqlens, parents, rec_idx, 
     b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n)
     tl.store(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :], b_T)
     tl.store(G + (row * D + o_t) * HV + i_hv, b_G, mask=m_rec)
-
-
-@triton.jit
-def _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC: tl.constexpr):
-    """The inclusive-ancestor mask ``[BT, BT]`` of sequence ``i_b``'s ``n`` nodes: loaded from
-    ``mask`` (``ANC == 0``, ``[B, T, T]``), built from one parent index per node (``ANC == 1``:
-    ``parents[i_b * sP + i]`` local, ``< i``; node 0 hangs from the state and its entry is not
-    read) row by row (row ``i`` = row ``parent(i)`` plus ``i``), or a chain (``ANC == 2``)."""
-    m_tt = m_t[:, None] & m_t[None, :]
-    if ANC == 0:
-        b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_tt, other=0) != 0
-    elif ANC == 1:
-        par = tl.load(parents + i_b * sP + o_t, mask=m_t & (o_t > 0), other=-1)
-        b_M = (o_t[:, None] == o_t[None, :]) & m_tt
-        for i in range(1, n):
-            p_i = tl.sum(tl.where(o_t == i, par, 0), 0)
-            row = tl.sum(tl.where(o_t[:, None] == p_i, b_M.to(tl.int32), 0), 0) > 0
-            b_M = b_M | ((o_t[:, None] == i) & row[None, :])
-    else:
-        b_M = (o_t[None, :] <= o_t[:, None]) & m_tt
-    return b_M
 
 
 @with_pending
@@ -413,7 +378,7 @@ def _tree_verify_kernel(
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
-    bos, n = _rows(cu_seqlens, i_b, T, VARLEN)
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
     if SLOTS:
         slot = tl.load(state_idx + i_b).to(tl.int64)
         row = tl.load(rec_idx + i_b).to(tl.int64)
@@ -485,7 +450,7 @@ def _tree_verify_kernel(
     b_v = tl.load(v + tok[:, None] * SV + i_hv * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_g, b_beta = _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES)
-    b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
     if PREPARE:
         b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n)
         if i_v == 0:

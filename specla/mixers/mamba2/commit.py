@@ -13,7 +13,7 @@ from specla.ops.pending import flush, layer_record
 from specla.records import LayerCommit
 
 from .records import Mamba2FactorRecord
-from .verify import _check_pending, _pending_kwargs, _serial_verify_kernel
+from .verify import _check_pending, _pending_kwargs, _serial_verify_kernel, own_slots
 
 
 def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
@@ -40,4 +40,5 @@ def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
     _check_pending(B, H, NG, N, P, pending)
     BP = min(triton.next_power_of_2(P), 64)
     return flush(_serial_verify_kernel, (B * H, triton.cdiv(P, BP)), state, "[B, H, N, P]", pending,
-                 H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=False, **_pending_kwargs(pending))
+                 H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=False, **_pending_kwargs(pending),
+                 **own_slots(state))

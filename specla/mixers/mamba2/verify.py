@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, pending_launch, with_pending
+from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
 from specla.records import LayerCommit
 
 from .records import Mamba2FactorRecord
@@ -31,21 +33,23 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 
 
 @triton.jit
-def _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_g, i_h, o_n, o_p, m_n, m_p,
+def _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_r, off, i_g, i_h, o_n, o_p, m_n, m_p,
                    Lp, Tp, H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr):
     """Fused delayed commit of one state tile: S = exp(G_a) S + sum_{j on path} exp(G_a - G_j)
-    Bm_j u_j^T, written back once; an empty path leaves the tile (and memory) untouched."""
+    Bm_j u_j^T, written back once (where ``m_s``); an empty path leaves the tile (and memory)
+    untouched. Sequence ``i_b``'s path entries less ``off`` are node indices into its records'
+    row ``i_r``."""
     n_p = tl.load(path_len + i_b)
     if n_p > 0:
-        end = tl.load(path + i_b * Lp + n_p - 1)
-        G_a = tl.load(pG + (i_b * Tp + end) * H + i_h)
+        end = tl.load(path + i_b * Lp + n_p - 1) - off
+        G_a = tl.load(pG + (i_r * Tp + end) * H + i_h)
         acc = b_S * tl.exp(G_a)
         for j in range(0, Lp):
             if j < n_p:
-                node = tl.load(path + i_b * Lp + j)
-                w = tl.exp(G_a - tl.load(pG + (i_b * Tp + node) * H + i_h))
-                b_bp = tl.load(pB + ((i_b * Tp + node) * NG + i_g) * N + o_n, mask=m_n, other=0.0)
-                b_up = tl.load(pu + ((i_b * Tp + node) * H + i_h) * P + o_p, mask=m_p, other=0.0)
+                node = tl.load(path + i_b * Lp + j) - off
+                w = tl.exp(G_a - tl.load(pG + (i_r * Tp + node) * H + i_h))
+                b_bp = tl.load(pB + ((i_r * Tp + node) * NG + i_g) * N + o_n, mask=m_n, other=0.0)
+                b_up = tl.load(pu + ((i_r * Tp + node) * H + i_h) * P + o_p, mask=m_p, other=0.0)
                 acc += w * b_bp.to(tl.float32)[:, None] * b_up.to(tl.float32)[None, :]
         b_S = acc
         tl.store(p_S, b_S, mask=m_s)
@@ -62,27 +66,55 @@ def _load_D(D, i_h, o_p, m_p, P: tl.constexpr, BP: tl.constexpr, D_HDIM: tl.cons
     return b_D.to(tl.float32)
 
 
+@triton.jit
+def _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP: tl.constexpr,
+               SLOTS: tl.constexpr):
+    """Sequence ``i_b``'s state tile: pointers, mask and record row. Its state lies at slot
+    ``i_b``, or ``state_idx[i_b]`` (``SLOTS``; a negative slot is neither read nor written),
+    element ``(h, n, p)`` at ``h sS_h + n sS_n + p sS_p``; its records at row ``i_b``, or
+    ``rec_idx[i_b]``."""
+    if SLOTS:
+        slot = tl.load(state_idx + i_b).to(tl.int64)
+        i_r = tl.load(rec_idx + i_b).to(tl.int64)
+    else:
+        slot, i_r = i_b, i_b
+    m_s = m_n[:, None] & m_p[None, :] & (slot >= tl.zeros([1, BP], dtype=tl.int64))
+    p_S = S + slot * sS_b + i_h * sS_h + o_n[:, None] * sS_n + o_p[None, :] * sS_p
+    return p_S, m_s, i_r
+
+
 @with_pending
+@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None})
 @triton.jit
 def _serial_verify_kernel(
     x, dt, a, Bm, Cm, D, S, y, u, G, num_nodes,
-    pB, pu, pG, path, path_len,
-    T, Lp, Tp,
+    pB, pu, pG, path, path_len, state_idx, rec_idx,
+    T, Lp, Tp, sS_b, sS_h, sS_n, sS_p, path_step, lS, lB, lu, lG,
     H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
-    BN: tl.constexpr, BP: tl.constexpr, HAS_PENDING: tl.constexpr, D_HDIM: tl.constexpr,
+    BN: tl.constexpr, BP: tl.constexpr, HAS_PENDING: tl.constexpr, D_HDIM: tl.constexpr, SLOTS: tl.constexpr,
 ):
+    """Per (sequence, head, P tile[, layer]): the pending commit, then the chain's tokens. State
+    placement as :func:`_slot_tile`; the pending records of node ``path[b, j] - b * path_step``.
+    A third grid axis runs one commit per layer (``T = 0``): layer ``l``'s state and records lie
+    ``l lS``, ``l lB``, ``l lu``, ``l lG`` elements on."""
     i_p, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
+    i_l = tl.program_id(2).to(tl.int64)
+    S += i_l * lS
+    if HAS_PENDING:
+        pB += i_l * lB
+        pu += i_l * lu
+        pG += i_l * lG
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_h // (H // NG)
     o_n = tl.arange(0, BN)
     o_p = i_p * BP + tl.arange(0, BP)
     m_n, m_p = o_n < N, o_p < P
-    m_s = m_n[:, None] & m_p[None, :]
-    p_S = S + i_bh * N * P + o_n[:, None] * P + o_p[None, :]
+    p_S, m_s, i_r = _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP,
+                               SLOTS)
     b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
     if HAS_PENDING:  # fused delayed commit: the committed state is written once
-        b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_g, i_h, o_n, o_p, m_n, m_p,
-                             Lp, Tp, H, NG, N, P)
+        b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_r, i_b * path_step, i_g, i_h,
+                             o_n, o_p, m_n, m_p, Lp, Tp, H, NG, N, P)
     b_D = _load_D(D, i_h, o_p, m_p, P, BP, D_HDIM)
     n = tl.load(num_nodes + i_b)
     b_G = tl.zeros([1], dtype=tl.float32)
@@ -107,51 +139,81 @@ def _serial_verify_kernel(
             tl.store(G + one, tl.where(valid, G_new, 0.0))
 
 
+def own_slots(state: Tensor) -> dict:
+    """The serial kernel's placement arguments for specla's own states: sequence ``b``'s state
+    at slot ``b`` of ``state [B, H, N, P]``, its records at row ``b``, path entries as nodes."""
+    return dict(state_idx=None, rec_idx=None, path_step=0, lS=0, lB=0, lu=0, lG=0,
+                **dict(zip(("sS_b", "sS_h", "sS_n", "sS_p"), state.stride())))
+
+
 @with_pending
+@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None,
+                    "RAW_DT": lambda args: args["A"] is not None, **PLACEMENT})
 @triton.jit
 def _tree_verify_kernel(
     x, dt, a, Bm, Cm, D, mask, S, y, u, G,
     pB, pu, pG, path, path_len,
-    T, Lp, Tp,
+    cu_seqlens, parents, state_idx, rec_idx, A, dt_bias, rB,
+    T, Lp, Tp, SX, SDT, SBC, SY, RD, sP, sS_b, sS_h, sS_n, sS_p,
     H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_PENDING: tl.constexpr, D_HDIM: tl.constexpr,
+    VARLEN: tl.constexpr, SLOTS: tl.constexpr, RAW_DT: tl.constexpr, ANC: tl.constexpr,
 ):
     """Per (sequence, head, P tile): fused delayed commit, then the tree-masked factorized SSD:
-    y = exp(G) Cm S0 + ((Cm Bm^T) * Gam) u + D x with G = M_incl a and u = dt x."""
+    y = exp(G) Cm S0 + ((Cm Bm^T) * Gam) u + D x with G = M_incl a and u = dt x.
+
+    Where the data lies (specla's own calls use the first of each): tokens of sequence ``b`` at
+    rows ``b * T + t`` or packed at ``cu_seqlens[b] + t`` (``VARLEN``; ``n <= BT`` tokens), rows
+    ``SX`` (x), ``SDT`` (dt, a), ``SBC`` (Bm, Cm) and ``SY`` (y) elements apart, each row dense;
+    the tree as the ancestor mask or one parent per node (:func:`ancestor_mask_tile`); the state
+    as :func:`_slot_tile`; the records ``u``, ``G`` (and ``Bm`` in float32 into ``rB``, when
+    given) of node ``t`` at row ``r * RD + t`` (a negative row writes none); step sizes ``dt``
+    and log decays ``a`` given, or from the raw ``dt`` (``RAW_DT``: ``dt = softplus(dt +
+    dt_bias)``, ``a = dt A``, in float32)."""
     i_p, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_h // (H // NG)
     o_t = tl.arange(0, BT)
     o_n = tl.arange(0, BN)
     o_p = i_p * BP + tl.arange(0, BP)
-    m_t, m_n, m_p = o_t < T, o_n < N, o_p < P
-    m_s = m_n[:, None] & m_p[None, :]
-    p_S = S + i_bh * N * P + o_n[:, None] * P + o_p[None, :]
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
+    m_t, m_n, m_p = o_t < n, o_n < N, o_p < P
+    p_S, m_s, row = _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP,
+                               SLOTS)
     b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
     if HAS_PENDING:
-        b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_g, i_h, o_n, o_p, m_n, m_p,
+        b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_b, 0, i_g, i_h, o_n, o_p, m_n, m_p,
                              Lp, Tp, H, NG, N, P)
     b_D = _load_D(D, i_h, o_p, m_p, P, BP, D_HDIM)
-    b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0) != 0
-    b_a = tl.load(a + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_dt = tl.load(dt + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    tok = bos + o_t
+    rec = row * RD + o_t
+    m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
+    b_dt = tl.load(dt + tok * SDT + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if RAW_DT:
+        b_dt = tl.where(m_t, softplus(b_dt + tl.load(dt_bias + i_h).to(tl.float32)), 0.0)
+        b_a = b_dt * tl.load(A + i_h).to(tl.float32)
+    else:
+        b_a = tl.load(a + tok * SDT + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.sum(tl.where(b_M, b_a[None, :], 0.0), 1)  # path-summed log decay, not a cumsum
     m_tn = m_t[:, None] & m_n[None, :]
     m_tp = m_t[:, None] & m_p[None, :]
-    b_B = tl.load(Bm + ((i_b * T + o_t[:, None]) * NG + i_g) * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
-    b_C = tl.load(Cm + ((i_b * T + o_t[:, None]) * NG + i_g) * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
-    p_x = ((i_b * T + o_t[:, None]) * H + i_h) * P + o_p[None, :]
-    b_x = tl.load(x + p_x, mask=m_tp, other=0.0).to(tl.float32)
+    b_B = tl.load(Bm + tok[:, None] * SBC + i_g * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
+    b_C = tl.load(Cm + tok[:, None] * SBC + i_g * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
+    b_x = tl.load(x + tok[:, None] * SX + i_h * P + o_p[None, :], mask=m_tp, other=0.0).to(tl.float32)
     b_u = b_dt[:, None] * b_x
     # mask the exponent before exp: off-path pairs are exactly 0, exp(-G) never overflows
     gam = tl.where(b_M, tl.exp(tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     cb = tl.dot(b_C, tl.trans(b_B), input_precision="ieee") * gam
     b_y = tl.exp(b_G)[:, None] * tl.dot(b_C, b_S, input_precision="ieee") + tl.dot(cb, b_u, input_precision="ieee")
     b_y += b_D[None, :] * b_x
-    tl.store(y + p_x, b_y, mask=m_tp)
-    tl.store(u + p_x, b_u, mask=m_tp)
+    tl.store(y + tok[:, None] * SY + i_h * P + o_p[None, :], b_y.to(y.dtype.element_ty), mask=m_tp)
+    tl.store(u + (rec[:, None] * H + i_h) * P + o_p[None, :], b_u, mask=m_rec[:, None] & m_p[None, :])
     if i_p == 0:
-        tl.store(G + (i_b * T + o_t) * H + i_h, b_G, mask=m_t)
+        tl.store(G + rec * H + i_h, b_G, mask=m_rec)
+        if rB is not None:  # the records' Bm in float32, from one program per group
+            if i_h % (H // NG) == 0:
+                tl.store(rB + (rec[:, None] * NG + i_g) * N + o_n[None, :], b_B, mask=m_rec[:, None] & m_n[None, :])
 
 
 def _check(x, dt, a, Bm, Cm, D, state, pending) -> None:
@@ -234,7 +296,7 @@ def serial_verify(
     _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
         *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), state, y, u, G, num_nodes,
         T=T, H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=D.dim() == 2,
-        **_pending_kwargs(pending),
+        **_pending_kwargs(pending), **own_slots(state),
     )
     return out
 
@@ -266,16 +328,34 @@ def tree_verify(
         raise ValueError(f"mask must be bool [{B}, {T}, {T}], got {mask.dtype} {list(mask.shape)}")
     if T > MAX_TREE_NODES:
         raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
-    y, u, G = out = _outputs(x, out)
+    out = _outputs(x, out)
+    x, dt, a, Bm, Cm, D = (t.contiguous() for t in (x, dt, a, Bm, Cm, D))
+    _launch_tree(B, T, x, dt, Bm, Cm, D, state, out, a=a, mask=mask.contiguous(), pending=pending, T=T, SX=H * P,
+                SDT=H, SBC=NG * N, SY=H * P, RD=T)
+    return out
+
+
+def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=None, state_strides=None,
+                **where) -> None:
+    """One launch of :func:`_tree_verify_kernel` over ``B`` sequences of at most ``steps`` nodes.
+    ``out`` is ``(y, u, G)``; ``where`` gives the kernel's data-placement arguments (``a`` or
+    ``A``/``dt_bias``, ``mask``/``parents``, ``cu_seqlens``, ``state_idx``, ``rec_idx``, ``rB``,
+    the strides and sizes); those left out are specla's own layout; ``state_strides`` (slot,
+    head, n, p) defaults to ``state``'s."""
+    H, P = x.shape[-2], x.shape[-1]
+    NG, N = Bm.shape[-2], Bm.shape[-1]
+    y, u, G = out
     BP = max(16, min(triton.next_power_of_2(P), 64))  # tl.dot needs tiles of at least 16
+    where = dict(a=None, mask=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, A=None,
+                 dt_bias=None, rB=None, sP=0) | where
+    sS = state_strides if state_strides is not None else state.stride()
     # node tiles of at least 32: smaller trees in 16-node tiles ran slower than 32-node trees
     # (docs/tuning.md, "Mamba2 tree node tiles")
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
-        *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), mask.contiguous(), state, y, u, G,
-        T=T, H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(T)),
-        BN=max(16, triton.next_power_of_2(N)), BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending),
+        x=x, dt=dt, Bm=Bm, Cm=Cm, D=D, S=state, y=y, u=u, G=G, sS_b=sS[0], sS_h=sS[1], sS_n=sS[2], sS_p=sS[3],
+        H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(steps)), BN=max(16, triton.next_power_of_2(N)),
+        BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending), **where,
     )
-    return out
 
 
 def is_chain_batch(parents: Tensor, counts: Tensor) -> bool:

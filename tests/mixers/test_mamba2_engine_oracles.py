@@ -1,0 +1,378 @@
+"""specla's Mamba2 verify and commit on a serving engine's data (``specla.mixers.mamba2.serving``)
+against the engines' own published Triton kernels, run here under Triton's interpreter.
+
+The engines' kernel files come from the package registry at test time, at the pinned versions,
+through the shared loader (``specla.testing.engine_kernels.kernel_files``, same cache), given
+this file's own list of files: it downloads a wheel only when a listed file is missing from the
+cache and keeps the listed files alone. They are imported by file; the package-level helpers they
+import are stubbed (SGLang's hardware probe; vLLM's logger, platform probes, config lookups,
+Triton re-export and null block id), and SGLang's wrapper enters a CUDA device context, a no-op
+here. vLLM's ``fast_exp`` is its own (``triton_helpers.py``). Without network the tests skip,
+saying so.
+
+Oracles: SGLang 0.5.23's per-node tree verify (``selective_state_update`` with
+``retrieve_parent_token`` and ``intermediate_states_buffer``, as ``MambaMixer2.forward`` calls it
+under ``is_target_verify``; the committed state is the accepted node's snapshot, scattered into
+the slot), and its one-token decode (plain decoding through a small model); vLLM 0.34.0's chain
+speculative kernel (``selective_state_update`` with ``num_accepted_tokens``, one state slot per
+draft position). vLLM's compact-record chains for Mamba2 (``use_replayssm``) are not an oracle
+here: their decode runs a planned ring (``plan_replayssm_decode``, write positions, flushes)
+whose setup is the engine's scheduler's. Tolerances: the largest errors observed (noted at each
+assertion) with a margin of about 10x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+
+import pytest
+import torch
+import triton
+
+from specla.mixers.mamba2.serving import (
+    Mamba2RecordBuffers, empty_record_buffers, mamba2_pool_commit, mamba2_pool_verify,
+)
+from specla.testing.engine_kernels import SGLANG, VLLM, RegistryUnreachable, _import_by_file, kernel_files
+from test_gdn_engine_oracles import _accept, _root_path
+from tree_speculation import plain_decode, speculate
+
+SGLANG_MAMBA = dict(SGLANG, files={"ssm": "sglang/kernels/ops/mamba/triton_ops/mamba_ssm.py"})
+VLLM_MAMBA = dict(VLLM, files={"ssm": "vllm/model_executor/layers/mamba/ops/mamba_ssm.py",
+                               "helpers": "vllm/model_executor/layers/mamba/ops/triton_helpers.py"})
+
+
+def _kernel_files(engine: dict) -> dict:
+    """The engine's files, or a skip when the registry is unreachable."""
+    try:
+        return kernel_files(engine)
+    except RegistryUnreachable as err:
+        pytest.skip(str(err))
+
+
+def _no(*args, **kwargs) -> bool:
+    return False
+
+
+@pytest.fixture(autouse=True)
+def _bool_masks(monkeypatch):
+    """Both engines' kernels narrow a block mask by a scalar comparison (``mask &= slot !=
+    pad_slot_id``), which Triton's interpreter computes as int32 data under an int1 type and its
+    masked loads then refuse ("mask has unsupported dtype"); compiled Triton takes it. Masks are
+    read as bool here."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    for name in ("create_masked_load", "create_masked_store"):
+        op = getattr(InterpreterBuilder, name)
+
+        def as_bool(self, ptrs, value_or_mask, *rest, op=op, store=name.endswith("store")):
+            mask = rest[0] if store else value_or_mask
+            mask = TensorHandle(mask.data.astype(bool), mask.dtype)
+            return op(self, ptrs, value_or_mask, mask, *rest[1:]) if store else op(self, ptrs, mask, *rest)
+
+        monkeypatch.setattr(InterpreterBuilder, name, as_bool)
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    """SGLang 0.5.23's Mamba2 ``selective_state_update`` module."""
+    path = _kernel_files(SGLANG_MAMBA)["ssm"]
+    module = _import_by_file("_oracle_sglang_mamba_ssm", path, {"sglang.kernels.jit.utils": dict(
+        is_arch_support_pdl=_no)})
+    # its wrapper enters `torch.get_device_module(x.device).device(index)`, which the CPU lacks
+    cpu = types.SimpleNamespace(device=lambda index: contextlib.nullcontext())
+    module.torch = types.SimpleNamespace(**vars(torch) | dict(get_device_module=lambda device: cpu))
+    return module
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    """vLLM 0.34.0's Mamba2 ``selective_state_update`` module (its chain speculative path)."""
+    files = _kernel_files(VLLM_MAMBA)
+    import triton.language as tl
+
+    utils = {"vllm.triton_utils": dict(HAS_TRITON=True, tl=tl, triton=triton)}
+    helpers = _import_by_file("_oracle_vllm_triton_helpers", files["helpers"], utils)
+    platform = types.SimpleNamespace(is_xpu=_no, is_cpu=_no)
+    envs = dict(VLLM_TUNED_CONFIG_FOLDER=None)
+    stubs = utils | {
+        "vllm": dict(_custom_ops=None, envs=types.SimpleNamespace(**envs)), "vllm.envs": envs,
+        "vllm.logger": dict(init_logger=logging.getLogger), "vllm.platforms": dict(current_platform=platform),
+        "vllm.model_executor.layers.mamba.ops.triton_helpers": dict(fast_exp=helpers.fast_exp),
+        "vllm.utils.platform_utils": dict(get_device_name_as_file_name=lambda: "cpu"),
+        "vllm.v1.attention.backends.utils": dict(NULL_BLOCK_ID=0)}
+    return _import_by_file("_oracle_vllm_mamba_ssm", files["ssm"], stubs)
+
+
+H, P, NG, NS = 4, 16, 2, 16
+
+
+def _layer(T_total: int, seed: int, dtype: torch.dtype = torch.float32, lead: tuple = ()):
+    """One layer's verify inputs as the engines hand them over: ``x``, ``B``, ``C`` strided views
+    of one conv output, ``dt`` of the projection (token dims ``lead`` or ``[Ttot]``), in ``dtype``;
+    ``A`` (negative), ``dt_bias``, ``D`` float32 ``[H]``."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = lead or (T_total,)
+    xbc = torch.randn(T_total, H * P + 2 * NG * NS, generator=gen).to(dtype)
+    x, B, C = torch.split(xbc, [H * P, NG * NS, NG * NS], dim=-1)
+    proj = torch.randn(T_total, H + 3, generator=gen).to(dtype)  # dt, a slice of a wider projection
+    # Mamba2's initialisation: softplus(dt_bias) log-uniform in [1e-3, 0.1], A = -[1, 16]
+    dt0 = 1e-3 * 100 ** torch.rand(H, generator=gen)
+    return dict(x=x.view(*lead, H, P), B=B.view(*lead, NG, NS), C=C.view(*lead, NG, NS),
+                dt=proj[:, :H].view(*lead, H), A=-(16 ** torch.rand(H, generator=gen)),
+                dt_bias=torch.log(torch.expm1(dt0)), D=torch.randn(H, generator=gen))
+
+
+def _engine_args(layer: dict) -> dict:
+    """``layer`` as both engines pass it: ``dt`` over ``P``, ``A`` over ``[P, Ns]``, ``dt_bias``
+    and ``D`` over ``P``, expanded (stride 0)."""
+    return dict(layer, dt=layer["dt"][..., None].expand(*layer["dt"].shape, P),
+                A=layer["A"][:, None, None].expand(H, P, NS), dt_bias=layer["dt_bias"][:, None].expand(H, P),
+                D=layer["D"][:, None].expand(H, P))
+
+
+def _pool(slots: int, seed: int) -> torch.Tensor:
+    """A state pool ``[slots, H, P, Ns]`` float32 of states of a decoded sequence's size."""
+    return torch.randn(slots, H, P, NS, generator=torch.Generator().manual_seed(seed)) * 0.3
+
+
+def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths, rows):
+    """specla's verify and commit on the pool (a copy), the engines' expanded arguments; returns
+    ``y`` and the pool after the commit, and checks that the verify left the pool bit-identical."""
+    pool = pool.clone()
+    before = pool.clone()
+    records = empty_record_buffers(rows, steps, H, P, NG, NS, "cpu")
+    y = mamba2_pool_verify(pool, dt_softplus=True, state_batch_indices=cache_indices, cu_seqlens=qsl,
+                           records=records, intermediate_state_indices=row_indices, cache_steps=steps,
+                           retrieve_parent_token=parents, **_engine_args(layer))
+    assert torch.equal(pool, before)  # the verify reads the pool only
+    accept_index, accept_lens = _accept(paths, steps, steps)
+    mamba2_pool_commit(pool, cache_indices, records, row_indices, accept_index, accept_lens, steps)
+    return y, pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, dtype):
+    """Ragged 6-node trees (a different shape a row), a row whose root alone is accepted, a path
+    ending inside its tree, a padding row (slot -1): specla's outputs and committed states against
+    SGLang's tree verify and its snapshot commit, activations in float32 or bfloat16 (states
+    float32)."""
+    T, N, slots = 6, 5, 7
+    trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 0, 0], [-1, 0, 1, 1, 3, 3], [-1, 0, 1, 2, 3, 4]]
+    paths = [_root_path(t, leaf) for t, leaf in zip(trees, [4, 5, 0, 5, 3])]
+    paths[3] = paths[3][:2]  # a path ending inside the tree
+    layer = _layer(N * T, seed=0, dtype=dtype, lead=(N, T))
+    pool = _pool(slots, seed=1)
+    cache_indices = torch.tensor([5, 0, 3, 6, -1], dtype=torch.int32)  # the last row: padding
+    row_indices = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32)  # record / scratch row of each request
+    parents = torch.tensor(trees, dtype=torch.int64)
+
+    ref_pool = pool.clone()
+    scratch = torch.zeros(N, T, H, P, NS)
+    y_ref = torch.empty_like(layer["x"])
+    sglang.selective_state_update(
+        ref_pool, z=None, dt_softplus=True, state_batch_indices=cache_indices, out=y_ref, disable_state_update=True,
+        intermediate_states_buffer=scratch, cache_steps=T, retrieve_parent_token=parents,
+        intermediate_state_indices=row_indices, **_engine_args(layer))
+    assert torch.equal(ref_pool, pool)
+    for n, p in enumerate(paths[:-1]):  # SGLang's commit: the last accepted node's snapshot into the slot
+        ref_pool[cache_indices[n]] = scratch[row_indices[n], p[-1]]
+
+    y, committed = _specla(layer, pool, cache_indices, row_indices, None, T, parents, paths, N)
+    assert y.dtype == y_ref.dtype == dtype
+    # the padding row's outputs are not compared: SGLang's reads its parents' states from scratch
+    # it never wrote for that row
+    y, y_ref = y[:-1].float(), y_ref[:-1].float()
+    # float32: observed 3.3e-6 (outputs up to 5.7); bfloat16: observed equal, allowed one bf16 ulp
+    tol = 4e-5 if dtype == torch.float32 else 2**-8 * y_ref.abs() + 1e-6
+    assert ((y - y_ref).abs() <= tol).all()
+    assert (committed - ref_pool).abs().max() < 1e-5  # observed 1.1e-6, 8.3e-7 in bf16 (states moved by 0.43)
+    assert torch.equal(committed[[1, 2, 4]], pool[[1, 2, 4]])  # slots of no row (the padding row's): untouched
+
+
+# chains of ragged lengths, one long (48 tokens), each with a different accepted prefix (the first
+# row's root alone)
+CHAIN_LENS, CHAIN_ACCEPTED = [5, 3, 48], [1, 3, 31]
+
+
+def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm):
+    """vLLM's chain speculative kernel writes the state after every position into its own slot
+    (``state_batch_indices [N, T]``) and reads the committed one from the slot of the last
+    accepted position: specla's outputs and committed states against it, on packed ragged chains
+    up to 48 long."""
+    qsl = torch.tensor([0, *torch.tensor(CHAIN_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    N, T = len(CHAIN_LENS), max(CHAIN_LENS)
+    layer, pool = _layer(int(qsl[-1]), seed=2), _pool(4, seed=3)
+    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
+    # vLLM's pool: slot 0 is its null block; row n's positions take slots 1 + n * T + t
+    vpool = torch.zeros(1 + N * T, H, P, NS)
+    slots = 1 + torch.arange(N * T, dtype=torch.int32).view(N, T)
+    vpool[slots[:, 0].long()] = pool[cache_indices.long()]
+    y_ref = torch.empty_like(layer["x"])
+    with vllm.override_ssm_config((16, 4)):  # its launch config, without a tuned-config lookup
+        vllm.selective_state_update(
+            vpool, dt_softplus=True, state_batch_indices=slots, dst_state_batch_indices=slots, out=y_ref,
+            num_accepted_tokens=torch.ones(N, dtype=torch.int32), cu_seqlens=qsl, **_engine_args(layer))
+
+    paths = [list(range(m)) for m in CHAIN_ACCEPTED]
+    rows = torch.arange(N, dtype=torch.int64)
+    y, committed = _specla(layer, pool, cache_indices, rows, qsl, T, None, paths, N)
+    # observed 1.1e-5 (outputs up to 6.2), vLLM's own error: against float64, its outputs are off by
+    # 1.1e-5 on the 48-token row, specla's by 1.4e-6
+    assert (y - y_ref).abs().max() < 1.5e-4
+    ref = torch.stack([vpool[slots[n, m - 1]] for n, m in enumerate(CHAIN_ACCEPTED)])
+    assert (committed[cache_indices.long()] - ref).abs().max() < 1e-5  # observed 8.3e-7 (moved by 1.6)
+    assert torch.equal(committed[1], pool[1])
+
+
+def test_commit_leaves_padding_rows_and_empty_paths_alone():
+    """A row with a negative slot, or with no accepted node, writes nothing; the other row
+    commits (a change of the state is checked, not its value: the oracles above check those)."""
+    steps = 3
+    qsl = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
+    layer, pool = _layer(7, seed=4), _pool(4, seed=5)
+    cache_indices = torch.tensor([2, -1, 3], dtype=torch.int32)
+    records = empty_record_buffers(3, steps, H, P, NG, NS, "cpu")
+    rows = torch.arange(3, dtype=torch.int32)
+    mamba2_pool_verify(pool, layer["x"], layer["dt"], layer["A"], layer["B"], layer["C"], layer["D"],
+                       layer["dt_bias"], True, cache_indices, qsl, records=records, intermediate_state_indices=rows)
+    committed = pool.clone()
+    accept_index, _ = _accept([[0, 1, 2], [0, 1], [0, 1]], steps, steps)
+    mamba2_pool_commit(committed, cache_indices, records, rows, accept_index, torch.tensor([3, 2, 0]), steps)
+    assert torch.equal(committed[[0, 1, 3]], pool[[0, 1, 3]])  # slot -1's row and slot 3's empty path
+    assert not torch.equal(committed[2], pool[2])
+
+
+def test_verify_writes_a_strided_out_in_place_and_takes_every_form_of_d():
+    """``out`` may be a strided view (SGLang's preallocated output is one): it is written in
+    place, equal to the returned output without it; ``D`` per head, its stride-0 expand and a
+    materialised ``[H, P]`` give the same outputs."""
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    layer, pool = _layer(5, seed=10), _pool(3, seed=11)
+    call = dict(state=pool, dt_softplus=True, state_batch_indices=torch.tensor([2, 0]), cu_seqlens=qsl,
+                records=empty_record_buffers(2, 3, H, P, NG, NS, "cpu"), intermediate_state_indices=torch.arange(2),
+                **layer)
+    y = mamba2_pool_verify(**call)
+    wide = torch.full((5, H * P + 8), float("nan"))
+    out = wide[:, 8:].view(5, H, P)
+    assert mamba2_pool_verify(**call | dict(out=out)) is out
+    assert torch.equal(out, y) and wide[:, :8].isnan().all()
+    for D in (layer["D"][:, None].expand(H, P), layer["D"][:, None].repeat(1, P)):
+        assert torch.equal(mamba2_pool_verify(**call | dict(D=D)), y)
+
+
+def test_pool_entry_points_reject_bad_input_clearly():
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    layer, pool = _layer(5, seed=6), _pool(4, seed=7)
+    cache_indices = torch.tensor([2, 0], dtype=torch.int32)
+    records = empty_record_buffers(2, 4, H, P, NG, NS, "cpu")
+    rows = torch.arange(2, dtype=torch.int32)
+    call = dict(state=pool, dt_softplus=True, state_batch_indices=cache_indices, cu_seqlens=qsl, records=records,
+                intermediate_state_indices=rows, **layer)
+    with pytest.raises(ValueError, match=r"^state must be float32 \[slots, 4, 16, 16\] \(P before N\), "
+                                         r"got torch.float64 \[4, 4, 16, 16\]$"):
+        mamba2_pool_verify(**call | dict(state=pool.double()))
+    with pytest.raises(ValueError, match=r"^the step sizes take softplus \(dt_softplus=True\), got dt_softplus=False$"):
+        mamba2_pool_verify(**call | dict(dt_softplus=False))
+    with pytest.raises(ValueError, match=r"^A must be one value per head, or its expand over \[16, 16\] \(stride 0\), "
+                                         r"got \[4, 16, 16\] of strides \[256, 16, 1\]$"):
+        mamba2_pool_verify(**call | dict(A=torch.zeros(H, P, NS)))
+    with pytest.raises(ValueError, match=r"^cache_steps must be at most the records' D = 4 and 64, got 5$"):
+        mamba2_pool_verify(**call | dict(cache_steps=5))
+    with pytest.raises(ValueError, match=r"^records must be Mamba2RecordBuffers, got tuple$"):
+        mamba2_pool_verify(**call | dict(records=tuple(records)))
+    bad = Mamba2RecordBuffers(records.Bm.to(torch.bfloat16), records.u, records.G)
+    with pytest.raises(ValueError, match=r"^records.Bm must be float32 \[2, 4, 2, 16\] on cpu, contiguous, got "
+                                         r"torch.bfloat16 \[2, 4, 2, 16\] on cpu$"):
+        mamba2_pool_verify(**call | dict(records=bad))
+    with pytest.raises(ValueError, match=r"^state_batch_indices must be int32 or int64 \[2\] on cpu, got "
+                                         r"torch.int32 \[1\]$"):
+        mamba2_pool_verify(**call | dict(state_batch_indices=cache_indices[:1]))
+    with pytest.raises(ValueError, match=r"^accept_index must be int32 or int64 \[2, P\] on cpu, "
+                                         r"got torch.int64 \[2\]$"):
+        mamba2_pool_commit(pool, cache_indices, records, rows, torch.zeros(2, dtype=torch.int64),
+                           torch.ones(2, dtype=torch.int64), 4)
+
+
+class TinyMamba2Model:
+    """A two-layer Mamba2 language model of random weights (vocabulary 5, width 32; no short conv
+    and no gated norm, which the engines run outside the SSM kernel): ``h += ssm(x, dt, B, C) W_o``
+    a layer, ``ssm`` being the caller's kernel call on its state pool ``pools[layer]``."""
+
+    vocab, width, layers = 5, 32, 2
+
+    def __init__(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+        d = self.width
+        self.emb = r(self.vocab, d)
+        self.lm = r(d, self.vocab, scale=d**-0.5)
+        self.w = []
+        for _ in range(self.layers):
+            layer = _layer(1, seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
+            self.w.append(dict(xbc=r(d, H * P + 2 * NG * NS, scale=d**-0.5), dt=r(d, H, scale=d**-0.5),
+                               out=r(H * P, d, scale=(H * P) ** -0.5),
+                               **{k: layer[k] for k in ("A", "dt_bias", "D")}))
+
+    def logits(self, tokens: torch.Tensor, ssm) -> torch.Tensor:
+        """``[Ttot, vocab]`` of packed ``tokens [Ttot]``; ``ssm(layer, x [Ttot, H, P], dt [Ttot, H],
+        B, C [Ttot, NG, Ns], A, dt_bias, D) -> y [Ttot, H, P]``, x, B, C strided views of one
+        projection as the engines'."""
+        h = self.emb[tokens]
+        T = tokens.shape[0]
+        for i, w in enumerate(self.w):
+            x, B, C = torch.split(h @ w["xbc"], [H * P, NG * NS, NG * NS], dim=-1)
+            y = ssm(i, x.view(T, H, P), h @ w["dt"], B.view(T, NG, NS), C.view(T, NG, NS), w["A"], w["dt_bias"],
+                    w["D"])
+            h = h + y.reshape(T, H * P) @ w["out"]
+        return h @ self.lm
+
+
+def _plain_step(model, sglang, pools, cache_indices, tokens):
+    """One token a row through SGLang's own decode kernel (states updated in place)."""
+
+    def ssm(i, x, dt, B, C, A, dt_bias, D):
+        y = torch.empty_like(x)
+        sglang.selective_state_update(pools[i], z=None, dt_softplus=True, state_batch_indices=cache_indices, out=y,
+                                      **_engine_args(dict(x=x, dt=dt, B=B, C=C, A=A, dt_bias=dt_bias, D=D)))
+        return y
+
+    return model.logits(tokens, ssm)
+
+
+def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engines_plain_decoding(sglang):
+    """Greedy decoding of a small random Mamba2 model, two rows in state slots 3 and 1: plain, one
+    token a step through SGLang's decode kernel, against speculation on ragged random draft trees
+    (6 and 4 nodes, root included, packed) through ``mamba2_pool_verify`` and
+    ``mamba2_pool_commit`` (every layer in one launch). Tokens must be identical."""
+    model, new = TinyMamba2Model(seed=8), 12
+    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]])
+    N, slots, sizes = 2, 5, [6, 4]
+    cache_indices = torch.tensor([3, 1], dtype=torch.int32)
+
+    pools = [torch.zeros(slots, H, P, NS) for _ in range(model.layers)]
+    plain = plain_decode(lambda tokens: _plain_step(model, sglang, pools, cache_indices, tokens), prompts, new)
+
+    pools = torch.zeros(model.layers, slots, H, P, NS)  # every layer's pool, committed in one launch
+    for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
+        _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
+    rows, width = torch.tensor([1, 0], dtype=torch.int32), max(sizes)
+    records = Mamba2RecordBuffers(*(torch.empty(model.layers, *r.shape) for r in
+                                    empty_record_buffers(N, width, H, P, NG, NS, "cpu")))
+
+    def verify(toks, qsl, parents):
+        def ssm(i, x, dt, B, C, A, dt_bias, D):
+            return mamba2_pool_verify(pools[i], x, dt, A, B, C, D, dt_bias, True, cache_indices, qsl,
+                                      records=records.layer(i), intermediate_state_indices=rows, cache_steps=width,
+                                      retrieve_parent_token=parents)
+
+        return model.logits(torch.tensor(toks), ssm).argmax(-1).tolist()
+
+    def commit(paths):
+        accept_index, accept_lens = _accept(paths, width, width)
+        mamba2_pool_commit(pools, cache_indices, records, rows, accept_index, accept_lens, width)
+
+    out, accepted = speculate(plain, prompts[:, -1].tolist(), sizes, model.vocab, 9, verify, commit)
+    assert [o[:new] for o in out] == plain
+    assert 0 in accepted and max(accepted) >= 3  # steps accepting nothing, and deep ones
