@@ -13,7 +13,7 @@ from specla.ops.pending import flush
 from specla.records import LayerCommit
 
 from .records import KDAFactorRecord
-from .verify import TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel
+from .verify import TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel, own_slots
 
 
 def flush_commit(state: Tensor, k: Tensor, delta: Tensor, Gk: Tensor, path: Tensor, path_len: Tensor) -> Tensor:
@@ -35,4 +35,4 @@ def flush_commit(state: Tensor, k: Tensor, delta: Tensor, Gk: Tensor, path: Tens
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     return flush(_serial_verify_kernel, (B * H, triton.cdiv(V, BV)), state, "[B, H, K, V]", commit,
                  lambda: _check_pending(B, H, K, V, commit), H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-                 **_pending_kwargs(commit), num_warps=TUNING["serial"]["num_warps"])
+                 **_pending_kwargs(commit), **own_slots(state), num_warps=TUNING["serial"]["num_warps"])
