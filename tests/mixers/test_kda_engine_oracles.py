@@ -262,3 +262,122 @@ def test_pool_entry_points_reject_bad_input_clearly():
                                          r"got torch.int64 \[3\]$"):
         kda_pool_commit(pool, cache_indices, records, rows, torch.zeros(3, dtype=torch.int64),
                         torch.ones(3, dtype=torch.int64), 48)
+
+
+class TinyKDAModel:
+    """A two-layer KDA language model of random weights (vocabulary 5, width 32, no short conv,
+    which the engine keeps outside the recurrent kernels): ``h += kda(q, k, v, a, b) W_o`` a
+    layer, ``kda`` being the caller's kernel call on its state pool of that layer."""
+
+    vocab, width, layers = 5, 32, 2
+
+    def __init__(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+        d = self.width
+        self.emb = r(self.vocab, d)
+        self.lm = r(d, self.vocab, scale=d**-0.5)
+        self.w = [dict(qkv=r(d, 2 * H * K + H * V, scale=d**-0.5), a=r(d, H * K, scale=d**-0.5),
+                       b=r(d, H, scale=d**-0.5), out=r(H * V, d, scale=(H * V) ** -0.5),
+                       A_log=r(H, scale=0.5), dt_bias=r(H * K, scale=0.5)) for _ in range(self.layers)]
+
+    def logits(self, tokens: torch.Tensor, kda) -> torch.Tensor:
+        """``[Ttot, vocab]`` of packed ``tokens [Ttot]``; ``kda(layer, A_log, a, dt_bias, q, k, v,
+        b) -> o [1, Ttot, H, V]``, q, k, v strided views of one projection as SGLang's."""
+        h = self.emb[tokens]
+        T = tokens.shape[0]
+        for i, w in enumerate(self.w):
+            q, k, v = torch.split(h @ w["qkv"], [H * K, H * K, H * V], dim=-1)
+            o = kda(i, w["A_log"], h @ w["a"], w["dt_bias"], q.view(1, T, H, K), k.view(1, T, H, K),
+                    v.view(1, T, H, V), h @ w["b"])
+            h = h + o.reshape(T, H * V) @ w["out"]
+        return h @ self.lm
+
+
+def _plain_step(model, sglang, pools, cache_indices, tokens):
+    """One token a row through SGLang's own KDA decode call (states updated in place)."""
+    qsl = torch.arange(tokens.shape[0] + 1, dtype=torch.int32)
+
+    def kda(i, A_log, a, dt_bias, q, k, v, b):
+        return sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
+            A_log=A_log, a=a, dt_bias=dt_bias, softplus_beta=1.0, softplus_threshold=20.0, q=q, k=k, v=v, b=b,
+            initial_state_source=pools[i], initial_state_indices=cache_indices, cu_seqlens=qsl,
+            use_qk_l2norm_in_kernel=True, is_kda=True)
+
+    return model.logits(tokens, kda)
+
+
+def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engines_plain_decoding(sglang):
+    """Greedy decoding of a small random KDA model, two rows in state slots 3 and 1: plain, one
+    token a step through SGLang's KDA decode kernel, against speculation on random draft trees (6
+    and 4 nodes, root included) through ``kda_pool_verify`` and ``kda_pool_commit`` (every layer
+    in one launch). The drafter knows part of the answer (a random-depth branch of the plain
+    tokens, the other branches wrong), so steps accept from nothing to a whole branch. Tokens
+    must be identical."""
+    model, new = TinyKDAModel(seed=6), 12
+    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]])
+    N, slots, sizes = 2, 5, [6, 4]
+    cache_indices = torch.tensor([3, 1], dtype=torch.int32)
+
+    pools = [torch.zeros(slots, H, V, K) for _ in range(model.layers)]
+    plain = []
+    tokens = prompts[:, 0]
+    for t in range(prompts.shape[1] + new - 1):
+        nxt = _plain_step(model, sglang, pools, cache_indices, tokens).argmax(-1)
+        tokens = prompts[:, t + 1] if t + 1 < prompts.shape[1] else nxt
+        if t + 1 >= prompts.shape[1]:
+            plain.append(nxt)
+    plain = torch.stack(plain, 1).tolist()
+
+    pools = torch.zeros(model.layers, slots, H, V, K)  # every layer's pool, committed in one launch
+    for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
+        _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
+    rows = torch.tensor([1, 0], dtype=torch.int32)
+    records = empty_record_buffers(N, max(sizes), H, K, V, "cpu", layers=(model.layers,))
+    gen = torch.Generator().manual_seed(7)
+    out, roots, accepted = [[], []], prompts[:, -1].tolist(), []
+    while min(len(o) for o in out) < new:
+        trees, toks = [], []
+        for n in range(N):  # a random tree; one branch follows the plain tokens for a random depth
+            par, tok, true_depth = [-1], [roots[n]], {0: 0}
+            for i in range(1, sizes[n]):
+                p = int(torch.randint(max(0, i - 2), i, (1,), generator=gen))  # deep rather than wide
+                par.append(p)
+                want = plain[n][len(out[n]) + true_depth[p]] if p in true_depth and \
+                    len(out[n]) + true_depth[p] < new else None
+                if want is not None and torch.rand((), generator=gen) < 0.7 and \
+                        not any(par[j] == p and j in true_depth for j in range(1, i)):
+                    tok.append(want)
+                    true_depth[i] = true_depth[p] + 1
+                else:
+                    tok.append((want if want is not None else 0) + 1 + int(torch.randint(0, 3, (1,), generator=gen)))
+                    tok[-1] %= model.vocab
+            trees.append(par + [0] * (max(sizes) - sizes[n]))
+            toks += tok
+        qsl = torch.tensor([0, sizes[0], sum(sizes)], dtype=torch.int32)
+        parents = torch.tensor(trees)
+
+        def kda(i, A_log, a, dt_bias, q, k, v, b):
+            return kda_pool_verify(A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pools[i], cache_indices,
+                                   use_qk_l2norm_in_kernel=True, cu_seqlens=qsl, records=records.layer(i),
+                                   intermediate_state_indices=rows, cache_steps=max(sizes),
+                                   retrieve_parent_token=parents)
+
+        pred = model.logits(torch.tensor(toks), kda).argmax(-1).tolist()
+        paths = []
+        for n in range(N):  # greedy acceptance: follow the child holding the target's token
+            base, path = int(qsl[n]), [0]
+            while True:
+                want = pred[base + path[-1]]
+                nxt = [c for c in range(1, sizes[n]) if trees[n][c] == path[-1] and toks[base + c] == want]
+                if not nxt:
+                    break
+                path.append(nxt[0])
+            out[n] += [toks[base + c] for c in path[1:]] + [pred[base + path[-1]]]
+            roots[n] = pred[base + path[-1]]
+            paths.append(path)
+            accepted.append(len(path) - 1)
+        accept_index, accept_lens = _accept(paths, max(sizes), max(sizes))
+        kda_pool_commit(pools, cache_indices, records, rows, accept_index, accept_lens, max(sizes))
+    assert [o[:new] for o in out] == plain
+    assert 0 in accepted and max(accepted) >= 3  # steps accepting nothing, and deep ones
