@@ -1,6 +1,6 @@
-"""The serving engines' own GDN Triton kernels, at pinned versions, imported by file: the oracles
-of ``tests/mixers/test_gdn_engine_oracles.py`` and the contenders of
-``benchmarks/engine_kernels.py``.
+"""The serving engines' own GDN and KDA Triton kernels, at pinned versions, imported by file: the
+oracles of ``tests/mixers/test_gdn_engine_oracles.py`` and ``test_kda_engine_oracles.py`` and the
+contenders of ``benchmarks/engine_kernels.py``.
 
 The kernel files come from the package registry into a per-user cache (``$SPECLA_ENGINE_CACHE``,
 default ``~/.cache/specla/engine-kernels``): ``pip download --no-deps`` of one wheel each
@@ -8,13 +8,19 @@ default ``~/.cache/specla/engine-kernels``): ``pip download --no-deps`` of one w
 of which only the kernel files are kept, at ``<cache>/<name>-<version>/<path in the wheel>``. A
 folder of that layout elsewhere (``root``; :func:`extract` writes one) is read instead, with no
 download: a machine without network. The two package-level helpers SGLang's kernel file imports
-(hardware probes, answered from torch) and vLLM's Triton re-export are stubbed, nothing else.
+(hardware probes, answered from torch) and vLLM's Triton re-exports (``vllm.triton_utils``, and
+for KDA ``exp``/``log`` of FLA's ``ops/op.py``, which are ``tl.exp``/``tl.log`` unless
+``FLA_USE_FAST_OPS`` is set) and platform probe are stubbed, nothing else.
 
-- SGLang 0.5.23: ``recurrent`` holds ``fused_sigmoid_gating_delta_rule_update`` (decode, tree
-  verify with ``retrieve_parent_token`` + ``intermediate_states_buffer``, ReplaySSM ring writes);
-  ``fold`` holds ``commit_gdn_replayssm_fold_all_layers`` (ReplaySSM's commit).
-- vLLM 0.34.0: ``fused_sigmoid_gating_delta_rule_update`` (chains, one state slot per draft
-  position through ``ssm_state_indices [N, T]`` and ``num_accepted_tokens``).
+- SGLang 0.5.23: ``recurrent`` holds ``fused_sigmoid_gating_delta_rule_update`` (GDN, and KDA with
+  ``is_kda=True``: decode, tree verify with ``retrieve_parent_token`` +
+  ``intermediate_states_buffer``, ReplaySSM ring writes); ``fold`` holds
+  ``commit_gdn_replayssm_fold_all_layers`` (GDN ReplaySSM's commit), ``kda_fold``
+  ``commit_kda_replayssm_spec`` / ``_all_layers`` (KDA's).
+- vLLM 0.34.0: ``fused_sigmoid_gating_delta_rule_update`` (GDN chains, one state slot per draft
+  position through ``ssm_state_indices [N, T]`` and ``num_accepted_tokens``); ``kda_chain``:
+  ``fused_recurrent_kda`` (KDA chains likewise: Kimi Linear's spec path in
+  ``layers/mamba/gdn/kimi_gdn_linear_attn.py``), with ``math_utils`` it imports.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ import triton
 SGLANG = dict(name="sglang", version="0.5.23", platform="manylinux_2_34_x86_64", files={
     "recurrent": "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py",
     "fold": "sglang/kernels/ops/attention/linear/gdn_replayssm_spec_fold.py",
+    "kda_fold": "sglang/kernels/ops/attention/linear/kda_replayssm_spec_decode.py",
 })
 VLLM = dict(name="vllm", version="0.34.0", platform="manylinux_2_28_x86_64", files={
     "chain": "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py",
+    "kda_chain": "vllm/models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py",
+    "math_utils": "vllm/utils/math_utils.py",
 })
 ENGINES = (SGLANG, VLLM)
 # pip's words for a registry it cannot reach (no route, no DNS, refused, timed out, proxy)
@@ -153,15 +162,17 @@ def _sglang_probes() -> tuple[dict, dict]:
 
 
 def load_sglang(root: Path | str | None = None) -> types.SimpleNamespace:
-    """SGLang 0.5.23's GDN kernel modules: ``recurrent`` and ``fold``. Raises as :func:`kernel_files`."""
+    """SGLang 0.5.23's GDN and KDA kernel modules: ``recurrent``, ``fold`` and ``kda_fold``.
+    Raises as :func:`kernel_files`."""
     files = kernel_files(SGLANG, root)
     jit, utils = _sglang_probes()
-    fold = _import_by_file("_engine_sglang_fold", files["fold"], {})
+    folds = {key: _import_by_file(f"_engine_sglang_{key}", files[key], {}) for key in ("fold", "kda_fold")}
     if _interpreted():
-        fold.range = _triton_range  # its loop variable is a Triton scalar (`t.to(tl.int64)`), not an int
+        for fold in folds.values():  # their loop variables are Triton scalars (`t.to(tl.int64)`), not ints
+            fold.range = _triton_range
     recurrent = _import_by_file("_engine_sglang_recurrent", files["recurrent"],
                                 {"sglang.kernels.jit.utils": jit, "sglang.srt.utils": utils})
-    return types.SimpleNamespace(recurrent=recurrent, fold=fold)
+    return types.SimpleNamespace(recurrent=recurrent, **folds)
 
 
 def load_vllm(root: Path | str | None = None) -> types.ModuleType:
@@ -170,3 +181,21 @@ def load_vllm(root: Path | str | None = None) -> types.ModuleType:
 
     files = kernel_files(VLLM, root)
     return _import_by_file("_engine_vllm_chain", files["chain"], {"vllm.triton_utils": dict(tl=tl, triton=triton)})
+
+
+def load_vllm_kda(root: Path | str | None = None) -> types.ModuleType:
+    """vLLM 0.34.0's KDA recurrent kernel module (``fused_recurrent_kda``, its chain speculative
+    path). Raises as :func:`kernel_files`."""
+    import triton.language as tl
+
+    files = kernel_files(VLLM, root)
+    math_utils = _import_by_file("_engine_vllm_math_utils", files["math_utils"], {})
+    # FLA's ops/op.py without FLA_USE_FAST_OPS; the PDL probe answered as SGLang's is
+    op = dict(exp=tl.exp, log=tl.log)
+    platform = dict(current_platform=types.SimpleNamespace(is_arch_support_pdl=_sglang_probes()[0]["is_arch_support_pdl"]))
+    module = _import_by_file("_engine_vllm_kda_chain", files["kda_chain"], {
+        "vllm.platforms": platform, "vllm.third_party.flash_linear_attention.ops.op": op,
+        "vllm.triton_utils": dict(tl=tl, triton=triton), "vllm.utils.math_utils": vars(math_utils)})
+    if _interpreted():  # the interpreter patches tl's functions at launch, not aliases bound before it
+        module.exp, module.log = (lambda x: tl.exp(x)), (lambda x: tl.log(x))
+    return module

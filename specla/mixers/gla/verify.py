@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specla.mixers.gdn.verify import _PLACEMENT, _ancestor_mask, _rows
+from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, pending_launch, with_pending
 from specla.records import LayerCommit
 
@@ -29,47 +31,27 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BK]; larger trees use the referenc
 
 
 @triton.jit
-def _committed_state(S, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v, P, Tp,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, HAS_PENDING: tl.constexpr):
-    """The float32 state tile ``S[i_b, i_h][o_k, o_v]`` (``[BK, BV]``, masked by ``m_k``, ``m_v``)
-    after the fused delayed commit: loaded once and, with a pending path, committed in closed form
-    and written back once; an empty path leaves the tile (and memory) untouched."""
-    m_s = m_k[:, None] & m_v[None, :]
-    p_S = S + (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-    if HAS_PENDING:
-        n_p = tl.load(path_len + i_b)
-        if n_p > 0:
-            end = tl.load(path + i_b * P + n_p - 1)
-            G_a = tl.load(pGk + ((i_b * Tp + end) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            acc = b_S * tl.exp(G_a)[:, None]
-            for j in range(0, P):
-                if j < n_p:
-                    node = tl.load(path + i_b * P + j)
-                    row = (i_b * Tp + node) * H + i_h
-                    G_j = tl.load(pGk + row * K + o_k, mask=m_k, other=0.0)
-                    b_kp = tl.load(pk + row * K + o_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(G_a - G_j)
-                    b_vp = tl.load(pv + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-                    acc += b_kp[:, None] * b_vp[None, :]
-            b_S = acc
-            tl.store(p_S, b_S, mask=m_s)
+def _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_r, off, i_h, o_k, o_v, m_k, m_v,
+                   P, Tp, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Fused delayed commit of one state tile, written back once; an empty path leaves the tile
+    (and memory) untouched. Sequence ``i_b``'s path entries less ``off`` are node indices into
+    its records' row ``i_r`` (specla's own calls: ``i_r = i_b``, ``off = 0``)."""
+    n_p = tl.load(path_len + i_b)
+    if n_p > 0:
+        end = tl.load(path + i_b * P + n_p - 1) - off
+        G_a = tl.load(pGk + ((i_r * Tp + end) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        acc = b_S * tl.exp(G_a)[:, None]
+        for j in range(0, P):
+            if j < n_p:
+                node = tl.load(path + i_b * P + j) - off
+                row = (i_r * Tp + node) * H + i_h
+                G_j = tl.load(pGk + row * K + o_k, mask=m_k, other=0.0)
+                b_kp = tl.load(pk + row * K + o_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(G_a - G_j)
+                b_vp = tl.load(pv + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                acc += b_kp[:, None] * b_vp[None, :]
+        b_S = acc
+        tl.store(p_S, b_S, mask=m_s)
     return b_S
-
-
-@triton.jit
-def _serial_tile(S, pk, pv, pGk, path, path_len, P, Tp, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr):
-    """A serial verify program's start (GLA's and KDA's, grid ``(B * H, cdiv(V, BV))``): its
-    sequence ``i_b`` and head ``i_h``, key rows ``o_k`` (all ``K``) and value columns ``o_v`` (V
-    tile ``program_id(1)``) with their masks, and its committed state tile
-    (:func:`_committed_state`)."""
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_k = tl.arange(0, BK)
-    o_v = tl.program_id(1) * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    b_S = _committed_state(S, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v, P, Tp, H, K, V, HAS_PENDING)
-    return i_b, i_h, o_k, o_v, m_k, m_v, b_S
 
 
 @with_pending
@@ -81,11 +63,17 @@ def _serial_verify_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
 ):
-    """Per (sequence, head, V tile), from the committed state tile: ``S <- diag(exp(gk)) S + k
-    v^T`` and ``o = S^T (scale q)`` token by token along the chain; padding tokens ``t >=
-    num_nodes`` leave ``S`` as it is and get zero ``o`` and ``Gk``."""
-    i_b, i_h, o_k, o_v, m_k, m_v, b_S = _serial_tile(S, pk, pv, pGk, path, path_len, P, Tp, H, K, V, BK, BV,
-                                                     HAS_PENDING)
+    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+    if HAS_PENDING:  # fused delayed commit: the committed state is written once
+        b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_b, 0, i_h, o_k, o_v, m_k,
+                             m_v, P, Tp, H, K, V)
     n = tl.load(num_nodes + i_b)
     b_G = tl.zeros([BK], dtype=tl.float32)
     for t in range(0, T):
@@ -100,7 +88,7 @@ def _serial_verify_kernel(
         b_S = tl.where(valid, S_new, b_S)
         b_G = tl.where(valid, b_G + b_g, b_G)
         tl.store(o + row * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
-        if tl.program_id(1) == 0:
+        if i_v == 0:
             tl.store(Gk + row * K + o_k, tl.where(valid, b_G, 0.0), mask=m_k)
 
 
@@ -185,19 +173,47 @@ def serial_verify(
     return out
 
 
+@triton.heuristics(_PLACEMENT)
 @triton.jit
-def _tree_decay_kernel(gk, mask, Gk, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Per (sequence, head): Gk = M_incl @ gk, the path-summed log decay (not a node-order cumsum)."""
+def _tree_decay_kernel(gk, mask, Gk, cu_seqlens, parents, rec_idx, A_log, dt_bias, T, SG, D, sP,
+                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       VARLEN: tl.constexpr, RAW_GATES: tl.constexpr, ANC: tl.constexpr):
+    """Per (sequence, head): Gk = M_incl @ gk, the path-summed log decay (not a node-order cumsum).
+
+    Where the data lives (specla's own calls use the first of each): tokens of sequence ``b`` at
+    rows ``b * T + t`` or packed at ``cu_seqlens[b] + t`` (``VARLEN``), ``SG`` elements apart;
+    the ancestors from ``mask [B, T, T]``, one parent index per node or a chain
+    (:func:`specla.mixers.gdn.verify._ancestor_mask`); node ``t``'s ``Gk`` at row ``r * D + t``,
+    ``r = b`` or ``rec_idx[b]`` (a negative row writes none); ``gk`` given, or the raw gate
+    input in its place (``RAW_GATES``: ``gk = -exp(A_log[h]) softplus(a + dt_bias[h, c])``,
+    KDA's per-channel gate, in float32)."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    m_t, m_k = o_t < T, o_k < K
+    bos, n = _rows(cu_seqlens, i_b, T, VARLEN)
+    row = i_b
+    if rec_idx is not None:
+        row = tl.load(rec_idx + i_b).to(tl.int64)
+    m_t, m_k = o_t < n, o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0)
-    b_g = tl.load(gk + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_G = tl.dot(b_M.to(tl.float32), b_g.to(tl.float32), input_precision="ieee")
-    tl.store(Gk + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :], b_G, mask=m_tk)
+    b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_g = tl.load(gk + (bos + o_t[:, None]) * SG + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        x = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        b_g = tl.where(m_tk, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * softplus(x), 0.0)
+    b_G = tl.dot(b_M.to(tl.float32), b_g, input_precision="ieee")
+    m_rec = m_tk & (row >= tl.zeros([BT, BK], dtype=tl.int64))
+    tl.store(Gk + ((row * D + o_t[:, None]) * H + i_h) * K + o_k[None, :], b_G, mask=m_rec)
+
+
+def launch_decay(B: int, gk: Tensor, Gk: Tensor, T: int, H: int, K: int, BT: int, BK: int, **where) -> None:
+    """:func:`_tree_decay_kernel` over ``B`` sequences of at most ``T`` nodes; ``where`` gives its
+    data-placement arguments (``mask``/``parents``, ``cu_seqlens``, ``rec_idx``, ``A_log``/
+    ``dt_bias``, ``SG``, ``D``, ``sP``), those left out being specla's own ``[B, T, H, K]``."""
+    where = dict(mask=None, cu_seqlens=None, parents=None, rec_idx=None, A_log=None, dt_bias=None, SG=H * K, D=T,
+                 sP=0) | where
+    _tree_decay_kernel[(B * H,)](gk=gk, Gk=Gk, T=T, H=H, K=K, BT=BT, BK=BK, **where)
 
 
 @with_pending
@@ -218,7 +234,12 @@ def _tree_verify_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
-    b_S = _committed_state(S, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v, P, Tp, H, K, V, HAS_PENDING)
+    m_s = m_k[:, None] & m_v[None, :]
+    p_S = S + i_bh * K * V + o_k[:, None] * V + o_v[None, :]
+    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+    if HAS_PENDING:
+        b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_b, 0, i_h, o_k, o_v, m_k,
+                             m_v, P, Tp, H, K, V)
     m_tk = m_t[:, None] & m_k[None, :]
     rows = (i_b * T + o_t[:, None]) * H + i_h
     b_q = tl.load(q + rows * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
@@ -270,7 +291,7 @@ def tree_verify(
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(triton.next_power_of_2(V), 64))
     o, G = out = _outputs(v, K, out)
-    _tree_decay_kernel[(B * H,)](gk, mask, G, T, H=H, K=K, BT=BT, BK=BK)
+    launch_decay(B, gk, G, T, H, K, BT, BK, mask=mask)
     _tree_verify_kernel[(B * H, triton.cdiv(V, BV))](
         q, k, v, mask, G, state, o, scale=scale, T=T, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         **_pending_kwargs(pending),

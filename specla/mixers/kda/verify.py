@@ -6,7 +6,7 @@ parallel verify for trees of up to 64 nodes. Both start with the fused delayed c
 per (sequence, head, V tile) loads its state tile, applies the pending accepted path of the
 previous step in closed form from its factor records (``S = diag(exp(Gk_a)) S + sum_j
 diag(exp(Gk_a - Gk_j)) k_j delta_j^T``: GLA's commit with ``delta`` as the written values, so
-GLA's :func:`specla.mixers.gla.verify._committed_state` runs it), writes the committed state once,
+GLA's :func:`specla.mixers.gla.verify._apply_pending` runs it), writes the committed state once,
 then verifies from it, emitting outputs and this step's factor records (``delta`` and the
 path-summed log decay ``Gk``). The state is never written with speculative tokens.
 
@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specla.mixers.gla.verify import MAX_TREE_NODES, _committed_state, _serial_tile, _tree_decay_kernel
+from specla.mixers.gdn.verify import _PLACEMENT, _ancestor_mask, _rows, own_slots
+from specla.mixers.gla.verify import MAX_TREE_NODES, _apply_pending, launch_decay
 # KDAMixer's kernel rule (serial / parallel / reference): GLA's, whose kernels take the same forms
 # (untimed for KDA)
 from specla.mixers.gla.verify import pick_verify_kernel  # noqa: F401
@@ -45,19 +46,44 @@ TUNING = {"serial": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 32, "n
 
 
 @with_pending
+@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None})
 @triton.jit
 def _serial_verify_kernel(
     q, k, v, g, beta, S, o, delta, Gk, num_nodes,
-    pk, pv, pGk, path, path_len,
-    T, P, Tp,
+    pk, pv, pGk, path, path_len, state_idx, rec_idx,
+    T, P, Tp, sS_b, sS_h, sS_k, sS_v, path_step, lS, lk, ld, lG,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """Per (sequence, head, V tile): fused delayed commit, then the chain token by token with the
-    ``[BK, BV]`` state tile in registers. Tokens ``t >= num_nodes`` leave the tile as it is and get
-    zero outputs and records."""
-    i_b, i_h, o_k, o_v, m_k, m_v, b_S = _serial_tile(S, pk, pv, pGk, path, path_len, P, Tp, H, K, V, BK, BV,
-                                                     HAS_PENDING)
+    """Per (sequence, head, V tile[, layer]): fused delayed commit, then the chain token by token
+    with the ``[BK, BV]`` state tile in registers. Tokens ``t >= num_nodes`` leave the tile as it
+    is and get zero outputs and records. The state of sequence ``b`` lies at slot ``b``, or
+    ``state_idx[b]`` (``SLOTS``; a negative slot is neither read nor written), element ``(h, k,
+    v)`` at ``h sS_h + k sS_k + v sS_v``; its pending records at row ``b``, or ``rec_idx[b]``,
+    node ``path[b, j] - b * path_step``. A third grid axis runs one commit per layer (``T = 0``):
+    layer ``l``'s state and records lie ``l lS``, ``l lk``, ``l ld``, ``l lG`` elements on."""
+    i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
+    i_l = tl.program_id(2).to(tl.int64)
+    S += i_l * lS
+    if HAS_PENDING:
+        pk += i_l * lk
+        pv += i_l * ld
+        pGk += i_l * lG
+    i_b, i_h = i_bh // H, i_bh % H
+    if SLOTS:
+        slot = tl.load(state_idx + i_b).to(tl.int64)
+        i_r = tl.load(rec_idx + i_b).to(tl.int64)
+    else:
+        slot, i_r = i_b, i_b
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :] & (slot >= tl.zeros([1, BV], dtype=tl.int64))
+    p_S = S + slot * sS_b + i_h * sS_h + o_k[:, None] * sS_k + o_v[None, :] * sS_v
+    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+    if HAS_PENDING:  # fused delayed commit: the committed state is written once
+        b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_r, i_b * path_step, i_h, o_k, o_v,
+                             m_k, m_v, P, Tp, H, K, V)
     n = tl.load(num_nodes + i_b)
     b_G = tl.zeros([BK], dtype=tl.float32)
     for t in range(0, T):
@@ -76,18 +102,22 @@ def _serial_verify_kernel(
         b_G = tl.where(valid, b_G + b_g, b_G)
         tl.store(o + row * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
         tl.store(delta + row * V + o_v, tl.where(valid, b_d, 0.0), mask=m_v)
-        if tl.program_id(1) == 0:
+        if i_v == 0:
             tl.store(Gk + row * K + o_k, tl.where(valid, b_G, 0.0), mask=m_k)
 
 
 @with_pending
+@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None,
+                    "VARLEN": _PLACEMENT["VARLEN"], "ANC": _PLACEMENT["ANC"]})
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, beta, mask, Gk, S, o, delta,
     pk, pv, pGk, path, path_len,
-    T, P, Tp,
+    cu_seqlens, parents, state_idx, rec_idx, rk,
+    scale, T, P, Tp, SV, SQK, SG, D, sP, sS_b, sS_h, sS_k, sS_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
+    VARLEN: tl.constexpr, SLOTS: tl.constexpr, ANC: tl.constexpr, RAW_BETA: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """Per (sequence, head, V tile), from ``Gk`` (:func:`_tree_decay_kernel`'s launch): the state
     visited in K blocks of ``BKC`` rows, each block committed (fused, written once) and then
@@ -99,52 +129,107 @@ def _tree_verify_kernel(
 
     with ``W[i, j, c] = exp(Gk_i[c] - Gk_j[c])`` on ancestor pairs (the exponent masked before
     ``exp``), ``A[i, j] = beta_i sum_c k_i[c] k_j[c] W[i, j, c]`` for ``j`` a strict ancestor of
-    ``i`` and ``Q[i, j] = sum_c q_i[c] k_j[c] W[i, j, c]`` for ``j`` on ``i``'s root path."""
+    ``i`` and ``Q[i, j] = sum_c q_i[c] k_j[c] W[i, j, c]`` for ``j`` on ``i``'s root path.
+
+    Where the data lives (specla's own calls use the first of each): tokens of sequence ``b`` at
+    rows ``b * T + t`` or packed at ``cu_seqlens[b] + t`` (``VARLEN``), q and k rows ``SQK``, v
+    rows ``SV``, beta rows ``SG`` elements apart, o dense; the ancestors from ``mask``, one parent
+    index per node or a chain (``ANC``, :func:`specla.mixers.gdn.verify._ancestor_mask`); the
+    state of sequence ``b`` at slot ``b`` or ``state_idx[b]`` (``SLOTS``; a negative slot reads a
+    zero state), element ``(h, k, v)`` at ``h sS_h + k sS_k + v sS_v``; ``Gk``, ``delta`` (and
+    the keys ``rk``, when given) of node ``t`` at row ``r * D + t``, ``r = b`` or ``rec_idx[b]``
+    (a negative row has no records: no ``delta`` is written and its outputs are zero); ``beta``
+    given or raw (``RAW_BETA``: ``sigmoid`` here); ``L2NORM``: q and k L2-normalised here; q is
+    scaled by ``scale`` (specla's own calls: 1, q comes scaled)."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_v = o_t < T, o_v < V
-    rows = (i_b * T + o_t) * H + i_h
+    bos, n = _rows(cu_seqlens, i_b, T, VARLEN)
+    if SLOTS:
+        slot = tl.load(state_idx + i_b).to(tl.int64)
+        row = tl.load(rec_idx + i_b).to(tl.int64)
+    else:
+        slot, row = i_b, i_b
+    m_t, m_v = o_t < n, o_v < V
+    tok = bos + o_t
+    rec = row * D + o_t
+    m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
+    r_q = tl.full([BT], 1.0, dtype=tl.float32) * scale  # each row's factor on q and on k
+    r_k = tl.full([BT], 1.0, dtype=tl.float32)
+    if L2NORM:
+        ssq_q = tl.zeros([BT], dtype=tl.float32)
+        ssq_k = tl.zeros([BT], dtype=tl.float32)
+        for kb in range(0, K, BKC):
+            o_k = kb + tl.arange(0, BKC)
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            b_q = tl.load(q + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_k = tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            ssq_q += tl.sum(b_q * b_q, 1)
+            ssq_k += tl.sum(b_k * b_k, 1)
+        r_q = scale / tl.sqrt(ssq_q + 1e-6)
+        r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
     b_kS = tl.zeros([BT, BV], dtype=tl.float32)
     b_qS = tl.zeros([BT, BV], dtype=tl.float32)
     for kb in range(0, K, BKC):
         o_k = kb + tl.arange(0, BKC)
         m_k = o_k < K
+        m_s = m_k[:, None] & m_v[None, :] & (slot >= tl.zeros([1, BV], dtype=tl.int64))
         m_tk = m_t[:, None] & m_k[None, :]
-        b_S = _committed_state(S, pk, pv, pGk, path, path_len, i_b, i_h, o_k, o_v, m_k, m_v, P, Tp, H, K, V,
-                               HAS_PENDING)
-        e_G = tl.exp(tl.load(Gk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0))  # <= 1: no overflow
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_kS += tl.dot(b_k * e_G, b_S, input_precision="ieee")
-        b_qS += tl.dot(b_q * e_G, b_S, input_precision="ieee")
-    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + rows, mask=m_t, other=0.0).to(tl.float32)
+        p_S = S + slot * sS_b + i_h * sS_h + o_k[:, None] * sS_k + o_v[None, :] * sS_v
+        b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+        if HAS_PENDING:
+            b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_b, 0, i_h, o_k, o_v, m_k, m_v,
+                                 P, Tp, H, K, V)
+        # exp(Gk) <= 1: no overflow
+        e_G = tl.exp(tl.load(Gk + (rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_rec[:, None] & m_k[None, :],
+                             other=0.0))
+        b_q = tl.load(q + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_kS += tl.dot(b_k * r_k[:, None] * e_G, b_S, input_precision="ieee")
+        b_qS += tl.dot(b_q * r_q[:, None] * e_G, b_S, input_precision="ieee")
+    b_v = tl.load(v + tok[:, None] * SV + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                  other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + tok * SG + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if RAW_BETA:
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
     b_d = b_beta[:, None] * (b_v - b_kS)
     b_o = b_qS
-    for j in range(0, T):
-        on = tl.load(mask + (i_b * T + o_t) * T + j, mask=m_t, other=0) != 0  # is j on path(i)?
-        row_j = (i_b * T + j) * H + i_h
+    b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC).to(tl.int32)
+    for j in range(0, n):
+        on = tl.sum(tl.where(o_t[None, :] == j, b_M, 0), 1) > 0  # is j on path(i)?
+        r_kj = tl.sum(tl.where(o_t == j, r_k, 0.0), 0)
         b_a = tl.zeros([BT], dtype=tl.float32)
         b_qk = tl.zeros([BT], dtype=tl.float32)
         for kb in range(0, K, BKC):
             o_k = kb + tl.arange(0, BKC)
             m_k = o_k < K
             m_tk = m_t[:, None] & m_k[None, :]
-            b_G = tl.load(Gk + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-            G_j = tl.load(Gk + row_j * K + o_k, mask=m_k, other=0.0)
-            k_j = tl.load(k + row_j * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_G = tl.load(Gk + (rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_rec[:, None] & m_k[None, :],
+                          other=0.0)
+            G_j = tl.load(Gk + ((row * D + j) * H + i_h) * K + o_k, mask=m_k & (row >= tl.zeros([BKC], dtype=tl.int64)),
+                          other=0.0)
+            k_j = tl.load(k + (bos + j) * SQK + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) * r_kj
             # mask the exponent before exp: off-path pairs would be exp(positive)
             kw = k_j[None, :] * tl.where(on[:, None], tl.exp(tl.where(on[:, None], b_G - G_j[None, :], 0.0)), 0.0)
-            b_a += tl.sum(tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * kw, 1)
-            b_qk += tl.sum(tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * kw, 1)
+            b_a += tl.sum(tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(
+                tl.float32) * kw, 1) * r_k
+            b_qk += tl.sum(tl.load(q + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(
+                tl.float32) * kw, 1) * r_q
         d_j = tl.sum(tl.where(o_t[:, None] == j, b_d, 0.0), 0)  # node j's delta: its ancestors are done
         b_d -= tl.where(o_t != j, b_beta * b_a, 0.0)[:, None] * d_j[None, :]
         b_o += b_qk[:, None] * d_j[None, :]
-    m_tv = m_t[:, None] & m_v[None, :]
-    tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-    tl.store(delta + rows[:, None] * V + o_v[None, :], b_d, mask=m_tv)
+    b_o = tl.where(m_rec[:, None], b_o, 0.0)
+    tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_t[:, None] & m_v[None, :])
+    tl.store(delta + (rec[:, None] * H + i_h) * V + o_v[None, :], b_d, mask=m_rec[:, None] & m_v[None, :])
+    if rk is not None:  # the records' keys, normalised
+        if i_v == 0:
+            for kb in range(0, K, BKC):
+                o_k = kb + tl.arange(0, BKC)
+                m_tk = m_rec[:, None] & (o_k < K)[None, :]
+                b_k = tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+                tl.store(rk + (rec[:, None] * H + i_h) * K + o_k[None, :], b_k * r_k[:, None], mask=m_tk)
 
 
 def _check(q, k, v, g, beta, state, pending) -> None:
@@ -225,7 +310,7 @@ def serial_verify(
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
         q, k, v, g, beta, state, o, d, G, num_nodes, T=T, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        **_pending_kwargs(pending), num_warps=TUNING["serial"]["num_warps"],
+        **_pending_kwargs(pending), **own_slots(state), num_warps=TUNING["serial"]["num_warps"],
     )
     return out
 
@@ -259,14 +344,35 @@ def tree_verify(
         raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
     V = v.shape[3]
     q, k, v, g, beta, mask = (x.contiguous() for x in (q, k, v, g, beta, mask))
-    o, d, G = out = _outputs(v, K, out)
-    BT = max(16, triton.next_power_of_2(T))  # tl.dot takes no side under 16
+    out = _outputs(v, K, out)
+    _launch_tree(B, T, q, k, v, g, beta, state, out, mask=mask, pending=pending)
+    return out
+
+
+def _launch_tree(B, steps, q, k, v, g, beta, state, out, *, pending=None, state_strides=None, **where):
+    """The tree verify of ``B`` sequences of at most ``steps`` nodes: GLA's decay kernel for
+    ``Gk``, then :func:`_tree_verify_kernel`. ``out`` is ``(o, delta, Gk)``; ``g`` the log decays
+    or, with ``A_log``/``dt_bias`` in ``where``, the raw gate inputs; ``where`` gives the kernels'
+    data-placement arguments (``mask``/``parents``, ``cu_seqlens``, ``state_idx``, ``rec_idx``,
+    ``A_log``/``dt_bias``, ``rk``, ``scale``, ``RAW_BETA``, ``L2NORM``, the strides and sizes
+    ``T``, ``SQK``, ``SV``, ``SG``, ``SGK`` (of ``g``), ``D``, ``sP``); those left out are
+    specla's own layout; ``state_strides`` (slot, head, k, v) defaults to ``state``'s."""
+    H, K = k.shape[-2:]
+    V = v.shape[-1]
+    o, d, G = out
+    BT = max(16, triton.next_power_of_2(steps))  # tl.dot takes no side under 16
     tune = TUNING["tree"]
     BKC = max(16, min(triton.next_power_of_2(K), tune["BKC"]))
     BV = max(16, min(triton.next_power_of_2(V), tune["BV"]))
-    _tree_decay_kernel[(B * H,)](g, mask, G, T, H=H, K=K, BT=BT, BK=max(16, triton.next_power_of_2(K)))
+    T = where.pop("T", steps)
+    where = dict(mask=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, rk=None, scale=1.0, SQK=H * K,
+                 SV=H * V, SG=H, SGK=H * K, D=T, sP=0, RAW_BETA=False, L2NORM=False) | where
+    A_log, dt_bias, SGK = where.pop("A_log", None), where.pop("dt_bias", None), where.pop("SGK")
+    place = {name: where[name] for name in ("mask", "cu_seqlens", "parents", "rec_idx", "D", "sP")}
+    launch_decay(B, g, G, T, H, K, BT, max(16, triton.next_power_of_2(K)), A_log=A_log, dt_bias=dt_bias, SG=SGK,
+                 **place)
+    sS = state_strides if state_strides is not None else state.stride()
     _tree_verify_kernel[(B * H, triton.cdiv(V, BV))](
-        q, k, v, beta, mask, G, state, o, d, T=T, H=H, K=K, V=V, BT=BT, BKC=BKC, BV=BV,
-        **_pending_kwargs(pending), num_warps=tune["num_warps"],
+        q=q, k=k, v=v, beta=beta, Gk=G, S=state, o=o, delta=d, T=T, sS_b=sS[0], sS_h=sS[1], sS_k=sS[2], sS_v=sS[3],
+        H=H, K=K, V=V, BT=BT, BKC=BKC, BV=BV, **_pending_kwargs(pending), **where, num_warps=tune["num_warps"],
     )
-    return out
