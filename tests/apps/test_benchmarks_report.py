@@ -207,3 +207,24 @@ def test_the_generated_part_is_replaced_between_its_markers_only():
         report.replace_generated("no markers", "new")
     with pytest.raises(ValueError, match="no generated part with its anchor commit"):
         report.anchor_of(doc)
+
+
+def test_engine_kernels_rows_put_every_batch_in_one_cell_and_the_requests_per_model(results):
+    """An engine_kernels.py report: one row per models and workload, specla's time then each
+    engine contender's per batch (sorted by batch), disagreement shown as NO, and per model the
+    running requests a rank fits in the report's budget."""
+    def cell(batch, us, agree=True):
+        return {"models": "m-a (4), m-b (4)", "workload": "chain4", "batch": batch, "us": us, "agree": agree}
+
+    data = {"meta": {"commit": "a" * 40, "device": "GPU X", "command": "python benchmarks/engine_kernels.py"},
+            "args": {"budget_gib": 10.0},
+            "cells": [cell(8, {"specla": 2.25, "sglang": 3.5}), cell(1, {"specla": 1.0, "sglang": 2.0}, agree=False)],
+            "memory": [{"model": m, "tp": 4, "workload": "chain4", "contender": c, "requests_in_budget": n}
+                       for m, c, n in [("m-a", "specla", 500), ("m-a", "sglang", 60), ("m-b", "specla", 600),
+                                       ("m-b", "sglang", 70)]]}
+    path = results / "2026-01-02" / "engine-kernels-tp4-abcdef1.json"
+    path.write_text(json.dumps(data))
+    (row,) = report.all_rows(results)
+    assert row.question == "engines" and row.key == ("m-a (4), m-b (4)", "chain4")
+    assert row.values == ["1: 1.0 / 2.0; 8: 2.2 / 3.5", "sglang", "NO", "10 GiB: m-a 500 / 60; m-b 600 / 70"]
+    assert (row.source.commit, row.source.gpu) == ("abcdef1", "GPU X (report)")
