@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from specla.hf import eos_token_ids
-from specla.mixers import AttentionMixer
+from specla.mixers import AttentionMixer, experts_graph_problem
 from specla.mixers.kda.mixer import KDAMixer
 from specla.model.spec import ModelSpec, Placement
 
@@ -91,4 +91,5 @@ def kimi_spec(model: torch.nn.Module, placement: Placement) -> ModelSpec:
     mixers = tuple(MLAMixer(layer.self_attn, dtype, device) if hasattr(layer.self_attn, "kv_b_proj")
                    else KDAMixer(layer.self_attn, dtype, placement.state_dtype, device) for layer in layers)
     return ModelSpec(model=model, embed_weight=inner.embed_tokens.weight.detach(), logits=logits, mixers=mixers,
-                     block=block, num_layers=len(layers), eos_token_ids=eos_token_ids(model))
+                     block=block, num_layers=len(layers), eos_token_ids=eos_token_ids(model),
+                     graph_problem=experts_graph_problem(model, placement.dtype))

@@ -63,12 +63,15 @@ def test_select_keeps_rows_of_every_layer_and_the_paths():
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_each_mixer_and_verify_kernel_takes_the_layer_commit_it_is_handed(kernels, monkeypatch):
     """The next verify hands ``pending.layers[i]`` itself to mixer ``i``, and a GDN mixer hands it
-    on to its verify kernel (``kernels="triton"``, under Triton's interpreter on the CPU)."""
+    on to its verify kernel (``kernels="triton"``: compiled on a GPU, under Triton's interpreter
+    on the CPU). Eager steps: a recorded step would replay its launches without these calls."""
     arch = get_plugin("gdn")
-    adapter = arch.make_adapter(arch.tiny_model(arch.tiny_variants[0], dtype=torch.float32),
-                                SpecConfig(dtype="float32", engine={"kernels": kernels}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    adapter = arch.make_adapter(arch.tiny_model(arch.tiny_variants[0], dtype=torch.float32).to(device),
+                                SpecConfig(dtype="float32", device=device,
+                                           engine={"kernels": kernels, "cuda_graphs": "off"}))
     adapter.prefill([[3, 1, 4, 1, 5], [9, 2, 6]])
-    tree = DraftTree.from_lists([([2, 7, 1], [-1, 0, 1]), ([8, 2], [-1, -1])])
+    tree = DraftTree.from_lists([([2, 7, 1], [-1, 0, 1]), ([8, 2], [-1, -1])], device=device)
     out = adapter.verify(tree)
     adapter.commit(tree, out, accept_greedy(tree, out.logits))
     pending = adapter.pending
@@ -91,13 +94,15 @@ def test_each_mixer_and_verify_kernel_takes_the_layer_commit_it_is_handed(kernel
 @pytest.mark.parametrize("plugin", ["gdn", "gla", "kimi_linear", "mamba2"])
 def test_flush_commit_takes_the_layer_commit_it_is_handed(plugin, monkeypatch):
     """A flush on the kernel path hands ``pending.layers[i]`` itself to the commit kernel of
-    mixer ``i``'s op (``specla.mixers.<op>.commit.flush_commit``, under Triton's interpreter on
-    the CPU), once per layer of an op that has one, in mixer order."""
+    mixer ``i``'s op (``specla.mixers.<op>.commit.flush_commit``: compiled on a GPU, under
+    Triton's interpreter on the CPU), once per layer of an op that has one, in mixer order."""
     arch = get_plugin(plugin)
-    adapter = arch.make_adapter(arch.tiny_model(arch.tiny_variants[0], dtype=torch.float32),
-                                SpecConfig(dtype="float32", engine={"kernels": "triton"}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    adapter = arch.make_adapter(arch.tiny_model(arch.tiny_variants[0], dtype=torch.float32).to(device),
+                                SpecConfig(dtype="float32", device=device,
+                                           engine={"kernels": "triton", "cuda_graphs": "off"}))
     adapter.prefill([[3, 1, 4, 1, 5], [9, 2, 6]])
-    tree = DraftTree.from_lists([([2, 7, 1], [-1, 0, 1]), ([8, 2], [-1, -1])])
+    tree = DraftTree.from_lists([([2, 7, 1], [-1, 0, 1]), ([8, 2], [-1, -1])], device=device)
     out = adapter.verify(tree)
     adapter.commit(tree, out, accept_greedy(tree, out.logits))
     pending = adapter.pending
