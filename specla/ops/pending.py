@@ -42,6 +42,24 @@ def pending_launch(pending: LayerCommit | None, fields: dict[str, str], width: s
                   width: pending.path.shape[1], length: first.shape[1]}
 
 
+def own_slots(state: Tensor, strides: tuple[str, ...], layers: tuple[str, ...]) -> dict[str, Tensor | int | None]:
+    """The placement arguments of a serial kernel that also runs an engine's pool commit, for
+    specla's own states: sequence ``b``'s state at slot ``b`` of ``state``, its pending records at
+    row ``b``, path entries as node indices, one layer.
+
+    Args:
+        state: ``[B, ...]`` the committed states; its strides, slot dim first, bind the kernel's
+            parameters ``strides`` (one per dim).
+        strides: the kernel's state-stride parameters (``("sS_b", "sS_h", "sS_k", "sS_v")``).
+        layers: the kernel's layer-stride parameters (the state's, then each record field's), all 0.
+    Returns:
+        keyword arguments: ``state_idx`` and ``rec_idx`` ``None``, ``path_step`` 0, ``layers`` 0
+        and ``strides`` from ``state``.
+    """
+    return dict(state_idx=None, rec_idx=None, path_step=0, **dict.fromkeys(layers, 0),
+                **dict(zip(strides, state.stride(), strict=True)))
+
+
 def layer_record(pending: LayerCommit, record_type: type[R]) -> R:
     """``pending.record``, checked to be a ``record_type``.
 

@@ -4,8 +4,8 @@ launch where the PyTorch form, a closure by repeated squaring, takes about fifte
 which is bound by the number of kernels it launches. One program per tree climbs from every
 node to the root, one parent per iteration.
 
-Also the tree verify kernels' shared device helpers (GDN's and Mamba2's): where a sequence's
-tokens lie (:func:`token_rows`) and its ancestor mask as a register tile
+Also the tree verify kernels' shared device helpers (GDN's, GLA's, KDA's and Mamba2's): where a
+sequence's tokens lie (:func:`token_rows`) and its ancestor mask as a register tile
 (:func:`ancestor_mask_tile`).
 """
 

@@ -21,6 +21,7 @@ import torch
 
 from specla.mixers.kda.serving import KDARecordBuffers, empty_record_buffers, kda_pool_commit, kda_pool_verify
 from specla.testing import engine_kernels
+from tree_speculation import plain_decode, speculate
 
 
 def _load(loader):
@@ -320,64 +321,28 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
     cache_indices = torch.tensor([3, 1], dtype=torch.int32)
 
     pools = [torch.zeros(slots, H, V, K) for _ in range(model.layers)]
-    plain = []
-    tokens = prompts[:, 0]
-    for t in range(prompts.shape[1] + new - 1):
-        nxt = _plain_step(model, sglang, pools, cache_indices, tokens).argmax(-1)
-        tokens = prompts[:, t + 1] if t + 1 < prompts.shape[1] else nxt
-        if t + 1 >= prompts.shape[1]:
-            plain.append(nxt)
-    plain = torch.stack(plain, 1).tolist()
+    plain = plain_decode(lambda tokens: _plain_step(model, sglang, pools, cache_indices, tokens), prompts, new)
 
     pools = torch.zeros(model.layers, slots, H, V, K)  # every layer's pool, committed in one launch
     for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
         _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
     rows = torch.tensor([1, 0], dtype=torch.int32)
     records = empty_record_buffers(N, max(sizes), H, K, V, "cpu", layers=(model.layers,))
-    gen = torch.Generator().manual_seed(7)
-    out, roots, accepted = [[], []], prompts[:, -1].tolist(), []
-    while min(len(o) for o in out) < new:
-        trees, toks = [], []
-        for n in range(N):  # a random tree; one branch follows the plain tokens for a random depth
-            par, tok, true_depth = [-1], [roots[n]], {0: 0}
-            for i in range(1, sizes[n]):
-                p = int(torch.randint(max(0, i - 2), i, (1,), generator=gen))  # deep rather than wide
-                par.append(p)
-                want = plain[n][len(out[n]) + true_depth[p]] if p in true_depth and \
-                    len(out[n]) + true_depth[p] < new else None
-                if want is not None and torch.rand((), generator=gen) < 0.7 and \
-                        not any(par[j] == p and j in true_depth for j in range(1, i)):
-                    tok.append(want)
-                    true_depth[i] = true_depth[p] + 1
-                else:
-                    tok.append((want if want is not None else 0) + 1 + int(torch.randint(0, 3, (1,), generator=gen)))
-                    tok[-1] %= model.vocab
-            trees.append(par + [0] * (max(sizes) - sizes[n]))
-            toks += tok
-        qsl = torch.tensor([0, sizes[0], sum(sizes)], dtype=torch.int32)
-        parents = torch.tensor(trees)
+    width = max(sizes)
 
+    def verify(toks, qsl, parents):
         def kda(i, A_log, a, dt_bias, q, k, v, b):
             return kda_pool_verify(A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pools[i], cache_indices,
                                    use_qk_l2norm_in_kernel=True, cu_seqlens=qsl, records=records.layer(i),
-                                   intermediate_state_indices=rows, cache_steps=max(sizes),
+                                   intermediate_state_indices=rows, cache_steps=width,
                                    retrieve_parent_token=parents)
 
-        pred = model.logits(torch.tensor(toks), kda).argmax(-1).tolist()
-        paths = []
-        for n in range(N):  # greedy acceptance: follow the child holding the target's token
-            base, path = int(qsl[n]), [0]
-            while True:
-                want = pred[base + path[-1]]
-                nxt = [c for c in range(1, sizes[n]) if trees[n][c] == path[-1] and toks[base + c] == want]
-                if not nxt:
-                    break
-                path.append(nxt[0])
-            out[n] += [toks[base + c] for c in path[1:]] + [pred[base + path[-1]]]
-            roots[n] = pred[base + path[-1]]
-            paths.append(path)
-            accepted.append(len(path) - 1)
-        accept_index, accept_lens = _accept(paths, max(sizes), max(sizes))
-        kda_pool_commit(pools, cache_indices, records, rows, accept_index, accept_lens, max(sizes))
+        return model.logits(torch.tensor(toks), kda).argmax(-1).tolist()
+
+    def commit(paths):
+        accept_index, accept_lens = _accept(paths, width, width)
+        kda_pool_commit(pools, cache_indices, records, rows, accept_index, accept_lens, width)
+
+    out, accepted = speculate(plain, prompts[:, -1].tolist(), sizes, model.vocab, 7, verify, commit)
     assert [o[:new] for o in out] == plain
     assert 0 in accepted and max(accepted) >= 3  # steps accepting nothing, and deep ones

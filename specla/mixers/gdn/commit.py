@@ -9,11 +9,11 @@ from __future__ import annotations
 import triton
 from torch import Tensor
 
-from specla.ops.pending import flush, layer_record
+from specla.ops.pending import flush, layer_record, own_slots
 from specla.records import LayerCommit
 
 from .records import GDNFactorRecord
-from .verify import TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel, own_slots
+from .verify import SLOT_PARAMS, TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel
 
 
 def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
@@ -38,4 +38,4 @@ def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     return flush(_serial_verify_kernel, (B * HV, triton.cdiv(V, BV)), state, "[B, HV, K, V]", pending,
                  scale=1.0, SV=0, H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-                 **_pending_kwargs(pending), **own_slots(state), num_warps=TUNING["serial"]["num_warps"])
+                 **_pending_kwargs(pending), **own_slots(state, **SLOT_PARAMS), num_warps=TUNING["serial"]["num_warps"])

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from specla.ops.act_triton import softplus
-from specla.ops.pending import check_layer_commit, pending_launch, with_pending
+from specla.ops.pending import check_layer_commit, own_slots, pending_launch, with_pending
 from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
 from specla.records import LayerCommit
 
@@ -75,6 +75,8 @@ def _apply_pending(b_S, p_S, m_s, pk, pdelta, pG, path, path_len, i_b, i_r, off,
 
 
 PENDING_FIELDS = dict(pk="k", pdelta="delta", pG="G")  # kernel parameter -> GDNFactorRecord field
+# the serial kernel's state-stride and layer-stride parameters (specla.ops.pending.own_slots)
+SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_k", "sS_v"), layers=("lS", "lk", "ld", "lG"))
 
 
 @with_pending
@@ -165,7 +167,7 @@ def _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out):
     BV = min(triton.next_power_of_2(V), tune["BV"])
     _serial_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, state, o, d, G, num_nodes, scale=scale, T=T, SV=SV, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        **_pending_kwargs(pending), **own_slots(state), num_warps=tune["num_warps"],
+        **_pending_kwargs(pending), **own_slots(state, **SLOT_PARAMS), num_warps=tune["num_warps"],
     )
 
 
@@ -211,13 +213,6 @@ def serial_verify(
                torch.empty(B, T, HV, dtype=torch.float32, device=v.device))
     _launch_serial(q, k, v, g, beta, state, num_nodes, scale, pending, out)
     return out
-
-
-def own_slots(state: Tensor) -> dict:
-    """The serial kernel's placement arguments for specla's own states: sequence ``b``'s state
-    at slot ``b`` of ``state [B, HV, K, V]``, its records at row ``b``, path entries as nodes."""
-    return dict(state_idx=None, rec_idx=None, path_step=0, lS=0, lk=0, ld=0, lG=0,
-                **dict(zip(("sS_b", "sS_h", "sS_k", "sS_v"), state.stride())))
 
 
 def _value_rows(v: Tensor) -> tuple[Tensor, int]:

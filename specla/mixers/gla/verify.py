@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specla.mixers.gdn.verify import _PLACEMENT, _ancestor_mask, _rows
 from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, pending_launch, with_pending
+from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
 from specla.records import LayerCommit
 
 from .records import GLAFactorRecord
@@ -173,7 +173,7 @@ def serial_verify(
     return out
 
 
-@triton.heuristics(_PLACEMENT)
+@triton.heuristics({"RAW_GATES": lambda args: args["A_log"] is not None, **PLACEMENT})
 @triton.jit
 def _tree_decay_kernel(gk, mask, Gk, cu_seqlens, parents, rec_idx, A_log, dt_bias, T, SG, D, sP,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -183,7 +183,7 @@ def _tree_decay_kernel(gk, mask, Gk, cu_seqlens, parents, rec_idx, A_log, dt_bia
     Where the data lives (specla's own calls use the first of each): tokens of sequence ``b`` at
     rows ``b * T + t`` or packed at ``cu_seqlens[b] + t`` (``VARLEN``), ``SG`` elements apart;
     the ancestors from ``mask [B, T, T]``, one parent index per node or a chain
-    (:func:`specla.mixers.gdn.verify._ancestor_mask`); node ``t``'s ``Gk`` at row ``r * D + t``,
+    (:func:`specla.ops.tree_triton.ancestor_mask_tile`); node ``t``'s ``Gk`` at row ``r * D + t``,
     ``r = b`` or ``rec_idx[b]`` (a negative row writes none); ``gk`` given, or the raw gate
     input in its place (``RAW_GATES``: ``gk = -exp(A_log[h]) softplus(a + dt_bias[h, c])``,
     KDA's per-channel gate, in float32)."""
@@ -191,13 +191,13 @@ def _tree_decay_kernel(gk, mask, Gk, cu_seqlens, parents, rec_idx, A_log, dt_bia
     i_b, i_h = i_bh // H, i_bh % H
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    bos, n = _rows(cu_seqlens, i_b, T, VARLEN)
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
     row = i_b
     if rec_idx is not None:
         row = tl.load(rec_idx + i_b).to(tl.int64)
     m_t, m_k = o_t < n, o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
     b_g = tl.load(gk + (bos + o_t[:, None]) * SG + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     if RAW_GATES:
         x = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]

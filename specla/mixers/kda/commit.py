@@ -9,10 +9,10 @@ from __future__ import annotations
 import triton
 from torch import Tensor
 
-from specla.ops.pending import flush
+from specla.ops.pending import flush, own_slots
 from specla.records import LayerCommit
 
-from .verify import TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel, own_slots
+from .verify import SLOT_PARAMS, TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel
 
 
 def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
@@ -35,5 +35,5 @@ def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
     _check_pending(B, H, K, V, pending)
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     return flush(_serial_verify_kernel, (B * H, triton.cdiv(V, BV)), state, "[B, H, K, V]", pending,
-                 H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, **_pending_kwargs(pending), **own_slots(state),
-                 num_warps=TUNING["serial"]["num_warps"])
+                 H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, **_pending_kwargs(pending),
+                 **own_slots(state, **SLOT_PARAMS), num_warps=TUNING["serial"]["num_warps"])

@@ -33,7 +33,7 @@ import torch
 import triton
 from torch import Tensor
 
-from specla.mixers.gdn.serving import _check_index, _check_pool, _token_rows
+from specla.ops.serving import check_commit, check_pool, check_records, check_rows, token_rows
 
 from .verify import MAX_TREE_NODES, TUNING, _launch_tree, _serial_verify_kernel
 
@@ -65,19 +65,15 @@ def empty_record_buffers(rows: int, steps: int, H: int, K: int, V: int, device: 
 
 
 def _check_records(records: KDARecordBuffers, H: int, K: int, V: int, device, lead: tuple = ()) -> int:
-    """Records must be float32 ``[*lead, R, D, ...]`` of the layer's heads, each layer's
-    contiguous (the layer stride is free); returns ``D``."""
-    if not isinstance(records, KDARecordBuffers):
-        raise ValueError(f"records must be KDARecordBuffers, got {type(records).__name__}")
-    R, D = records.k.shape[len(lead):len(lead) + 2]
-    for name, x, tail in (("k", records.k, (H, K)), ("delta", records.delta, (H, V)), ("Gk", records.Gk, (H, K))):
-        shape = (*lead, R, D, *tail)
-        if tuple(x.shape) != shape or x.dtype != torch.float32 or x.device != device or \
-                not x[(0,) * len(lead)].is_contiguous():
-            layer = "each layer's " if lead else ""
-            raise ValueError(f"records.{name} must be float32 {list(shape)} on {device}, {layer}contiguous, got "
-                             f"{x.dtype} {list(x.shape)} on {x.device}")
-    return D
+    """KDA's record fields (:func:`specla.ops.serving.check_records`); returns ``D``."""
+    return check_records(records, KDARecordBuffers, dict(k=(H, K), delta=(H, V), Gk=(H, K)), device, lead)
+
+
+def _check_pool(state: Tensor, H: int, K: int, V: int, layers: bool = False) -> tuple[int, int, int, int]:
+    """The pool's strides as the kernels take them, ``(slot, head, k, v)`` (ValueError unless a
+    float32 ``[slots, H, V, K]``, or ``[layers, slots, H, V, K]`` where ``layers``)."""
+    s = check_pool("initial_state_source", state, (H, V, K), "(V before K)", layers)
+    return s[0], s[1], s[3], s[2]
 
 
 def kda_pool_verify(
@@ -148,31 +144,16 @@ def kda_pool_verify(
         raise ValueError(f"A_log and dt_bias must be contiguous with {H} and {H * K} elements, got "
                          f"{list(A_log.shape)}, {list(dt_bias.shape)}")
     D = _check_records(records, H, K, V, dev)
-    steps = D if cache_steps is None else cache_steps
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if cu_seqlens is None and q.shape[1] > steps:
-        raise ValueError(f"rows of {q.shape[1]} tokens exceed the records' {steps} steps")
-    if steps > D or steps > MAX_TREE_NODES:
-        raise ValueError(f"cache_steps must be at most the records' D = {D} and {MAX_TREE_NODES}, got {steps}")
     sS = _check_pool(initial_state_source, H, K, V)
-    _check_index("initial_state_indices", initial_state_indices, N, dev)
-    _check_index("intermediate_state_indices", intermediate_state_indices, N, dev)
-    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"cu_seqlens must be int32 or int64 [N + 1], got {cu_seqlens.dtype} {list(cu_seqlens.shape)}")
-    parents = retrieve_parent_token
-    if parents is not None:
-        if parents.dim() != 2 or parents.shape[0] != N or parents.shape[1] < steps or \
-                parents.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"retrieve_parent_token must be int32 or int64 [{N}, >= {steps}], got "
-                             f"{parents.dtype} {list(parents.shape)}")
-        parents = parents if parents.stride(1) == 1 else parents.contiguous()
+    N, steps, parents = check_rows(D, cache_steps, MAX_TREE_NODES, tuple(q.shape), cu_seqlens, "initial_state_indices",
+                                   initial_state_indices, intermediate_state_indices, retrieve_parent_token, dev)
     if len({x.device for x in (q, k, a, b, A_log, dt_bias, initial_state_source, *(
             y for y in (cu_seqlens, parents) if y is not None))} | {dev}) != 1:
         raise ValueError("all tensors must be on one device")
-    qr, kr = _token_rows(q, H, K), _token_rows(k, H, K)
+    qr, kr = token_rows(q, H, K), token_rows(k, H, K)
     if qr.stride(0) != kr.stride(0):  # one token stride for both
         qr, kr = qr.contiguous(), kr.contiguous()
-    vr, ar, br = _token_rows(v, H, V), _token_rows(a, H * K), _token_rows(b, H)
+    vr, ar, br = token_rows(v, H, V), token_rows(a, H * K), token_rows(b, H)
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
     _launch_tree(N, steps, qr, kr, vr, ar, br, initial_state_source, (o, records.delta, records.Gk),
                  state_strides=sS, T=q.shape[1], cu_seqlens=cu_seqlens, parents=parents,
@@ -218,15 +199,8 @@ def kda_pool_commit(
     sS = _check_pool(st, H, K, V, layers=layered)
     L = st.shape[0] if layered else 1
     D = _check_records(records, H, K, V, st.device, lead=(L,) if layered else ())
-    _check_index("initial_state_indices", initial_state_indices, N, st.device)
-    _check_index("intermediate_state_indices", intermediate_state_indices, N, st.device)
-    _check_index("accept_lens", accept_lens, N, st.device)
-    if accept_index.dim() != 2 or accept_index.shape[0] != N or accept_index.dtype not in (torch.int32, torch.int64) \
-            or accept_index.device != st.device:
-        raise ValueError(f"accept_index must be int32 or int64 [{N}, P] on {st.device}, got {accept_index.dtype} "
-                         f"{list(accept_index.shape)}")
-    if draft_token_num > D:
-        raise ValueError(f"draft_token_num {draft_token_num} exceeds the records' {D} steps")
+    check_commit(st, D, "initial_state_indices", initial_state_indices, intermediate_state_indices, accept_index,
+                 accept_lens, draft_token_num)
     layer_strides = [x.stride(0) if layered else 0 for x in (st, *records)]
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     chain = _serial_verify_kernel.arg_names.index("num_nodes")

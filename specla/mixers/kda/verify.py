@@ -27,17 +27,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specla.mixers.gdn.verify import _PLACEMENT, _ancestor_mask, _rows, own_slots
 from specla.mixers.gla.verify import MAX_TREE_NODES, _apply_pending, launch_decay
 # KDAMixer's kernel rule (serial / parallel / reference): GLA's, whose kernels take the same forms
 # (untimed for KDA)
 from specla.mixers.gla.verify import pick_verify_kernel  # noqa: F401
-from specla.ops.pending import check_layer_commit, pending_launch, with_pending
+from specla.ops.pending import check_layer_commit, own_slots, pending_launch, with_pending
+from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
 from specla.records import LayerCommit
 
 from .records import KDAFactorRecord
 
 PENDING_FIELDS = dict(pk="k", pv="delta", pGk="Gk")  # GLA's commit parameter -> KDAFactorRecord field
+# the serial kernel's state-stride and layer-stride parameters (specla.ops.pending.own_slots)
+SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_k", "sS_v"), layers=("lS", "lk", "ld", "lG"))
 # Launch parameters, untimed. "serial": each program keeps a [K, BV] float32 state tile in
 # registers; [128, 16] at Kimi Linear's K = 128 holds as many elements as GDN's serial tile [256, 8],
 # past which that one spills. "tree": the state is visited in K blocks of BKC rows, so that nothing
@@ -107,8 +109,7 @@ def _serial_verify_kernel(
 
 
 @with_pending
-@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None,
-                    "VARLEN": _PLACEMENT["VARLEN"], "ANC": _PLACEMENT["ANC"]})
+@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None, **PLACEMENT})
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, beta, mask, Gk, S, o, delta,
@@ -134,7 +135,7 @@ def _tree_verify_kernel(
     Where the data lives (specla's own calls use the first of each): tokens of sequence ``b`` at
     rows ``b * T + t`` or packed at ``cu_seqlens[b] + t`` (``VARLEN``), q and k rows ``SQK``, v
     rows ``SV``, beta rows ``SG`` elements apart, o dense; the ancestors from ``mask``, one parent
-    index per node or a chain (``ANC``, :func:`specla.mixers.gdn.verify._ancestor_mask`); the
+    index per node or a chain (``ANC``, :func:`specla.ops.tree_triton.ancestor_mask_tile`); the
     state of sequence ``b`` at slot ``b`` or ``state_idx[b]`` (``SLOTS``; a negative slot reads a
     zero state), element ``(h, k, v)`` at ``h sS_h + k sS_k + v sS_v``; ``Gk``, ``delta`` (and
     the keys ``rk``, when given) of node ``t`` at row ``r * D + t``, ``r = b`` or ``rec_idx[b]``
@@ -145,7 +146,7 @@ def _tree_verify_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
-    bos, n = _rows(cu_seqlens, i_b, T, VARLEN)
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
     if SLOTS:
         slot = tl.load(state_idx + i_b).to(tl.int64)
         row = tl.load(rec_idx + i_b).to(tl.int64)
@@ -195,7 +196,7 @@ def _tree_verify_kernel(
         b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
     b_d = b_beta[:, None] * (b_v - b_kS)
     b_o = b_qS
-    b_M = _ancestor_mask(mask, parents, i_b, T, n, sP, o_t, m_t, ANC).to(tl.int32)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC).to(tl.int32)
     for j in range(0, n):
         on = tl.sum(tl.where(o_t[None, :] == j, b_M, 0), 1) > 0  # is j on path(i)?
         r_kj = tl.sum(tl.where(o_t == j, r_k, 0.0), 0)
@@ -310,7 +311,7 @@ def serial_verify(
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
         q, k, v, g, beta, state, o, d, G, num_nodes, T=T, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        **_pending_kwargs(pending), **own_slots(state), num_warps=TUNING["serial"]["num_warps"],
+        **_pending_kwargs(pending), **own_slots(state, **SLOT_PARAMS), num_warps=TUNING["serial"]["num_warps"],
     )
     return out
 
@@ -342,7 +343,6 @@ def tree_verify(
         raise ValueError(f"mask must be bool [{B}, {T}, {T}], got {mask.dtype} {list(mask.shape)}")
     if T > MAX_TREE_NODES:
         raise ValueError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {T}")
-    V = v.shape[3]
     q, k, v, g, beta, mask = (x.contiguous() for x in (q, k, v, g, beta, mask))
     out = _outputs(v, K, out)
     _launch_tree(B, T, q, k, v, g, beta, state, out, mask=mask, pending=pending)

@@ -21,13 +21,15 @@ import triton.language as tl
 from torch import Tensor
 
 from specla.ops.act_triton import softplus
-from specla.ops.pending import check_layer_commit, pending_launch, with_pending
+from specla.ops.pending import check_layer_commit, own_slots, pending_launch, with_pending
 from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
 from specla.records import LayerCommit
 
 from .records import Mamba2FactorRecord
 
 PENDING_FIELDS = dict(pB="Bm", pu="u", pG="G")  # kernel parameter -> Mamba2FactorRecord field
+# the serial kernel's state-stride and layer-stride parameters (specla.ops.pending.own_slots)
+SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_n", "sS_p"), layers=("lS", "lB", "lu", "lG"))
 
 MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the reference path
 
@@ -137,13 +139,6 @@ def _serial_verify_kernel(
         tl.store(u + (i_t * H + i_h) * P + o_p, tl.where(valid, b_u, 0.0), mask=m_p)
         if i_p == 0:
             tl.store(G + one, tl.where(valid, G_new, 0.0))
-
-
-def own_slots(state: Tensor) -> dict:
-    """The serial kernel's placement arguments for specla's own states: sequence ``b``'s state
-    at slot ``b`` of ``state [B, H, N, P]``, its records at row ``b``, path entries as nodes."""
-    return dict(state_idx=None, rec_idx=None, path_step=0, lS=0, lB=0, lu=0, lG=0,
-                **dict(zip(("sS_b", "sS_h", "sS_n", "sS_p"), state.stride())))
 
 
 @with_pending
@@ -296,7 +291,7 @@ def serial_verify(
     _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
         *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), state, y, u, G, num_nodes,
         T=T, H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=D.dim() == 2,
-        **_pending_kwargs(pending), **own_slots(state),
+        **_pending_kwargs(pending), **own_slots(state, **SLOT_PARAMS),
     )
     return out
 
