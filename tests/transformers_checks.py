@@ -70,20 +70,6 @@ def check_cuda_eager_steps_equal_transformers(arch, variant: str, vocab: int, ne
     return dec
 
 
-def check_checkpoint_directory(arch, variant: str, directory) -> None:
-    """``save_pretrained`` of the plugin's tiny ``variant`` into ``directory``: the path is
-    detected as the plugin's and decodes like the saved model's greedy decoding."""
-    import specla
-    from specla.registry import detect_plugin
-
-    model = arch.tiny_model(variant, seed=5, dtype=torch.float32)
-    model.save_pretrained(directory)
-    assert detect_plugin(str(directory)) is arch
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    out = specla.run(str(directory), prompts=[prompt], config=dict(max_new_tokens=8))
-    assert out.outputs == [arch.reference_decode(model, prompt, 8)]
-
-
 def check_whole_prompt_prefill_equals_transformers(arch, variant: str, vocab: int | None, monkeypatch,
                                                     fla: bool = True) -> None:
     """``prefill="chunked"``, ``kernels="triton"`` (FLA's kernels interpreted on a CPU): every

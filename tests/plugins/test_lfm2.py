@@ -1,12 +1,11 @@
 """The lfm2 plugin against transformers' own ``Lfm2ForCausalLM``: token identity with its greedy
 decoding (no-cache forwards on the PyTorch path), the short convolution's window under trees,
-checkpoints loaded unchanged, bad models refused by name."""
+recorded steps and whole-prompt prefill."""
 
 import pytest
 import torch
 
 from specla import SpecConfig
-from specla.errors import UnsupportedModelError
 from specla.registry import get_plugin
 
 import transformers_checks
@@ -42,15 +41,6 @@ def test_the_window_follows_the_accepted_branch_only():
         torch.testing.assert_close(a.conv, b.conv, rtol=1e-5, atol=1e-6)
     empty = DraftTree.from_lists([([], [])])
     torch.testing.assert_close(ad.verify(empty).logits, fresh.verify(empty).logits, rtol=1e-5, atol=1e-6)
-
-
-def test_a_checkpoint_directory_runs_unchanged(tmp_path):
-    transformers_checks.check_checkpoint_directory(ARCH, "attn_first", tmp_path / "ckpt")
-
-
-def test_models_of_other_families_are_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match="the lfm2 plugin runs transformers' Lfm2ForCausalLM"):
-        ARCH.check_model(get_plugin("gdn").tiny_model("base"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

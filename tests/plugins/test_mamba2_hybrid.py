@@ -1,6 +1,6 @@
 """The mamba2_hybrid plugin against transformers' own Mamba2-family classes (Mamba2, Bamba, Granite
 4.0-H, Nemotron-H, Falcon-H1): token identity with their greedy decoding (no-cache forwards on the
-PyTorch path), checkpoints loaded unchanged, the ``mamba2`` model type shared with FLA's class,
+PyTorch path), the ``mamba2`` model type shared with FLA's class,
 the Triton kernels and CUDA graphs."""
 
 import os
@@ -59,17 +59,6 @@ def test_the_mamba2_model_type_goes_to_the_plugin_of_its_class(tmp_path):
         ARCH.load_model(tmp_path / "fla", dtype=None, device=None)
 
 
-@pytest.mark.parametrize("variant", ["granite", "nemotron_h"])
-def test_a_checkpoint_directory_runs_unchanged(tmp_path, variant):
-    """``save_pretrained`` of a tiny MoE hybrid loads by path (transformers' default experts) and
-    decodes like the saved model's greedy decoding."""
-    model = ARCH.tiny_model(variant, seed=6, dtype=torch.float32)
-    model.save_pretrained(tmp_path / "ckpt")
-    prompt = [7, 3, 9, 9, 1, 4]
-    out = specla.run(str(tmp_path / "ckpt"), prompts=[prompt], config=dict(max_new_tokens=8))
-    assert out.outputs == [ARCH.reference_decode(model, prompt, 8)]
-
-
 def test_eager_moe_experts_refuse_a_recorded_step_by_name():
     """transformers' eager MoE experts read the experts hit on the host: a fixed-shape step is
     refused with a ConfigError naming them; ``batched_mm`` experts run it token-identically."""
@@ -83,11 +72,6 @@ def test_eager_moe_experts_refuse_a_recorded_step_by_name():
                       config=dict(max_new_tokens=8, num_draft_tokens=4, max_depth=3, top_k=2,
                                   engine=dict(cuda_graphs="unrecorded")))
     assert dec.generate(prompts).outputs == refs
-
-
-def test_models_of_other_families_are_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match="the mamba2_hybrid plugin runs transformers'"):
-        ARCH.check_model(get_plugin("gdn").tiny_model("base"))
 
 
 @needs_triton

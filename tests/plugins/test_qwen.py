@@ -34,18 +34,14 @@ def test_ngram_drafts_and_stop_tokens_equal_transformers_greedy():
     assert out.outputs == want
 
 
-def test_a_checkpoint_directory_and_a_multimodal_model_run_unchanged(tmp_path):
-    """``save_pretrained`` of a tiny ``Qwen3_5ForCausalLM`` loads by path; the text part of a
-    ``Qwen3_5ForConditionalGeneration`` runs as its own model: both equal transformers' greedy."""
+def test_a_multimodal_model_runs_unchanged():
+    """The text part of a ``Qwen3_5ForConditionalGeneration`` runs as its own model: equal to
+    transformers' greedy decoding."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from specla_qwen.plugin import TINY_BASE
 
-    model = ARCH.tiny_model("base", seed=5, dtype=torch.float32)
-    model.save_pretrained(tmp_path / "ckpt")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    assert specla.run(str(tmp_path / "ckpt"), prompts=[prompt], config=dict(max_new_tokens=10)).outputs == \
-        [ARCH.reference_decode(model, prompt, 10)]
     torch.manual_seed(0)
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4,
                   temporal_patch_size=1, spatial_merge_size=1)
@@ -102,13 +98,11 @@ def test_caches_too_large_for_memory_are_refused_before_anything_changes():
     assert dec.generate([prompt]).outputs == first == [ARCH.reference_decode(model, prompt, 4)]
 
 
-def test_bad_checkpoints_and_models_are_refused_by_name(tmp_path):
+def test_a_directory_without_config_json_is_refused_by_name(tmp_path):
     from specla.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="no config.json"):
         ARCH.load_model(tmp_path, dtype=None, device=None)
-    with pytest.raises(UnsupportedModelError, match="the qwen plugin runs Qwen3_5ForCausalLM"):
-        ARCH.check_model(get_plugin("gdn").tiny_model("base"))
 
 
 def test_threads_sharing_a_decoder_each_get_their_own_answer():

@@ -61,7 +61,7 @@ class RetentionModel(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
 
-    def save(self, directory: str | Path) -> None:
+    def save_pretrained(self, directory: str | Path) -> None:
         """``config.json`` + ``model.safetensors``."""
         from safetensors.torch import save_file
 

@@ -37,7 +37,8 @@ class RetentionPlugin(ArchitecturePlugin):
 
     def check_model(self, model: torch.nn.Module) -> None:
         if not isinstance(model, RetentionModel):
-            raise UnsupportedModelError(f"the retention plugin runs RetentionModel, got {type(model).__name__}")
+            raise UnsupportedModelError(f"the retention plugin runs RetentionModel, got "
+                                        f"{type(model).__module__}.{type(model).__name__}")
 
     def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
         from .spec import retention_spec
