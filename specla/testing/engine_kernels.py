@@ -1,6 +1,6 @@
-"""The serving engines' own GDN and KDA Triton kernels, at pinned versions, imported by file: the
-oracles of ``tests/mixers/test_gdn_engine_oracles.py`` and ``test_kda_engine_oracles.py`` and the
-contenders of ``benchmarks/engine_kernels.py``.
+"""The serving engines' own GDN, KDA and Mamba2 Triton kernels, at pinned versions, imported by
+file: the oracles of ``tests/mixers/test_{gdn,kda,mamba2}_engine_oracles.py`` and the contenders
+of ``benchmarks/engine_kernels.py``.
 
 The kernel files come from the package registry into a per-user cache (``$SPECLA_ENGINE_CACHE``,
 default ``~/.cache/specla/engine-kernels``): ``pip download --no-deps`` of one wheel each
@@ -10,22 +10,33 @@ folder of that layout elsewhere (``root``; :func:`extract` writes one) is read i
 download: a machine without network. The two package-level helpers SGLang's kernel file imports
 (hardware probes, answered from torch) and vLLM's Triton re-exports (``vllm.triton_utils``, and
 for KDA ``exp``/``log`` of FLA's ``ops/op.py``, which are ``tl.exp``/``tl.log`` unless
-``FLA_USE_FAST_OPS`` is set) and platform probe are stubbed, nothing else.
+``FLA_USE_FAST_OPS`` is set) and platform probe are stubbed, and for vLLM's Mamba2 kernel its
+logger, config lookups and null block id, nothing else. Under Triton's interpreter (a CPU), the
+Mamba2 kernels also need :func:`interpreter_bool_masks`, and SGLang's Mamba2 wrapper's CUDA
+device context is a no-op.
 
 - SGLang 0.5.23: ``recurrent`` holds ``fused_sigmoid_gating_delta_rule_update`` (GDN, and KDA with
   ``is_kda=True``: decode, tree verify with ``retrieve_parent_token`` +
   ``intermediate_states_buffer``, ReplaySSM ring writes); ``fold`` holds
   ``commit_gdn_replayssm_fold_all_layers`` (GDN ReplaySSM's commit), ``kda_fold``
-  ``commit_kda_replayssm_spec`` / ``_all_layers`` (KDA's).
+  ``commit_kda_replayssm_spec`` / ``_all_layers`` (KDA's); ``mamba``: Mamba2's
+  ``selective_state_update`` (decode, and tree verify with ``retrieve_parent_token`` +
+  ``intermediate_states_buffer``, as ``MambaMixer2.forward`` calls it under ``is_target_verify``).
 - vLLM 0.34.0: ``fused_sigmoid_gating_delta_rule_update`` (GDN chains, one state slot per draft
   position through ``ssm_state_indices [N, T]`` and ``num_accepted_tokens``); ``kda_chain``:
   ``fused_recurrent_kda`` (KDA chains likewise: Kimi Linear's spec path in
-  ``layers/mamba/gdn/kimi_gdn_linear_attn.py``), with ``math_utils`` it imports.
+  ``layers/mamba/gdn/kimi_gdn_linear_attn.py``), with ``math_utils`` it imports; ``mamba_ssm``:
+  Mamba2's ``selective_state_update`` (chains likewise, ``state_batch_indices [N, T]``), with
+  ``triton_helpers`` (its ``fast_exp``). Its tuned launch configs (JSON files beside it in the
+  wheel) are not kept: it launches with its own default heuristic, as for any shape it has no
+  file for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import operator
 import os
 import shutil
@@ -42,11 +53,14 @@ SGLANG = dict(name="sglang", version="0.5.23", platform="manylinux_2_34_x86_64",
     "recurrent": "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py",
     "fold": "sglang/kernels/ops/attention/linear/gdn_replayssm_spec_fold.py",
     "kda_fold": "sglang/kernels/ops/attention/linear/kda_replayssm_spec_decode.py",
+    "mamba": "sglang/kernels/ops/mamba/triton_ops/mamba_ssm.py",
 })
 VLLM = dict(name="vllm", version="0.34.0", platform="manylinux_2_28_x86_64", files={
     "chain": "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py",
     "kda_chain": "vllm/models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py",
     "math_utils": "vllm/utils/math_utils.py",
+    "mamba_ssm": "vllm/model_executor/layers/mamba/ops/mamba_ssm.py",
+    "triton_helpers": "vllm/model_executor/layers/mamba/ops/triton_helpers.py",
 })
 ENGINES = (SGLANG, VLLM)
 # pip's words for a registry it cannot reach (no route, no DNS, refused, timed out, proxy)
@@ -162,8 +176,8 @@ def _sglang_probes() -> tuple[dict, dict]:
 
 
 def load_sglang(root: Path | str | None = None) -> types.SimpleNamespace:
-    """SGLang 0.5.23's GDN and KDA kernel modules: ``recurrent``, ``fold`` and ``kda_fold``.
-    Raises as :func:`kernel_files`."""
+    """SGLang 0.5.23's GDN, KDA and Mamba2 kernel modules: ``recurrent``, ``fold``, ``kda_fold``
+    and ``mamba``. Raises as :func:`kernel_files`."""
     files = kernel_files(SGLANG, root)
     jit, utils = _sglang_probes()
     folds = {key: _import_by_file(f"_engine_sglang_{key}", files[key], {}) for key in ("fold", "kda_fold")}
@@ -172,7 +186,11 @@ def load_sglang(root: Path | str | None = None) -> types.SimpleNamespace:
             fold.range = _triton_range
     recurrent = _import_by_file("_engine_sglang_recurrent", files["recurrent"],
                                 {"sglang.kernels.jit.utils": jit, "sglang.srt.utils": utils})
-    return types.SimpleNamespace(recurrent=recurrent, **folds)
+    mamba = _import_by_file("_engine_sglang_mamba_ssm", files["mamba"], {"sglang.kernels.jit.utils": jit})
+    if _interpreted():  # its wrapper enters `torch.get_device_module(x.device).device(index)`, which the CPU lacks
+        cpu = types.SimpleNamespace(device=lambda index: contextlib.nullcontext())
+        mamba.torch = types.SimpleNamespace(**vars(torch) | dict(get_device_module=lambda device: cpu))
+    return types.SimpleNamespace(recurrent=recurrent, mamba=mamba, **folds)
 
 
 def load_vllm(root: Path | str | None = None) -> types.ModuleType:
@@ -199,3 +217,62 @@ def load_vllm_kda(root: Path | str | None = None) -> types.ModuleType:
     if _interpreted():  # the interpreter patches tl's functions at launch, not aliases bound before it
         module.exp, module.log = (lambda x: tl.exp(x)), (lambda x: tl.log(x))
     return module
+
+
+def _once_logger(name: str) -> types.SimpleNamespace:
+    """vLLM's logger as its Mamba2 kernel file uses it (``info_once``, ``warning_once``: its
+    config lookup's notes, once per message)."""
+    log, seen = logging.getLogger(name), set()
+
+    def once(level):
+        def emit(msg, *args, **kwargs):  # kwargs: vLLM's `scope`
+            if (level, msg, args) not in seen:
+                seen.add((level, msg, args))
+                log.log(level, msg, *args)
+        return emit
+    return types.SimpleNamespace(info_once=once(logging.INFO), warning_once=once(logging.WARNING))
+
+
+def load_vllm_mamba2(root: Path | str | None = None) -> types.ModuleType:
+    """vLLM 0.34.0's Mamba2 ``selective_state_update`` module (its chain speculative path:
+    ``state_batch_indices [N, T]`` with ``num_accepted_tokens``). Raises as :func:`kernel_files`."""
+    import triton.language as tl
+
+    files = kernel_files(VLLM, root)
+    utils = {"vllm.triton_utils": dict(HAS_TRITON=True, tl=tl, triton=triton)}
+    helpers = _import_by_file("_engine_vllm_triton_helpers", files["triton_helpers"], utils)
+    no = lambda *a, **k: False  # noqa: E731
+    envs = dict(VLLM_TUNED_CONFIG_FOLDER=None)
+    return _import_by_file("_engine_vllm_mamba_ssm", files["mamba_ssm"], utils | {
+        "vllm": dict(_custom_ops=None, envs=types.SimpleNamespace(**envs)), "vllm.envs": envs,
+        "vllm.logger": dict(init_logger=_once_logger),
+        "vllm.platforms": dict(current_platform=types.SimpleNamespace(is_xpu=no, is_cpu=no)),
+        "vllm.model_executor.layers.mamba.ops.triton_helpers": dict(fast_exp=helpers.fast_exp),
+        "vllm.utils.platform_utils": dict(get_device_name_as_file_name=lambda: "no-tuned-config"),
+        "vllm.v1.attention.backends.utils": dict(NULL_BLOCK_ID=0)})
+
+
+@contextlib.contextmanager
+def interpreter_bool_masks():
+    """While open, Triton's interpreter reads load and store masks as bool. Both engines' Mamba2
+    kernels narrow a block mask by a scalar comparison (``mask &= slot != pad_slot_id``), which
+    the interpreter computes as int32 data under an int1 type, and its masked loads then refuse
+    ("mask has unsupported dtype"); compiled Triton takes it. Not reentrant across threads."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    saved = {name: getattr(InterpreterBuilder, name) for name in ("create_masked_load", "create_masked_store")}
+
+    def as_bool(op, store):
+        def call(self, ptrs, value_or_mask, *rest):
+            mask = rest[0] if store else value_or_mask
+            mask = TensorHandle(mask.data.astype(bool), mask.dtype)
+            return op(self, ptrs, value_or_mask, mask, *rest[1:]) if store else op(self, ptrs, mask, *rest)
+        return call
+
+    try:
+        for name, op in saved.items():
+            setattr(InterpreterBuilder, name, as_bool(op, name.endswith("store")))
+        yield
+    finally:
+        for name, op in saved.items():
+            setattr(InterpreterBuilder, name, op)

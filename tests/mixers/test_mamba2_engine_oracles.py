@@ -1,14 +1,11 @@
 """specla's Mamba2 verify and commit on a serving engine's data (``specla.mixers.mamba2.serving``)
 against the engines' own published Triton kernels, run here under Triton's interpreter.
 
-The engines' kernel files come from the package registry at test time, at the pinned versions,
-through the shared loader (``specla.testing.engine_kernels.kernel_files``, same cache), given
-this file's own list of files: it downloads a wheel only when a listed file is missing from the
-cache and keeps the listed files alone. They are imported by file; the package-level helpers they
-import are stubbed (SGLang's hardware probe; vLLM's logger, platform probes, config lookups,
-Triton re-export and null block id), and SGLang's wrapper enters a CUDA device context, a no-op
-here. vLLM's ``fast_exp`` is its own (``triton_helpers.py``). Without network the tests skip,
-saying so.
+The engines' kernel files come from the package registry at test time, at the pinned versions
+(:mod:`specla.testing.engine_kernels`: downloaded once into a per-user cache, imported by file
+with the package-level helpers they import stubbed; under Triton's interpreter their masks are
+read as bool, :func:`~specla.testing.engine_kernels.interpreter_bool_masks`). Without network
+the tests skip, saying so.
 
 Oracles: SGLang 0.5.23's per-node tree verify (``selective_state_update`` with
 ``retrieve_parent_token`` and ``intermediate_states_buffer``, as ``MambaMixer2.forward`` calls it
@@ -23,86 +20,40 @@ assertion) with a margin of about 10x.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import types
-
 import pytest
 import torch
-import triton
 
 from specla.mixers.mamba2.serving import (
     Mamba2RecordBuffers, empty_record_buffers, mamba2_pool_commit, mamba2_pool_verify,
 )
-from specla.testing.engine_kernels import SGLANG, VLLM, RegistryUnreachable, _import_by_file, kernel_files
+from specla.testing import engine_kernels
 from test_gdn_engine_oracles import _accept, _root_path
 from tree_speculation import plain_decode, speculate
 
-SGLANG_MAMBA = dict(SGLANG, files={"ssm": "sglang/kernels/ops/mamba/triton_ops/mamba_ssm.py"})
-VLLM_MAMBA = dict(VLLM, files={"ssm": "vllm/model_executor/layers/mamba/ops/mamba_ssm.py",
-                               "helpers": "vllm/model_executor/layers/mamba/ops/triton_helpers.py"})
-
-
-def _kernel_files(engine: dict) -> dict:
-    """The engine's files, or a skip when the registry is unreachable."""
+def _load(loader):
+    """The engine's kernel modules, or a skip when the registry is unreachable."""
     try:
-        return kernel_files(engine)
-    except RegistryUnreachable as err:
+        return loader()
+    except engine_kernels.RegistryUnreachable as err:
         pytest.skip(str(err))
 
 
-def _no(*args, **kwargs) -> bool:
-    return False
-
-
 @pytest.fixture(autouse=True)
-def _bool_masks(monkeypatch):
-    """Both engines' kernels narrow a block mask by a scalar comparison (``mask &= slot !=
-    pad_slot_id``), which Triton's interpreter computes as int32 data under an int1 type and its
-    masked loads then refuse ("mask has unsupported dtype"); compiled Triton takes it. Masks are
-    read as bool here."""
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    for name in ("create_masked_load", "create_masked_store"):
-        op = getattr(InterpreterBuilder, name)
-
-        def as_bool(self, ptrs, value_or_mask, *rest, op=op, store=name.endswith("store")):
-            mask = rest[0] if store else value_or_mask
-            mask = TensorHandle(mask.data.astype(bool), mask.dtype)
-            return op(self, ptrs, value_or_mask, mask, *rest[1:]) if store else op(self, ptrs, mask, *rest)
-
-        monkeypatch.setattr(InterpreterBuilder, name, as_bool)
+def _bool_masks():
+    with engine_kernels.interpreter_bool_masks():
+        yield
 
 
 @pytest.fixture(scope="module")
 def sglang():
     """SGLang 0.5.23's Mamba2 ``selective_state_update`` module."""
-    path = _kernel_files(SGLANG_MAMBA)["ssm"]
-    module = _import_by_file("_oracle_sglang_mamba_ssm", path, {"sglang.kernels.jit.utils": dict(
-        is_arch_support_pdl=_no)})
-    # its wrapper enters `torch.get_device_module(x.device).device(index)`, which the CPU lacks
-    cpu = types.SimpleNamespace(device=lambda index: contextlib.nullcontext())
-    module.torch = types.SimpleNamespace(**vars(torch) | dict(get_device_module=lambda device: cpu))
-    return module
+    return _load(engine_kernels.load_sglang).mamba
 
 
 @pytest.fixture(scope="module")
 def vllm():
     """vLLM 0.34.0's Mamba2 ``selective_state_update`` module (its chain speculative path)."""
-    files = _kernel_files(VLLM_MAMBA)
-    import triton.language as tl
-
-    utils = {"vllm.triton_utils": dict(HAS_TRITON=True, tl=tl, triton=triton)}
-    helpers = _import_by_file("_oracle_vllm_triton_helpers", files["helpers"], utils)
-    platform = types.SimpleNamespace(is_xpu=_no, is_cpu=_no)
-    envs = dict(VLLM_TUNED_CONFIG_FOLDER=None)
-    stubs = utils | {
-        "vllm": dict(_custom_ops=None, envs=types.SimpleNamespace(**envs)), "vllm.envs": envs,
-        "vllm.logger": dict(init_logger=logging.getLogger), "vllm.platforms": dict(current_platform=platform),
-        "vllm.model_executor.layers.mamba.ops.triton_helpers": dict(fast_exp=helpers.fast_exp),
-        "vllm.utils.platform_utils": dict(get_device_name_as_file_name=lambda: "cpu"),
-        "vllm.v1.attention.backends.utils": dict(NULL_BLOCK_ID=0)}
-    return _import_by_file("_oracle_vllm_mamba_ssm", files["ssm"], stubs)
+    return _load(engine_kernels.load_vllm_mamba2)
 
 
 H, P, NG, NS = 4, 16, 2, 16
