@@ -42,6 +42,7 @@ fit in ``--budget-gib`` on one rank. Writes ``--out`` (JSON: ``meta`` provenance
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -55,43 +56,83 @@ import torch
 
 from kernels import copies_for, pruned_tree  # this folder is on sys.path when the script runs
 from provenance import add_allow_dirty, provenance
-from specla.mixers.gdn.serving import empty_record_buffers, gdn_pool_commit, gdn_pool_verify
+from specla.mixers.gdn import serving as gdn_serving
+from specla.mixers.kda import serving as kda_serving
+from specla.mixers.mamba2 import serving as mamba2_serving
 from specla.testing import engine_kernels
 
-# GDN shapes of the whole model: key heads H, value heads HV, head dims K, V, GDN layers
+# shapes of the whole model's linear-attention layers (op, dims, layers of that op), as published:
+# GDN key heads H, value heads HV, head dims K, V; Mamba2 heads H of dim P, NG groups of state NS;
+# KDA heads H of dims K, V
 MODELS = {
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 48 layers, every fourth full attention;
     # linear_num_{key,value}_heads 16, 32, linear_{key,value}_head_dim 128
-    "qwen3-next-80b-a3b": dict(H=16, HV=32, K=128, V=128, layers=36),
+    "qwen3-next-80b-a3b": dict(op="gdn", H=16, HV=32, K=128, V=128, layers=36),
     # 40 layers, linear attention 3 of every 4 (THUDM/slime scripts/models/qwen3.5-35B-A3B.sh)
-    "qwen3.5-35b-a3b": dict(H=16, HV=32, K=128, V=128, layers=30),
-    "tiny": dict(H=2, HV=4, K=16, V=16, layers=2),
+    "qwen3.5-35b-a3b": dict(op="gdn", H=16, HV=32, K=128, V=128, layers=30),
+    # nvidia/Nemotron-H-8B-Base-8K: mamba_num_heads 128, mamba_head_dim 64, ssm_state_size 128,
+    # n_groups 8; 24 of its 52 layers Mamba2
+    "nemotron-h-8b": dict(op="mamba2", H=128, P=64, NG=8, NS=128, layers=24),
+    # nvidia/Nemotron-H-56B-Base-8K: mamba_num_heads 256, mamba_head_dim 64, ssm_state_size 256,
+    # n_groups 8; 54 of its 118 layers Mamba2 (arXiv 2504.03624)
+    "nemotron-h-56b": dict(op="mamba2", H=256, P=64, NG=8, NS=256, layers=54),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json linear_attn_config: num_heads 32,
+    # head_dim 128; kda_layers 20 of its 27 layers
+    "kimi-linear-48b-a3b": dict(op="kda", H=32, K=128, V=128, layers=20),
+    "tiny": dict(op="gdn", H=2, HV=4, K=16, V=16, layers=2),
+    "tiny-mamba2": dict(op="mamba2", H=4, P=16, NG=2, NS=16, layers=2),
+    "tiny-kda": dict(op="kda", H=2, K=16, V=16, layers=2),
 }
 PRESETS = {
-    "full": dict(models="qwen3-next-80b-a3b,qwen3.5-35b-a3b", tp="2,4,8", batches="1,8,32,64,128,256",
-                 trees="8,16,32,64", chains="4,8", dtype="bfloat16"),
-    "tiny": dict(models="tiny", tp="1", batches="1,3", trees="6", chains="3", dtype="float32"),
+    "full": dict(models="qwen3-next-80b-a3b,qwen3.5-35b-a3b,nemotron-h-8b,nemotron-h-56b,kimi-linear-48b-a3b",
+                 tp="2,4,8", batches="1,8,32,64,128,256", trees="8,16,32,64", chains="4,8", dtype="bfloat16"),
+    "tiny": dict(models="tiny,tiny-mamba2,tiny-kda", tp="1", batches="1,3", trees="6", chains="3", dtype="float32"),
 }
 REFERENCE = "sglang"
 
 
 class Contender(NamedTuple):
-    run: Callable[[], torch.Tensor]  # one layer's verify + commit; returns o [1, Ttot, HV, V]
-    committed: Callable[[], torch.Tensor]  # [N, HV, V, K] the rows' committed states
+    run: Callable[[], torch.Tensor]  # one layer's verify + commit; returns the outputs, SGLang's layout
+    committed: Callable[[], torch.Tensor]  # [N, *state] the rows' committed states
     slot_bytes: int  # pool bytes a running request holds (one layer)
     spec_bytes: int  # speculation buffers a running request holds (one layer)
 
 
-def cell_inputs(H, HV, K, V, N, D, tree: bool, dtype, dev, seed: int) -> SimpleNamespace:
+def gdn_layer(x, T, rnd, gen, dev, dtype) -> tuple[dict, torch.Tensor]:
+    """GDN (``gate`` HV: one gate a value head) or KDA (``gate`` H K: one a key channel) verify
+    inputs of ``T`` tokens as SGLang hands them over, and a pool ``[slots, HV, V, K]``."""
+    HV = x.HV if x.op == "gdn" else x.H
+    gate = HV if x.op == "gdn" else x.H * x.K
+    q, k, v = torch.split(rnd(T, 2 * x.H * x.K + HV * x.V, dt=dtype), [x.H * x.K, x.H * x.K, HV * x.V], dim=-1)
+    layer = dict(q=q.view(1, T, x.H, x.K), k=k.view(1, T, x.H, x.K), v=v.view(1, T, HV, x.V), a=rnd(T, gate, dt=dtype),
+                 b=rnd(T, HV, dt=dtype), A_log=torch.rand(HV, generator=gen, device=dev) * 2 - 1,
+                 dt_bias=rnd(gate) * 0.5)
+    return layer, rnd(x.slots, HV, x.V, x.K) * 0.3
+
+
+def mamba2_layer(x, T, rnd, gen, dev, dtype) -> tuple[dict, torch.Tensor]:
+    """Mamba2 verify inputs as both engines pass them: ``x``, ``B``, ``C`` strided views of one
+    conv output and ``dt`` of the projection, ``[N, D, ...]`` (SGLang's; vLLM's is the same
+    memory as ``[Ttot, ...]``), ``dt``, ``A``, ``dt_bias``, ``D`` expanded over ``P`` (and ``A``
+    over ``NS``, stride 0); Mamba2's initialisation (``softplus(dt_bias)`` log-uniform in
+    [1e-3, 0.1], ``A = -[1, 16]``); and a pool ``[slots, H, P, NS]``."""
+    H, P, NG, NS, lead = x.H, x.P, x.NG, x.NS, (x.N, x.D)
+    xs, B, C = torch.split(rnd(T, H * P + 2 * NG * NS, dt=dtype), [H * P, NG * NS, NG * NS], dim=-1)
+    dt = rnd(T, H + 3, dt=dtype)[:, :H]  # a slice of a wider projection
+    dt0 = 1e-3 * 100 ** torch.rand(H, generator=gen, device=dev)
+    layer = dict(x=xs.view(*lead, H, P), B=B.view(*lead, NG, NS), C=C.view(*lead, NG, NS),
+                 dt=dt.view(*lead, H, 1).expand(*lead, H, P),
+                 A=(-(16 ** torch.rand(H, generator=gen, device=dev)))[:, None, None].expand(H, P, NS),
+                 dt_bias=torch.log(torch.expm1(dt0))[:, None].expand(H, P), D=rnd(H)[:, None].expand(H, P))
+    return layer, rnd(x.slots, H, P, NS) * 0.3
+
+
+def cell_inputs(op, shape: dict, N, D, tree: bool, dtype, dev, seed: int) -> SimpleNamespace:
     """One layer's verify inputs for ``N`` rows of ``D`` tokens, the pool, and the acceptance."""
     rng, gen = random.Random(seed), torch.Generator(dev).manual_seed(seed)
     rnd = lambda *s, dt=torch.float32: torch.randn(*s, generator=gen, device=dev).to(dt)  # noqa: E731
-    T = N * D
-    mixed = rnd(T, 2 * H * K + HV * V, dt=dtype)
-    q, k, v = torch.split(mixed, [H * K, H * K, HV * V], dim=-1)
-    layer = dict(q=q.view(1, T, H, K), k=k.view(1, T, H, K), v=v.view(1, T, HV, V), a=rnd(T, HV, dt=dtype),
-                 b=rnd(T, HV, dt=dtype), A_log=torch.rand(HV, generator=gen, device=dev) * 2 - 1,
-                 dt_bias=rnd(HV) * 0.5)
+    x = SimpleNamespace(op=op, N=N, D=D, slots=2 * N + 1, **shape)
+    x.layer, x.pool = OPS[op].layer(x, N * D, rnd, gen, dev, dtype)
     trees = [pruned_tree(D, 4, min(D - 1, 8), rng) if tree else list(range(-1, D - 1)) for _ in range(N)]
     paths = []
     for par in trees:
@@ -102,86 +143,155 @@ def cell_inputs(H, HV, K, V, N, D, tree: bool, dtype, dev, seed: int) -> SimpleN
     accept_index = torch.full((N, D), -1, dtype=torch.int64)
     for n, p in enumerate(paths):
         accept_index[n, : len(p)] = torch.tensor(p) + n * D
-    slots = 2 * N + 1
     i32 = dict(dtype=torch.int32, device=dev)
-    return SimpleNamespace(
-        H=H, HV=HV, K=K, V=V, N=N, D=D, layer=layer, pool=rnd(slots, HV, V, K) * 0.3,
-        slot=torch.randperm(slots, generator=gen, device=dev)[:N].to(torch.int32),
-        rows=torch.randperm(N, generator=gen, device=dev).to(torch.int32),
-        qsl=torch.arange(0, T + 1, D, **i32), parents=torch.tensor(trees, device=dev) if tree else None,
-        accept_index=accept_index.to(dev), accept_lens=torch.tensor([len(p) for p in paths], **i32),
-        last=torch.tensor([p[-1] for p in paths], device=dev),
-        prev_accepted=torch.tensor([rng.randint(1, D) for _ in range(N)], **i32))
+    x.slot = torch.randperm(x.slots, generator=gen, device=dev)[:N].to(torch.int32)
+    x.rows = torch.randperm(N, generator=gen, device=dev).to(torch.int32)
+    x.qsl = torch.arange(0, N * D + 1, D, **i32)
+    x.parents = torch.tensor(trees, device=dev) if tree else None
+    x.accept_index, x.accept_lens = accept_index.to(dev), torch.tensor([len(p) for p in paths], **i32)
+    x.last = torch.tensor([p[-1] for p in paths], device=dev)
+    x.prev_accepted = torch.tensor([rng.randint(1, D) for _ in range(N)], **i32)
+    return x
 
 
 SG_CALL = dict(softplus_beta=1.0, softplus_threshold=20.0, use_qk_l2norm_in_kernel=True)
 
 
 def specla(x, _) -> Contender:
+    """``*_pool_verify`` + ``*_pool_commit`` of :mod:`specla.mixers.{gdn,kda,mamba2}.serving`."""
     pool = x.pool.clone()
-    rec = empty_record_buffers(x.N, x.D, x.H, x.HV, x.K, x.V, pool.device)
+    if x.op == "mamba2":
+        rec = mamba2_serving.empty_record_buffers(x.N, x.D, x.H, x.P, x.NG, x.NS, pool.device)
 
-    def run():
-        o = gdn_pool_verify(**SG_CALL, initial_state_source=pool, initial_state_indices=x.slot, cu_seqlens=x.qsl,
-                            records=rec, intermediate_state_indices=x.rows, cache_steps=x.D,
-                            retrieve_parent_token=x.parents, **x.layer)
-        gdn_pool_commit(pool, x.slot, rec, x.rows, x.accept_index, x.accept_lens, x.D)
-        return o
+        def run():
+            o = mamba2_serving.mamba2_pool_verify(
+                pool, dt_softplus=True, state_batch_indices=x.slot, records=rec, intermediate_state_indices=x.rows,
+                cache_steps=x.D, retrieve_parent_token=x.parents, **x.layer)
+            mamba2_serving.mamba2_pool_commit(pool, x.slot, rec, x.rows, x.accept_index, x.accept_lens, x.D)
+            return o
+    else:
+        serving = gdn_serving if x.op == "gdn" else kda_serving
+        heads = (x.H, x.HV) if x.op == "gdn" else (x.H,)
+        rec = serving.empty_record_buffers(x.N, x.D, *heads, x.K, x.V, pool.device)
+        verify, commit = (gdn_serving.gdn_pool_verify, gdn_serving.gdn_pool_commit) if x.op == "gdn" else \
+            (kda_serving.kda_pool_verify, kda_serving.kda_pool_commit)
+
+        def run():
+            o = verify(**SG_CALL, initial_state_source=pool, initial_state_indices=x.slot, cu_seqlens=x.qsl,
+                       records=rec, intermediate_state_indices=x.rows, cache_steps=x.D,
+                       retrieve_parent_token=x.parents, **x.layer)
+            commit(pool, x.slot, rec, x.rows, x.accept_index, x.accept_lens, x.D)
+            return o
     return Contender(run, lambda: pool[x.slot.long()], pool[0].nbytes, sum(r.nbytes for r in rec) // x.N)
 
 
 def sglang(x, eng) -> Contender:
+    """SGLang's verify with one fp32 state per node in its intermediate buffer (trees through
+    ``retrieve_parent_token``), then the accepted node's state scattered into the slot."""
     pool = x.pool.clone()
-    scratch = torch.empty(x.N, x.D, x.HV, x.V, x.K, device=pool.device)  # MambaPool's intermediate buffer
+    scratch = torch.empty(x.N, x.D, *pool.shape[1:], device=pool.device)  # MambaPool's intermediate buffer
     slot, rows = x.slot.long(), x.rows.long()
+    snapshots = dict(disable_state_update=True, intermediate_states_buffer=scratch, intermediate_state_indices=x.rows,
+                     cache_steps=x.D, retrieve_parent_token=x.parents)
+    out = torch.empty_like(x.layer["x"]) if x.op == "mamba2" else None
 
     def run():
-        o = eng.sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
-            **SG_CALL, initial_state_source=pool, initial_state_indices=x.slot, cu_seqlens=x.qsl, is_kda=False,
-            disable_state_update=True, intermediate_states_buffer=scratch, intermediate_state_indices=x.rows,
-            cache_steps=x.D, retrieve_parent_token=x.parents, **x.layer)
+        if x.op == "mamba2":
+            eng.sglang.mamba.selective_state_update(pool, z=None, dt_softplus=True, state_batch_indices=x.slot,
+                                                    out=out, **snapshots, **x.layer)
+            o = out
+        else:
+            o = eng.sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
+                **SG_CALL, initial_state_source=pool, initial_state_indices=x.slot, cu_seqlens=x.qsl,
+                is_kda=x.op == "kda", **snapshots, **x.layer)
         pool[slot] = scratch[rows, x.last]  # the accepted node's snapshot into the request's slot
         return o
     return Contender(run, lambda: pool[slot], pool[0].nbytes, scratch.nbytes // x.N)
 
 
 def sglang_replayssm(x, eng) -> Contender:
+    """SGLang's ReplaySSM (GDN, KDA): the verify writes raw k, v (activation dtype), gate (one a
+    value head, or a key channel for KDA) and beta (fp32) into per-slot rings; its fold replays
+    the accepted prefix into the pool."""
     pool = x.pool.clone()
-    S, dt, dev = pool.shape[0], x.layer["v"].dtype, pool.device
-    ring = dict(replayssm_rawv=torch.empty(S, x.HV, x.D, x.V, dtype=dt, device=dev),
-                replayssm_rawk=torch.empty(S, x.H, x.D, x.K, dtype=dt, device=dev),
-                replayssm_g=torch.empty(S, x.HV, x.D, device=dev), replayssm_beta=torch.empty(S, x.HV, x.D, device=dev))
+    (S, HV, V, K), dt, dev = pool.shape, x.layer["v"].dtype, pool.device
+    gate = () if x.op == "gdn" else (K,)
+    ring = dict(replayssm_rawv=torch.empty(S, HV, x.D, V, dtype=dt, device=dev),
+                replayssm_rawk=torch.empty(S, x.H, x.D, K, dtype=dt, device=dev),
+                replayssm_g=torch.empty(S, HV, x.D, *gate, device=dev),
+                replayssm_beta=torch.empty(S, HV, x.D, device=dev))
+    rings = [ring[f"replayssm_{n}"] for n in ("rawv", "rawk", "g", "beta")]
+    if x.op == "gdn":
+        fold = lambda: eng.sglang.fold.commit_gdn_replayssm_fold_all_layers(  # noqa: E731
+            pool[None], *(r[None] for r in rings), x.slot, x.accept_lens, max_cache_len=x.D, num_k_heads=x.H)
+    else:  # SGLang's commit after verify passes null_block_id -1: slot 0 is a request's
+        fold = lambda: eng.sglang.kda_fold.commit_kda_replayssm_spec(  # noqa: E731
+            pool, *rings, x.slot, x.accept_lens, max_cache_len=x.D, num_k_heads=x.H, null_block_id=-1)
 
     def run():
         o = eng.sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
-            **SG_CALL, initial_state_source=pool, initial_state_indices=x.slot, cu_seqlens=x.qsl, is_kda=False,
-            disable_state_update=True, cache_ring=True, **ring, **x.layer)
-        eng.sglang.fold.commit_gdn_replayssm_fold_all_layers(
-            pool[None], *(ring[f"replayssm_{n}"][None] for n in ("rawv", "rawk", "g", "beta")), x.slot,
-            x.accept_lens, max_cache_len=x.D, num_k_heads=x.H)
+            **SG_CALL, initial_state_source=pool, initial_state_indices=x.slot, cu_seqlens=x.qsl,
+            is_kda=x.op == "kda", disable_state_update=True, cache_ring=True, **ring, **x.layer)
+        fold()
         return o
-    return Contender(run, lambda: pool[x.slot.long()], pool[0].nbytes, sum(r.nbytes for r in ring.values()) // S)
+    return Contender(run, lambda: pool[x.slot.long()], pool[0].nbytes, sum(r.nbytes for r in rings) // S)
 
 
 def vllm(x, eng) -> Contender:
+    """vLLM's chain kernel: one state slot per position (``[N, T]`` slot indices); it commits by
+    reading the last accepted position's slot at the next step, no copy."""
     N, D, dev = x.N, x.D, x.pool.device
     gen = torch.Generator(dev).manual_seed(N * D)
     vslots = (1 + torch.randperm(2 * N * D, generator=gen, device=dev)[: N * D]).view(N, D).to(torch.int32)
-    vpool = torch.empty(1 + 2 * N * D, x.HV, x.V, x.K, device=dev)
+    vpool = torch.empty(1 + 2 * N * D, *x.pool.shape[1:], device=dev)
     rows = torch.arange(N, device=dev)
     vpool[vslots[rows, x.prev_accepted.long() - 1].long()] = x.pool[x.slot.long()]  # the last step's accepted
+    chain = dict(cu_seqlens=x.qsl, num_accepted_tokens=x.prev_accepted)
+    if x.op == "mamba2":
+        flat = {k: t.flatten(0, 1) if k in ("x", "dt", "B", "C") else t for k, t in x.layer.items()}
+        out = torch.empty_like(flat["x"])
 
-    def run():
-        return eng.vllm.fused_sigmoid_gating_delta_rule_update(
-            initial_state=vpool, inplace_final_state=True, cu_seqlens=x.qsl, ssm_state_indices=vslots,
-            num_accepted_tokens=x.prev_accepted, use_qk_l2norm_in_kernel=True, **x.layer)[0]
+        def run():
+            eng.vllm_mamba2.selective_state_update(vpool, dt_softplus=True, state_batch_indices=vslots,
+                                                   dst_state_batch_indices=vslots, out=out, **chain, **flat)
+            return out.view_as(x.layer["x"])
+    elif x.op == "kda":
+        L, T = x.layer, N * D
+
+        def run():
+            return eng.vllm_kda.fused_recurrent_kda(
+                q=L["q"], k=L["k"], v=L["v"], raw_g=L["a"].view(1, T, x.H, x.K), raw_beta=L["b"].view(1, T, x.H),
+                A_log=L["A_log"], dt_bias=L["dt_bias"], lower_bound=None, initial_state=vpool,
+                ssm_state_indices=vslots, **chain)[0]
+    else:
+        def run():
+            return eng.vllm.fused_sigmoid_gating_delta_rule_update(
+                initial_state=vpool, inplace_final_state=True, ssm_state_indices=vslots, use_qk_l2norm_in_kernel=True,
+                **chain, **x.layer)[0]
     slot_bytes = vpool[0].nbytes
     return Contender(run, lambda: vpool[vslots[rows, x.accept_lens.long() - 1].long()], slot_bytes,
                      (vslots.shape[1] - 1) * slot_bytes)
 
 
-CONTENDERS = {"tree": {"specla": specla, "sglang": sglang},
-              "chain": {"specla": specla, "sglang": sglang, "sglang_replayssm": sglang_replayssm, "vllm": vllm}}
+class Op(NamedTuple):
+    dims: tuple[str, ...]  # a model's shape fields (MODELS), in order
+    split: tuple[str, ...]  # those that tensor parallelism divides
+    layer: Callable  # (inputs, tokens, rnd, gen, dev, dtype) -> (layer kwargs, pool)
+    contenders: dict[str, dict[str, Callable]]  # per workload kind
+
+
+OPS = {
+    "gdn": Op(("H", "HV", "K", "V"), ("H", "HV"), gdn_layer, {
+        "tree": {"specla": specla, "sglang": sglang},
+        "chain": {"specla": specla, "sglang": sglang, "sglang_replayssm": sglang_replayssm, "vllm": vllm}}),
+    "mamba2": Op(("H", "P", "NG", "NS"), ("H", "NG"), mamba2_layer, {
+        "tree": {"specla": specla, "sglang": sglang},
+        "chain": {"specla": specla, "sglang": sglang, "vllm": vllm}}),
+    "kda": Op(("H", "K", "V"), ("H",), gdn_layer, {
+        "tree": {"specla": specla, "sglang": sglang},
+        "chain": {"specla": specla, "sglang": sglang, "sglang_replayssm": sglang_replayssm, "vllm": vllm}}),
+}
+NAMES = ["specla", "sglang", "sglang_replayssm", "vllm"]  # every op's contenders, in table order
 
 
 def check(outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, bool]:
@@ -228,62 +338,61 @@ def time_us(sets: list[dict[str, Contender]], reps: int, dev: str) -> dict[str, 
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def run_cell(eng, shape, N, kind, D, args, seed) -> dict:
-    H, HV, K, V = shape
+def run_cell(eng, op, shape: dict, N, kind, D, args, seed) -> dict:
     dev, dtype = args.device, getattr(torch, args.dtype)
-    build = CONTENDERS[kind]
-    x0 = cell_inputs(H, HV, K, V, N, D, kind == "tree", dtype, dev, seed)
+    build = OPS[op].contenders[kind]
+    inputs = lambda i: cell_inputs(op, shape, N, D, kind == "tree", dtype, dev, seed + i)  # noqa: E731
+    x0 = inputs(0)
     first = {n: f(x0, eng) for n, f in build.items()}
     outs = {n: (c.run(), c.committed()) for n, c in first.items()}
     errors, agree = check(outs)
     del outs
-    per_set = N * (HV * V * K * 4 + D * (2 * H * K + HV * V) * x0.layer["v"].element_size())
-    copies = 1 if dev == "cpu" else copies_for(per_set)
-    sets = [first] + [{n: f(cell_inputs(H, HV, K, V, N, D, kind == "tree", dtype, dev, seed + i), eng)
-                       for n, f in build.items()} for i in range(1, copies)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in x0.layer.values()}
+    copies = 1 if dev == "cpu" else copies_for(N * x0.pool[0].nbytes + sum(storages.values()))
+    sets = [first] + [{n: f(inputs(i), eng) for n, f in build.items()} for i in range(1, copies)]
     us = time_us(sets, args.reps, dev)
     mem = {n: dict(slot_bytes=c.slot_bytes, spec_bytes=c.spec_bytes) for n, c in first.items()}
-    return dict(H=H, HV=HV, K=K, V=V, batch=N, workload=f"{kind}{D}", input_sets=copies, us=us, memory=mem,
-                errors=errors, agree=agree)
+    return dict(op=op, **shape, batch=N, workload=f"{kind}{D}", input_sets=copies, us=us, memory=mem, errors=errors,
+                agree=agree)
 
 
 def memory_rows(cells: list[dict], shapes: dict, budget_gib: float) -> list[dict]:
-    """Per model, rank and workload: bytes a running request holds, one layer and all GDN layers,
-    and the running requests that fit in the budget (one rank)."""
+    """Per model, rank and workload: bytes a running request holds, one layer and all the model's
+    layers of that op, and the running requests that fit in the budget (one rank)."""
     rows, seen = [], set()
     for c in cells:
-        for model, tp in shapes[(c["H"], c["HV"], c["K"], c["V"])]:
+        for model, tp in shapes[(c["op"], *(c[k] for k in OPS[c["op"]].dims))]:
             if (model, tp, c["workload"]) in seen:
                 continue
             seen.add((model, tp, c["workload"]))
             layers = MODELS[model]["layers"]
             for name, m in c["memory"].items():
                 per_layer = m["slot_bytes"] + m["spec_bytes"]
-                rows.append(dict(model=model, tp=tp, workload=c["workload"], contender=name, layer_bytes=per_layer,
+                rows.append(dict(op=c["op"], model=model, tp=tp, workload=c["workload"], contender=name, layer_bytes=per_layer,
                                  spec_layer_bytes=m["spec_bytes"], model_bytes=per_layer * layers,
                                  requests_in_budget=int(budget_gib * 2**30 // (per_layer * layers))))
     return rows
 
 
 def markdown(report: dict) -> str:
-    names = list(CONTENDERS["chain"])
-    lines = [f"GDN verify + commit, one layer of one rank, µs per call ({report['meta']['device']}); "
+    lines = [f"Verify + commit, one layer of one rank, µs per call ({report['meta']['device']}); "
              f"errors against {REFERENCE}", "",
-             "| models (TP) | H/HV | batch | workload | " + " | ".join(names) + " | agree | max err out / state |",
-             "|---" * (6 + len(names)) + "|"]
+             "| op | models (TP) | shape | batch | workload | " + " | ".join(NAMES) + " | agree | max err out / state |",
+             "|---" * (7 + len(NAMES)) + "|"]
     for c in report["cells"]:
+        shape = " ".join(f"{k}{c[k]}" for k in OPS[c["op"]].dims)
         errs = "; ".join(f"{n} {e['out']:.1e} / {e['state']:.1e}" for n, e in c["errors"].items()
                          if isinstance(e, dict))
-        lines.append(f"| {c['models']} | {c['H']}/{c['HV']} | {c['batch']} | {c['workload']} | "
-                     + " | ".join(f"{c['us'][n]:.1f}" if n in c["us"] else "-" for n in names)
+        lines.append(f"| {c['op']} | {c['models']} | {shape} | {c['batch']} | {c['workload']} | "
+                     + " | ".join(f"{c['us'][n]:.1f}" if n in c["us"] else "-" for n in NAMES)
                      + f" | {'yes' if c['agree'] else '**NO**'} | {errs} |")
     lines += ["", f"Memory a running request holds (state slot + speculation buffers), requests in "
               f"{report['args']['budget_gib']} GiB a rank", "",
-              "| model | TP | workload | contender | KiB a layer | of which speculation | MiB all GDN layers | "
-              "requests |", "|---" * 8 + "|"]
-    lines += [f"| {m['model']} | {m['tp']} | {m['workload']} | {m['contender']} | {m['layer_bytes'] / 2**10:.1f} | "
-              f"{m['spec_layer_bytes'] / 2**10:.1f} | {m['model_bytes'] / 2**20:.1f} | {m['requests_in_budget']} |"
-              for m in report["memory"]]
+              "| op | model | TP | workload | contender | KiB a layer | of which speculation | MiB all the op's layers | "
+              "requests |", "|---" * 9 + "|"]
+    lines += [f"| {m['op']} | {m['model']} | {m['tp']} | {m['workload']} | {m['contender']} | "
+              f"{m['layer_bytes'] / 2**10:.1f} | {m['spec_layer_bytes'] / 2**10:.1f} | {m['model_bytes'] / 2**20:.1f} | "
+              f"{m['requests_in_budget']} |" for m in report["memory"]]
     return "\n".join(lines) + "\n"
 
 
@@ -298,6 +407,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", metavar="DIR", help="read the engines' kernel files from DIR (--extract's layout) "
                                                      "instead of the per-user cache")
     ap.add_argument("--preset", choices=PRESETS, default="full")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}: the preset's (or "
+                                                         "--models') models of these ops (default: all)")
     for name in ("models", "tp", "batches", "trees", "chains", "dtype"):
         ap.add_argument(f"--{name}", help=f"comma-separated; default: the preset's ({PRESETS['full'][name]} for full)")
     ap.add_argument("--device", default="cuda")
@@ -311,7 +422,9 @@ def main(argv=None) -> int:
             print("\n".join(str(p) for p in engine_kernels.extract(args.extract, args.kernels)))
             return 0
         eng = SimpleNamespace(sglang=engine_kernels.load_sglang(args.kernels),
-                              vllm=engine_kernels.load_vllm(args.kernels))
+                              vllm=engine_kernels.load_vllm(args.kernels),
+                              vllm_kda=engine_kernels.load_vllm_kda(args.kernels),
+                              vllm_mamba2=engine_kernels.load_vllm_mamba2(args.kernels))
     except (engine_kernels.RegistryUnreachable, FileNotFoundError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
@@ -327,22 +440,35 @@ def main(argv=None) -> int:
     meta["engines"] = {e["name"]: e["version"] for e in engine_kernels.ENGINES}
     # what SGLang's kernel picked its launch from (tiles for the tree verify on SM90; PDL)
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
-    shapes: dict[tuple, list] = {}  # per-rank shape -> [(model, tp)]: models of one shape are timed once
-    for model in args.models.split(","):
-        m = MODELS[model]
+    ops = args.ops.split(",")
+    if set(ops) - set(OPS):
+        ap.error(f"--ops: unknown {', '.join(sorted(set(ops) - set(OPS)))} (of {', '.join(OPS)})")
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(sorted(unknown))} (of {', '.join(MODELS)})")
+    # per op and per-rank shape -> [(model, tp)]: models of one shape are timed once
+    shapes: dict[tuple, list] = {}
+    for model in (m for m in args.models.split(",") if MODELS[m]["op"] in ops):
+        m, op = MODELS[model], OPS[MODELS[model]["op"]]
         for tp in ints(args.tp):
-            if m["H"] % tp or m["HV"] % tp:
-                ap.error(f"{model}'s {m['H']} key and {m['HV']} value heads do not split over TP {tp}")
-            shapes.setdefault((m["H"] // tp, m["HV"] // tp, m["K"], m["V"]), []).append((model, tp))
+            if any(m[k] % tp for k in op.split):
+                ap.error(f"{model}'s " + ", ".join(f"{k} {m[k]}" for k in op.split) + f" do not split over TP {tp}")
+            shapes.setdefault((m["op"], *(m[k] // tp if k in op.split else m[k] for k in op.dims)), []).append(
+                (model, tp))
+    if not shapes:
+        ap.error(f"no model of --ops {args.ops} in --models {args.models}")
     cells = []
     work = [("tree", D) for D in ints(args.trees)] + [("chain", D) for D in ints(args.chains)]
-    for shape, users in shapes.items():
-        for N in ints(args.batches):
-            for kind, D in work:
-                c = run_cell(eng, shape, N, kind, D, args, seed=args.seed + 1000 * N + D)
-                c["models"] = ", ".join(f"{m} ({tp})" for m, tp in users)
-                cells.append(c)
-                print(json.dumps(c), flush=True)
+    # Triton's interpreter (the CPU) needs the engines' Mamba2 masks read as bool
+    with engine_kernels.interpreter_bool_masks() if args.device == "cpu" else contextlib.nullcontext():
+        for (op, *dims), users in shapes.items():
+            shape = dict(zip(OPS[op].dims, dims))
+            for N in ints(args.batches):
+                for kind, D in work:
+                    c = run_cell(eng, op, shape, N, kind, D, args, seed=args.seed + 1000 * N + D)
+                    c["models"] = ", ".join(f"{m} ({tp})" for m, tp in users)
+                    cells.append(c)
+                    print(json.dumps(c), flush=True)
     report = dict(meta=meta, args=vars(args), cells=cells, memory=memory_rows(cells, shapes, args.budget_gib))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
