@@ -1,27 +1,37 @@
-"""specla's GDN verify + commit on a serving engine's data against the engines' own published
-Triton kernels, side by side in one process (issue 44; ../shared/docs/ENGINES.md).
+"""specla's verify + commit on a serving engine's data against the engines' own published
+Triton kernels, side by side in one process, for GDN, Mamba2 and KDA layers (issue 44;
+../shared/docs/ENGINES.md).
 
     python benchmarks/engine_kernels.py --extract .engines          # with network: the kernel files
-    python benchmarks/engine_kernels.py --kernels .engines --out engine.json [--tp 4] [--batches 1,64]
+    python benchmarks/engine_kernels.py --kernels .engines --out engine.json [--tp 4] [--ops kda]
     TRITON_INTERPRET=1 python benchmarks/engine_kernels.py --device cpu --preset tiny --out tiny.json
 
 The engines' kernel files (SGLang 0.5.23, vLLM 0.34.0: :mod:`specla.testing.engine_kernels`) are
 read from ``--kernels DIR`` (a folder ``--extract DIR`` wrote) or from the per-user cache, which
-downloads them. One cell is one layer of one rank (heads split by tensor parallelism ``--tp``) at
-one batch and one draft shape; every call is one layer:
+downloads them. ``--ops`` picks the ops (``gdn``, ``mamba2``, ``kda``; default all) and so the
+preset's models of them (:data:`MODELS`: published shapes). One cell is one layer of one op of
+one rank (heads, and Mamba2's groups, split by tensor parallelism ``--tp``) at one batch and one
+draft shape; every call is one layer:
 - ``treeD``: trees of ``D`` nodes (root included), each row its own, grown best-first with up to
   4 children a node (``kernels.pruned_tree``, seeded); each row accepts the root path of a
-  random node. specla (``gdn_pool_verify`` + ``gdn_pool_commit``) against SGLang's tree verify
-  (``fused_sigmoid_gating_delta_rule_update`` with ``retrieve_parent_token`` and one fp32 state
-  per node in ``intermediate_states_buffer``) + the accepted node's state scattered into the pool.
+  random node. specla (``{gdn,kda,mamba2}_pool_verify`` + ``_pool_commit``) against SGLang's tree
+  verify (GDN and KDA: ``fused_sigmoid_gating_delta_rule_update``, ``is_kda`` for KDA; Mamba2:
+  ``selective_state_update``) with ``retrieve_parent_token`` and one fp32 state per node in
+  ``intermediate_states_buffer``, + the accepted node's state scattered into the pool.
 - ``chainT``: chains of ``T`` tokens, each row accepting a random prefix. specla, SGLang's
-  per-node snapshots as above, SGLang's ReplaySSM (verify writing the raw k, v (activation
-  dtype), gate and beta (fp32) into per-slot rings, then its fold replaying the accepted prefix
-  into the pool) and vLLM's chain kernel (one state slot per position, ``ssm_state_indices
-  [N, T]``; it commits by reading the last accepted position's slot at the next step, no copy).
-The state pool has ``2 N + 1`` fp32 slots ``[slots, HV, V, K]`` (vLLM's ``2 N T + 1``, slot 0 its
-null block), the rows' slots picked at random; q, k, v are strided views of one projection, a
-and b raw gate inputs, all in ``--dtype``; ``A_log``, ``dt_bias`` fp32; q, k l2-normed in the kernels.
+  per-node snapshots as above, for GDN and KDA SGLang's ReplaySSM (verify writing the raw k, v
+  (activation dtype), gate and beta (fp32; KDA's gate a key channel) into per-slot rings, then
+  its fold replaying the accepted prefix into the pool), and vLLM's chain kernel (GDN:
+  ``fused_sigmoid_gating_delta_rule_update``; KDA: ``fused_recurrent_kda``; Mamba2:
+  ``selective_state_update`` at its default launch heuristic; one state slot per position,
+  ``[N, T]`` slot indices; it commits by reading the last accepted position's slot at the next
+  step, no copy).
+The state pool has ``2 N + 1`` fp32 slots (vLLM's ``2 N T + 1``, slot 0 its null block) of GDN's
+and KDA's ``[HV, V, K]``, Mamba2's ``[H, P, NS]``, the rows' slots picked at random. GDN, KDA: q,
+k, v strided views of one projection, a and b raw gate inputs, all in ``--dtype``; ``A_log``,
+``dt_bias`` fp32; q, k l2-normed in the kernels. Mamba2: x, B, C strided views of one conv
+output, dt a slice of a projection, in ``--dtype``; ``A``, ``dt_bias``, ``D`` fp32 expanded over
+the head dim as the engines pass them (:func:`mamba2_layer`).
 
 Before timing, every contender runs once on the cell's inputs from its own copy of the pool, and
 its outputs and committed states are compared with SGLang's per-node snapshots (the engine's
@@ -34,7 +44,7 @@ sets (``kernels.copies_for``) are captured in one CUDA graph; the graphs are rep
 
 Memory per running request and layer, from the buffers each contender allocated: its pool
 slot(s) plus its speculation buffers (SGLang: ``D`` states; specla: its factor records; ReplaySSM:
-its rings; vLLM: ``T`` slots in all); times the model's GDN layers, and how many running requests
+its rings; vLLM: ``T`` slots in all); times the model's layers of the op, and how many running requests
 fit in ``--budget-gib`` on one rank. Writes ``--out`` (JSON: ``meta`` provenance, ``cells``,
 ``memory``) and the same path with ``.md`` (tables), printed last.
 """
@@ -368,7 +378,8 @@ def memory_rows(cells: list[dict], shapes: dict, budget_gib: float) -> list[dict
             layers = MODELS[model]["layers"]
             for name, m in c["memory"].items():
                 per_layer = m["slot_bytes"] + m["spec_bytes"]
-                rows.append(dict(op=c["op"], model=model, tp=tp, workload=c["workload"], contender=name, layer_bytes=per_layer,
+                rows.append(dict(op=c["op"], model=model, tp=tp, workload=c["workload"], contender=name,
+                                 layer_bytes=per_layer,
                                  spec_layer_bytes=m["spec_bytes"], model_bytes=per_layer * layers,
                                  requests_in_budget=int(budget_gib * 2**30 // (per_layer * layers))))
     return rows
@@ -377,7 +388,8 @@ def memory_rows(cells: list[dict], shapes: dict, budget_gib: float) -> list[dict
 def markdown(report: dict) -> str:
     lines = [f"Verify + commit, one layer of one rank, µs per call ({report['meta']['device']}); "
              f"errors against {REFERENCE}", "",
-             "| op | models (TP) | shape | batch | workload | " + " | ".join(NAMES) + " | agree | max err out / state |",
+             "| op | models (TP) | shape | batch | workload | " + " | ".join(NAMES)
+             + " | agree | max err out / state |",
              "|---" * (7 + len(NAMES)) + "|"]
     for c in report["cells"]:
         shape = " ".join(f"{k}{c[k]}" for k in OPS[c["op"]].dims)
@@ -388,11 +400,11 @@ def markdown(report: dict) -> str:
                      + f" | {'yes' if c['agree'] else '**NO**'} | {errs} |")
     lines += ["", f"Memory a running request holds (state slot + speculation buffers), requests in "
               f"{report['args']['budget_gib']} GiB a rank", "",
-              "| op | model | TP | workload | contender | KiB a layer | of which speculation | MiB all the op's layers | "
-              "requests |", "|---" * 9 + "|"]
+              "| op | model | TP | workload | contender | KiB a layer | of which speculation | "
+              "MiB all the op's layers | requests |", "|---" * 9 + "|"]
     lines += [f"| {m['op']} | {m['model']} | {m['tp']} | {m['workload']} | {m['contender']} | "
-              f"{m['layer_bytes'] / 2**10:.1f} | {m['spec_layer_bytes'] / 2**10:.1f} | {m['model_bytes'] / 2**20:.1f} | "
-              f"{m['requests_in_budget']} |" for m in report["memory"]]
+              f"{m['layer_bytes'] / 2**10:.1f} | {m['spec_layer_bytes'] / 2**10:.1f} | "
+              f"{m['model_bytes'] / 2**20:.1f} | {m['requests_in_budget']} |" for m in report["memory"]]
     return "\n".join(lines) + "\n"
 
 

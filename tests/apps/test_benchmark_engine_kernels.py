@@ -1,8 +1,9 @@
 """``benchmarks/engine_kernels.py`` on the CPU (Triton's interpreter, its ``tiny`` preset: float32,
-H = 2, HV = 4, K = V = 16, two layers): every cell's contenders agree, the report has every cell,
-and its memory figures are the bytes of the buffers each engine allocates. The engines' kernel
-files are extracted into a folder the script reads (``--extract``'s layout); without network
-the test skips, like the oracle tests."""
+two layers of each op: GDN H = 2, HV = 4, K = V = 16; Mamba2 H = 4, P = 16, NG = 2, NS = 16; KDA
+H = 2, K = V = 16): every cell's contenders agree, the report has every cell, and its memory
+figures are the bytes of the buffers each engine allocates. The engines' kernel files are
+extracted into a folder the script reads (``--extract``'s layout); without network the test
+skips, like the oracle tests."""
 
 import importlib.util
 import json
@@ -32,29 +33,46 @@ def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     cells = report["cells"]
-    assert [(c["batch"], c["workload"]) for c in cells] == [(1, "tree6"), (1, "chain3"), (3, "tree6"), (3, "chain3")]
+    assert [(c["op"], c["batch"], c["workload"]) for c in cells] == [
+        (op, N, w) for op in ("gdn", "mamba2", "kda") for N in (1, 3) for w in ("tree6", "chain3")]
+    chain = {"gdn": {"specla", "sglang_replayssm", "vllm"}, "mamba2": {"specla", "vllm"},
+             "kda": {"specla", "sglang_replayssm", "vllm"}}
+    # float32, observed at most: GDN 2.4e-7 (outputs up to 0.22, states up to 1.6); KDA 4.5e-8 /
+    # 2.4e-7 (0.23, 1.1); Mamba2 2.9e-6 / 8.3e-7 (outputs up to 10.5, states up to 1.3)
+    tol = {"gdn": 2e-6, "kda": 2e-6, "mamba2": 3e-5}
     for c in cells:
         assert c["agree"], c["errors"]
-        others = {"tree6": {"specla"}, "chain3": {"specla", "sglang_replayssm", "vllm"}}[c["workload"]]
+        others = {"specla"} if c["workload"] == "tree6" else chain[c["op"]]
         assert set(c["us"]) == others | {"sglang"}
-        for name in others:  # float32: observed at most 2.4e-7 (outputs up to 0.22, states up to 1.6)
-            assert c["errors"][name]["out"] < 2e-6 and c["errors"][name]["state"] < 2e-6
-    # one layer's bytes a running request holds beyond its 4 x 16 x 16 float32 state slot (4096 B)
-    H, HV, K, V, state = 2, 4, 16, 16, 4096
-    spec = {("tree6", "sglang"): 6 * state, ("tree6", "specla"): 6 * (H * K + HV * V + HV) * 4,
-            ("chain3", "sglang"): 3 * state, ("chain3", "specla"): 3 * (H * K + HV * V + HV) * 4,
-            ("chain3", "sglang_replayssm"): 3 * (H * K + HV * V) * 4 + 2 * 3 * HV * 4, ("chain3", "vllm"): 2 * state}
-    rows = {(m["workload"], m["contender"]): m for m in report["memory"]}
+        for name in others:
+            assert c["errors"][name]["out"] < tol[c["op"]] and c["errors"][name]["state"] < tol[c["op"]]
+    # one layer's bytes a running request holds beyond its float32 state slot: GDN 4 x 16 x 16,
+    # Mamba2 4 x 16 x 16, KDA 2 x 16 x 16; specla's records a node: GDN k, v, gate; Mamba2 B, u =
+    # dt x, gate; KDA k, delta, per-channel gate; ReplaySSM's rings a token: raw k, v, gate, beta
+    gdn = dict(state=4096, node=(2 * 16 + 4 * 16 + 4) * 4, ring=(2 * 16 + 4 * 16) * 4 + 2 * 4 * 4)
+    kda = dict(state=2048, node=(2 * 16 + 2 * 16 + 2 * 16) * 4, ring=(2 * 16 + 2 * 16) * 4 + (2 * 16 + 2) * 4)
+    mamba2 = dict(state=4096, node=(2 * 16 + 4 * 16 + 4) * 4)
+    spec = {}
+    for op, m in (("gdn", gdn), ("mamba2", mamba2), ("kda", kda)):
+        for D, w in ((6, "tree6"), (3, "chain3")):
+            spec[op, w, "sglang"], spec[op, w, "specla"] = D * m["state"], D * m["node"]
+        spec[op, "chain3", "vllm"] = 2 * m["state"]
+        if "ring" in m:
+            spec[op, "chain3", "sglang_replayssm"] = 3 * m["ring"]
+    rows = {(m["op"], m["workload"], m["contender"]): m for m in report["memory"]}
     assert set(rows) == set(spec)
+    state = {"gdn": gdn["state"], "mamba2": mamba2["state"], "kda": kda["state"]}
+    model = {"gdn": "tiny", "mamba2": "tiny-mamba2", "kda": "tiny-kda"}
     for key, m in rows.items():
+        op = key[0]
         assert (m["model"], m["tp"], m["spec_layer_bytes"], m["layer_bytes"]) == (
-            "tiny", 1, spec[key], state + spec[key])
-        per_request = 2 * m["layer_bytes"]  # the tiny model's two GDN layers
+            model[op], 1, spec[key], state[op] + spec[key])
+        per_request = 2 * m["layer_bytes"]  # the tiny models' two layers
         assert (m["model_bytes"], m["requests_in_budget"]) == (per_request, 10 * 2**30 // per_request)
     assert report["meta"]["engines"] == {"sglang": "0.5.23", "vllm": "0.34.0"}
     assert {"commit", "device", "versions", "date", "command"} <= set(report["meta"])
     table = out.with_suffix(".md").read_text()
-    assert table.count("| yes |") == 4 and "**NO**" not in table
+    assert table.count("| yes |") == 12 and "**NO**" not in table
 
 
 def _script():
