@@ -21,9 +21,10 @@ it (by date folder, then by the measured commit's place in ``git log``, then by 
 - baselines: the other rows of those e2e and hybrid reports (FLA, transformers, the snapshot and
   replay commits).
 - inside the serving engines: benchmarks/engine_kernels.py reports (``engine-kernels-*.json``):
-  specla's GDN verify + commit on an engine's data against the engines' own kernels, per layer
-  of a rank. Configuration: models and tensor parallelism, workload; its batches share one cell
-  (specla first, then each engine contender of the workload, in the report's order).
+  specla's verify + commit on an engine's data against the engines' own kernels, per layer of a
+  rank. Configuration: op (GDN where a report names none), models and tensor parallelism,
+  workload; its batches share one cell (specla first, then each engine contender of the
+  workload, in the report's order).
 
 Each row names the GPU (the report's own field, else the title of its date folder's README.md),
 the date (the folder), the commit (the code cell of the folder README's file table, else the
@@ -67,8 +68,8 @@ QUESTIONS = {  # title, configuration columns, value columns
     "baselines": ("Baselines beside specla's graph-captured plain decoding",
                   ["model", "setup", "batch", "row"],
                   ["tok/s", "ms / step", "accepted / step", "vs specla AR", "exact"]),
-    "engines": ("Inside the serving engines: GDN verify + commit, µs per layer of a rank (batch: specla / engines)",
-                ["models (TP)", "workload"], ["by batch", "engines", "agree", "running requests a rank fits (specla / engines)"]),
+    "engines": ("Inside the serving engines: verify + commit, µs per layer of a rank (batch: specla / engines)",
+                ["op", "models (TP)", "workload"], ["by batch", "engines", "agree", "running requests a rank fits (specla / engines)"]),
 }
 KERNEL_STUDIES = {  # study: (case field, specla time, baseline time, its label)
     "verify": ("tree", None, "replay_ms", "FLA replay of each root-to-leaf path"),
@@ -292,18 +293,18 @@ def attention_rows(results: Path, path: Path, lines: list[dict]) -> Iterator[Row
 
 
 def engine_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
-    """A benchmarks/engine_kernels.py report: per model set and workload, every batch in one cell
+    """A benchmarks/engine_kernels.py report: per op, model set and workload, every batch in one cell
     (specla's time, then each engine contender's), whether every cell's outputs and committed
     states agreed with SGLang's, and per model the running requests one rank fits in the
     report's memory budget."""
     src = source(results, path, data["meta"])
     cases: dict[tuple, list[dict]] = {}
-    for c in data["cells"]:
-        cases.setdefault((c["models"], c["workload"]), []).append(c)
+    for c in data["cells"]:  # reports from before the op axis timed GDN alone
+        cases.setdefault((c.get("op", "gdn"), c["models"], c["workload"]), []).append(c)
     fits: dict[tuple, dict] = {}
     for m in data.get("memory", []):
         fits.setdefault((m["model"], m["tp"], m["workload"]), {})[m["contender"]] = m["requests_in_budget"]
-    for (models, workload), cells in cases.items():
+    for (op, models, workload), cells in cases.items():
         others = [k for k in cells[0]["us"] if k != "specla"]
         by_batch = "; ".join(f"{c['batch']}: " + " / ".join(f"{c['us'][k]:.1f}" for k in ["specla", *others])
                              for c in sorted(cells, key=lambda c: c["batch"]))
@@ -311,9 +312,9 @@ def engine_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
         for model, tp in re.findall(r"([\w.-]+) \((\d+)\)", models):
             fit = fits.get((model, int(tp), workload), {})
             requests.append(f"{model} " + " / ".join(str(fit[k]) for k in ["specla", *others] if k in fit))
-        yield Row("engines", (models, workload), [by_batch, ", ".join(others),
-                                                  "yes" if all(c["agree"] for c in cells) else "NO",
-                                                  f"{data['args']['budget_gib']:g} GiB: " + "; ".join(requests)], src)
+        agree = "yes" if all(c["agree"] for c in cells) else "NO"
+        yield Row("engines", (op, models, workload), [by_batch, ", ".join(others), agree,
+                                                      f"{data['args']['budget_gib']:g} GiB: " + "; ".join(requests)], src)
 
 
 def all_rows(results: Path) -> Iterator[Row]:

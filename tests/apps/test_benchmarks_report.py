@@ -210,21 +210,26 @@ def test_the_generated_part_is_replaced_between_its_markers_only():
 
 
 def test_engine_kernels_rows_put_every_batch_in_one_cell_and_the_requests_per_model(results):
-    """An engine_kernels.py report: one row per models and workload, specla's time then each
-    engine contender's per batch (sorted by batch), disagreement shown as NO, and per model the
-    running requests a rank fits in the report's budget."""
-    def cell(batch, us, agree=True):
-        return {"models": "m-a (4), m-b (4)", "workload": "chain4", "batch": batch, "us": us, "agree": agree}
+    """An engine_kernels.py report: one row per op, models and workload (a cell naming no op is
+    GDN's, as reports from before the op axis), specla's time then each engine contender's per
+    batch (sorted by batch), disagreement shown as NO, and per model the running requests a rank
+    fits in the report's budget."""
+    def cell(batch, us, agree=True, **op):
+        return {"models": "m-a (4), m-b (4)", "workload": "chain4", "batch": batch, "us": us, "agree": agree, **op}
 
     data = {"meta": {"commit": "a" * 40, "device": "GPU X", "command": "python benchmarks/engine_kernels.py"},
             "args": {"budget_gib": 10.0},
-            "cells": [cell(8, {"specla": 2.25, "sglang": 3.5}), cell(1, {"specla": 1.0, "sglang": 2.0}, agree=False)],
+            "cells": [cell(8, {"specla": 2.25, "sglang": 3.5}), cell(1, {"specla": 1.0, "sglang": 2.0}, agree=False),
+                      {**cell(1, {"specla": 4.0, "sglang": 5.0, "vllm": 6.0}, op="mamba2"), "models": "m-c (4)"}],
             "memory": [{"model": m, "tp": 4, "workload": "chain4", "contender": c, "requests_in_budget": n}
                        for m, c, n in [("m-a", "specla", 500), ("m-a", "sglang", 60), ("m-b", "specla", 600),
-                                       ("m-b", "sglang", 70)]]}
+                                       ("m-b", "sglang", 70), ("m-c", "specla", 40), ("m-c", "sglang", 4),
+                                       ("m-c", "vllm", 5)]]}
     path = results / "2026-01-02" / "engine-kernels-tp4-abcdef1.json"
     path.write_text(json.dumps(data))
-    (row,) = report.all_rows(results)
-    assert row.question == "engines" and row.key == ("m-a (4), m-b (4)", "chain4")
+    row, mamba2 = report.all_rows(results)
+    assert row.question == "engines" and row.key == ("gdn", "m-a (4), m-b (4)", "chain4")
     assert row.values == ["1: 1.0 / 2.0; 8: 2.2 / 3.5", "sglang", "NO", "10 GiB: m-a 500 / 60; m-b 600 / 70"]
+    assert mamba2.key == ("mamba2", "m-c (4)", "chain4")
+    assert mamba2.values == ["1: 4.0 / 5.0 / 6.0", "sglang, vllm", "yes", "10 GiB: m-c 40 / 4 / 5"]
     assert (row.source.commit, row.source.gpu) == ("abcdef1", "GPU X (report)")
