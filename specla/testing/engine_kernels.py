@@ -140,6 +140,25 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def interpreter_bool_masks(monkeypatch) -> None:
+    """Masks read as bool by Triton's interpreter's masked loads and stores, through ``monkeypatch``
+    (a pytest ``MonkeyPatch``). The engines' Mamba2 kernels narrow a block mask by a scalar
+    comparison (``mask &= slot != pad_slot_id``), which the interpreter computes as int32 data
+    under an int1 type and its masked loads then refuse ("mask has unsupported dtype"); compiled
+    Triton takes it."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    for name in ("create_masked_load", "create_masked_store"):
+        op = getattr(InterpreterBuilder, name)
+
+        def as_bool(self, ptrs, value_or_mask, *rest, op=op, store=name.endswith("store")):
+            mask = rest[0] if store else value_or_mask
+            mask = TensorHandle(mask.data.astype(bool), mask.dtype)
+            return op(self, ptrs, value_or_mask, mask, *rest[1:]) if store else op(self, ptrs, mask, *rest)
+
+        monkeypatch.setattr(InterpreterBuilder, name, as_bool)
+
+
 def _triton_range(*bounds):
     """``range`` as compiled Triton loops it, with Triton scalars; Triton's interpreter runs a
     kernel's loops on Python's ``range``, whose ints have no ``.to``."""

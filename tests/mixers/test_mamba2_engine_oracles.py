@@ -34,7 +34,8 @@ import triton
 from specla.mixers.mamba2.serving import (
     Mamba2RecordBuffers, empty_record_buffers, mamba2_pool_commit, mamba2_pool_verify,
 )
-from specla.testing.engine_kernels import SGLANG, VLLM, RegistryUnreachable, _import_by_file, kernel_files
+from specla.testing.engine_kernels import (SGLANG, VLLM, RegistryUnreachable, _import_by_file, interpreter_bool_masks,
+                                           kernel_files)
 from test_gdn_engine_oracles import _accept, _root_path
 from tree_speculation import plain_decode, speculate
 
@@ -57,21 +58,9 @@ def _no(*args, **kwargs) -> bool:
 
 @pytest.fixture(autouse=True)
 def _bool_masks(monkeypatch):
-    """Both engines' kernels narrow a block mask by a scalar comparison (``mask &= slot !=
-    pad_slot_id``), which Triton's interpreter computes as int32 data under an int1 type and its
-    masked loads then refuse ("mask has unsupported dtype"); compiled Triton takes it. Masks are
-    read as bool here."""
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    for name in ("create_masked_load", "create_masked_store"):
-        op = getattr(InterpreterBuilder, name)
-
-        def as_bool(self, ptrs, value_or_mask, *rest, op=op, store=name.endswith("store")):
-            mask = rest[0] if store else value_or_mask
-            mask = TensorHandle(mask.data.astype(bool), mask.dtype)
-            return op(self, ptrs, value_or_mask, mask, *rest[1:]) if store else op(self, ptrs, mask, *rest)
-
-        monkeypatch.setattr(InterpreterBuilder, name, as_bool)
+    """Masks read as bool by Triton's interpreter (:func:`interpreter_bool_masks`: the engines'
+    kernels narrow a block mask by a scalar comparison, which it refuses; compiled Triton takes it)."""
+    interpreter_bool_masks(monkeypatch)
 
 
 @pytest.fixture(scope="module")
