@@ -30,6 +30,7 @@ from specla.testing import engine_kernels
 from test_gdn_engine_oracles import _accept, _root_path
 from tree_speculation import plain_decode, speculate
 
+
 def _load(loader):
     """The engine's kernel modules, or a skip when the registry is unreachable."""
     try:

@@ -1,5 +1,8 @@
 """The factor records of a draft tree, kept in the buffer SGLang's pool has per layer, request row
-and draft node, in place of one full state per node.
+and draft node, in place of one full state per node. GDN's and Mamba2's records share the layout,
+in GDN's names below; a Mamba2 layer's states ``[H, P, Ns]`` take the places of ``(HV, V, K)``,
+its ``NG`` groups of ``B`` the key heads' ``H``, its ``B``, ``u = dt x`` and path-summed ``dt A``
+the blocks ``k``, ``delta`` and ``G`` (:class:`specla.mixers.mamba2.serving.Mamba2RecordBuffers`).
 
 SGLang's ``MambaPool`` holds ``intermediate_ssm`` ``[layers, R, D, HV, V, K]`` (``R`` = running
 requests + 1 padding row, ``D`` draft tokens). This plugin puts there a float32 buffer of shape
@@ -13,7 +16,7 @@ layer's memory holds four contiguous blocks, read only through :meth:`RecordLayo
     for node 0, a float32 integer: exact below ``2**24``)
 
 ``k``, ``delta`` and ``G`` are, as views, the :class:`specla.mixers.gdn.serving.GDNRecordBuffers`
-that specla's pool kernels take (one layer's, or every layer's with each layer's block contiguous);
+(or ``Mamba2RecordBuffers``) that specla's pool kernels take (one layer's, or every layer's with each layer's block contiguous);
 the parents let the commit find an accepted path from this buffer alone.
 """
 
