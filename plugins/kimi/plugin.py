@@ -71,8 +71,8 @@ class KimiLinearPlugin(ArchitecturePlugin):
 
     def tiny_model(self, variant: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
         """A random ``KimiLinearForCausalLM`` of shape ``variant`` (:data:`TINY_VARIANTS`), decays,
-        norm weights and biases spread; MoE experts on transformers' eager implementation (its
-        grouped GEMM takes no float64).
+        norm weights and biases spread; MoE experts on transformers' ``batched_mm`` implementation
+        (its grouped GEMM takes no float64, its eager one cannot be recorded in a CUDA graph).
 
         Raises:
             KeyError: unknown variant.
@@ -83,7 +83,9 @@ class KimiLinearPlugin(ArchitecturePlugin):
 
         torch.manual_seed(seed)
         cfg = KimiLinearConfig(**{**TINY_BASE, **TINY_VARIANTS[variant]})
-        cfg._experts_implementation = "eager"
+        # transformers' batched experts: the eager ones find the experts hit on the host, which a
+        # CUDA graph cannot record (and the fixed-shape step is refused with them)
+        cfg._experts_implementation = "batched_mm"
         return spread_parameters(KimiLinearForCausalLM(cfg).to(dtype).eval())
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
