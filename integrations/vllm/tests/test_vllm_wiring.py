@@ -5,9 +5,11 @@ shape; under another vLLM version nothing is registered.
 
 The layer is built on a CPU with vLLM's CPU platform (``VLLM_TARGET_DEVICE=cpu``), a gloo process
 group of world size 1 and a model config holding only the HF config the layer reads. vLLM's CPU
-platform refuses x86 without triton-cpu (``CpuPlatform.check_and_update_config``): here Triton runs
-under its interpreter, which reports no active driver, so :func:`vllm_config` says Triton is there
-while the config is checked; building a layer runs no kernel."""
+platform refuses x86 without a Triton driver (``CpuPlatform.check_and_update_config``), and Triton
+without a GPU has none (its interpreter runs kernels on a CPU); vLLM accepts Triton with no driver
+where ``CUDA_VISIBLE_DEVICES`` is empty (``vllm/triton_utils/importing.py``, its case of a worker
+whose devices are not yet assigned), which these tests set where torch sees no GPU. vLLM's modules
+then import Triton itself, not placeholders. Building a layer runs no kernel."""
 
 import importlib.metadata
 import importlib.util
@@ -22,11 +24,13 @@ if importlib.util.find_spec("vllm") is None:  # installed but failing to import 
     pytest.skip("vLLM is not installed: see integrations/vllm/README.md for the test environment",
                 allow_module_level=True)
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM resolves its platform
-
 import torch  # noqa: E402
+
+# before vLLM resolves its platform and Triton's drivers
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 import vllm.plugins  # noqa: E402
-import vllm.triton_utils  # noqa: E402
 from transformers import Qwen3NextConfig  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
@@ -50,9 +54,7 @@ def vllm_config():
     from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
                                   init_distributed_environment, initialize_model_parallel)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vllm.triton_utils, "HAS_TRITON", True)
-        config = VllmConfig()
+    config = VllmConfig()
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{tmp}/init")
