@@ -123,6 +123,22 @@ def flush(kernel, grid: tuple[int, int], state: Tensor, layout: str, commit: Lay
         raise ValueError(f"state must be a contiguous float32 {layout}, got {state.dtype}")
     if len({x.device for x in (state, *commit.tensors())}) != 1:
         raise ValueError("all tensors must be on one device")
-    chain = kernel.arg_names.index("num_nodes")
-    kernel[grid](*[state] * chain, commit.path_len, T=0, **launch)
+    commit_alone(kernel, grid, state, commit.path_len, **launch)
     return state
+
+
+def commit_alone(kernel, grid: tuple[int, ...], state: Tensor, path_len: Tensor, /, **launch) -> None:
+    """Launch a serial verify kernel with an empty chain (``T = 0``), so that only its fused
+    commit runs: ``state`` stands in for every chain pointer before the kernel's ``num_nodes``,
+    which takes ``path_len`` (unread at ``T = 0``). :func:`flush` and the ops' serving-engine
+    commits launch through it.
+
+    Args:
+        kernel: a serial verify kernel decorated with :data:`with_pending`; grid: its launch grid.
+        state: the state (or pool) the commit writes.
+        path_len: ``[B]`` accepted nodes per sequence (positional: ``launch`` names it again
+            among the pending commit's arguments).
+        launch: the kernel's remaining arguments, its pending commit's among them.
+    """
+    chain = kernel.arg_names.index("num_nodes")
+    kernel[grid](*[state] * chain, path_len, T=0, **launch)

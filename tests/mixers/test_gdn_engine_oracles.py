@@ -21,27 +21,20 @@ import torch
 
 from specla.mixers.gdn.serving import GDNRecordBuffers, empty_record_buffers, gdn_pool_commit, gdn_pool_verify
 from specla.testing import engine_kernels
+from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip, root_path
 from tree_speculation import plain_decode, speculate
-
-
-def _load(loader):
-    """The engine's kernel modules, or a skip when the registry is unreachable."""
-    try:
-        return loader()
-    except engine_kernels.RegistryUnreachable as err:
-        pytest.skip(str(err))
 
 
 @pytest.fixture(scope="module")
 def sglang():
     """SGLang 0.5.23's GDN recurrent kernel module and its ReplaySSM fold module."""
-    return _load(engine_kernels.load_sglang)
+    return load_or_skip(engine_kernels.load_sglang)
 
 
 @pytest.fixture(scope="module")
 def vllm():
     """vLLM 0.34.0's GDN gated-recurrence kernel module (its chain speculative path)."""
-    return _load(engine_kernels.load_vllm)
+    return load_or_skip(engine_kernels.load_vllm)
 
 
 H, HV, K, V = 2, 4, 16, 16
@@ -67,14 +60,6 @@ def _pool(slots: int, seed: int, hv: int = HV) -> torch.Tensor:
     return torch.randn(slots, hv, V, K, generator=torch.Generator().manual_seed(seed)) * 0.3
 
 
-def _accept(paths: list[list[int]], width: int, draft_token_num: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's ``accept_index`` ``[N, width]`` (flat positions, -1 padded) and ``accept_lens``."""
-    idx = torch.full((len(paths), width), -1, dtype=torch.int64)
-    for n, p in enumerate(paths):
-        idx[n, : len(p)] = torch.tensor(p) + n * draft_token_num
-    return idx, torch.tensor([len(p) for p in paths], dtype=torch.int64)
-
-
 def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths, rows, hv=HV):
     """specla's verify and commit on the pool (a copy); returns ``o`` and the pool after the
     commit, and checks that the verify left the pool bit-identical."""
@@ -86,16 +71,9 @@ def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths,
                         records=records, intermediate_state_indices=row_indices, cache_steps=steps,
                         retrieve_parent_token=parents, **layer)
     assert torch.equal(pool, before)  # the verify reads the pool only
-    accept_index, accept_lens = _accept(paths, steps, steps)
+    accept_index, accept_lens = accepted_positions(paths, steps, steps)
     gdn_pool_commit(pool, cache_indices, records, row_indices, accept_index, accept_lens, steps)
     return o, pool
-
-
-def _root_path(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while path[-1] != 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 @pytest.fixture(params=["fused", "separate"])
@@ -114,7 +92,7 @@ def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, prepare,
     D, N, slots = 6, 4, 7
     trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 0, 0], [-1, 0, 1, 1, 3, 3]]
     leaves = [4, 5, 0, 5]  # row 2: the root alone is accepted
-    paths = [_root_path(t, leaf) for t, leaf in zip(trees, leaves)]
+    paths = [root_path(t, leaf) for t, leaf in zip(trees, leaves)]
     paths[3] = paths[3][:2]  # a path ending inside the tree
     layer = _layer(N * D, seed=0, dtype=dtype)
     pool = _pool(slots, seed=1)
@@ -143,14 +121,9 @@ def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, prepare,
     assert torch.equal(committed[[1, 2, 4]], pool[[1, 2, 4]])  # slots of no row: untouched
 
 
-# chains of ragged lengths, one long (48 tokens), each with a different accepted prefix (the first
-# row's root alone)
-CHAIN_LENS, CHAIN_ACCEPTED = [5, 3, 48], [1, 3, 31]
-
-
 def _chains(hv: int = 2):
     """Packed chains of :data:`CHAIN_LENS` tokens (``cu_seqlens``), their layer inputs and pool."""
-    qsl = torch.tensor([0, *torch.tensor(CHAIN_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    qsl = chain_cu_seqlens()
     return qsl, _layer(int(qsl[-1]), seed=2, hv=hv), _pool(4, seed=3, hv=hv)
 
 
@@ -190,7 +163,7 @@ def test_chain_verify_and_commit_equal_sglang_replayssm_fold(sglang):
     token's raw k, v and gates into a per-slot ring, the commit replays the accepted prefix into
     the checkpoint state. specla's outputs and committed states against both."""
     qsl, layer, pool = _chains()
-    N, L = len(CHAIN_LENS), max(CHAIN_LENS)
+    L = max(CHAIN_LENS)
     cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
     ref_pool = pool.clone()
     ring = dict(replayssm_rawv=torch.zeros(4, 2, L, V), replayssm_rawk=torch.zeros(4, H, L, K),
@@ -223,7 +196,7 @@ def test_commit_leaves_padding_rows_and_empty_paths_alone():
                     layer["b"], pool, cache_indices, use_qk_l2norm_in_kernel=True, cu_seqlens=qsl,
                     records=records, intermediate_state_indices=rows)
     committed = pool.clone()
-    accept_index, _ = _accept([[0, 1, 2], [0, 1], [0, 1]], steps, steps)
+    accept_index, _ = accepted_positions([[0, 1, 2], [0, 1], [0, 1]], steps, steps)
     gdn_pool_commit(committed, cache_indices, records, rows, accept_index, torch.tensor([3, 2, 0]), steps)
     assert torch.equal(committed[[0, 1, 3]], pool[[0, 1, 3]])  # slot -1's row and slot 3's empty path
     assert not torch.equal(committed[2], pool[2])
@@ -339,7 +312,7 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
         return model.logits(torch.tensor(toks), gdn).argmax(-1).tolist()
 
     def commit(paths):
-        accept_index, accept_lens = _accept(paths, width, width)
+        accept_index, accept_lens = accepted_positions(paths, width, width)
         gdn_pool_commit(pools, cache_indices, records, rows, accept_index, accept_lens, width)
 
     out, accepted = speculate(plain, prompts[:, -1].tolist(), sizes, model.vocab, 7, verify, commit)

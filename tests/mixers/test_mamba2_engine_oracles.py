@@ -27,16 +27,8 @@ from specla.mixers.mamba2.serving import (
     Mamba2RecordBuffers, empty_record_buffers, mamba2_pool_commit, mamba2_pool_verify,
 )
 from specla.testing import engine_kernels
-from test_gdn_engine_oracles import _accept, _root_path
+from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip, root_path
 from tree_speculation import plain_decode, speculate
-
-
-def _load(loader):
-    """The engine's kernel modules, or a skip when the registry is unreachable."""
-    try:
-        return loader()
-    except engine_kernels.RegistryUnreachable as err:
-        pytest.skip(str(err))
 
 
 @pytest.fixture(autouse=True)
@@ -48,13 +40,13 @@ def _bool_masks():
 @pytest.fixture(scope="module")
 def sglang():
     """SGLang 0.5.23's Mamba2 ``selective_state_update`` module."""
-    return _load(engine_kernels.load_sglang).mamba
+    return load_or_skip(engine_kernels.load_sglang).mamba
 
 
 @pytest.fixture(scope="module")
 def vllm():
     """vLLM 0.34.0's Mamba2 ``selective_state_update`` module (its chain speculative path)."""
-    return _load(engine_kernels.load_vllm_mamba2)
+    return load_or_skip(engine_kernels.load_vllm_mamba2)
 
 
 H, P, NG, NS = 4, 16, 2, 16
@@ -99,7 +91,7 @@ def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths,
                            records=records, intermediate_state_indices=row_indices, cache_steps=steps,
                            retrieve_parent_token=parents, **_engine_args(layer))
     assert torch.equal(pool, before)  # the verify reads the pool only
-    accept_index, accept_lens = _accept(paths, steps, steps)
+    accept_index, accept_lens = accepted_positions(paths, steps, steps)
     mamba2_pool_commit(pool, cache_indices, records, row_indices, accept_index, accept_lens, steps)
     return y, pool
 
@@ -112,7 +104,7 @@ def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, dtype):
     float32)."""
     T, N, slots = 6, 5, 7
     trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 0, 0], [-1, 0, 1, 1, 3, 3], [-1, 0, 1, 2, 3, 4]]
-    paths = [_root_path(t, leaf) for t, leaf in zip(trees, [4, 5, 0, 5, 3])]
+    paths = [root_path(t, leaf) for t, leaf in zip(trees, [4, 5, 0, 5, 3])]
     paths[3] = paths[3][:2]  # a path ending inside the tree
     layer = _layer(N * T, seed=0, dtype=dtype, lead=(N, T))
     pool = _pool(slots, seed=1)
@@ -143,17 +135,12 @@ def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, dtype):
     assert torch.equal(committed[[1, 2, 4]], pool[[1, 2, 4]])  # slots of no row (the padding row's): untouched
 
 
-# chains of ragged lengths, one long (48 tokens), each with a different accepted prefix (the first
-# row's root alone)
-CHAIN_LENS, CHAIN_ACCEPTED = [5, 3, 48], [1, 3, 31]
-
-
 def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm):
     """vLLM's chain speculative kernel writes the state after every position into its own slot
     (``state_batch_indices [N, T]``) and reads the committed one from the slot of the last
     accepted position: specla's outputs and committed states against it, on packed ragged chains
     up to 48 long."""
-    qsl = torch.tensor([0, *torch.tensor(CHAIN_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    qsl = chain_cu_seqlens()
     N, T = len(CHAIN_LENS), max(CHAIN_LENS)
     layer, pool = _layer(int(qsl[-1]), seed=2), _pool(4, seed=3)
     cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
@@ -190,7 +177,7 @@ def test_commit_leaves_padding_rows_and_empty_paths_alone():
     mamba2_pool_verify(pool, layer["x"], layer["dt"], layer["A"], layer["B"], layer["C"], layer["D"],
                        layer["dt_bias"], True, cache_indices, qsl, records=records, intermediate_state_indices=rows)
     committed = pool.clone()
-    accept_index, _ = _accept([[0, 1, 2], [0, 1], [0, 1]], steps, steps)
+    accept_index, _ = accepted_positions([[0, 1, 2], [0, 1], [0, 1]], steps, steps)
     mamba2_pool_commit(committed, cache_indices, records, rows, accept_index, torch.tensor([3, 2, 0]), steps)
     assert torch.equal(committed[[0, 1, 3]], pool[[0, 1, 3]])  # slot -1's row and slot 3's empty path
     assert not torch.equal(committed[2], pool[2])
@@ -322,7 +309,7 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
         return model.logits(torch.tensor(toks), ssm).argmax(-1).tolist()
 
     def commit(paths):
-        accept_index, accept_lens = _accept(paths, width, width)
+        accept_index, accept_lens = accepted_positions(paths, width, width)
         mamba2_pool_commit(pools, cache_indices, records, rows, accept_index, accept_lens, width)
 
     out, accepted = speculate(plain, prompts[:, -1].tolist(), sizes, model.vocab, 9, verify, commit)

@@ -31,6 +31,7 @@ import torch
 import triton
 from torch import Tensor
 
+from specla.ops.pending import commit_alone
 from specla.ops.serving import check_commit, check_pool, check_records, check_rows, token_rows
 
 from .verify import MAX_TREE_NODES, TUNING, _launch_tree, _serial_verify_kernel
@@ -198,12 +199,10 @@ def gdn_pool_commit(
                  accept_lens, draft_token_num)
     layer_strides = [x.stride(0) if layered else 0 for x in (st, *records)]
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
-    chain = _serial_verify_kernel.arg_names.index("num_nodes")
-    # the serial kernel with an empty chain (T = 0) runs its fused commit alone (specla.ops.pending.flush)
-    _serial_verify_kernel[(N * HV, triton.cdiv(V, BV), L)](
-        *[st] * chain, accept_lens, pk=records.k, pdelta=records.delta, pG=records.G,
+    commit_alone(
+        _serial_verify_kernel, (N * HV, triton.cdiv(V, BV), L), st, accept_lens, pk=records.k, pdelta=records.delta, pG=records.G,
         path=accept_index.contiguous(), path_len=accept_lens, state_idx=initial_state_indices,
-        rec_idx=intermediate_state_indices, scale=1.0, T=0, P=accept_index.shape[1], Tp=D, SV=0,
+        rec_idx=intermediate_state_indices, scale=1.0, P=accept_index.shape[1], Tp=D, SV=0,
         sS_b=sS[0], sS_h=sS[1], sS_k=sS[2], sS_v=sS[3], path_step=draft_token_num,
         **dict(zip(("lS", "lk", "ld", "lG"), layer_strides)), H=H, HV=HV, K=K, V=V,
         BK=triton.next_power_of_2(K), BV=BV, num_warps=TUNING["serial"]["num_warps"],

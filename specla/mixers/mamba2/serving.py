@@ -32,6 +32,7 @@ import torch
 import triton
 from torch import Tensor
 
+from specla.ops.pending import commit_alone
 from specla.ops.serving import check_commit, check_pool, check_records, check_rows, token_rows
 
 from .verify import MAX_TREE_NODES, _launch_tree, _serial_verify_kernel
@@ -219,11 +220,10 @@ def mamba2_pool_commit(
                  accept_lens, draft_token_num)
     layer_strides = [t.stride(0) if layered else 0 for t in (state, *records)]
     BP = min(triton.next_power_of_2(P), 64)
-    chain = _serial_verify_kernel.arg_names.index("num_nodes")
-    # the serial kernel with an empty chain (T = 0) runs its fused commit alone (specla.ops.pending.flush)
-    _serial_verify_kernel[(state_batch_indices.shape[0] * H, triton.cdiv(P, BP), L)](
-        *[state] * chain, accept_lens, pB=records.Bm, pu=records.u, pG=records.G, path=accept_index.contiguous(),
-        path_len=accept_lens, state_idx=state_batch_indices, rec_idx=intermediate_state_indices, T=0,
+    commit_alone(
+        _serial_verify_kernel, (state_batch_indices.shape[0] * H, triton.cdiv(P, BP), L), state, accept_lens,
+        pB=records.Bm, pu=records.u, pG=records.G, path=accept_index.contiguous(),
+        path_len=accept_lens, state_idx=state_batch_indices, rec_idx=intermediate_state_indices,
         Lp=accept_index.shape[1], Tp=Dsteps, sS_b=sS[0], sS_h=sS[1], sS_n=sS[2], sS_p=sS[3],
         path_step=draft_token_num, **dict(zip(("lS", "lB", "lu", "lG"), layer_strides)), H=H, NG=NG, N=Ns, P=P,
         BN=triton.next_power_of_2(Ns), BP=BP, D_HDIM=False,
