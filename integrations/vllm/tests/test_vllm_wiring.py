@@ -3,20 +3,13 @@ vLLM's plugin loader (``load_general_plugins``, ``VLLM_PLUGINS``), and a model's
 vLLM's ``QwenGatedDeltaNetAttention`` then builds specla's class, with vLLM's parameters and state
 shape; under another vLLM version nothing is registered.
 
-The layer is built on a CPU with vLLM's CPU platform (``VLLM_TARGET_DEVICE=cpu``), a gloo process
-group of world size 1 and a model config holding only the HF config the layer reads. vLLM's CPU
-platform refuses x86 without a Triton driver (``CpuPlatform.check_and_update_config``), and Triton
-without a GPU has none (its interpreter runs kernels on a CPU); vLLM accepts Triton with no driver
-where ``CUDA_VISIBLE_DEVICES`` is empty (``vllm/triton_utils/importing.py``, its case of a worker
-whose devices are not yet assigned), which these tests set where torch sees no GPU. vLLM's modules
-then import Triton itself, not placeholders. Building a layer runs no kernel."""
+The layer is built on a CPU with vLLM's CPU platform (``conftest.py`` sets the environment), a gloo
+process group of world size 1 and a model config holding only what the layer reads
+(``vllm_cases.current_vllm_config``). Building a layer runs no kernel."""
 
 import importlib.metadata
 import importlib.util
 import logging
-import os
-import tempfile
-import types
 
 import pytest
 
@@ -25,47 +18,21 @@ if importlib.util.find_spec("vllm") is None:  # installed but failing to import 
                 allow_module_level=True)
 
 import torch  # noqa: E402
-
-# before vLLM resolves its platform and Triton's drivers
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 import vllm.plugins  # noqa: E402
-from transformers import Qwen3NextConfig  # noqa: E402
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
 
 import specla_vllm  # noqa: E402
 from specla_vllm.layer import SpeclaQwenGatedDeltaNetAttention  # noqa: E402
+from vllm_cases import HF_CONFIG, current_vllm_config  # noqa: E402
 
 KEY = "QwenGatedDeltaNetAttention"
-# a small Qwen3-Next GDN layer: 2 key heads, 4 value heads of dimension 16, conv kernel 4
-HF_CONFIG = Qwen3NextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                            linear_value_head_dim=16, linear_conv_kernel_dim=4, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=128,
-                            intermediate_size=64)
 
 
 @pytest.fixture(scope="module")
 def vllm_config():
-    """A ``VllmConfig`` of vLLM's CPU platform, current, with vLLM's model-parallel groups of world
-    size 1 over gloo; torn down afterwards."""
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
-
-    config = VllmConfig()
-    with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tmp}/init")
-        initialize_model_parallel(1)
-        # what the layer reads of the model config (a full ModelConfig would load a checkpoint's)
-        object.__setattr__(config, "model_config", types.SimpleNamespace(hf_text_config=HF_CONFIG))
-        try:
-            yield config
-        finally:
-            destroy_model_parallel()
-            destroy_distributed_environment()
+    with current_vllm_config() as config:
+        yield config
 
 
 @pytest.fixture
