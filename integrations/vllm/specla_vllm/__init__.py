@@ -6,8 +6,9 @@ it registers the class out of tree (``PluggableLayer.register_oot``), which ``Pl
 looks up by the Python name of the class being built, ``"QwenGatedDeltaNetAttention"`` (not by its
 registered layer name, ``"qwen_gated_delta_net_attention"``).
 
-The class is vLLM's layer as it is: its speculative (chain) path still keeps one state slot per draft
-position and runs vLLM's kernel (integrations/vllm/README.md says what is left). Pinned to vLLM 0.34.0,
+The class keeps vLLM's layer but for its speculative (chain) rows: one recurrent-state slot a
+request, chains verified by specla's ``gdn_pool_verify`` into factor records and committed by
+``gdn_pool_commit`` at the request's next step (integrations/vllm/README.md). Pinned to vLLM 0.34.0,
 whose layer it subclasses.
 """
 

@@ -110,9 +110,9 @@ class SpeclaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def get_kv_cache_spec(self, vllm_config):
         """vLLM's spec, charged one state block a request where :attr:`runs_specla_chains`
-        (``num_speculative_blocks = 0``, as vLLM charges its ReplaySSM layers): vLLM sizes its pool
-        and admits requests by it, so the ``num_spec`` blocks a request no longer holds become
-        other requests' states."""
+        (``num_speculative_blocks = 0``, as vLLM charges its ReplaySSM layers): vLLM's block manager
+        allocates one block a request instead of ``1 + num_spec``, and the blocks freed hold other
+        requests' states."""
         spec = super().get_kv_cache_spec(vllm_config)
         if self.runs_specla_chains and isinstance(spec, MambaSpec):
             return replace(spec, num_speculative_blocks=0)
