@@ -30,8 +30,8 @@ class SpeclaGDNAttentionMetadata(GDNAttentionMetadata):
     """vLLM's GDN metadata plus what vLLM's builder drops and the commit of a non-speculative row
     needs: ``non_spec_num_accepted_tokens`` ``[rows of non_spec_state_indices_tensor]`` int32, the
     tokens each of those rows accepted at its previous step (vLLM's ``num_accepted_tokens``, 1 after
-    a prefill or a plain decode), or ``None`` where vLLM gave none (no speculative config, graph
-    capture)."""
+    a prefill or a plain decode), or ``None`` where the step has no such rows or vLLM gave the builder
+    no ``num_accepted_tokens`` (no speculative config)."""
 
     non_spec_num_accepted_tokens: Tensor | None = None
 
