@@ -10,8 +10,9 @@ vLLM's conv kernel returns NaN on bfloat16 weights under the interpreter).
 
 The steps mix what vLLM schedules: prefills (first chunks and a chunk continuing a sequence),
 speculative chains of 4, 3, 2 and 1 token (a zero-draft row), ``num_accepted_tokens`` from 1 (no
-draft accepted) to the whole chain, a speculative row turning into a prefill chunk and into a plain
-one-token decode, and a step of speculative and prefill rows together. vLLM's pool holds the state
+draft accepted) to the whole chain, speculative rows turning into plain one-token decodes beside a
+prefill chunk (vLLM's split decode and prefill path), one of them a request whose chain stayed
+pending through a step it was not in, and a step of speculative and prefill rows together. vLLM's pool holds the state
 after every chain position in its own slot (``spec_state_indices_tensor [N, num_spec + 1]``) and
 the next step reads slot ``num_accepted_tokens - 1``; its non-speculative path reads slot 0
 (vLLM's runner never sends a request there after a chain; vllm#39273 is this class of bug), so
@@ -238,8 +239,9 @@ STEPS = [
     [(0, "spec", 4, 1), (1, "spec", 4, 1), (2, "prefill", 6, 1)],  # speculative and prefill rows together
     [(0, "spec", 4, 3), (1, "spec", 1, 4), (2, "spec", 2, 1)],  # a zero-draft row after a whole chain
     [(0, "spec", 1, 2), (1, "spec", 4, 1), (2, "spec", 4, 2)],
-    [(0, "spec", 3, 1), (2, "spec", 4, 3), (1, "chunk", 3, 3)],  # a chain's request continues as a prefill chunk
-    [(0, "decode", 1, 2), (1, "decode", 1, 1), (2, "decode", 1, 4)],  # chains' requests decode plainly
+    [(0, "spec", 3, 1), (2, "spec", 4, 3)],  # request 1's chain stays pending a step
+    # chains' requests decode plainly, and request 1's continues as a prefill chunk
+    [(0, "decode", 1, 2), (2, "decode", 1, 4), (1, "chunk", 3, 3)],
     [(0, "spec", 4, 1), (1, "spec", 2, 1), (2, "spec", 3, 1)],
 ]
 FINAL_ACCEPTED = [2, 2, 1]  # what the last step's rows accept, committed at the end
@@ -311,7 +313,7 @@ def test_specla_spec_path_equals_vllms_over_mixed_steps(vllm_config, interpreter
         if dtype == torch.float32:  # the whole layer, vLLM's CUDA forward
             hidden = torch.randn(T, HF_CONFIG.hidden_size, generator=gen)
             o_ref, o = (_forward(layer, m, hidden) for layer, m in zip((ref, ours), meta))
-            tol = 2e-6 * o_ref.abs().max()  # observed up to 2.5e-7 of the step's largest output (up to 64)
+            tol = 2e-6 * o_ref.abs().max()  # observed up to 1.8e-7 of the step's largest output (up to 64)
         else:  # bfloat16 activations into the core (the weights stay float32)
             mixed_qkv = torch.randn(T, ref.conv_dim, generator=gen).to(dtype)
             ba = torch.randn(T, 2 * HV, generator=gen).to(dtype)
@@ -327,7 +329,7 @@ def test_specla_spec_path_equals_vllms_over_mixed_steps(vllm_config, interpreter
     assert not ours.slot_records.pending.any()
     states = ours.kv_cache[1][[_slot(r, width=1) for r in range(REQUESTS)]]
     ref_states = torch.stack([ref.kv_cache[1][_slot(r, a - 1)] for r, a in enumerate(FINAL_ACCEPTED)])
-    # observed 9.5e-7 with states up to 10.2 (float32), 2.4e-7 up to 1.9 (bfloat16): 1.2e-7 of the largest
+    # observed 4.8e-7 with states up to 8.1 (float32), 1.2e-7 up to 1.4 (bfloat16): up to 8.3e-8 of the largest
     assert (states - ref_states).abs().max() < 1e-6 * ref_states.abs().max()
     # the conv windows are vLLM's code in both, each request's in its first slot: equal
     assert torch.equal(ours.kv_cache[0][1:], ref.kv_cache[0][[_slot(r) for r in range(REQUESTS)]])
