@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The test suite with compiled kernels on the lent GPU machine, whose commands end after 10
+# minutes (the whole suite takes longer there). From the repository root, after
+# `source benchmarks/scripts/device_env.sh`:
+#   bash benchmarks/scripts/gpu_pytest.sh OUT PART [PART ...]
+# runs `pytest -n WORKERS` on each PART (a test folder or file) in turn, each under its own limit
+# of PART_LIMIT seconds (default 280), and writes, under OUT: `pytest-<part>.log`,
+# `junit-<part>.xml` (where the part finished) and `failures.txt`, appended as each failure is
+# reported, so a part cut by its limit still names the tests that failed before the cut.
+# SPECLA_ENGINE_CACHE should name the carried `.engines` folder, so the engine oracle tests run.
+set -u
+out=$1; shift
+mkdir -p "$out"
+plugin=$(mktemp -d)
+cat > "$plugin/specla_failure_log.py" <<'EOF'
+import os
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # the controller's copy of a worker's report
+        with open(os.environ["SPECLA_FAILURE_LOG"], "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{str(report.longrepr)[-4000:]}\n")
+EOF
+export SPECLA_FAILURE_LOG=$out/failures.txt PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$plugin
+status=0
+for part in "$@"; do
+    name=$(echo "$part" | tr '/.' '--')
+    timeout "${PART_LIMIT:-280}" python -m pytest -q -n "${WORKERS:-14}" -p no:cacheprovider -p specla_failure_log \
+        -rfE --tb=short --junitxml="$out/junit-$name.xml" "$part" > "$out/pytest-$name.log" 2>&1
+    rc=$?
+    echo "$part: rc=$rc, $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error).* =+$' "$out/pytest-$name.log" | tail -1)"
+    [ "$rc" = 0 ] || status=$rc
+done
+grep '^==== ' "$out/failures.txt" 2>/dev/null
+exit $status
