@@ -67,6 +67,7 @@ import torch
 from kernels import copies_for, pruned_tree  # this folder is on sys.path when the script runs
 from provenance import add_allow_dirty, provenance
 from specla.mixers.gdn import serving as gdn_serving
+from specla.mixers.gdn import verify as gdn_verify
 from specla.mixers.kda import serving as kda_serving
 from specla.mixers.mamba2 import serving as mamba2_serving
 from specla.testing import engine_kernels
@@ -427,7 +428,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50, help="timed rounds (median)")
     ap.add_argument("--budget-gib", type=float, default=10.0, help="memory a rank gives running requests' GDN state")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tree-inverse", choices=("serial", "blocked"), default=gdn_verify.TUNING["tree"]["inverse"],
+                    help="the GDN tree kernel's forward substitution, T = (I + A)^-1 (specla.mixers.gdn.verify.TUNING)")
     args = ap.parse_args(argv)
+    gdn_verify.TUNING["tree"]["inverse"] = args.tree_inverse
     prog = Path(sys.argv[0]).name
     try:
         if args.extract:

@@ -122,6 +122,14 @@ def prepare(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["serial", "blocked"])
+def inverse(request, monkeypatch):
+    """Both forms of the forward substitution giving ``T = (I + A)^-1``: row by row, or by
+    blocks of 16 rows (trees of more than 16 nodes have off-diagonal blocks)."""
+    monkeypatch.setitem(gdn_verify.TUNING, "tree", {**gdn_verify.TUNING["tree"], "inverse": request.param})
+    return request.param
+
+
 @pytest.mark.parametrize("kind", SHAPES)
 @pytest.mark.parametrize("heads", [(1, 1, 16, 8), (2, 4, 8, 12)])
 def test_tree_verify_equals_naive(kind, heads, prepare):
@@ -144,7 +152,7 @@ def test_tree_verify_equals_naive(kind, heads, prepare):
 
 
 @pytest.mark.parametrize("T,g,beta", [(33, -0.05, 1.9), (64, -0.01, 0.9)])
-def test_tree_verify_stays_accurate_on_deep_chains_of_correlated_keys(T, g, beta, prepare):
+def test_tree_verify_stays_accurate_on_deep_chains_of_correlated_keys(T, g, beta, prepare, inverse):
     """A chain of 33 or 64 nodes whose keys are correlated (mean cosine about 0.5), with weak decay
     and a large ``beta`` (1.9: negative eigenvalues allowed): the powers of ``A`` grow large and
     cancel, so an inverse of ``I + A`` as a Neumann product loses every digit in float32 (errors
@@ -190,7 +198,7 @@ def test_values_read_in_place_from_a_wider_projection(kernel, T):
         assert torch.allclose(got.cpu(), ref.float(), rtol=1e-4, atol=1e-5)
 
 
-def test_tree_verify_with_pending_commit_equals_serial_kernel(prepare):
+def test_tree_verify_with_pending_commit_equals_serial_kernel(prepare, inverse):
     """The two kernels apply the same fused commit; then verify a 40-node random tree."""
     B, Tp, H, HV, K, V = 3, 5, 1, 2, 8, 4
     gen = torch.Generator().manual_seed(11)
@@ -221,6 +229,10 @@ def test_tree_verify_rejects_bad_input():
     with pytest.raises(ValueError, match="mask must be bool"):
         tree_verify(q, k, v, g, beta, S0, torch.ones(1, 3, 3, device=DEV), 0.5)
     big = [torch.zeros(1, 65, 1, 4, device=DEV)] * 2
+    with pytest.raises(ValueError, match='TUNING\\["tree"\\]\\["inverse"\\] must be "serial" or "blocked", got \'row\''):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(gdn_verify.TUNING, "tree", {**gdn_verify.TUNING["tree"], "inverse": "row"})
+            tree_verify(q, k, v, g, beta, S0, torch.ones(1, 3, 3, dtype=torch.bool, device=DEV), 0.5)
     with pytest.raises(ValueError, match="at most 64 nodes"):
         tree_verify(*big, torch.zeros(1, 65, 1, 4, device=DEV), torch.zeros(1, 65, 1, device=DEV),
                     torch.zeros(1, 65, 1, device=DEV), S0, torch.ones(1, 65, 65, dtype=torch.bool, device=DEV), 0.5)
