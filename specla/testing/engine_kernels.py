@@ -10,8 +10,9 @@ folder of that layout elsewhere (``root``; :func:`extract` writes one) is read i
 download: a machine without network. The two package-level helpers SGLang's kernel file imports
 (hardware probes, answered from torch) and vLLM's Triton re-exports (``vllm.triton_utils``, and
 for KDA ``exp``/``log`` of FLA's ``ops/op.py``, which are ``tl.exp``/``tl.log`` unless
-``FLA_USE_FAST_OPS`` is set) and platform probe are stubbed, and for vLLM's Mamba2 kernel its
-logger, config lookups and null block id, nothing else. Under Triton's interpreter (a CPU), the
+``FLA_USE_FAST_OPS`` is set) and platform probes are stubbed, and for vLLM's Mamba2 kernel its
+logger, config lookups and null block id, for its norm reference (``layernorm``) its module's
+package imports, nothing else. Under Triton's interpreter (a CPU), the
 Mamba2 kernels also need :func:`interpreter_bool_masks`, and SGLang's Mamba2 wrapper's CUDA
 device context is a no-op.
 
@@ -29,7 +30,12 @@ device context is a no-op.
   Mamba2's ``selective_state_update`` (chains likewise, ``state_batch_indices [N, T]``), with
   ``triton_helpers`` (its ``fast_exp``). Its tuned launch configs (JSON files beside it in the
   wheel) are not kept: it launches with its own default heuristic, as for any shape it has no
-  file for.
+  file for. ``mtp``: ``fused_gdn_decode_post_conv_mtp_triton``, vLLM's Triton port (run on ROCm)
+  of the compiled CUDA op ``fused_gdn_decode_post_conv_mtp`` its GDN layer runs for speculative
+  chains of at most 9 tokens on NVIDIA (``VLLM_GDN_DECODE_KERNEL=cuda``, the default; the CUDA op
+  is in vLLM's compiled ``_C`` extension, not a kernel file): the chain update with the output's
+  gated RMSNorm fused, its compute-unit probe answered as vLLM's CUDA and CPU platforms answer it;
+  ``layernorm``: ``RMSNormGated.forward_static``, vLLM's PyTorch reference of that norm.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ SGLANG = dict(name="sglang", version="0.5.23", platform="manylinux_2_34_x86_64",
 })
 VLLM = dict(name="vllm", version="0.34.0", platform="manylinux_2_28_x86_64", files={
     "chain": "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py",
+    "mtp": "vllm/third_party/flash_linear_attention/ops/fused_gdn_decode_post_conv_mtp.py",
+    "layernorm": "vllm/model_executor/layers/layernorm.py",
     "kda_chain": "vllm/models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py",
     "math_utils": "vllm/utils/math_utils.py",
     "mamba_ssm": "vllm/model_executor/layers/mamba/ops/mamba_ssm.py",
@@ -81,7 +89,8 @@ def cache_dir() -> Path:
 
 def kernel_files(engine: dict, root: Path | str | None = None) -> dict[str, Path]:
     """The engine's kernel files (key -> path): under ``root`` as they are, or from the cache,
-    downloaded once per version.
+    downloaded once per version, and again while any listed file is missing there (a cache
+    written before the file was listed).
 
     Raises:
         FileNotFoundError: a file is missing under ``root``.
@@ -199,6 +208,56 @@ def load_vllm(root: Path | str | None = None) -> types.ModuleType:
 
     files = kernel_files(VLLM, root)
     return _import_by_file("_engine_vllm_chain", files["chain"], {"vllm.triton_utils": dict(tl=tl, triton=triton)})
+
+
+class _NoLaunch:
+    """A Triton kernel whose launches (``kernel[grid](...)``) do nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _compute_units(device_id: int | None) -> int:
+    """vLLM's ``num_compute_units`` as its CUDA platform answers it (the device's SMs), or, for a
+    CPU tensor's device (no index), as its CPU platform does (torch's threads)."""
+    if device_id is None:
+        return torch.get_num_threads()
+    return torch.cuda.get_device_properties(device_id).multi_processor_count
+
+
+def load_vllm_mtp(root: Path | str | None = None, norm: bool = True) -> types.ModuleType:
+    """vLLM 0.34.0's Triton port of its fused GDN MTP decode: the module of
+    ``fused_gdn_decode_post_conv_mtp_triton`` (two launches: the chain update, which writes
+    ``out`` and its sums of squares, then the gated RMSNorm of ``out`` in place). With ``norm``
+    false, a separately imported module whose op skips the norm's launch: ``out`` holds the
+    recurrence's outputs as the update stored them. Raises as :func:`kernel_files`."""
+    import triton.language as tl
+
+    files = kernel_files(VLLM, root)
+    module = _import_by_file(f"_engine_vllm_mtp{'' if norm else '_unnormed'}", files["mtp"], {
+        "vllm.triton_utils": dict(tl=tl, triton=triton),
+        "vllm.utils.platform_utils": dict(num_compute_units=_compute_units)})
+    if not norm:
+        module._gdn_mtp_gated_rmsnorm_kernel = _NoLaunch()
+    return module
+
+
+def load_vllm_norm(root: Path | str | None = None):
+    """vLLM 0.34.0's gated RMSNorm reference, ``RMSNormGated.forward_static(x, z, weight,
+    epsilon, orig_dtype, group_size=None, norm_before_gate=True, activation="swish")`` (PyTorch;
+    what its GDN layer's ``self.norm`` computes). Raises as :func:`kernel_files`."""
+    class CustomOp(torch.nn.Module):  # the base and registry its layer classes are declared with
+        register = staticmethod(lambda name: lambda cls: cls)
+
+    files = kernel_files(VLLM, root)
+    none = lambda *a, **k: None  # noqa: E731
+    module = _import_by_file("_engine_vllm_layernorm", files["layernorm"], {
+        "vllm": dict(envs=None, ir=None), "vllm.kernels": {}, "vllm.logger": dict(init_logger=logging.getLogger),
+        "vllm.model_executor.custom_op": dict(CustomOp=CustomOp),
+        "vllm.model_executor.determinism.batch_invariant": dict(rms_norm_batch_invariant=none),
+        "vllm.model_executor.utils": dict(set_weight_attrs=none),
+        "vllm.utils.torch_utils": dict(direct_register_custom_op=none)})
+    return module.RMSNormGated.forward_static
 
 
 def load_vllm_kda(root: Path | str | None = None) -> types.ModuleType:
