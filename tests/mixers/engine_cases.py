@@ -38,6 +38,6 @@ def root_path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def chain_cu_seqlens() -> torch.Tensor:
-    """``cu_seqlens`` ``[len(CHAIN_LENS) + 1]`` int32 of the packed :data:`CHAIN_LENS` chains."""
-    return torch.tensor([0, *torch.tensor(CHAIN_LENS).cumsum(0).tolist()], dtype=torch.int32)
+def chain_cu_seqlens(lens: list[int] = CHAIN_LENS) -> torch.Tensor:
+    """``cu_seqlens`` ``[len(lens) + 1]`` int32 of packed chains of ``lens`` tokens."""
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)

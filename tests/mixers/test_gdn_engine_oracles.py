@@ -10,8 +10,9 @@ Oracles: SGLang 0.5.23's per-node tree verify (``fused_sigmoid_gating_delta_rule
 ``retrieve_parent_token`` and ``intermediate_states_buffer``, as ``TritonGDNKernel.target_verify``
 calls it; the committed state is the accepted node's snapshot) and its ReplaySSM fold (the
 compact-record chain: ring-written raw inputs replayed on commit); vLLM 0.34.0's chain
-speculative kernel (one state slot per draft position). Tolerances: the largest errors observed
-(noted at each assertion) with a margin of about 10x.
+speculative kernel (one state slot per draft position) and the Triton port of its fused MTP
+decode (the same slots, its output's gated RMSNorm fused). Tolerances: the largest errors
+observed (noted at each assertion) with a margin of about 10x.
 """
 
 from __future__ import annotations
@@ -37,17 +38,26 @@ def vllm():
     return load_or_skip(engine_kernels.load_vllm)
 
 
+@pytest.fixture(scope="module")
+def vllm_mtp():
+    """vLLM 0.34.0's Triton port of its fused MTP decode, as vLLM runs it (``fused``) and without
+    its gated-RMSNorm launch (``unnormed``), and vLLM's PyTorch reference of that norm."""
+    return load_or_skip(lambda: dict(fused=engine_kernels.load_vllm_mtp(),
+                                     unnormed=engine_kernels.load_vllm_mtp(norm=False),
+                                     norm=engine_kernels.load_vllm_norm()))
+
+
 H, HV, K, V = 2, 4, 16, 16
 
 
-def _layer(T_total: int, seed: int, hv: int = HV, dtype: torch.dtype = torch.float32):
+def _layer(T_total: int, seed: int, hv: int = HV, dtype: torch.dtype = torch.float32, dv: int = V):
     """One layer's verify inputs as SGLang hands them over: q, k, v strided views of one packed
-    projection ``[1, Ttot, ...]``, raw gate inputs ``a, b [Ttot, HV]`` (in ``dtype``), ``A_log``,
-    ``dt_bias`` (float32)."""
+    projection ``[1, Ttot, ...]`` (value head dim ``dv``), raw gate inputs ``a, b [Ttot, HV]``
+    (in ``dtype``), ``A_log``, ``dt_bias`` (float32)."""
     gen = torch.Generator().manual_seed(seed)
-    mixed = torch.randn(T_total, 2 * H * K + hv * V, generator=gen).to(dtype)
-    q, k, v = torch.split(mixed, [H * K, H * K, hv * V], dim=-1)
-    q, k, v = q.view(1, T_total, H, K), k.view(1, T_total, H, K), v.view(1, T_total, hv, V)
+    mixed = torch.randn(T_total, 2 * H * K + hv * dv, generator=gen).to(dtype)
+    q, k, v = torch.split(mixed, [H * K, H * K, hv * dv], dim=-1)
+    q, k, v = q.view(1, T_total, H, K), k.view(1, T_total, H, K), v.view(1, T_total, hv, dv)
     a = torch.randn(T_total, hv, generator=gen).to(dtype)
     b = torch.randn(T_total, hv, generator=gen).to(dtype)
     A_log = torch.rand(hv, generator=gen) * 2 - 1
@@ -55,9 +65,9 @@ def _layer(T_total: int, seed: int, hv: int = HV, dtype: torch.dtype = torch.flo
     return dict(A_log=A_log, a=a, dt_bias=dt_bias, q=q, k=k, v=v, b=b)
 
 
-def _pool(slots: int, seed: int, hv: int = HV) -> torch.Tensor:
-    """A state pool ``[slots, HV, V, K]`` float32 of states of a decoded sequence's size."""
-    return torch.randn(slots, hv, V, K, generator=torch.Generator().manual_seed(seed)) * 0.3
+def _pool(slots: int, seed: int, hv: int = HV, dv: int = V) -> torch.Tensor:
+    """A state pool ``[slots, HV, dv, K]`` float32 of states of a decoded sequence's size."""
+    return torch.randn(slots, hv, dv, K, generator=torch.Generator().manual_seed(seed)) * 0.3
 
 
 def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths, rows, hv=HV):
@@ -65,7 +75,7 @@ def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths,
     commit, and checks that the verify left the pool bit-identical."""
     pool = pool.clone()
     before = pool.clone()
-    records = empty_record_buffers(rows, steps, H, hv, K, V, "cpu")
+    records = empty_record_buffers(rows, steps, H, hv, K, pool.shape[2], "cpu")
     o = gdn_pool_verify(softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=pool,
                         initial_state_indices=cache_indices, use_qk_l2norm_in_kernel=True, cu_seqlens=qsl,
                         records=records, intermediate_state_indices=row_indices, cache_steps=steps,
@@ -156,6 +166,73 @@ def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm, prepare):
     ref = torch.stack([vpool[slots[n, m - 1]] for n, m in enumerate(CHAIN_ACCEPTED)])
     assert (committed[cache_indices.long()] - ref).abs().max() < 1.5e-6  # observed 1.2e-7 (moved by 1.3)
     assert torch.equal(committed[1], pool[1])
+
+
+# chains for the fused MTP decode, which vLLM runs for at most 9 tokens a row
+# (MAX_FUSED_GDN_MTP_TOKENS): the tokens a row, how many of the previous step's tokens were
+# accepted (the slot its start state is read from) and how many of this step's are
+MTP_LENS, MTP_PREV_ACCEPTED, MTP_ACCEPTED = [9, 4, 1, 6], [2, 9, 1, 4], [9, 2, 1, 5]
+
+
+@pytest.mark.parametrize("compute_units", [1, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_verify_and_commit_equal_vllm_fused_mtp_decode_triton_port(vllm_mtp, monkeypatch, dtype, compute_units):
+    """vLLM's Triton port of its fused MTP decode (``fused_gdn_decode_post_conv_mtp_triton``, the
+    stand-in for the compiled CUDA op its NVIDIA default runs) reads q, k, v from the packed
+    projection and the raw gates; starts row ``n`` from the state in slot ``state_indices[n,
+    num_accepted_tokens[n] - 1]`` and writes the state after position ``t`` to slot
+    ``state_indices[n, t]``; its outputs are gated-RMSNormed in place. Ragged chains of up to 9
+    tokens (its limit in vLLM), value head dim 64 (its least), the value dim split in two tiles or
+    not (``compute_units``: the GPU size its tiling heuristic reads), activations float32 or
+    bfloat16, states float32. Against specla's verify and commit: its outputs without the norm
+    (the port with its norm launch skipped), the committed state of the accepted position, and its
+    normed outputs against vLLM's norm reference (``RMSNormGated.forward_static``) applied to
+    specla's outputs, for both of vLLM's gate activations."""
+    N, T, dv, hv, eps = len(MTP_LENS), max(MTP_LENS), 64, 4, 1e-6
+    qsl = chain_cu_seqlens(MTP_LENS)
+    layer, pool = _layer(int(qsl[-1]), seed=7, hv=hv, dtype=dtype, dv=dv), _pool(5, seed=8, hv=hv, dv=dv)
+    q, tokens = layer["q"], int(qsl[-1])
+    mixed_qkv = q.as_strided((tokens, q.stride(1)), (q.stride(1), 1))  # the projection q, k, v are views of
+    cache_indices = torch.tensor([2, 0, 4, 3], dtype=torch.int32)
+    prev = torch.tensor(MTP_PREV_ACCEPTED, dtype=torch.int32)
+    # vLLM's pool: slot 0 is its null block; row n's positions take slots 1 + n * T + t
+    slots = 1 + torch.arange(N * T, dtype=torch.int32).view(N, T)
+    vpool = torch.zeros(1 + N * T, hv, dv, K)
+    vpool[slots[torch.arange(N), prev.long() - 1].long()] = pool[cache_indices.long()]
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(tokens, hv, dv, generator=gen).to(dtype)
+    weight = (1 + 0.2 * torch.randn(dv, generator=gen)).to(dtype)
+
+    def port(module, activation):
+        monkeypatch.setattr(module, "num_compute_units", lambda device_id: compute_units)
+        states, out = vpool.clone(), torch.empty(tokens, hv, dv, dtype=dtype)
+        module.fused_gdn_decode_post_conv_mtp_triton(
+            mixed_qkv=mixed_qkv, a=layer["a"], b=layer["b"], A_log=layer["A_log"], dt_bias=layer["dt_bias"],
+            state_indices=slots, cu_seqlens=qsl, num_accepted_tokens=prev, state=states, output_gate=z,
+            norm_weight=weight, out=out, scale=K**-0.5, norm_eps=eps, output_gate_activation=activation)
+        return out, states
+
+    o_ref, states = port(vllm_mtp["unnormed"], "silu")
+    paths = [list(range(m)) for m in MTP_ACCEPTED]
+    o, committed = _specla(layer, pool, cache_indices, torch.arange(N), qsl, T, None, paths, N, hv=hv)
+    o = o.view(tokens, hv, dv)
+    assert o.dtype == o_ref.dtype == dtype
+    # float32: observed 5.6e-8 (outputs up to 0.33); bfloat16: observed equal, allowed one bf16 rounding
+    tol = 6e-7 if dtype == torch.float32 else 2**-8 * o_ref.float().abs() + 1e-6
+    assert ((o.float() - o_ref.float()).abs() <= tol).all()
+    ref = torch.stack([states[slots[n, m - 1]] for n, m in enumerate(MTP_ACCEPTED)])
+    # observed 1.8e-7, 3.0e-7 with bfloat16 activations (states moved by 1.4)
+    assert (committed[cache_indices.long()] - ref).abs().max() < 3e-6
+    assert torch.equal(committed[1], pool[1])
+    for activation in ("silu", "sigmoid"):
+        normed, normed_states = port(vllm_mtp["fused"], activation)
+        assert torch.equal(normed_states, states)  # the norm launch writes no state
+        o_norm = vllm_mtp["norm"](o, z, weight, eps, dtype, activation=activation)
+        d = (o_norm.float() - normed.float()).abs()
+        # float32: observed 3.8e-6 (outputs up to 6.5); bfloat16: observed one bf16 ulp (the port
+        # and the reference sum, scale and round in different orders), allowed one ulp
+        tol = 4e-5 if dtype == torch.float32 else 2**-7 * normed.float().abs() + 1e-6
+        assert (d <= tol).all()
 
 
 def test_chain_verify_and_commit_equal_sglang_replayssm_fold(sglang):
