@@ -25,7 +25,10 @@ draft shape; every call is one layer:
   ``fused_sigmoid_gating_delta_rule_update``; KDA: ``fused_recurrent_kda``; Mamba2:
   ``selective_state_update`` at its default launch heuristic; one state slot per position,
   ``[N, T]`` slot indices; it commits by reading the last accepted position's slot at the next
-  step, no copy).
+  step, no copy), and for GDN ``vllm_fused_mtp``: ``fused_gdn_decode_post_conv_mtp_triton``,
+  vLLM's ROCm Triton port of the compiled CUDA op its GDN layer runs by default on NVIDIA for
+  chains of up to 9 tokens, a stand-in for that op, not the CUDA kernel itself (the same slots;
+  timed without its fused output norm's launch, :func:`vllm_fused_mtp`).
 The state pool has ``2 N + 1`` fp32 slots (vLLM's ``2 N T + 1``, slot 0 its null block) of GDN's
 and KDA's ``[HV, V, K]``, Mamba2's ``[H, P, NS]``, the rows' slots picked at random. GDN, KDA: q,
 k, v strided views of one projection, a and b raw gate inputs, all in ``--dtype``; ``A_log``,
@@ -44,9 +47,9 @@ sets (``kernels.copies_for``) are captured in one CUDA graph; the graphs are rep
 
 Memory per running request and layer, from the buffers each contender allocated: its pool
 slot(s) plus its speculation buffers (SGLang: ``D`` states; specla: its factor records; ReplaySSM:
-its rings; vLLM: ``T`` slots in all); times the model's layers of the op, and how many running requests
-fit in ``--budget-gib`` on one rank. Writes ``--out`` (JSON: ``meta`` provenance, ``cells``,
-``memory``) and the same path with ``.md`` (tables), printed last.
+its rings; both vLLM contenders: ``T`` slots in all); times the model's layers of the op, and how
+many running requests fit in ``--budget-gib`` on one rank. Writes ``--out`` (JSON: ``meta``
+provenance, ``cells``, ``memory``) and the same path with ``.md`` (tables), printed last.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ MODELS = {
     # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json linear_attn_config: num_heads 32,
     # head_dim 128; kda_layers 20 of its 27 layers
     "kimi-linear-48b-a3b": dict(op="kda", H=32, K=128, V=128, layers=20),
-    "tiny": dict(op="gdn", H=2, HV=4, K=16, V=16, layers=2),
+    "tiny": dict(op="gdn", H=2, HV=4, K=16, V=64, layers=2),  # V: the least vllm_fused_mtp takes
     "tiny-mamba2": dict(op="mamba2", H=4, P=16, NG=2, NS=16, layers=2),
     "tiny-kda": dict(op="kda", H=2, K=16, V=16, layers=2),
 }
@@ -248,15 +251,29 @@ def sglang_replayssm(x, eng) -> Contender:
     return Contender(run, lambda: pool[x.slot.long()], pool[0].nbytes, sum(r.nbytes for r in rings) // S)
 
 
-def vllm(x, eng) -> Contender:
-    """vLLM's chain kernel: one state slot per position (``[N, T]`` slot indices); it commits by
-    reading the last accepted position's slot at the next step, no copy."""
+def vllm_slots(x) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's slots of the rows' positions, ``[N, T]`` int32 (distinct, random), and its pool of
+    ``2 N T + 1`` fp32 slots (slot 0 its null block) where each row's start state is in the slot
+    of its previous step's last accepted position (``x.prev_accepted``)."""
     N, D, dev = x.N, x.D, x.pool.device
     gen = torch.Generator(dev).manual_seed(N * D)
     vslots = (1 + torch.randperm(2 * N * D, generator=gen, device=dev)[: N * D]).view(N, D).to(torch.int32)
     vpool = torch.empty(1 + 2 * N * D, *x.pool.shape[1:], device=dev)
-    rows = torch.arange(N, device=dev)
-    vpool[vslots[rows, x.prev_accepted.long() - 1].long()] = x.pool[x.slot.long()]  # the last step's accepted
+    vpool[vslots[torch.arange(N, device=dev), x.prev_accepted.long() - 1].long()] = x.pool[x.slot.long()]
+    return vslots, vpool
+
+
+def vllm_contender(x, vslots, vpool, run) -> Contender:
+    """A vLLM chain contender: it commits by reading the last accepted position's slot at the next
+    step, no copy; a running request holds ``T`` slots."""
+    rows = torch.arange(x.N, device=vpool.device)
+    return Contender(run, lambda: vpool[vslots[rows, x.accept_lens.long() - 1].long()], vpool[0].nbytes,
+                     (vslots.shape[1] - 1) * vpool[0].nbytes)
+
+
+def vllm(x, eng) -> Contender:
+    """vLLM's chain kernel: one state slot per position (``[N, T]`` slot indices, :func:`vllm_slots`)."""
+    vslots, vpool = vllm_slots(x)
     chain = dict(cu_seqlens=x.qsl, num_accepted_tokens=x.prev_accepted)
     if x.op == "mamba2":
         flat = {k: t.flatten(0, 1) if k in ("x", "dt", "B", "C") else t for k, t in x.layer.items()}
@@ -267,7 +284,7 @@ def vllm(x, eng) -> Contender:
                                                    dst_state_batch_indices=vslots, out=out, **chain, **flat)
             return out.view_as(x.layer["x"])
     elif x.op == "kda":
-        L, T = x.layer, N * D
+        L, T = x.layer, x.N * x.D
 
         def run():
             return eng.vllm_kda.fused_recurrent_kda(
@@ -279,9 +296,33 @@ def vllm(x, eng) -> Contender:
             return eng.vllm.fused_sigmoid_gating_delta_rule_update(
                 initial_state=vpool, inplace_final_state=True, ssm_state_indices=vslots, use_qk_l2norm_in_kernel=True,
                 **chain, **x.layer)[0]
-    slot_bytes = vpool[0].nbytes
-    return Contender(run, lambda: vpool[vslots[rows, x.accept_lens.long() - 1].long()], slot_bytes,
-                     (vslots.shape[1] - 1) * slot_bytes)
+    return vllm_contender(x, vslots, vpool, run)
+
+
+def vllm_fused_mtp(x, eng) -> Contender:
+    """GDN chains through ``fused_gdn_decode_post_conv_mtp_triton``: vLLM's ROCm Triton port of
+    the compiled CUDA op (``fused_gdn_decode_post_conv_mtp``, in vLLM's ``_C`` extension) that
+    its GDN layer runs by default on NVIDIA for chains of up to 9 tokens. A stand-in for that
+    op, not the CUDA kernel itself. The same slots as :func:`vllm`; q, k, v read from their
+    projection, the raw gates from theirs. Timed without its second launch, the output's gated
+    RMSNorm (which the other contenders leave to the layer); its update still writes the sums of
+    squares that norm reads. Needs a power-of-2 ``V`` of at least 64; chains longer than 9
+    tokens time the port where vLLM would not take it."""
+    vslots, vpool = vllm_slots(x)
+    L, T = x.layer, x.N * x.D
+    q, (HV, V) = L["q"], L["v"].shape[-2:]
+    mixed_qkv = q.as_strided((T, q.stride(1)), (q.stride(1), 1))  # the projection q, k, v are views of
+    out = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
+    # the skipped norm's arguments, which the op checks
+    norm = dict(output_gate=torch.empty_like(out), norm_weight=out.new_ones(V), norm_eps=1e-6,
+                output_gate_activation="silu")
+
+    def run():
+        eng.vllm_mtp.fused_gdn_decode_post_conv_mtp_triton(
+            mixed_qkv=mixed_qkv, a=L["a"], b=L["b"], A_log=L["A_log"], dt_bias=L["dt_bias"], state_indices=vslots,
+            cu_seqlens=x.qsl, num_accepted_tokens=x.prev_accepted, state=vpool, out=out, scale=x.K**-0.5, **norm)
+        return out.view_as(L["v"])
+    return vllm_contender(x, vslots, vpool, run)
 
 
 class Op(NamedTuple):
@@ -294,7 +335,8 @@ class Op(NamedTuple):
 OPS = {
     "gdn": Op(("H", "HV", "K", "V"), ("H", "HV"), gdn_layer, {
         "tree": {"specla": specla, "sglang": sglang},
-        "chain": {"specla": specla, "sglang": sglang, "sglang_replayssm": sglang_replayssm, "vllm": vllm}}),
+        "chain": {"specla": specla, "sglang": sglang, "sglang_replayssm": sglang_replayssm, "vllm": vllm,
+                  "vllm_fused_mtp": vllm_fused_mtp}}),
     "mamba2": Op(("H", "P", "NG", "NS"), ("H", "NG"), mamba2_layer, {
         "tree": {"specla": specla, "sglang": sglang},
         "chain": {"specla": specla, "sglang": sglang, "vllm": vllm}}),
@@ -302,7 +344,7 @@ OPS = {
         "tree": {"specla": specla, "sglang": sglang},
         "chain": {"specla": specla, "sglang": sglang, "sglang_replayssm": sglang_replayssm, "vllm": vllm}}),
 }
-NAMES = ["specla", "sglang", "sglang_replayssm", "vllm"]  # every op's contenders, in table order
+NAMES = ["specla", "sglang", "sglang_replayssm", "vllm", "vllm_fused_mtp"]  # every op's contenders, in table order
 
 
 def check(outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, bool]:
@@ -439,6 +481,7 @@ def main(argv=None) -> int:
             return 0
         eng = SimpleNamespace(sglang=engine_kernels.load_sglang(args.kernels),
                               vllm=engine_kernels.load_vllm(args.kernels),
+                              vllm_mtp=engine_kernels.load_vllm_mtp(args.kernels, norm=False),
                               vllm_kda=engine_kernels.load_vllm_kda(args.kernels),
                               vllm_mamba2=engine_kernels.load_vllm_mamba2(args.kernels))
     except (engine_kernels.RegistryUnreachable, FileNotFoundError) as err:
