@@ -441,6 +441,10 @@ def markdown(report: dict) -> str:
         lines.append(f"| {c['op']} | {c['models']} | {shape} | {c['batch']} | {c['workload']} | "
                      + " | ".join(f"{c['us'][n]:.1f}" if n in c["us"] else "-" for n in NAMES)
                      + f" | {'yes' if c['agree'] else '**NO**'} | {errs} |")
+    if any("vllm_fused_mtp" in c["us"] for c in report["cells"]):
+        lines += ["", "vllm_fused_mtp: vLLM's ROCm Triton port of the compiled CUDA op its GDN layer runs by default "
+                  "on NVIDIA (`fused_gdn_decode_post_conv_mtp`), a stand-in, not the CUDA kernel itself; timed without "
+                  "its fused output norm's launch."]
     lines += ["", f"Memory a running request holds (state slot + speculation buffers), requests in "
               f"{report['args']['budget_gib']} GiB a rank", "",
               "| op | model | TP | workload | contender | KiB a layer | of which speculation | "

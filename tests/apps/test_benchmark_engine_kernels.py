@@ -74,6 +74,7 @@ def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
     assert {"commit", "device", "versions", "date", "command"} <= set(report["meta"])
     table = out.with_suffix(".md").read_text()
     assert table.count("| yes |") == 12 and "**NO**" not in table
+    assert "vllm_fused_mtp: vLLM's ROCm Triton port of the compiled CUDA op" in table
 
 
 def _script():
