@@ -1,6 +1,7 @@
 """Speed of hybrid models at published shapes on one GPU, random weights, oracle drafter (issues 17, 18).
 
-    python benchmarks/hybrid_study.py --out DIR [--models qwen3_5-0.8b,bamba-9.8b] [--batches 1,8]
+    python benchmarks/hybrid_study.py --out DIR [--models qwen3_5-0.8b,bamba-9.8b] [--batches 1,8] [--drafter mtp]
+    python benchmarks/hybrid_study.py --out DIR --replot hybrid.json [...]   # the plot again
 
 Each model is a transformers class at a published model's layer shapes (:data:`SHAPES`) with random
 weights in bfloat16, except that the input embedding is scaled by ``--embed-scale`` and copied into
@@ -8,9 +9,12 @@ the LM head, as in ``benchmarks/e2e.py``: the greedy next token is then the inpu
 the oracle drafter of ``e2e.py`` (:class:`ProfileDrafter`) set acceptance exactly from a profile
 (by default the ``small`` target's trained EAGLE drafter on GSM8K, tree N 15 / depth 6 and chain N 6;
 ``--profile published:NAME`` and ``--chain-profile published:NAME`` take a drafter's published
-acceptance from ``benchmarks/profiles/published.json``, each the tree's or the chain's own) while a random EAGLE head of the model's width drafts a full tree each step, so the drafter's cost
-is counted. Acceptance is therefore a replayed profile, not this model's: these rows are a cost
-model, not a speed claim for a trained checkpoint.
+acceptance from ``benchmarks/profiles/published.json``, each the tree's or the chain's own;
+``geometric:MEAN`` a geometric profile of ``MEAN`` accepted drafts per step) while a random drafter
+drafts a full tree each step, so the drafter's cost is counted: an EAGLE head of the model's width,
+or with ``--drafter mtp`` the model's own checkpoint-style MTP layer (:func:`draft_head`). Acceptance
+is therefore a replayed profile, not this model's: these rows are a cost model, not a speed claim
+for a trained checkpoint.
 
 Rows per model and batch (medians over ``--repeats`` timed runs after a warm-up, prefill excluded):
 transformers ``generate`` (greedy, its cache, the model's own kernels: FLA's for Qwen3.5's GDN
@@ -22,7 +26,11 @@ the fraction of sequences equal to specla's AR output; ``record_mib`` the MiB pe
 verify of the tree keeps for its commit, for the ``factor`` and ``snapshot`` strategies.
 
 Writes ``DIR/hybrid.json`` (rows; ``meta``: commit, device, library versions, date and command,
-benchmarks/provenance.py, and the options as ``args``) and prints one JSON line per row.
+benchmarks/provenance.py, the options as ``args`` and the replayed ``profiles``, ``P(a)`` for
+``a = 0..6``), prints one JSON line per row, and plots ``DIR/hybrid.png``: each speculative row's
+``vs_best_ar`` against batch (matplotlib, the ``bench`` extra; ``--no-plot`` skips it). With
+``--device cpu`` (a check of the script) the steps run the GPU's fixed-shape path unrecorded
+(``cuda_graphs="unrecorded"``), which refuses what a CUDA graph could not record.
 """
 
 from __future__ import annotations
@@ -208,7 +216,7 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
     a = meta["args"]
     ax.set(xlabel="batch", ylabel="tokens/s over the fastest plain decoding", ylim=(0, None),
            title=f"cost model: random weights, {a['drafter']} drafter's cost, replayed acceptance\n"
-                 f"{meta.get('gpu') or a['device']}, commit {meta.get('commit')}")
+                 f"{meta['device']}, commit {meta['commit']}")
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -277,16 +285,16 @@ def main() -> None:
                     help="whose cost each step pays (draft_head): a random EAGLE head, or the model's own MTP "
                     "layer with random weights (qwen models)")
     ap.add_argument("--no-plot", action="store_true", help="write hybrid.json only, not hybrid.png")
-    ap.add_argument("--replot", metavar="JSON", help="write OUT/hybrid.png of an earlier hybrid.json; nothing is "
-                    "measured")
+    ap.add_argument("--replot", nargs="+", metavar="JSON", help="write OUT/hybrid.png of earlier hybrid.json files "
+                    "(rows merged, the first one's meta in the title); nothing is measured")
     a = add_allow_dirty(ap).parse_args()
     if not a.no_plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("the plot needs matplotlib: pip install 'specla[bench]' (or pass --no-plot)")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.replot:
-        data = json.loads(Path(a.replot).read_text())
-        plot(data["rows"], data["meta"], out_dir / "hybrid.png")
+        reports = [json.loads(Path(f).read_text()) for f in a.replot]
+        plot([r for d in reports for r in d["rows"]], reports[0]["meta"], out_dir / "hybrid.png")
         return
     unknown = [m for m in a.models.split(",") if m not in SHAPES]
     if unknown:

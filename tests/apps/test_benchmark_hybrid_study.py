@@ -47,8 +47,12 @@ def test_moe_shape_with_the_mtp_drafter_runs_exact_against_the_fastest_plain_row
             assert r["vs_best_ar"] == pytest.approx(r["tokens_per_s"] / best, rel=1e-12), r
             assert 0 <= r["accepted_per_step"] <= 6
         assert all((r["record_mib"] or 0) > 0 for r in mine if r["row"].startswith("SpecLA")) == (B == 1)
-    if plots:
+    if plots:  # the run's plot, and again from its JSON
         assert (tmp_path / "hybrid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        monkeypatch.setattr(sys, "argv", ["hybrid_study.py", "--out", str(tmp_path / "again"), "--replot",
+                                          str(tmp_path / "hybrid.json")])
+        hs.main()
+        assert (tmp_path / "again" / "hybrid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_moe_shapes_run_experts_a_cuda_graph_records():
