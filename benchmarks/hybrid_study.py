@@ -343,11 +343,11 @@ def main() -> None:
             add(**base, row="specla AR (graph)", **ar, vs_best_ar=ar["tokens_per_s"] / best, exact=1.0)
             for kind, tree in (("chain", CHAIN), ("tree", TREE)):
                 dec = decoder(tree, profile=profiles[kind])
-                r = timed(dec, prompts, a.repeats)
+                r, mib = timed(dec, prompts, a.repeats), record_mib(dec) if B == 1 else None
+                dec = None  # one decoder's state and graphs on the device at a time: large shapes at batch 256
                 snap = record_mib(decoder(tree, "snapshot", profiles[kind])) if B == 1 else None
                 add(**base, row=f"SpecLA {kind}", **r, vs_best_ar=r["tokens_per_s"] / best,
-                    exact=exact_rate(r["outputs"], ar["outputs"]), record_mib=record_mib(dec) if B == 1 else None,
-                    snapshot_record_mib=snap)
+                    exact=exact_rate(r["outputs"], ar["outputs"]), record_mib=mib, snapshot_record_mib=snap)
         model = head = None
         if a.device == "cuda":
             torch.cuda.empty_cache()
