@@ -213,10 +213,10 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     batches = sorted({r["B"] for r in rows})
     ax.set_xticks(batches, [str(B) for B in batches])
-    a = meta["args"]
+    drafter = meta.get("args", {}).get("drafter", "eagle")  # reports from before --drafter drafted with EAGLE
     ax.set(xlabel="batch", ylabel="tokens/s over the fastest plain decoding", ylim=(0, None),
-           title=f"cost model: random weights, {a['drafter']} drafter's cost, replayed acceptance\n"
-                 f"{meta['device']}, commit {meta['commit']}")
+           title=f"cost model: random weights, {drafter} drafter's cost, replayed acceptance\n"
+                 f"{meta.get('device') or meta.get('gpu')}, commit {meta['commit']}")  # older reports: gpu
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
