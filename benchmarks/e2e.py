@@ -250,6 +250,22 @@ def geometric(alpha: float, D: int) -> list[float]:
     return [alpha**a * (1 - alpha) for a in range(D)] + [alpha**D]
 
 
+def alpha_for_mean(mean: float, D: int) -> float:
+    """The per-token acceptance ``alpha`` of :func:`geometric` whose mean accepted drafts per step,
+    ``sum_{k=1..D} alpha^k``, is ``mean`` (bisection to 1e-12).
+
+    Raises:
+        ValueError: ``mean`` outside ``[0, D]``.
+    """
+    if not 0 <= mean <= D:
+        raise ValueError(f"a mean of {mean} accepted drafts is outside 0..{D} (depth {D})")
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-12:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**k for k in range(1, D + 1)) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
 class Harness:
     """Builds decoders on one model and times them."""
 
@@ -515,11 +531,15 @@ def measured_profile(spec: str, D: int = 6) -> list[float]:
       (a drafter's published acceptance at its own depth ``d``). A deeper one is cut to ``D``
       (``P(a = D)`` takes ``P(a >= D)``: the same drafter drafting ``D`` deep accepts ``min(a, D)``);
       a shallower one gets ``P(a) = 0`` for ``a > d`` (nothing past its depth was measured as accepted).
+    - ``geometric:MEAN``: no measurement, :func:`geometric` with the ``alpha`` of
+      :func:`alpha_for_mean`: ``MEAN`` accepted drafts per step on average (bonus token not counted).
 
     Raises:
         ValueError: a report histogram without ``D + 1`` bins; an unknown ``NAME`` (the message
-            names the known ones).
+            names the known ones); a ``MEAN`` outside ``[0, D]``.
     """
+    if spec.startswith("geometric:"):
+        return geometric(alpha_for_mean(float(spec.removeprefix("geometric:")), D), D)
     if spec.startswith("published:"):
         name = spec.removeprefix("published:")
         profiles = json.loads(PUBLISHED.read_text())["profiles"]
@@ -617,10 +637,11 @@ def main() -> None:
     ap.add_argument("--budgets", default="0,1,2,4,8,16,32,63")
     ap.add_argument("--alphas", default="0.5,0.6,0.7,0.8,0.9,0.95")
     ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree",
-                    help="FILE.json:RUN of acceptance.py, or published:NAME of benchmarks/profiles/published.json: "
+                    help="FILE.json:RUN of acceptance.py, published:NAME of benchmarks/profiles/published.json, or "
+                    "geometric:MEAN (measured_profile): "
                     "the tree's profile (default: the small target's attention drafter on GSM8K, commit a172ee1)")
     ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json"
-                    ":gsm8k/eagle-chain", help="FILE.json:RUN or published:NAME: the chain's profile")
+                    ":gsm8k/eagle-chain", help="FILE.json:RUN, published:NAME or geometric:MEAN: the chain's profile")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per sequence")
     ap.add_argument("--hf-tokens", type=int, default=32, help="new tokens per transformers generate run")
     ap.add_argument("--prompt-len", type=int, default=32)

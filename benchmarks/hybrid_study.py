@@ -1,6 +1,7 @@
 """Speed of hybrid models at published shapes on one GPU, random weights, oracle drafter (issues 17, 18).
 
-    python benchmarks/hybrid_study.py --out DIR [--models qwen3_5-0.8b,bamba-9.8b] [--batches 1,8]
+    python benchmarks/hybrid_study.py --out DIR [--models qwen3_5-0.8b,bamba-9.8b] [--batches 1,8] [--drafter mtp]
+    python benchmarks/hybrid_study.py --out DIR --replot hybrid.json [...]   # the plot again
 
 Each model is a transformers class at a published model's layer shapes (:data:`SHAPES`) with random
 weights in bfloat16, except that the input embedding is scaled by ``--embed-scale`` and copied into
@@ -8,9 +9,12 @@ the LM head, as in ``benchmarks/e2e.py``: the greedy next token is then the inpu
 the oracle drafter of ``e2e.py`` (:class:`ProfileDrafter`) set acceptance exactly from a profile
 (by default the ``small`` target's trained EAGLE drafter on GSM8K, tree N 15 / depth 6 and chain N 6;
 ``--profile published:NAME`` and ``--chain-profile published:NAME`` take a drafter's published
-acceptance from ``benchmarks/profiles/published.json``, each the tree's or the chain's own) while a random EAGLE head of the model's width drafts a full tree each step, so the drafter's cost
-is counted. Acceptance is therefore a replayed profile, not this model's: these rows are a cost
-model, not a speed claim for a trained checkpoint.
+acceptance from ``benchmarks/profiles/published.json``, each the tree's or the chain's own;
+``geometric:MEAN`` a geometric profile of ``MEAN`` accepted drafts per step) while a random drafter
+drafts a full tree each step, so the drafter's cost is counted: an EAGLE head of the model's width,
+or with ``--drafter mtp`` the model's own checkpoint-style MTP layer (:func:`draft_head`). Acceptance
+is therefore a replayed profile, not this model's: these rows are a cost model, not a speed claim
+for a trained checkpoint.
 
 Rows per model and batch (medians over ``--repeats`` timed runs after a warm-up, prefill excluded):
 transformers ``generate`` (greedy, its cache, the model's own kernels: FLA's for Qwen3.5's GDN
@@ -22,7 +26,11 @@ the fraction of sequences equal to specla's AR output; ``record_mib`` the MiB pe
 verify of the tree keeps for its commit, for the ``factor`` and ``snapshot`` strategies.
 
 Writes ``DIR/hybrid.json`` (rows; ``meta``: commit, device, library versions, date and command,
-benchmarks/provenance.py, and the options as ``args``) and prints one JSON line per row.
+benchmarks/provenance.py, the options as ``args`` and the replayed ``profiles``, ``P(a)`` for
+``a = 0..6``), prints one JSON line per row, and plots ``DIR/hybrid.png``: each speculative row's
+``vs_best_ar`` against batch (matplotlib, the ``bench`` extra; ``--no-plot`` skips it). With
+``--device cpu`` (a check of the script) the steps run the GPU's fixed-shape path unrecorded
+(``cuda_graphs="unrecorded"``), which refuses what a CUDA graph could not record.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from provenance import add_allow_dirty, provenance  # noqa: E402
 
 from specla import SpecConfig, SpecDecoder  # noqa: E402
 from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
+from specla.drafters.mtp import MTPDrafter  # noqa: E402
 
 # (plugin, transformers config class, model class, config kwargs)
 SHAPES = {
@@ -102,11 +111,32 @@ SHAPES = {
     "lfm2-1.2b": ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(
         vocab_size=65536, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, conv_L_cache=3, full_attn_idxs=[2, 5, 8, 10, 12, 14], tie_word_embeddings=True)),
+    # Qwen3.5-35B-A3B's layer shapes (transformers' Qwen3_5MoeTextConfig defaults, documented as that
+    # checkpoint's, and THUDM/slime scripts/models/qwen3.5-35B-A3B.sh agree): width 2048, every fourth
+    # layer gated attention (16 query, 2 key/value heads of 256, rotary on a quarter), GDN with 16 key
+    # and 32 value heads of 128 (conv 4), MoE in every layer (256 experts of 512, 8 active, plus a gated
+    # shared expert of 512), vocabulary 248,320, untied head. Cut to 20 of its 40 layers (5 attention,
+    # 15 GDN): the full stack's 34.7B parameters take 65 GiB in bfloat16, which with its recurrent
+    # state at batch 256 (30 GDN layers x 2 MiB x 256 = 15 GiB) does not fit one 80 GB GPU; 20 layers
+    # hold 17.8B (33 GiB). The experts run grouped_mm, which reads each expert's weights once:
+    # batched_mm gathers a 6 MiB copy of them per (token, expert) pair, 192 GiB per layer for a
+    # 16-node tree at batch 256
+    "qwen3_5-35b-a3b-20l": ("qwen", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8, tie_word_embeddings=False,
+        experts_implementation="grouped_mm")),
     # tiny shapes for a CPU check of the script itself
     "qwen3_5-tiny": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16)),
+    "qwen3_5-moe-tiny": ("qwen", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, experts_implementation="grouped_mm")),
     "bamba-tiny": ("mamba2_hybrid", "BambaConfig", "BambaForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=1)),
@@ -135,15 +165,64 @@ def build(name: str, embed_scale: float, device: str, dtype: torch.dtype):
     plugin, cfg_cls, model_cls, kw = SHAPES[name]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**{"eos_token_id": None, **kw})
-    with torch.device(device):
-        model = getattr(transformers, model_cls)(cfg).to(dtype).eval()
-    model.config._experts_implementation = "batched_mm"  # MoE experts a CUDA graph records
+    with torch.device(device):  # built in ``dtype``: a float32 copy of the largest shapes would not fit
+        model = getattr(transformers, model_cls)._from_config(cfg, dtype=dtype).eval()
+    # MoE experts a CUDA graph records (specla.mixers.experts_graph_problem); a shape may name grouped_mm
+    model.config._experts_implementation = kw.get("experts_implementation", "batched_mm")
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb.mul_(embed_scale)
         if model.lm_head.weight.data_ptr() != emb.data_ptr():
             model.lm_head.weight.copy_(emb)
     return plugin, model
+
+
+def draft_head(kind: str, model) -> tuple[type, torch.nn.Module]:
+    """The drafter class and the random head whose cost every speculative step pays (its drafts
+    are discarded by :class:`ProfileDrafter`): ``eagle``, an EAGLE head of the model's width;
+    ``mtp``, the checkpoint-style MTP layer of the qwen plugin (:class:`specla_qwen.mtp.QwenMTPHead`:
+    ``fc`` over the pair, one decoder layer of the model's own full-attention class, MoE where the
+    model's layers are, and the norms), on the model's device, initialised as transformers
+    initialises the model (the head's own classes leave the experts' weights unset)."""
+    if kind == "eagle":
+        return EagleDrafter, EagleHead(model.get_input_embeddings().weight.shape[1])
+    from specla_qwen.mtp import QwenMTPHead
+
+    with torch.device(model.lm_head.weight.device):
+        head = QwenMTPHead(model, None)
+    head.apply(model._init_weights)
+    return MTPDrafter, head
+
+
+def plot(rows: list[dict], meta: dict, path: Path) -> None:
+    """Speedup over the fastest plain decoding (``vs_best_ar``) against batch, a line per model and
+    kind (chain solid, tree dashed), the 1.0x and 2.0x lines drawn: a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for kind, style in (("chain", "-o"), ("tree", "--s")):
+            pts = sorted((r["B"], r["vs_best_ar"]) for r in rows if r["model"] == model and r["row"] == f"SpecLA {kind}")
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{model}, {kind}")
+    for y in (1.0, 2.0):
+        ax.axhline(y, color="gray", lw=0.8, ls=":" if y == 2.0 else "-")
+    ax.set_xscale("log", base=2)
+    batches = sorted({r["B"] for r in rows})
+    ax.set_xticks(batches, [str(B) for B in batches])
+    drafter = meta.get("args", {}).get("drafter", "eagle")  # reports from before --drafter drafted with EAGLE
+    ax.set(xlabel="batch", ylabel="tokens/s over the fastest plain decoding", ylim=(0, None),
+           title=f"cost model: random weights, {drafter} drafter's cost, replayed acceptance\n"
+                 f"{meta.get('device') or meta.get('gpu')}, commit {meta['commit']}")  # older reports: gpu
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def timed(dec: SpecDecoder, prompts: list[list[int]], repeats: int) -> dict:
@@ -198,16 +277,34 @@ def main() -> None:
     ap.add_argument("--embed-scale", type=float, default=32.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree",
-                    help="the tree's profile: FILE.json:RUN of acceptance.py, or published:NAME of "
-                    "benchmarks/profiles/published.json (e2e.measured_profile)")
+                    help="the tree's profile: FILE.json:RUN of acceptance.py, published:NAME of "
+                    "benchmarks/profiles/published.json, or geometric:MEAN (e2e.measured_profile)")
     ap.add_argument("--chain-profile", default="benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json"
                     ":gsm8k/eagle-chain", help="the chain's profile, as --profile")
+    ap.add_argument("--drafter", choices=("eagle", "mtp"), default="eagle",
+                    help="whose cost each step pays (draft_head): a random EAGLE head, or the model's own MTP "
+                    "layer with random weights (qwen models)")
+    ap.add_argument("--no-plot", action="store_true", help="write hybrid.json only, not hybrid.png")
+    ap.add_argument("--replot", nargs="+", metavar="JSON", help="write OUT/hybrid.png of earlier hybrid.json files "
+                    "(rows merged, the first one's meta in the title); nothing is measured")
     a = add_allow_dirty(ap).parse_args()
-    meta = dict(provenance(a.device, a.allow_dirty), args=dict(vars(a)))
+    if not a.no_plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("the plot needs matplotlib: pip install 'specla[bench]' (or pass --no-plot)")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if a.replot:
+        reports = [json.loads(Path(f).read_text()) for f in a.replot]
+        plot([r for d in reports for r in d["rows"]], reports[0]["meta"], out_dir / "hybrid.png")
+        return
+    unknown = [m for m in a.models.split(",") if m not in SHAPES]
+    if unknown:
+        ap.error(f"--models: unknown {unknown}; known: {', '.join(SHAPES)}")
+    no_mtp = [m for m in a.models.split(",") if SHAPES[m][0] != "qwen"]
+    if a.drafter == "mtp" and no_mtp:
+        ap.error(f"--drafter mtp builds the qwen plugin's MTP layer; {no_mtp} are not qwen models")
     profiles = {"tree": measured_profile(a.profile), "chain": measured_profile(a.chain_profile)}
-    graphs = "on" if a.device == "cuda" else "off"
+    meta = dict(provenance(a.device, a.allow_dirty), args=dict(vars(a)), profiles=profiles)
+    graphs = "on" if a.device == "cuda" else "unrecorded"
     rows = []
 
     def add(**row):
@@ -218,9 +315,8 @@ def main() -> None:
 
     for name in a.models.split(","):
         plugin, model = build(name, a.embed_scale, a.device, torch.bfloat16)
-        hidden = model.get_input_embeddings().weight.shape[1]
         params = sum(p.numel() for p in model.parameters())
-        head = EagleHead(hidden)
+        drafter_cls, head = draft_head(a.drafter, model)
         g = torch.Generator().manual_seed(0)
         V = model.get_input_embeddings().weight.shape[0]
         for B in (int(b) for b in a.batches.split(",")):
@@ -229,8 +325,8 @@ def main() -> None:
             def decoder(tree: dict, commit: str = "factor", profile=None):
                 cfg = SpecConfig(device=a.device, dtype="bfloat16", stop_at_eos=False, max_new_tokens=a.tokens,
                                  engine=dict(commit=commit, cuda_graphs=graphs, budget_policy="fixed"), **tree)
-                eagle = EagleDrafter(head) if tree["num_draft_tokens"] else None
-                return SpecDecoder(model, plugin, drafter=ProfileDrafter(profile or geometric(0.0, 6), eagle),
+                draft = drafter_cls(head) if tree["num_draft_tokens"] else None
+                return SpecDecoder(model, plugin, drafter=ProfileDrafter(profile or geometric(0.0, 6), draft),
                                    config=cfg)
 
             base = dict(model=name, params=params, B=B)
@@ -247,14 +343,16 @@ def main() -> None:
             add(**base, row="specla AR (graph)", **ar, vs_best_ar=ar["tokens_per_s"] / best, exact=1.0)
             for kind, tree in (("chain", CHAIN), ("tree", TREE)):
                 dec = decoder(tree, profile=profiles[kind])
-                r = timed(dec, prompts, a.repeats)
+                r, mib = timed(dec, prompts, a.repeats), record_mib(dec) if B == 1 else None
+                dec = None  # one decoder's state and graphs on the device at a time: large shapes at batch 256
                 snap = record_mib(decoder(tree, "snapshot", profiles[kind])) if B == 1 else None
                 add(**base, row=f"SpecLA {kind}", **r, vs_best_ar=r["tokens_per_s"] / best,
-                    exact=exact_rate(r["outputs"], ar["outputs"]), record_mib=record_mib(dec) if B == 1 else None,
-                    snapshot_record_mib=snap)
-        model = None
+                    exact=exact_rate(r["outputs"], ar["outputs"]), record_mib=mib, snapshot_record_mib=snap)
+        model = head = None
         if a.device == "cuda":
             torch.cuda.empty_cache()
+    if not a.no_plot:
+        plot(rows, meta, out_dir / "hybrid.png")
 
 
 if __name__ == "__main__":

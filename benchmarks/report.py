@@ -55,6 +55,9 @@ OWN_ROWS = (*AR_ROWS, "SpecLA chain", "SpecLA tree")
 SUITES = {"gsm8k_test": "gsm8k", "specbench_like": "mixed"}  # small_target_bench.sh's suite names
 SHAPES = {(15, 6, 4): "tree", (6, 6, 1): "chain"}  # and its draft shapes
 HYBRID_EMBED_SCALE = 32.0  # hybrid_study.py's --embed-scale default, for reports without ``args``
+# hybrid_study.py's and e2e.py's --profile and --chain-profile defaults: a setup cell names other ones
+DEFAULT_PROFILES = ("benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-tree",
+                    "benchmarks/results/2026-11-30/run4/acceptance-gsm8k.json:gsm8k/eagle-chain")
 PROVENANCE = ["GPU", "date", "commit", "code", "command", "raw"]
 QUESTIONS = {  # title, configuration columns, value columns
     "trained": ("Trained targets end to end",
@@ -239,6 +242,19 @@ def _num(row: dict, field: str, spec: str) -> str:
     return "" if row.get(field) is None else format(row[field], spec)
 
 
+def model_setup(args: dict) -> str:
+    """The setup cell of an e2e.py or hybrid_study.py report's rows: the embedding scale, then the
+    drafter whose cost is paid and the replayed profiles where they are not the defaults."""
+    cell = [f"embed x{args['embed_scale']:g}"]
+    if args.get("drafter", "eagle") != "eagle":
+        cell.append(f"{args['drafter']} drafter")
+    profiles = (args.get("profile", DEFAULT_PROFILES[0]), args.get("chain_profile", DEFAULT_PROFILES[1]))
+    if profiles != DEFAULT_PROFILES:
+        cell.append(f"profile {profiles[0]}" if profiles[0] == profiles[1]
+                    else f"tree profile {profiles[0]}, chain profile {profiles[1]}")
+    return ", ".join(cell)
+
+
 def model_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
     """An e2e.py or hybrid_study.py report: specla's own rows (cost models) and the others
     (baselines), each with its ratio to specla's graph AR row of the same report and batch."""
@@ -259,7 +275,7 @@ def model_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
         values = [_num(r, "tokens_per_s", ".1f"), _num(r, "ms_per_step", ".2f"), _num(r, "accepted_per_step", ".2f"),
                   ratio, _num(r, "exact", ".3f")]
         yield Row("cost" if r["row"] in OWN_ROWS else "baselines",
-                  (model, f"embed x{args['embed_scale']:g}", r["B"], r["row"]), values, src)
+                  (model, model_setup(args), r["B"], r["row"]), values, src)
 
 
 def kernel_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:

@@ -93,6 +93,18 @@ def test_published_profile_values_and_unknown_name():
     assert str(err.value) == f"published:no-such-drafter: no such published profile; known: {known}"
     assert "eagle3-llama3.1-8b-steps8" in known and "deepseek-v3-mtp-sglang-tree" in known
 
+
+def test_geometric_profile_has_the_asked_mean_of_accepted_drafts():
+    for mean, D in ((3.0, 6), (0.0, 6), (6.0, 6), (1.5, 2)):
+        p = e2e.measured_profile(f"geometric:{mean}", D=D)
+        alpha = e2e.alpha_for_mean(mean, D)
+        assert p == pytest.approx(e2e.geometric(alpha, D), abs=1e-15)
+        assert len(p) == D + 1 and sum(p) == pytest.approx(1.0, abs=1e-12)
+        assert sum(a * q for a, q in enumerate(p)) == pytest.approx(mean, abs=1e-9)
+    assert e2e.alpha_for_mean(3.0, 6) == pytest.approx(0.80455, abs=1e-5)
+    with pytest.raises(ValueError, match="outside 0..6"):
+        e2e.measured_profile("geometric:6.5")
+
 def test_tables_mark_cells_that_were_not_run():
     rows = [dict(study="step", N=0, B=1, ms_per_step=3.0, vs_ar_step=1.0),
             dict(study="step", N=16, B=1, ms_per_step=4.9, vs_ar_step=1.63),

@@ -144,6 +144,16 @@ def test_model_reports_split_into_cost_models_and_baselines(results):
         "0123456+dirty", "python benchmarks/hybrid_study.py --out /o --models m --batches 1 --embed-scale 2000")
 
 
+def test_model_setup_names_the_drafter_and_profiles_that_are_not_the_defaults():
+    assert report.model_setup(dict(embed_scale=2000.0)) == "embed x2000"
+    assert report.model_setup(dict(embed_scale=32.0, drafter="eagle", profile=report.DEFAULT_PROFILES[0],
+                                   chain_profile=report.DEFAULT_PROFILES[1])) == "embed x32"
+    assert report.model_setup(dict(embed_scale=2000.0, drafter="mtp", profile="geometric:3",
+                                   chain_profile="geometric:3")) == "embed x2000, mtp drafter, profile geometric:3"
+    assert report.model_setup(dict(embed_scale=2000.0, profile="published:a", chain_profile="published:b")) == (
+        "embed x2000, tree profile published:a, chain profile published:b")
+
+
 def test_kernel_rows_put_a_case_s_batches_in_one_cell_with_the_readme_s_commit(results):
     """The folder README's file table (braces expanded) gives the commit and command of a
     report that records none."""

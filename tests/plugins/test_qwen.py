@@ -154,6 +154,33 @@ def test_eager_moe_experts_refuse_a_recorded_step_by_name():
     assert dec.generate(prompts).outputs == refs
 
 
+def grouped_mm_runs(device: str, graphs: str) -> tuple[list, list, SpecDecoder]:
+    """The tiny MoE model in bfloat16 on transformers' ``grouped_mm`` experts: plain decoding's
+    outputs, then an oracle tree's (drafting those outputs) and its decoder, with ``graphs``."""
+    model = ARCH.tiny_model("moe", seed=3, dtype=torch.bfloat16).to(device)
+    model.config._experts_implementation = "grouped_mm"
+    prompts = [[3, 5, 7, 9, 11], [4, 6]]
+
+    def decoder(drafter, **tree):
+        return SpecDecoder(model, drafter=drafter, config=dict(max_new_tokens=12, dtype="bfloat16", device=device,
+                                                               engine=dict(cuda_graphs=graphs, budget_policy="fixed"),
+                                                               **tree))
+
+    plain = decoder("ngram", num_draft_tokens=0).generate(prompts).outputs
+    dec = decoder(OracleDrafter(prompts, plain, "tree", V), num_draft_tokens=6, max_depth=4, top_k=2)
+    return plain, dec.generate(prompts).outputs, dec
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grouped_mm_experts_record_in_bfloat16():
+    """transformers' ``grouped_mm`` experts (its default for a loaded checkpoint, and the
+    experts of benchmarks/hybrid_study.py's Qwen3.5-35B-A3B shape) in bfloat16: plain and tree
+    steps are recorded in CUDA graphs and decode what the same fixed-shape steps decode unrecorded."""
+    plain, tree, dec = grouped_mm_runs("cuda", "on")
+    assert dec.engine._runner is not None and dec.engine._runner.graphs
+    assert (plain, tree) == grouped_mm_runs("cuda", "unrecorded")[:2]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_eager_moe_experts_run_eager_steps():
     """On a GPU, a MoE model on transformers' eager experts runs with ``cuda_graphs="auto"``
