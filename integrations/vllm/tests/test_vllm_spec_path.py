@@ -44,9 +44,7 @@ from vllm.config import SpeculativeConfig  # noqa: E402
 from vllm.forward_context import ForwardContext, override_forward_context  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder  # noqa: E402
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
-from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 from specla_vllm.layer import (SpeclaGDNAttentionMetadata, SpeclaGDNAttentionMetadataBuilder,  # noqa: E402
                                SpeclaQwenGatedDeltaNetAttention)
@@ -137,7 +135,7 @@ def _serial_prefill(self, q, k, v, g, beta, initial_state, output_final_state, c
     state, q and k already normalised (vLLM's prep does it). Shapes as vLLM's: ``q, k [1, T, H, K]``,
     ``v [1, T, HV, V]``, ``g, beta [1, T, HV]``, ``initial_state [N, HV, V, K]``; returns ``o``
     (``v``'s shape and dtype) and the final states."""
-    H, K, HV, V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    H, K, HV = q.shape[2], q.shape[3], v.shape[2]
     o = torch.empty_like(v)
     final = initial_state.clone().float()
     for n in range(cu_seqlens.shape[0] - 1):
