@@ -265,6 +265,8 @@ class SpecDecoder:
                 +inf, or are -inf for every token (the message names the prompts and the step;
                 the decoder stays usable).
             TypeError: ``progress`` neither a bool nor a callable.
+            SpecError: ``generate`` called from inside its own ``progress`` callback (the
+                running call still holds the decoder; other threads wait their turn instead).
             GenerationInterrupted: a ``KeyboardInterrupt`` (Ctrl-C, or raised by ``progress``)
                 during decoding; it carries the outputs (and texts) decoded until then, and the
                 decoder stays usable.
