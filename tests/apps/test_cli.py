@@ -469,6 +469,49 @@ def test_a_deprecated_config_key_on_the_command_line_is_one_warning_line():
                      "release: use engine={'kernels': 'reference'}"], out.stderr
 
 
+class _RunsCode:
+    """Pickles as a call of ``pathlib.Path.touch``: unpickled unsafely it would create the marker."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_pickles_holding_more_than_tensors_are_refused_in_one_line_and_never_run(tmp_path):
+    """A drafter's ``checkpoint.pt`` (--resume) and a checkpoint's ``pytorch_model.bin`` that would
+    run code when unpickled, saved with pickle protocol 4 (torch warns about it): each command
+    prints one line, torch's advice and warning left out, and the code never runs (run in a fresh
+    process: pytest records warnings instead of printing them)."""
+    import torch
+
+    marker, out, model = tmp_path / "ran", tmp_path / "d", tmp_path / "m"
+    EagleHead(256).save(out, trained_steps=7)
+    torch.save({"step": 1, "payload": _RunsCode(marker)}, out / "checkpoint.pt", pickle_protocol=4)
+    model.mkdir()
+    shutil.copy(f"{TINY}/config.json", model)
+    torch.save({"model.embed_tokens.weight": _RunsCode(marker)}, model / "pytorch_model.bin", pickle_protocol=4)
+    commands = [["train-drafter", "--model", TINY, "--data", DATA, "--out", out, *SMALL, "--resume"],
+                ["generate", "--model", model, "--prompt", PROMPT, "--device", "cpu", "--tokenizer", TINY]]
+    errors = []
+    for command in commands:
+        run = subprocess.run([sys.executable, "-m", "specla.apps.cli", *map(str, command)], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 2, run.stderr
+        errors.append(run.stderr)
+    assert errors == [
+        f"specla: error: --resume: {out / 'checkpoint.pt'} holds objects other than tensors, and specla loads no "
+        "such file (loading it could run code); resume only from a checkpoint.pt that train-drafter wrote, or "
+        "start afresh with --overwrite\n",
+        f"specla: error: cannot load the checkpoint in {model}: a pickled weights file in it holds objects other "
+        "than tensors, and specla loads no such file (loading it could run code); convert it to safetensors where "
+        "it comes from a source you trust\n"]
+    assert not marker.exists()
+
+
 def test_the_command_line_prints_speclas_warnings_in_one_line_and_leaves_others_as_they_are():
     """Run in a fresh process: pytest records warnings instead of printing them."""
     code = (
