@@ -46,9 +46,24 @@ arithmetic. Even at 10,000 tokens/s a sequence this long takes 2.5 days; a large
 typo (from ``2**63`` on, one overflows the int64 tensors of a step)."""
 
 
-def validation_message(err) -> str:
-    """A pydantic ``ValidationError`` in one line: ``field: message; field: message``."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())
+def validation_message(err, names: dict[str, str] | None = None) -> str:
+    """A pydantic ``ValidationError`` in one line: ``field: message; field: message``.
+
+    Args:
+        err: the error.
+        names: what to call a field (its dotted location, e.g. ``engine.commit``) where the
+            user set it by another name, e.g. a command-line flag; an item of a list field
+            (``stop_token_ids.0``) takes its field's name.
+    """
+    names = names or {}
+
+    def name(loc: tuple) -> str:
+        dotted = ".".join(map(str, loc))
+        field = next((names[k] for k in names if dotted == k or dotted.startswith(k + ".")), None)
+        return field or dotted or "config"
+
+    # pydantic prefixes what a validator raised with "Value error, ": the text after it is ours
+    return "; ".join(f"{name(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
 
 
 class EngineOptions(BaseModel):

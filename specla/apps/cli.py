@@ -36,15 +36,32 @@ def _auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# the flag that sets each SpecConfig field (dotted location), for errors about a value typed as one
+_FLAG_OF_FIELD = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "--num-draft-tokens",
+                  "max_depth": "--max-depth", "top_k": "--tree-top-k", "dtype": "--dtype", "device": "--device",
+                  "temperature": "--temperature", "top_p": "--top-p", "sampling_top_k": "--top-k", "seed": "--seed",
+                  "stop_token_ids": "--stop-token-id", "engine.commit": "--commit"}
+
+
 def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: dict | None = None) -> SpecConfig:
     """``SpecConfig`` from defaults, then ``--config``'s fields, then the flags given (``None``:
     not given), each later one winning; ``engine_flags`` set fields of its ``engine`` over
-    ``--config``'s."""
-    fields = {**base, **(overrides or {}), **{k: v for k, v in flags.items() if v is not None}}
+    ``--config``'s.
+
+    Raises:
+        ValueError: a value SpecConfig refuses, in one line that names a value given by a flag
+            by that flag (``--tree-top-k``, not ``top_k``), and one from ``--config`` by its field.
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
+    fields = {**base, **(overrides or {}), **given}
     engine = {k: v for k, v in (engine_flags or {}).items() if v is not None}
     if engine:
         fields["engine"] = {**fields.get("engine", {}), **engine}
-    return SpecConfig(**fields)
+    try:
+        return SpecConfig(**fields)
+    except ValidationError as err:
+        flagged = [*given, *(f"engine.{k}" for k in engine)]
+        raise ValueError(validation_message(err, {k: _FLAG_OF_FIELD[k] for k in flagged})) from None
 
 
 def _checkpoint_dir(model: str) -> Path:
@@ -232,7 +249,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     if not (model / "tokenizer.json").is_file():
         raise ValueError(f"--model {model} has no tokenizer (no tokenizer.json in it); train-drafter reads text")
     texts = read_texts(args.data)
-    config = SpecConfig(dtype="float32", device=args.device or _auto_device())
+    config = _spec_config({"dtype": "float32", "device": _auto_device()}, None, {"device": args.device})
     dec = SpecDecoder(model, args.plugin, config=config)
     summary = train_drafter(dec.adapter, dec.tokenizer, args.data, args.out, cfg, resume=args.resume,
                             stop_at=args.stop_at, overwrite=args.overwrite, texts=texts)

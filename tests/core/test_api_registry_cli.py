@@ -567,7 +567,7 @@ def test_max_new_tokens_is_at_most_a_32_bit_integer(capsys):
         specla.apps.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", str(10**30),
                          "--device", "cpu"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == ("specla: error: max_new_tokens: Input should be less than or equal to "
+    assert capsys.readouterr().err == ("specla: error: --max-new-tokens: Input should be less than or equal to "
                                        "2147483647\n")
 
 
@@ -750,3 +750,6 @@ def test_bad_options_given_as_a_dict_are_a_config_error_naming_each_field():
     assert isinstance(err.value, specla.SpecError) and isinstance(err.value, ValueError)
     with pytest.raises(ConfigError, match=r"^config: max_new_tokens: Input should be greater than or equal to 1$"):
         specla.run(TINY, prompts=[[1, 2]], config={"max_new_tokens": 0})
+    with pytest.raises(ConfigError) as err:  # what a validator said, without pydantic's "Value error, "
+        SpecDecoder("no/such/dir", config={"stop_token_ids": [-1]})
+    assert str(err.value) == "config: stop_token_ids: stop_token_ids must be non-negative token ids, got (-1,)"
