@@ -172,7 +172,8 @@ def test_cli_plugins_and_generate():
     "args, message",
     [
         (["generate", "--model", "/nonexistent", "--prompt", "hi"], "is not a checkpoint directory"),
-        (["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "0"],
+         "--max-new-tokens: Input should be greater than or equal to 1"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "mamba9"], "unknown plugin 'mamba9'"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--drafter", "eagle9"], "unknown drafter"),
         (["generate", "--model", str(TINY), "--prompt", "", "--device", "cpu"], "prompt 0 is empty"),
