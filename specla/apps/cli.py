@@ -408,9 +408,18 @@ def _spec_default(field: str):
     return SpecConfig.model_fields[field].default
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line argument error, as every other error of the command line; the
+    usage block argparse would print first is what ``--help`` shows, and the line points there.
+    Subcommand parsers are of this class too (argparse makes them of their parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``specla`` argument parser."""
-    parser = argparse.ArgumentParser(prog="specla", description="Speculative decoding for linear-attention models")
+    parser = _Parser(prog="specla", description="Speculative decoding for linear-attention models")
     parser.add_argument("--version", action="version", version=f"specla {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = ("SpecConfig fields as a JSON object, inline ('{\"temperature\": 0.8}') or the path of a file "

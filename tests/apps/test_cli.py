@@ -108,6 +108,18 @@ def test_config_errors_name_the_flag_typed_and_config_fields_by_their_name(capsy
                               "(-1,)\n")
 
 
+def test_argument_errors_are_one_line_without_the_usage_block(capsys):
+    cases = [(["generate", "--model", TINY, "--prompt", PROMPT, "--threads", "0"],
+              "specla generate: error: argument --threads: must be >= 1, got 0 (see specla generate --help)"),
+             (["generate", "--model", TINY, "--prompt", PROMPT, "--max-new-tokens", "abc"],
+              "specla generate: error: argument --max-new-tokens: not an integer: 'abc' (see specla generate --help)"),
+             (["bench", "--model", TINY, "--prompts", "p.jsonl", "--batch-size", "0"],
+              "specla bench: error: argument --batch-size: must be >= 1, got 0 (see specla bench --help)"),
+             ([], "specla: error: the following arguments are required: command (see specla --help)")]
+    for args, line in cases:
+        assert cli(capsys, *args) == (2, "", line + "\n"), args
+
+
 def test_stop_token_ids_and_single_token_stop_strings(capsys):
     stats, _ = generate(capsys, "--max-new-tokens", "12", "--stop-token-id", "1042")
     assert stats["generated_tokens"] == GREEDY.index(1042) + 1 and stats["config"]["stop_token_ids"] == [1042]
