@@ -66,6 +66,10 @@ def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: 
 
 def _checkpoint_dir(model: str) -> Path:
     """``--model`` as a checkpoint directory, checked before anything loads."""
+    if not Path(model).exists():
+        raise UnsupportedModelError(f"--model {model} does not exist")
+    if not Path(model).is_dir():
+        raise UnsupportedModelError(f"--model {model} is a file, not a checkpoint directory")
     if not (Path(model) / "config.json").is_file():
         raise UnsupportedModelError(f"--model {model} is not a checkpoint directory (no config.json in it)")
     return Path(model)
@@ -117,6 +121,16 @@ def stop_string_ids(tokenizer, stops: list[str]) -> list[int]:
     return ids
 
 
+_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
+
+
+def _nth(flag: str, index: int) -> str:
+    """``"the first --prompt"``: a repeated flag's value named by its position (``index`` from 0)."""
+    n = index + 1
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"the {_ORDINALS[index] if index < len(_ORDINALS) else f'{n}{suffix}'} {flag}"
+
+
 def _text_argument(flag: str, index: int, text: str) -> str:
     """A text flag's value as the tokenizer reads it: ``sys.argv`` holds bytes that do not decode
     in the locale's encoding as lone surrogates, which are decoded here as UTF-8.
@@ -127,7 +141,7 @@ def _text_argument(flag: str, index: int, text: str) -> str:
     try:
         return text.encode("utf-8", "surrogateescape").decode("utf-8")
     except UnicodeError as err:
-        raise ValueError(f"{flag} {index} is not UTF-8 text ({err})") from None
+        raise ValueError(f"{_nth(flag, index)} is not UTF-8 text ({err})") from None
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
@@ -135,12 +149,13 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
     Raises:
         ValueError: an empty or whitespace-only prompt, or one that is not UTF-8 text (each named
-            by its position among the ``--prompt`` flags, from 0).
+            by its position among the ``--prompt`` flags: "the first --prompt").
     """
     prompts = [_text_argument("--prompt", i, text) for i, text in enumerate(args.prompt)]
     for i, text in enumerate(prompts):
         if not text.strip():
-            raise ValueError(f"--prompt {i} is empty{' (only whitespace)' if text else ''}: give the text to continue")
+            raise ValueError(f"{_nth('--prompt', i)} is empty{' (only whitespace)' if text else ''}: give the text "
+                             "to continue")
     return prompts
 
 
