@@ -281,7 +281,8 @@ def test_missing_drafter_directories_say_so(capsys, tmp_path, monkeypatch):
         with pytest.raises(DrafterError) as err:
             make_drafter(name)
         assert str(err.value) == f"drafter directory {name} does not exist"
-    with pytest.raises(specla.UnknownPluginError, match=r"^unknown drafter 'missing'; available drafters: ngram, or a "
+    with pytest.raises(specla.UnknownPluginError, match=r"^unknown drafter 'missing'; available drafters: ngram, mtp \(a "
+                                                        r"model's own: the mamba2_hybrid, qwen plugins'\), or a "
                                                         r"directory saved by `specla train-drafter`$"):
         make_drafter("missing")
     code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", "hi", "--device", "cpu", "--drafter",
@@ -338,8 +339,9 @@ def test_a_tokenizer_directory_without_a_tokenizer_is_one_line_naming_it(capsys,
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench", "--prompts", DATA, "--allow-dirty"]])
 def test_an_unknown_drafter_name_is_one_line_listing_the_drafters(capsys, command):
     code, out, err = cli(capsys, command[0], "--model", TINY, *command[1:], "--device", "cpu", "--drafter", "nosuch")
-    assert (code, out, err) == (2, "", "specla: error: unknown drafter 'nosuch'; available drafters: ngram, or a "
-                                       "directory saved by `specla train-drafter`\n")
+    assert (code, out, err) == (2, "", "specla: error: unknown drafter 'nosuch'; available drafters: ngram, mtp (a "
+                                       "model's own: the mamba2_hybrid, qwen plugins'), or a directory saved by "
+                                       "`specla train-drafter`\n")
 
 
 # the demo
