@@ -7,6 +7,7 @@ errors answer at once."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import shlex
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -85,6 +87,22 @@ def _tokenizer_dir(model: Path, tokenizer: str | None) -> Path:
             raise ValueError(f"--model {model} has no tokenizer (no tokenizer.json in it): pass --tokenizer DIR")
         return model
     return tokenizer_dir(tokenizer)
+
+
+@contextlib.contextmanager
+def _transformers_bars(show: bool) -> Iterator[None]:
+    """transformers' own progress bars (its "Loading weights") follow a command's rule for
+    specla's bars: with ``show`` false they are hidden, then restored."""
+    from transformers.utils import logging as hf_logging
+
+    hide = not show and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
 
 
 def _load_tokenizer(directory: Path):
@@ -200,7 +218,8 @@ def _generate(args: argparse.Namespace) -> int:
             tokenizer = _load_tokenizer(tokenizer)
         stops = list(args.stop_token_id or []) + stop_string_ids(tokenizer, stop_texts)
         config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops}, engine_flags)
-    decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
+    with _transformers_bars(sys.stderr.isatty() if args.progress is None else args.progress):
+        decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
     progress = args.progress
     if progress is None:
         progress = sys.stderr.isatty() and decoder.config.max_new_tokens >= PROGRESS_FROM_TOKENS
@@ -244,7 +263,11 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     _cpu_threads(args, _device_type(args.device))
-    summary = run_demo(device=args.device, max_new_tokens=args.max_new_tokens, drafter=args.drafter)
+    # a bar only on a terminal, as generate's: redirected to a file or a pipe it is noise
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    with _transformers_bars(progress):
+        summary = run_demo(device=args.device, max_new_tokens=args.max_new_tokens, drafter=args.drafter,
+                           progress=progress)
     print(json.dumps(summary), flush=True)
     return 0 if summary["exact_match"] else 1
 
@@ -499,12 +522,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the bundled tiny target on bundled prompts, against autoregressive",
                           formatter_class=_HelpFormatter,
-                          description="Progress goes to stderr; generations, then a JSON summary line, to stdout.")
+                          description="Progress goes to stderr (on a terminal, or with --progress); generations, "
+                                      "then a JSON summary line, to stdout.")
     demo.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     _add_threads(demo)
     demo.add_argument("--max-new-tokens", type=_positive, default=96, metavar="N", help="tokens generated per prompt")
     demo.add_argument("--drafter", default="ngram", help="ngram, eagle (shipped with the demo target) or a drafter "
                       "directory; " + _DRAFTER_RULE)
+    demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="show a progress bar on stderr (default: when stderr is a terminal)")
     demo.set_defaults(func=_demo)
 
     tr = sub.add_parser("train-drafter", help="train an EAGLE drafter on a target's own features",

@@ -348,12 +348,23 @@ def test_an_unknown_drafter_name_is_one_line_listing_the_drafters(capsys, comman
 
 
 def test_demo_reports_progress_on_stderr_and_ends_stdout_with_its_json(capsys):
-    code, out, err = cli(capsys, "demo", "--device", "cpu", "--max-new-tokens", "4")
+    code, out, err = cli(capsys, "demo", "--device", "cpu", "--max-new-tokens", "4", "--progress")
     assert code == 0
     assert "demo: decoding" in err and "6/6" in err and "demo:" not in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["prompts"] == 6 and summary["exact_match"] is True
     assert '[... 98 characters cut]\n    """ Check if in given list of numbers' in out
+
+
+def test_demo_and_generate_draw_no_progress_bar_when_stderr_is_not_a_terminal(capsys):
+    """Bars, transformers' "Loading weights" too, are drawn on a terminal (or with --progress);
+    captured here, stderr is none."""
+    code, out, err = cli(capsys, "demo", "--device", "cpu", "--max-new-tokens", "4")
+    assert (code, err) == (0, "")
+    assert json.loads(out.strip().splitlines()[-1])["exact_match"] is True
+    code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu",
+                       "--max-new-tokens", "300")
+    assert (code, err) == (0, "")
 
 
 def test_shown_prompt_cuts_at_a_boundary_with_a_marker():
