@@ -7,7 +7,7 @@ import operator
 import sys
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
@@ -164,8 +164,12 @@ def nest_engine_options(data: dict) -> dict:
         raise ValueError(f"{', '.join(flat)} given both flat and with engine: give the engine options "
                          f"in engine only (engine={{{flat[0]!r}: ...}})")
     for k in flat:
-        warnings.warn(f"SpecConfig field {k!r} is deprecated and will be removed in the next release: "
-                      f"use engine={{{k!r}: {data[k]!r}}}", ConfigDeprecationWarning, stacklevel=_outside_frame())
+        choices = get_args(EngineOptions.model_fields[k].annotation)
+        # a value outside the choices is refused under engine too: the new spelling names the choices
+        spelling = (f"engine={{{k!r}: {data[k]!r}}}" if data[k] in choices else
+                    f"engine={{{k!r}: X}} with X one of {', '.join(map(repr, choices))} ({data[k]!r} is none of them)")
+        warnings.warn(f"SpecConfig field {k!r} is deprecated and will be removed in the next release: use {spelling}",
+                      ConfigDeprecationWarning, stacklevel=_outside_frame())
     return {**{k: v for k, v in data.items() if k not in flat}, "engine": {k: data[k] for k in flat}}
 
 
