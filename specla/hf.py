@@ -62,7 +62,8 @@ def tensors_only(what: str, error: type[Exception], advice: str) -> Iterator[Non
         advice: what the user can do instead, ending the message.
     Raises:
         error: ``"{what} holds objects other than tensors, and specla loads no such file (loading
-            it could run code); {advice}"`` for any pickle torch's weights-only unpickler refuses.
+            it could run code); {advice}"`` for a pickle torch's weights-only unpickler refuses
+            for an object it names; for one it cannot read at all, the message says so.
     Torch's ``UserWarning`` that such a pickle's protocol is not its default is not shown: the
     error says all there is to do.
     """
@@ -71,8 +72,13 @@ def tensors_only(what: str, error: type[Exception], advice: str) -> Iterator[Non
         try:
             yield
         except pickle.UnpicklingError as err:
-            raise error(f"{what} holds objects other than tensors, and specla loads no such file (loading it "
-                        f"could run code); {advice}") from err
+            # torch names the object it refuses ("Unsupported global"); an instruction it does not
+            # read (protocol 4's framing, or bytes that are no pickle) hides whatever the file holds
+            found = ("holds objects other than tensors" if "Unsupported global" in str(err) else
+                     "cannot be read by torch's tensors-only loader (it holds objects other than tensors, or was "
+                     "written with pickle protocol 4 or later)")
+            raise error(f"{what} {found}, and specla loads no such file (loading it could run code); "
+                        f"{advice}") from err
 
 
 def load_pretrained(model_class, path: Path, *, dtype: torch.dtype | None) -> torch.nn.Module:

@@ -546,13 +546,13 @@ def test_pickles_holding_more_than_tensors_are_refused_in_one_line_and_never_run
                              text=True, timeout=300)
         assert run.returncode == 2, run.stderr
         errors.append(run.stderr)
+    unread = ("cannot be read by torch's tensors-only loader (it holds objects other than tensors, or was written "
+              "with pickle protocol 4 or later), and specla loads no such file (loading it could run code)")
     assert errors == [
-        f"specla: error: --resume: {out / 'checkpoint.pt'} holds objects other than tensors, and specla loads no "
-        "such file (loading it could run code); resume only from a checkpoint.pt that train-drafter wrote, or "
-        "start afresh with --overwrite\n",
-        f"specla: error: cannot load the checkpoint in {model}: a pickled weights file in it holds objects other "
-        "than tensors, and specla loads no such file (loading it could run code); convert it to safetensors where "
-        "it comes from a source you trust\n"]
+        f"specla: error: --resume: {out / 'checkpoint.pt'} {unread}; resume only from a checkpoint.pt that "
+        "train-drafter wrote, or start afresh with --overwrite\n",
+        f"specla: error: cannot load the checkpoint in {model}: a pickled weights file in it {unread}; convert it "
+        "to safetensors where it comes from a source you trust\n"]
     assert not marker.exists()
 
 
