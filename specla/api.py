@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import pickle
 import sys
 import threading
 import warnings
@@ -21,7 +20,7 @@ from .engine import Engine, RunStats
 from .errors import (ConfigError, ContextLengthWarning, DrafterError, GenerationInterrupted, InvalidTokenError,
                      TokenTypeError, UnsupportedModelError)
 from .interfaces import ArchitecturePlugin, Drafter
-from .hf import load_tokenizer, tokenizer_dir, weaken_hook_cycles
+from .hf import load_tokenizer, tensors_only, tokenizer_dir, weaken_hook_cycles
 from .registry import detect_plugin, get_plugin
 
 # transformers' from_pretrained is not thread-safe: two threads loading at once can leave a tied
@@ -148,15 +147,12 @@ class SpecDecoder:
                 tokenizer = path
             dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
             try:
-                with _LOAD_LOCK:
+                with _LOAD_LOCK, tensors_only(f"cannot load the checkpoint in {path}: a pickled weights file in it",
+                                              UnsupportedModelError,
+                                              "convert it to safetensors where it comes from a source you trust"):
                     model = weaken_hook_cycles(self.plugin.load_model(path, dtype=dtype, device=self.config.device))
             except (UnsupportedModelError, ConfigError):
                 raise
-            except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused a pickle's objects
-                raise UnsupportedModelError(
-                    f"cannot load the checkpoint in {path}: a pickled weights file in it holds objects other than "
-                    "tensors, and specla loads no such file (loading it could run code); convert it to "
-                    "safetensors where it comes from a source you trust") from err
             except Exception as err:  # transformers, huggingface_hub and safetensors each raise their own
                 raise UnsupportedModelError(f"cannot load the checkpoint in {path}: {type(err).__name__}: {err}") from err
         if isinstance(tokenizer, Path):  # after the model, whose type its plugin registers (transformers warns otherwise)
@@ -265,6 +261,8 @@ class SpecDecoder:
                 +inf, or are -inf for every token (the message names the prompts and the step;
                 the decoder stays usable).
             TypeError: ``progress`` neither a bool nor a callable.
+            SpecError: ``generate`` called from inside its own ``progress`` callback (the
+                running call still holds the decoder; other threads wait their turn instead).
             GenerationInterrupted: a ``KeyboardInterrupt`` (Ctrl-C, or raised by ``progress``)
                 during decoding; it carries the outputs (and texts) decoded until then, and the
                 decoder stays usable.

@@ -7,7 +7,7 @@ import operator
 import sys
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
@@ -46,9 +46,24 @@ arithmetic. Even at 10,000 tokens/s a sequence this long takes 2.5 days; a large
 typo (from ``2**63`` on, one overflows the int64 tensors of a step)."""
 
 
-def validation_message(err) -> str:
-    """A pydantic ``ValidationError`` in one line: ``field: message; field: message``."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in err.errors())
+def validation_message(err, names: dict[str, str] | None = None) -> str:
+    """A pydantic ``ValidationError`` in one line: ``field: message; field: message``.
+
+    Args:
+        err: the error.
+        names: what to call a field (its dotted location, e.g. ``engine.commit``) where the
+            user set it by another name, e.g. a command-line flag; an item of a list field
+            (``stop_token_ids.0``) takes its field's name.
+    """
+    names = names or {}
+
+    def name(loc: tuple) -> str:
+        dotted = ".".join(map(str, loc))
+        field = next((names[k] for k in names if dotted == k or dotted.startswith(k + ".")), None)
+        return field or dotted or "config"
+
+    # pydantic prefixes what a validator raised with "Value error, ": the text after it is ours
+    return "; ".join(f"{name(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
 
 
 class EngineOptions(BaseModel):
@@ -149,8 +164,12 @@ def nest_engine_options(data: dict) -> dict:
         raise ValueError(f"{', '.join(flat)} given both flat and with engine: give the engine options "
                          f"in engine only (engine={{{flat[0]!r}: ...}})")
     for k in flat:
-        warnings.warn(f"SpecConfig field {k!r} is deprecated and will be removed in the next release: "
-                      f"use engine={{{k!r}: {data[k]!r}}}", ConfigDeprecationWarning, stacklevel=_outside_frame())
+        choices = get_args(EngineOptions.model_fields[k].annotation)
+        # a value outside the choices is refused under engine too: the new spelling names the choices
+        spelling = (f"engine={{{k!r}: {data[k]!r}}}" if data[k] in choices else
+                    f"engine={{{k!r}: X}} with X one of {', '.join(map(repr, choices))} ({data[k]!r} is none of them)")
+        warnings.warn(f"SpecConfig field {k!r} is deprecated and will be removed in the next release: use {spelling}",
+                      ConfigDeprecationWarning, stacklevel=_outside_frame())
     return {**{k: v for k, v in data.items() if k not in flat}, "engine": {k: data[k] for k in flat}}
 
 

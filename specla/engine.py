@@ -6,13 +6,14 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .config import SpecConfig
-from .errors import ConfigError, GenerationInterrupted, NonFiniteLogitsError
+from .errors import ConfigError, GenerationInterrupted, NonFiniteLogitsError, SpecError
 from .cuda.graph_step import GraphRunner, batch_bucket, graph_problem
 from .interfaces import Drafter, TargetAdapter
 from .policy import BudgetPolicy, resolve_budget_policy
@@ -132,6 +133,9 @@ class Engine:
         self._current = 0  # the candidate the last step ran
         self._forced: int | None = None  # a candidate every step runs, the policy aside (warm_up)
         self._lock = threading.Lock()  # one batch at a time: the state below is the engine's only copy
+        # the thread holding _lock: a call from that same thread (its on_step callback) would wait
+        # on itself forever, so it is refused instead
+        self._owner: int | None = None
         # the draws of a sampling run: one generator for the eager steps and every runner, reseeded
         # by each generate call (separate generators seeded alike would repeat each other's draws)
         self._sampler = torch.Generator(device=adapter.device) if config.temperature > 0 else None
@@ -165,6 +169,7 @@ class Engine:
             InvalidTreeError / BudgetError: the drafter produced an invalid tree.
             NonFiniteLogitsError: the model's logits for a prompt at a step are NaN or +inf, or
                 -inf for every token (the call's outputs are lost; the engine stays usable).
+            SpecError: called from inside a running call on the same thread (from ``on_step``).
             GenerationInterrupted: a ``KeyboardInterrupt`` (Ctrl-C, or raised by ``on_step``)
                 during the call, carrying the tokens generated until then; the next call runs
                 as on a fresh engine (its prefill replaces the state).
@@ -173,8 +178,22 @@ class Engine:
         commit the last step's commit is still pending: ``adapter.recurrent_states()`` (and
         :meth:`TargetAdapter.flush`) apply it, the next call's prefill discards it.
         """
-        with self._lock:
+        with self._serialised():
             return self._generate(prompts, on_step)
+
+    @contextmanager
+    def _serialised(self) -> Iterator[None]:
+        """Holds the engine for one call: other threads wait their turn; the thread already
+        inside a call (its ``on_step`` calling back in) gets a SpecError, not a deadlock."""
+        if self._owner == threading.get_ident():
+            raise SpecError("generate was called from inside its own progress callback; the running call holds "
+                            "the decoder until it returns: call generate again after it")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     def warm_up(self, prompts: list[list[int]]) -> None:
         """Decode ``prompts`` as a server does before it serves: under the adaptive policy, once
@@ -191,7 +210,7 @@ class Engine:
             as :meth:`generate`.
         Thread-safe, as :meth:`generate`.
         """
-        with self._lock:
+        with self._serialised():
             if self.policy is not None:
                 for c in range(len(self.configs)):
                     self._forced = c

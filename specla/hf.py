@@ -1,5 +1,5 @@
 """transformers glue: loading a transformers-format checkpoint and refusing weights that do not
-fit it, loading a tokenizer directory, the end-of-sequence ids a model's generation stops at, and
+fit it, refusing pickles that hold more than tensors in one line, loading a tokenizer directory, the end-of-sequence ids a model's generation stops at, and
 the hook cycles of a model specla owns (loaded or copied by it)."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import pickle
+import warnings
 from collections.abc import Iterator
 from numbers import Integral
 from pathlib import Path
@@ -46,6 +48,37 @@ def _without_load_report() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(dropped)
+
+
+@contextlib.contextmanager
+def tensors_only(what: str, error: type[Exception], advice: str) -> Iterator[None]:
+    """Runs ``torch.load(..., weights_only=True)`` calls (direct, or transformers') so that a
+    pickle they refuse is reported in one line, not with torch's several lines of advice to load
+    it unsafely.
+
+    Args:
+        what: names the file, as the message's subject (``"--resume: out/checkpoint.pt"``).
+        error: the specla error class raised.
+        advice: what the user can do instead, ending the message.
+    Raises:
+        error: ``"{what} holds objects other than tensors, and specla loads no such file (loading
+            it could run code); {advice}"`` for a pickle torch's weights-only unpickler refuses
+            for an object it names; for one it cannot read at all, the message says so.
+    Torch's ``UserWarning`` that such a pickle's protocol is not its default is not shown: the
+    error says all there is to do.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        try:
+            yield
+        except pickle.UnpicklingError as err:
+            # torch names the object it refuses ("Unsupported global"); an instruction it does not
+            # read (protocol 4's framing, or bytes that are no pickle) hides whatever the file holds
+            found = ("holds objects other than tensors" if "Unsupported global" in str(err) else
+                     "cannot be read by torch's tensors-only loader (it holds objects other than tensors, or was "
+                     "written with pickle protocol 4 or later)")
+            raise error(f"{what} {found}, and specla loads no such file (loading it could run code); "
+                        f"{advice}") from err
 
 
 def load_pretrained(model_class, path: Path, *, dtype: torch.dtype | None) -> torch.nn.Module:

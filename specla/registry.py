@@ -62,6 +62,7 @@ class _Manager(pluggy.PluginManager):
         self.add_hookspecs(hookspecs)
         self.sources: dict[str, PluginInfo] = {}  # registered plugin name -> its entry point's origin
         self.failed: list[PluginInfo] = []
+        self.limited_to: str | None = None  # SPECLA_PLUGINS as read, where it limited the loading
 
 
 def _one_line(err: BaseException) -> str:
@@ -102,6 +103,7 @@ def plugin_manager() -> pluggy.PluginManager:
                                      f"an installed plugin entry point; installed: "
                                      f"{', '.join(sorted(installed)) or 'none'}")
         found = [ep for ep in found if ep.name in names]
+        pm.limited_to = wanted
     sources = [(PluginInfo(ep.name, ep.dist.name if ep.dist else "?", ep.dist.version if ep.dist else "?", ()), ep)
                for ep in found]
     for source, ep in sorted(sources, key=lambda s: (not s[0].builtin, s[0].name, s[0].distribution)):
@@ -306,7 +308,9 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
         matches = claimed or matches
     if matches:
         return matches[0]
-    known = {n: a.model_types for n, (a, _) in _architectures().archs.items()}
+    known = ", ".join(f"{n} ({', '.join(a.model_types)})" for n, (a, _) in _architectures().archs.items()) or "none"
+    if (limited := plugin_manager().limited_to) is not None:  # else an installed plugin seems missing
+        known += f" (only these, as SPECLA_PLUGINS={limited!r} limits loading; unset it to load every plugin)"
     if model_type is None:
         if isinstance(model, torch.nn.Module):
             what = f"{type(model).__name__} has no config.model_type"

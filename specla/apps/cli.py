@@ -7,6 +7,7 @@ errors answer at once."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import shlex
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -36,19 +38,40 @@ def _auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# the flag that sets each SpecConfig field (dotted location), for errors about a value typed as one
+_FLAG_OF_FIELD = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "--num-draft-tokens",
+                  "max_depth": "--max-depth", "top_k": "--tree-top-k", "dtype": "--dtype", "device": "--device",
+                  "temperature": "--temperature", "top_p": "--top-p", "sampling_top_k": "--top-k", "seed": "--seed",
+                  "stop_token_ids": "--stop-token-id", "engine.commit": "--commit"}
+
+
 def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: dict | None = None) -> SpecConfig:
     """``SpecConfig`` from defaults, then ``--config``'s fields, then the flags given (``None``:
     not given), each later one winning; ``engine_flags`` set fields of its ``engine`` over
-    ``--config``'s."""
-    fields = {**base, **(overrides or {}), **{k: v for k, v in flags.items() if v is not None}}
+    ``--config``'s.
+
+    Raises:
+        ValueError: a value SpecConfig refuses, in one line that names a value given by a flag
+            by that flag (``--tree-top-k``, not ``top_k``), and one from ``--config`` by its field.
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
+    fields = {**base, **(overrides or {}), **given}
     engine = {k: v for k, v in (engine_flags or {}).items() if v is not None}
     if engine:
         fields["engine"] = {**fields.get("engine", {}), **engine}
-    return SpecConfig(**fields)
+    try:
+        return SpecConfig(**fields)
+    except ValidationError as err:
+        flagged = [*given, *(f"engine.{k}" for k in engine)]
+        raise ValueError(validation_message(err, {k: _FLAG_OF_FIELD[k] for k in flagged})) from None
 
 
 def _checkpoint_dir(model: str) -> Path:
     """``--model`` as a checkpoint directory, checked before anything loads."""
+    if not Path(model).exists():
+        raise UnsupportedModelError(f"--model {model} does not exist")
+    if not Path(model).is_dir():
+        raise UnsupportedModelError(f"--model {model} is a file, not a checkpoint directory")
     if not (Path(model) / "config.json").is_file():
         raise UnsupportedModelError(f"--model {model} is not a checkpoint directory (no config.json in it)")
     return Path(model)
@@ -64,6 +87,22 @@ def _tokenizer_dir(model: Path, tokenizer: str | None) -> Path:
             raise ValueError(f"--model {model} has no tokenizer (no tokenizer.json in it): pass --tokenizer DIR")
         return model
     return tokenizer_dir(tokenizer)
+
+
+@contextlib.contextmanager
+def _transformers_bars(show: bool) -> Iterator[None]:
+    """transformers' own progress bars (its "Loading weights") follow a command's rule for
+    specla's bars: with ``show`` false they are hidden, then restored."""
+    from transformers.utils import logging as hf_logging
+
+    hide = not show and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
 
 
 def _load_tokenizer(directory: Path):
@@ -100,6 +139,16 @@ def stop_string_ids(tokenizer, stops: list[str]) -> list[int]:
     return ids
 
 
+_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
+
+
+def _nth(flag: str, index: int) -> str:
+    """``"the first --prompt"``: a repeated flag's value named by its position (``index`` from 0)."""
+    n = index + 1
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"the {_ORDINALS[index] if index < len(_ORDINALS) else f'{n}{suffix}'} {flag}"
+
+
 def _text_argument(flag: str, index: int, text: str) -> str:
     """A text flag's value as the tokenizer reads it: ``sys.argv`` holds bytes that do not decode
     in the locale's encoding as lone surrogates, which are decoded here as UTF-8.
@@ -110,7 +159,7 @@ def _text_argument(flag: str, index: int, text: str) -> str:
     try:
         return text.encode("utf-8", "surrogateescape").decode("utf-8")
     except UnicodeError as err:
-        raise ValueError(f"{flag} {index} is not UTF-8 text ({err})") from None
+        raise ValueError(f"{_nth(flag, index)} is not UTF-8 text ({err})") from None
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
@@ -118,12 +167,13 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
     Raises:
         ValueError: an empty or whitespace-only prompt, or one that is not UTF-8 text (each named
-            by its position among the ``--prompt`` flags, from 0).
+            by its position among the ``--prompt`` flags: "the first --prompt").
     """
     prompts = [_text_argument("--prompt", i, text) for i, text in enumerate(args.prompt)]
     for i, text in enumerate(prompts):
         if not text.strip():
-            raise ValueError(f"--prompt {i} is empty{' (only whitespace)' if text else ''}: give the text to continue")
+            raise ValueError(f"{_nth('--prompt', i)} is empty{' (only whitespace)' if text else ''}: give the text "
+                             "to continue")
     return prompts
 
 
@@ -168,7 +218,8 @@ def _generate(args: argparse.Namespace) -> int:
             tokenizer = _load_tokenizer(tokenizer)
         stops = list(args.stop_token_id or []) + stop_string_ids(tokenizer, stop_texts)
         config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops}, engine_flags)
-    decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
+    with _transformers_bars(sys.stderr.isatty() if args.progress is None else args.progress):
+        decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
     progress = args.progress
     if progress is None:
         progress = sys.stderr.isatty() and decoder.config.max_new_tokens >= PROGRESS_FROM_TOKENS
@@ -212,7 +263,11 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     _cpu_threads(args, _device_type(args.device))
-    summary = run_demo(device=args.device, max_new_tokens=args.max_new_tokens, drafter=args.drafter)
+    # a bar only on a terminal, as generate's: redirected to a file or a pipe it is noise
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    with _transformers_bars(progress):
+        summary = run_demo(device=args.device, max_new_tokens=args.max_new_tokens, drafter=args.drafter,
+                           progress=progress)
     print(json.dumps(summary), flush=True)
     return 0 if summary["exact_match"] else 1
 
@@ -232,7 +287,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     if not (model / "tokenizer.json").is_file():
         raise ValueError(f"--model {model} has no tokenizer (no tokenizer.json in it); train-drafter reads text")
     texts = read_texts(args.data)
-    config = SpecConfig(dtype="float32", device=args.device or _auto_device())
+    config = _spec_config({"dtype": "float32", "device": _auto_device()}, None, {"device": args.device})
     dec = SpecDecoder(model, args.plugin, config=config)
     summary = train_drafter(dec.adapter, dec.tokenizer, args.data, args.out, cfg, resume=args.resume,
                             stop_at=args.stop_at, overwrite=args.overwrite, texts=texts)
@@ -391,9 +446,18 @@ def _spec_default(field: str):
     return SpecConfig.model_fields[field].default
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line argument error, as every other error of the command line; the
+    usage block argparse would print first is what ``--help`` shows, and the line points there.
+    Subcommand parsers are of this class too (argparse makes them of their parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``specla`` argument parser."""
-    parser = argparse.ArgumentParser(prog="specla", description="Speculative decoding for linear-attention models")
+    parser = _Parser(prog="specla", description="Speculative decoding for linear-attention models")
     parser.add_argument("--version", action="version", version=f"specla {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = ("SpecConfig fields as a JSON object, inline ('{\"temperature\": 0.8}') or the path of a file "
@@ -458,12 +522,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the bundled tiny target on bundled prompts, against autoregressive",
                           formatter_class=_HelpFormatter,
-                          description="Progress goes to stderr; generations, then a JSON summary line, to stdout.")
+                          description="Progress goes to stderr (on a terminal, or with --progress); generations, "
+                                      "then a JSON summary line, to stdout.")
     demo.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     _add_threads(demo)
     demo.add_argument("--max-new-tokens", type=_positive, default=96, metavar="N", help="tokens generated per prompt")
     demo.add_argument("--drafter", default="ngram", help="ngram, eagle (shipped with the demo target) or a drafter "
                       "directory; " + _DRAFTER_RULE)
+    demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="show a progress bar on stderr (default: when stderr is a terminal)")
     demo.set_defaults(func=_demo)
 
     tr = sub.add_parser("train-drafter", help="train an EAGLE drafter on a target's own features",

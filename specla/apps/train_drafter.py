@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..drafters.eagle import EagleHead, is_eagle_dir
 from ..errors import DrafterError
+from ..hf import tensors_only
 from ..interfaces import TargetAdapter
 from .jsonl import read_jsonl
 
@@ -249,7 +250,12 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
                            "checkpoint.pt to resume from: replace it with --overwrite (overwrite=True), or choose "
                            "another folder")
     try:  # tensors, dicts, lists and numbers only: a pickle that would run code is refused, not run
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        with tensors_only(f"--resume: {ckpt}", DrafterError,
+                          "resume only from a checkpoint.pt that train-drafter wrote, or start afresh with "
+                          "--overwrite"):
+            state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    except DrafterError:
+        raise
     except Exception as err:  # torch.load raises pickle, zip and runtime errors alike
         raise DrafterError(f"--resume: {ckpt} is not a readable checkpoint ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or "step" not in state:

@@ -58,8 +58,11 @@ def make_drafter(drafter: str | Path | Drafter) -> Drafter:
             raise DrafterError(f"drafter {drafter!r} is a model's own drafter (the {', '.join(owners)} plugins' "
                                "models bring it): pass it to SpecDecoder with such a model")
         if not Path(drafter).is_dir():
+            own = sorted({name for plugin in available() for name in get_plugin(plugin).model_drafters})
+            names = [*BUILTIN_DRAFTERS, *(f"{name} (a model's own: the {', '.join(model_drafter_owners(name))} "
+                                          "plugins')" for name in own)]
             raise UnknownPluginError(
-                f"unknown drafter {drafter!r}; available drafters: {', '.join(BUILTIN_DRAFTERS)}, "
+                f"unknown drafter {drafter!r}; available drafters: {', '.join(names)}, "
                 "or a directory saved by `specla train-drafter`"
             )
     path = Path(drafter).expanduser()

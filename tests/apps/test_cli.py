@@ -89,6 +89,37 @@ def test_sampling_filters_without_temperature_are_refused(capsys):
                                "decoding ignores it)")
 
 
+def test_config_errors_name_the_flag_typed_and_config_fields_by_their_name(capsys, tmp_path):
+    """A value SpecConfig refuses is named by the flag that gave it (not its field), one from
+    ``--config`` by its field; pydantic's "Value error, " prefix is left out."""
+    cases = [(["--tree-top-k", "0"], "--tree-top-k: Input should be greater than or equal to 1"),
+             (["--top-k", "-1", "--temperature", "1"], "--top-k: Input should be greater than or equal to 0"),
+             (["--max-new-tokens", "0"], "--max-new-tokens: Input should be greater than or equal to 1"),
+             (["--stop-token-id", "-3"], "--stop-token-id: stop_token_ids must be non-negative token ids, got (-3,)"),
+             (["--config", '{"top_k": 0}', "--max-depth", "0"],
+              "--max-depth: Input should be greater than or equal to 1; top_k: Input should be greater than or "
+              "equal to 1")]
+    for args, message in cases:
+        code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu", *args)
+        assert (code, err) == (2, f"specla: error: {message}\n"), args
+    code, _, err = cli(capsys, "bench", "--model", TINY, "--prompts", tmp_path / "p.jsonl", "--max-new-tokens", "3",
+                       "--config", '{"stop_token_ids": [-1]}')
+    assert (code, err) == (2, "specla: error: stop_token_ids: stop_token_ids must be non-negative token ids, got "
+                              "(-1,)\n")
+
+
+def test_argument_errors_are_one_line_without_the_usage_block(capsys):
+    cases = [(["generate", "--model", TINY, "--prompt", PROMPT, "--threads", "0"],
+              "specla generate: error: argument --threads: must be >= 1, got 0 (see specla generate --help)"),
+             (["generate", "--model", TINY, "--prompt", PROMPT, "--max-new-tokens", "abc"],
+              "specla generate: error: argument --max-new-tokens: not an integer: 'abc' (see specla generate --help)"),
+             (["bench", "--model", TINY, "--prompts", "p.jsonl", "--batch-size", "0"],
+              "specla bench: error: argument --batch-size: must be >= 1, got 0 (see specla bench --help)"),
+             ([], "specla: error: the following arguments are required: command (see specla --help)")]
+    for args, line in cases:
+        assert cli(capsys, *args) == (2, "", line + "\n"), args
+
+
 def test_stop_token_ids_and_single_token_stop_strings(capsys):
     stats, _ = generate(capsys, "--max-new-tokens", "12", "--stop-token-id", "1042")
     assert stats["generated_tokens"] == GREEDY.index(1042) + 1 and stats["config"]["stop_token_ids"] == [1042]
@@ -250,7 +281,8 @@ def test_missing_drafter_directories_say_so(capsys, tmp_path, monkeypatch):
         with pytest.raises(DrafterError) as err:
             make_drafter(name)
         assert str(err.value) == f"drafter directory {name} does not exist"
-    with pytest.raises(specla.UnknownPluginError, match=r"^unknown drafter 'missing'; available drafters: ngram, or a "
+    with pytest.raises(specla.UnknownPluginError, match=r"^unknown drafter 'missing'; available drafters: ngram, mtp \(a "
+                                                        r"model's own: the mamba2_hybrid, qwen plugins'\), or a "
                                                         r"directory saved by `specla train-drafter`$"):
         make_drafter("missing")
     code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", "hi", "--device", "cpu", "--drafter",
@@ -307,20 +339,32 @@ def test_a_tokenizer_directory_without_a_tokenizer_is_one_line_naming_it(capsys,
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench", "--prompts", DATA, "--allow-dirty"]])
 def test_an_unknown_drafter_name_is_one_line_listing_the_drafters(capsys, command):
     code, out, err = cli(capsys, command[0], "--model", TINY, *command[1:], "--device", "cpu", "--drafter", "nosuch")
-    assert (code, out, err) == (2, "", "specla: error: unknown drafter 'nosuch'; available drafters: ngram, or a "
-                                       "directory saved by `specla train-drafter`\n")
+    assert (code, out, err) == (2, "", "specla: error: unknown drafter 'nosuch'; available drafters: ngram, mtp (a "
+                                       "model's own: the mamba2_hybrid, qwen plugins'), or a directory saved by "
+                                       "`specla train-drafter`\n")
 
 
 # the demo
 
 
 def test_demo_reports_progress_on_stderr_and_ends_stdout_with_its_json(capsys):
-    code, out, err = cli(capsys, "demo", "--device", "cpu", "--max-new-tokens", "4")
+    code, out, err = cli(capsys, "demo", "--device", "cpu", "--max-new-tokens", "4", "--progress")
     assert code == 0
     assert "demo: decoding" in err and "6/6" in err and "demo:" not in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["prompts"] == 6 and summary["exact_match"] is True
     assert '[... 98 characters cut]\n    """ Check if in given list of numbers' in out
+
+
+def test_demo_and_generate_draw_no_progress_bar_when_stderr_is_not_a_terminal(capsys):
+    """Bars, transformers' "Loading weights" too, are drawn on a terminal (or with --progress);
+    captured here, stderr is none."""
+    code, out, err = cli(capsys, "demo", "--device", "cpu", "--max-new-tokens", "4")
+    assert (code, err) == (0, "")
+    assert json.loads(out.strip().splitlines()[-1])["exact_match"] is True
+    code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu",
+                       "--max-new-tokens", "300")
+    assert (code, err) == (0, "")
 
 
 def test_shown_prompt_cuts_at_a_boundary_with_a_marker():
@@ -467,6 +511,49 @@ def test_a_deprecated_config_key_on_the_command_line_is_one_warning_line():
     lines = [ln for ln in out.stderr.splitlines() if "deprecated" in ln]
     assert lines == ["specla: warning: SpecConfig field 'kernels' is deprecated and will be removed in the next "
                      "release: use engine={'kernels': 'reference'}"], out.stderr
+
+
+class _RunsCode:
+    """Pickles as a call of ``pathlib.Path.touch``: unpickled unsafely it would create the marker."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_pickles_holding_more_than_tensors_are_refused_in_one_line_and_never_run(tmp_path):
+    """A drafter's ``checkpoint.pt`` (--resume) and a checkpoint's ``pytorch_model.bin`` that would
+    run code when unpickled, saved with pickle protocol 4 (torch warns about it): each command
+    prints one line, torch's advice and warning left out, and the code never runs (run in a fresh
+    process: pytest records warnings instead of printing them)."""
+    import torch
+
+    marker, out, model = tmp_path / "ran", tmp_path / "d", tmp_path / "m"
+    EagleHead(256).save(out, trained_steps=7)
+    torch.save({"step": 1, "payload": _RunsCode(marker)}, out / "checkpoint.pt", pickle_protocol=4)
+    model.mkdir()
+    shutil.copy(f"{TINY}/config.json", model)
+    torch.save({"model.embed_tokens.weight": _RunsCode(marker)}, model / "pytorch_model.bin", pickle_protocol=4)
+    commands = [["train-drafter", "--model", TINY, "--data", DATA, "--out", out, *SMALL, "--resume"],
+                ["generate", "--model", model, "--prompt", PROMPT, "--device", "cpu", "--tokenizer", TINY]]
+    errors = []
+    for command in commands:
+        run = subprocess.run([sys.executable, "-m", "specla.apps.cli", *map(str, command)], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 2, run.stderr
+        errors.append(run.stderr)
+    unread = ("cannot be read by torch's tensors-only loader (it holds objects other than tensors, or was written "
+              "with pickle protocol 4 or later), and specla loads no such file (loading it could run code)")
+    assert errors == [
+        f"specla: error: --resume: {out / 'checkpoint.pt'} {unread}; resume only from a checkpoint.pt that "
+        "train-drafter wrote, or start afresh with --overwrite\n",
+        f"specla: error: cannot load the checkpoint in {model}: a pickled weights file in it {unread}; convert it "
+        "to safetensors where it comes from a source you trust\n"]
+    assert not marker.exists()
 
 
 def test_the_command_line_prints_speclas_warnings_in_one_line_and_leaves_others_as_they_are():

@@ -14,7 +14,7 @@ import torch
 import specla
 from specla import DraftTree, SpecConfig
 from specla.api import SpecDecoder
-from specla.errors import ConfigError, InvalidTokenError, InvalidTreeError
+from specla.errors import ConfigError, InvalidTokenError, InvalidTreeError, SpecError
 from specla.interfaces import Drafter
 from specla.registry import get_plugin
 from specla_fla.plugin import TINY_TARGET
@@ -109,6 +109,22 @@ def test_one_decoder_shared_by_threads_gives_each_call_its_own_output(gdn):
         t.join()
     assert got == alone
     assert [o[0] for o in alone[:1]] == [arch.reference_decode(model, requests[0][0], 12)]
+
+
+def test_generate_called_from_its_own_progress_callback_is_refused_not_deadlocked(gdn):
+    """The callback runs on the thread holding the decoder: calling back in would wait on itself
+    forever, so it raises at once; the decoder then decodes as before."""
+    arch, model = gdn
+    dec = SpecDecoder(model, "gdn", config=dict(max_new_tokens=6))
+
+    def reenter(stats):
+        dec.generate([PROMPT])
+
+    with pytest.raises(SpecError) as err:
+        dec.generate([PROMPT], progress=reenter)
+    assert str(err.value) == ("generate was called from inside its own progress callback; the running call holds "
+                              "the decoder until it returns: call generate again after it")
+    assert dec.generate([PROMPT]).outputs == [arch.reference_decode(model, PROMPT, 6)]
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])

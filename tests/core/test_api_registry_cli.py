@@ -171,11 +171,14 @@ def test_cli_plugins_and_generate():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["generate", "--model", "/nonexistent", "--prompt", "hi"], "is not a checkpoint directory"),
-        (["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "--model", "/nonexistent", "--prompt", "hi"], "--model /nonexistent does not exist"),
+        (["generate", "--model", str(TINY / "config.json"), "--prompt", "hi"],
+         f"--model {TINY / 'config.json'} is a file, not a checkpoint directory"),
+        (["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", "0"],
+         "--max-new-tokens: Input should be greater than or equal to 1"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--plugin", "mamba9"], "unknown plugin 'mamba9'"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--drafter", "eagle9"], "unknown drafter"),
-        (["generate", "--model", str(TINY), "--prompt", "", "--device", "cpu"], "prompt 0 is empty"),
+        (["generate", "--model", str(TINY), "--prompt", "", "--device", "cpu"], "the first --prompt is empty"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--device", "tpu"], "device 'tpu'"),
     ],
 )
@@ -567,7 +570,7 @@ def test_max_new_tokens_is_at_most_a_32_bit_integer(capsys):
         specla.apps.cli.main(["generate", "--model", str(TINY), "--prompt", "hi", "--max-new-tokens", str(10**30),
                          "--device", "cpu"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == ("specla: error: max_new_tokens: Input should be less than or equal to "
+    assert capsys.readouterr().err == ("specla: error: --max-new-tokens: Input should be less than or equal to "
                                        "2147483647\n")
 
 
@@ -606,8 +609,8 @@ def test_cli_refuses_a_prompt_that_is_not_utf8_before_loading():
                           "--prompt", b"ab\xff\xfe"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "LC_ALL": "C.UTF-8"})
     assert out.stdout == "2 False\n"
-    assert out.stderr == ("specla: error: --prompt 1 is not UTF-8 text ('utf-8' codec can't decode byte 0xff in "
-                          "position 2: invalid start byte)\n")
+    assert out.stderr == ("specla: error: the second --prompt is not UTF-8 text ('utf-8' codec can't decode byte "
+                          "0xff in position 2: invalid start byte)\n")
 
 
 def test_cli_reads_utf8_bytes_that_argv_escaped_as_text():
@@ -618,10 +621,11 @@ def test_cli_reads_utf8_bytes_that_argv_escaped_as_text():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--prompt", ""], "--prompt 0 is empty: give the text to continue"),
-    (["--prompt", "def f():", "--prompt", " \n\t"], "--prompt 1 is empty (only whitespace): give the text to continue"),
-    (["--prompt", "hi", "--stop", "\udcff"], "--stop 0 is not UTF-8 text ('utf-8' codec can't decode byte 0xff in "
-                                             "position 0: invalid start byte)"),
+    (["--prompt", ""], "the first --prompt is empty: give the text to continue"),
+    (["--prompt", "def f():", "--prompt", " \n\t"],
+     "the second --prompt is empty (only whitespace): give the text to continue"),
+    (["--prompt", "hi", "--stop", "\udcff"], "the first --stop is not UTF-8 text ('utf-8' codec can't decode byte "
+                                             "0xff in position 0: invalid start byte)"),
 ])
 def test_cli_refuses_an_empty_prompt_or_a_stop_that_is_not_text_before_loading(monkeypatch, capsys, flags, message):
     import specla.api
@@ -750,3 +754,6 @@ def test_bad_options_given_as_a_dict_are_a_config_error_naming_each_field():
     assert isinstance(err.value, specla.SpecError) and isinstance(err.value, ValueError)
     with pytest.raises(ConfigError, match=r"^config: max_new_tokens: Input should be greater than or equal to 1$"):
         specla.run(TINY, prompts=[[1, 2]], config={"max_new_tokens": 0})
+    with pytest.raises(ConfigError) as err:  # what a validator said, without pydantic's "Value error, "
+        SpecDecoder("no/such/dir", config={"stop_token_ids": [-1]})
+    assert str(err.value) == "config: stop_token_ids: stop_token_ids must be non-negative token ids, got (-1,)"

@@ -68,6 +68,18 @@ def test_specla_plugins_env_limits_loading_and_names_unknown_plugins():
     assert "gdn" in bad.stderr.splitlines()[-1]
 
 
+def test_no_plugin_for_a_model_type_says_when_specla_plugins_limited_the_plugins(tmp_path):
+    import os
+
+    (tmp_path / "config.json").write_text('{"model_type": "delta_net"}')
+    code = f"from specla.registry import detect_plugin; detect_plugin({str(tmp_path)!r})"
+    env = {**os.environ, "SPECLA_PLUGINS": "gdn"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stderr.splitlines()[-1] == (
+        "specla.errors.UnsupportedModelError: no plugin runs model_type 'delta_net'; registered plugins: gdn "
+        "(gated_deltanet) (only these, as SPECLA_PLUGINS='gdn' limits loading; unset it to load every plugin)")
+
+
 def test_the_example_third_party_plugin_is_registered_through_its_entry_point_alone():
     """examples/third_party_plugin is installed by the test command and found without any
     change to specla (its own tests run the conformance suite)."""

@@ -378,8 +378,11 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
     out, marker = tmp_path / "drafter", tmp_path / "ran"
     out.mkdir()
     torch.save({"step": 1, "payload": _RunsCode(marker)}, out / "checkpoint.pt")
-    with pytest.raises(DrafterError, match=r"checkpoint\.pt is not a readable checkpoint \(UnpicklingError"):
+    with pytest.raises(DrafterError) as err:
         check_output(out, DrafterTrainConfig(), resume=True)
+    assert str(err.value) == (f"--resume: {out / 'checkpoint.pt'} holds objects other than tensors, and specla loads "
+                              "no such file (loading it could run code); resume only from a checkpoint.pt that "
+                              "train-drafter wrote, or start afresh with --overwrite")
     assert not marker.exists()
     torch.load(out / "checkpoint.pt", weights_only=False)  # the file does run code when unpickled as before
     assert marker.exists()

@@ -62,9 +62,13 @@ def test_flat_keys_beside_engine_are_refused():
 
 
 def test_a_flat_value_outside_its_choices_is_refused_under_engine():
-    with pytest.warns(DeprecationWarning), pytest.raises(pydantic.ValidationError) as err:
+    with pytest.warns(DeprecationWarning) as caught, pytest.raises(pydantic.ValidationError) as err:
         SpecConfig(kernels="fast")
     assert [e["loc"] for e in err.value.errors()] == [("engine", "kernels")]
+    # the new spelling offered is one that runs, not the refused value moved under engine
+    assert [str(w.message) for w in caught] == [
+        "SpecConfig field 'kernels' is deprecated and will be removed in the next release: use engine={'kernels': X} "
+        "with X one of 'auto', 'reference', 'triton' ('fast' is none of them)"]
 
 
 def test_json_round_trip_keeps_engine_nested():

@@ -43,3 +43,8 @@ def test_the_documented_plugin_installs_and_passes_the_conformance_suite(tmp_pat
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "origin: myhybrid-specla 0.1 builtin: False" in proc.stdout, proc.stdout[-2000:]
     assert re.search(r"^\d+ passed", proc.stdout.splitlines()[-1]), proc.stdout[-2000:]
+
+
+def test_the_docs_give_the_worked_examples_length_in_lines():
+    lines = len(example_source().splitlines())
+    assert re.findall(r"(?:file of|in) (\d+) lines", DOC) == [str(lines), str(lines)]
