@@ -5,7 +5,6 @@ detection, prompts as tensors and token ids of the wrong type, option bounds, a 
 the exact output, error type or message."""
 
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -15,7 +15,6 @@ from specla.drafters import EagleDrafter, make_drafter
 import specla.drafters.eagle as eagle_module
 from specla.drafters.eagle import EagleHead, is_eagle_dir
 from specla.apps.train_drafter import DrafterTrainConfig, train_drafter
-from specla.registry import get_plugin
 from specla_fla.oracle import naive_greedy_decode
 from specla_fla.plugin import TINY_TARGET
 
