@@ -11,6 +11,7 @@
 set -u
 out=$1; shift
 mkdir -p "$out"
+: > "$out/failures.txt"  # this run's failures only
 plugin=$(mktemp -d)
 cat > "$plugin/specla_failure_log.py" <<'EOF'
 import os

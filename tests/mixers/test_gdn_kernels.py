@@ -156,8 +156,8 @@ def test_tree_verify_stays_accurate_on_deep_chains_of_correlated_keys(T, g, beta
     """A chain of 33 or 64 nodes whose keys are correlated (mean cosine about 0.5), with weak decay
     and a large ``beta`` (1.9: negative eigenvalues allowed): the powers of ``A`` grow large and
     cancel, so an inverse of ``I + A`` as a Neumann product loses every digit in float32 (errors
-    of 1 to 5 times the output's scale were measured), where forward substitution stays at the
-    serial kernel's 1e-6."""
+    of 1 to 5 times the output's scale were measured), where forward substitution, row by row or
+    blocked, stays near the serial kernel's 1e-6 (up to 5.3e-7 seen under the interpreter)."""
     B, H, HV, K, V = 2, 1, 1, 64, 16
     gen = torch.Generator().manual_seed(0)
     parents = chain(B, T)
@@ -168,7 +168,7 @@ def test_tree_verify_stays_accurate_on_deep_chains_of_correlated_keys(T, g, beta
     o, _, _ = tree_verify(*(x.to(DEV) for x in (q, k, v, gg, bb)), S0.clone().to(DEV),
                           inclusive_ancestor_mask(parents).to(DEV), K**-0.5, out=nan_out(B, T, HV, V))
     ro, _, _, _ = naive_tree_gdn(*(x.double() for x in (q, k, v, gg, bb, S0)), parents, K**-0.5)
-    assert float((o.cpu().double() - ro).abs().max() / ro.abs().max()) < 1e-4
+    assert float((o.cpu().double() - ro).abs().max() / ro.abs().max()) < 5e-6
 
 
 @pytest.mark.parametrize("kernel", ["serial", "parallel"])
