@@ -36,6 +36,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: see integrations/vllm/README.md for the test environment",
                 allow_module_level=True)
 
+import vllm_env  # noqa: E402,F401  (the environment first: see its docstring)
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -3,7 +3,7 @@ vLLM's plugin loader (``load_general_plugins``, ``VLLM_PLUGINS``), and a model's
 vLLM's ``QwenGatedDeltaNetAttention`` then builds specla's class, with vLLM's parameters and state
 shape; under another vLLM version nothing is registered.
 
-The layer is built on a CPU with vLLM's CPU platform (``conftest.py`` sets the environment), a gloo
+The layer is built on a CPU with vLLM's CPU platform (``vllm_env.py`` sets the environment), a gloo
 process group of world size 1 and a model config holding only what the layer reads
 (``vllm_cases.current_vllm_config``). Building a layer runs no kernel."""
 
@@ -17,6 +17,7 @@ if importlib.util.find_spec("vllm") is None:  # installed but failing to import 
     pytest.skip("vLLM is not installed: see integrations/vllm/README.md for the test environment",
                 allow_module_level=True)
 
+import vllm_env  # noqa: E402,F401  (the environment first: see its docstring)
 import torch  # noqa: E402
 import vllm.plugins  # noqa: E402
 from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402

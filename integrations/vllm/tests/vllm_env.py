@@ -1,6 +1,8 @@
-"""The process environment of the vLLM plugin's tests, set before anything imports Triton or vLLM
-(``@triton.jit`` picks compiled or interpreted kernels where a kernel is defined; vLLM resolves its
-platform and Triton's drivers on import).
+"""The process environment of the vLLM plugin's tests, set before anything imports Triton or vLLM:
+each test module imports this first (not a ``conftest.py``, whose module name would shadow the
+repository's ``tests/conftest.py``, which other test modules import from). ``@triton.jit`` picks
+compiled or interpreted kernels where a kernel is defined; vLLM resolves its platform and Triton's
+drivers on import.
 
 Where torch sees no GPU: Triton's interpreter (``TRITON_INTERPRET=1``) runs the kernels, vLLM's and
 specla's, on the CPU; vLLM's CPU platform (``VLLM_TARGET_DEVICE=cpu``); and an empty
