@@ -239,10 +239,9 @@ class SpeclaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         pending.index_copy_(0, slots.clamp(min=0).long(), cu_seqlens.diff().to(pending.dtype))
         out.copy_(o.squeeze(0))
 
-    def _forward_core_rocm(self, qkvz, ba, z_out, core_attn_out):
-        """vLLM's ROCm path, whose one-token decode batches bypass ``_forward_core``: the step's
-        pending chains are committed first."""
-        m = self._metadata()
-        if m is not None and self.slot_records is not None:
-            self._commit_batch(m)
-        return super()._forward_core_rocm(qkvz, ba, z_out, core_attn_out)
+    def _forward_core_decode_aiter(self, qkvz, ba, z_out, core_attn_out, attn_metadata):
+        """vLLM's ROCm decode-only path (plain one-token decodes, which bypass ``_forward_core``):
+        the rows' pending chains are committed first, as ``_forward_core`` commits them."""
+        if self.slot_records is not None:
+            self._commit_batch(attn_metadata)
+        return super()._forward_core_decode_aiter(qkvz, ba, z_out, core_attn_out, attn_metadata)

@@ -259,13 +259,13 @@ def _pending_kwargs(pending: LayerCommit | None) -> dict:
 
 
 @triton.jit
-def _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T, BT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCKED: tl.constexpr):
+def _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n, BT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCKED: tl.constexpr):
     """``(T, G)`` of one (sequence, value head) from ``k k^T [BT, BT]``, the inclusive-ancestor
     mask ``[BT, BT]``, the log decays and betas ``[BT]``: ``G = M_incl @ g`` and ``T = (I +
     A)^{-1}`` with ``A = strict_M * beta_i (k_i . k_j) exp(G_i - G_j)`` (strictly lower
     triangular: a parent precedes its children), by forward substitution (a serial form: a
     Neumann product of powers of A cancels catastrophically on deep chains of correlated keys):
-    row by row over the ``T`` nodes, or (``BLOCKED``) the same substitution grouped by blocks of
+    row by row over the ``n`` nodes, or (``BLOCKED``) the same substitution grouped by blocks of
     16 rows: the rows of equal offset in every diagonal block at once (15 products), then each
     block row's off-diagonal part from the rows above, ``T_IJ = -T_II sum_K A_IK T_KJ``
     (two products a block row), all products ``[BT, BT]`` tiles in ``DOT_PREC``."""
@@ -289,7 +289,7 @@ def _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, T, BT: tl.constexpr, DOT_PREC: tl
             b_T -= tl.dot(tl.where(rows[:, None] & same, b_D, 0.0), b_X, input_precision=DOT_PREC)
     else:
         b_T = eye
-        for i in range(1, T):
+        for i in range(1, n):
             a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.0), 0)  # row i of A
             row = tl.where(o_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * b_T, 0)
             b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
