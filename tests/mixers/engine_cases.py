@@ -30,14 +30,6 @@ def accepted_positions(paths: list[list[int]], width: int, draft_token_num: int)
     return idx, torch.tensor([len(p) for p in paths], dtype=torch.int64)
 
 
-def root_path(parents: list[int], node: int) -> list[int]:
-    """The nodes from the root (node 0) to ``node`` of a tree given as one parent index a node."""
-    path = [node]
-    while path[-1] != 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
 def chain_cu_seqlens(lens: list[int] = CHAIN_LENS) -> torch.Tensor:
     """``cu_seqlens`` ``[len(lens) + 1]`` int32 of packed chains of ``lens`` tokens."""
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)

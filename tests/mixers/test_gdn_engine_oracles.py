@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from specla.mixers.gdn.serving import GDNRecordBuffers, empty_record_buffers, gdn_pool_commit, gdn_pool_verify
+from specla.ops.naive import root_path
 from specla.testing import engine_kernels
-from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip, root_path
+from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip
 from tree_speculation import plain_decode, speculate
 
 

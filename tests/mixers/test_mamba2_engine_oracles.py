@@ -26,8 +26,9 @@ import torch
 from specla.mixers.mamba2.serving import (
     Mamba2RecordBuffers, empty_record_buffers, mamba2_pool_commit, mamba2_pool_verify,
 )
+from specla.ops.naive import root_path
 from specla.testing import engine_kernels
-from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip, root_path
+from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip
 from tree_speculation import plain_decode, speculate
 
 
