@@ -189,7 +189,7 @@ def _dispatcher_init(result, dispatcher, *args, **kwargs):
 
 
 def _selective_state_update(original, *args, **kwargs):
-    if is_record_buffer(kwargs.get("intermediate_states_buffer"), per_layer=True):
+    if is_record_buffer(kwargs.get("intermediate_states_buffer")):
         return verify_mamba2_tree(*args, **kwargs)
     return original(*args, **kwargs)
 

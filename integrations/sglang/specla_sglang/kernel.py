@@ -30,10 +30,10 @@ from .records import RecordLayout
 _SOFTPLUS_BETA, _SOFTPLUS_THRESHOLD = 1.0, 20.0
 
 
-def is_record_buffer(buffer: Tensor | None, per_layer: bool) -> bool:
-    """Whether SGLang's ``intermediate_ssm`` holds this plugin's records (``[layers, rows, D, W]``,
-    or ``[rows, D, W]`` for one layer) rather than its per-node states (two dimensions more)."""
-    return buffer is not None and buffer.dim() == (3 if per_layer else 4)
+def is_record_buffer(buffer: Tensor | None) -> bool:
+    """Whether one layer's slice of SGLang's ``intermediate_ssm`` holds this plugin's records
+    (``[rows, D, W]``) rather than its per-node states (two dimensions more)."""
+    return buffer is not None and buffer.dim() == 3
 
 
 class RecordState(MambaPool.SpeculativeState):
@@ -246,7 +246,7 @@ class SpeclaGDNVerifyKernel(LinearAttnKernelBase):
                       retrieve_parent_token=None, **kwargs) -> Tensor:
         """``LinearAttnKernelBase.target_verify``: see :func:`verify_tree` (``intermediate_states_buffer``
         is ``records``, ``intermediate_state_indices`` is ``record_rows``)."""
-        if not is_record_buffer(intermediate_states_buffer, per_layer=True):
+        if not is_record_buffer(intermediate_states_buffer):
             return self.sglang_kernel.target_verify(
                 A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
                 query_start_loc=query_start_loc, intermediate_states_buffer=intermediate_states_buffer,
