@@ -55,7 +55,6 @@ provenance, ``cells``, ``memory``) and the same path with ``.md`` (tables), prin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import statistics
@@ -523,7 +522,7 @@ def main(argv=None) -> int:
     cells = []
     work = [("tree", D) for D in ints(args.trees)] + [("chain", D) for D in ints(args.chains)]
     # Triton's interpreter (the CPU) needs the engines' Mamba2 masks read as bool
-    with engine_kernels.interpreter_bool_masks() if args.device == "cpu" else contextlib.nullcontext():
+    with engine_kernels.interpreter_bool_masks():
         for (op, *dims), users in shapes.items():
             shape = dict(zip(OPS[op].dims, dims))
             for N in ints(args.batches):

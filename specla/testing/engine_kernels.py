@@ -316,7 +316,11 @@ def interpreter_bool_masks():
     """While open, Triton's interpreter reads load and store masks as bool. Both engines' Mamba2
     kernels narrow a block mask by a scalar comparison (``mask &= slot != pad_slot_id``), which
     the interpreter computes as int32 data under an int1 type, and its masked loads then refuse
-    ("mask has unsupported dtype"); compiled Triton takes it. Not reentrant across threads."""
+    ("mask has unsupported dtype"); compiled Triton takes it. Nothing changes where kernels are
+    compiled (``TRITON_INTERPRET`` unset). Not reentrant across threads."""
+    if not _interpreted():
+        yield
+        return
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
     saved = {name: getattr(InterpreterBuilder, name) for name in ("create_masked_load", "create_masked_store")}

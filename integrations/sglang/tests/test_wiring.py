@@ -490,7 +490,7 @@ def ssu_backend():
     cpu = not torch.cuda.is_available()
     if cpu:
         mp.setattr(torch.cpu, "device", lambda index: contextlib.nullcontext(), raising=False)
-    with interpreter_bool_masks() if cpu else contextlib.nullcontext():
+    with interpreter_bool_masks():
         yield
     mp.undo()
     ssu_dispatch._mamba_ssu_backend = saved
