@@ -121,14 +121,28 @@ class SpeclaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def bind_kv_cache(self, kv_cache: Tensor) -> None:
         """vLLM's binding of the layer's pages, then, where :attr:`runs_specla_chains`,
         :attr:`slot_records` for every slot of the pool (allocated once, here, so CUDA graphs see
-        fixed buffers; outside vLLM's memory budget: ``D * (H K + HV V + HV)`` float32 a slot)."""
+        fixed buffers; outside vLLM's memory budget: ``D * (H K + HV V + HV)`` float32 a slot).
+
+        The records are shared by the layers whose state views vLLM lays over the same memory (one
+        layer of each cache group, ``KVCacheTensor.shared_by``): their states share each slot, so a
+        block belongs to one of them at a time, and row ``s`` of the records is only ever that
+        layer's. Views of one allocation at other offsets or strides (layouts packing several
+        layers of a group into one tensor) each get their own. A chain left
+        pending by a finished request is committed into its freed block by the block's next owner
+        at its first step, a prefill that does not read the block's state (prefix caching of Mamba
+        states, which would, is refused at construction), and marked final there."""
         super().bind_kv_cache(kv_cache)
         if self.runs_specla_chains:
             ssm = self.kv_cache[1]
             HV, V, K = ssm.shape[1:]
-            records = empty_record_buffers(ssm.shape[0], self.num_spec + 1, self.num_k_heads // self.tp_size, HV, K, V,
-                                           ssm.device)
-            self.slot_records = SlotRecords(records, torch.zeros(ssm.shape[0], dtype=torch.int32, device=ssm.device))
+            H, D = self.num_k_heads // self.tp_size, self.num_spec + 1
+            # the allocation (one Python object however viewed) holds the records of each view of it
+            by_view = ssm.untyped_storage().__dict__.setdefault("_specla_slot_records", {})
+            view = (ssm.storage_offset(), ssm.shape, ssm.stride(), D, H)
+            if view not in by_view:
+                by_view[view] = SlotRecords(empty_record_buffers(ssm.shape[0], D, H, HV, K, V, ssm.device),
+                                            torch.zeros(ssm.shape[0], dtype=torch.int32, device=ssm.device))
+            self.slot_records = by_view[view]
 
     def commit_pending(self, slots: Tensor, num_accepted_tokens: Tensor) -> None:
         """Fold the pending chain of each slot in ``slots`` into it, its first

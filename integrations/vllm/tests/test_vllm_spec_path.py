@@ -187,27 +187,31 @@ def gpu_ops_on_cpu():
 _layers = iter(range(1_000))
 
 
+def _layer(cls, config, seed: int):
+    """A ``cls`` layer with random weights drawn from ``seed``, loaded as vLLM's loader leaves them;
+    specla's runs its GPU path (``_forward_core``, as on vLLM's CUDA platform) where the test calls it."""
+    gen = torch.Generator().manual_seed(seed)
+    with set_default_torch_dtype(torch.float32):  # vLLM's conv kernel gives NaN on bfloat16 weights when interpreted
+        layer = cls(HF_CONFIG, config, prefix=f"model.layers.{next(_layers)}.linear_attn")
+    assert type(layer) is cls
+    if cls is SpeclaQwenGatedDeltaNetAttention:
+        layer._forward_method = layer.forward_cuda
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    # vLLM's loader's last step, on the projections: on vLLM's CPU platform, their matmuls; vLLM's
+    # plain one (torch's linear), its packed ones needing vLLM's compiled CPU ops
+    for module in (layer.in_proj_qkvz, layer.in_proj_ba, layer.out_proj):
+        module._cpu_skip_gemm_dispatch = True
+        module.quant_method.process_weights_after_loading(module)
+    return layer
+
+
 def _pair(config):
     """vLLM's layer and specla's, the same random weights, each with the ``MambaSpec`` it gives vLLM
     and bound by vLLM's ``bind_kv_cache`` to zeroed pages of a pool holding :data:`REQUESTS`
-    requests as vLLM sizes it from that spec (slot 0: vLLM's null block). specla's layer runs its
-    GPU path (``_forward_core``, as on vLLM's CUDA platform) where the test calls it."""
-    gen = torch.Generator().manual_seed(0)
-    with set_default_torch_dtype(torch.float32):  # vLLM's conv kernel gives NaN on bfloat16 weights when interpreted
-        ref = qwen_gdn.QwenGatedDeltaNetAttention(HF_CONFIG, config, prefix=f"model.layers.{next(_layers)}.linear_attn")
-        ours = SpeclaQwenGatedDeltaNetAttention(HF_CONFIG, config, prefix=f"model.layers.{next(_layers)}.linear_attn")
-    assert type(ref) is qwen_gdn.QwenGatedDeltaNetAttention
-    ours._forward_method = ours.forward_cuda
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    ours.load_state_dict(ref.state_dict())
-    # vLLM's loader's last step, on the projections: on vLLM's CPU platform, their matmuls; vLLM's
-    # plain one (torch's linear), its packed ones needing vLLM's compiled CPU ops
-    for layer in (ref, ours):
-        for module in (layer.in_proj_qkvz, layer.in_proj_ba, layer.out_proj):
-            module._cpu_skip_gemm_dispatch = True
-            module.quant_method.process_weights_after_loading(module)
+    requests as vLLM sizes it from that spec (slot 0: vLLM's null block)."""
+    ref, ours = (_layer(cls, config, 0) for cls in (qwen_gdn.QwenGatedDeltaNetAttention, SpeclaQwenGatedDeltaNetAttention))
     specs = [layer.get_kv_cache_spec(config) for layer in (ref, ours)]
     for layer, spec in zip((ref, ours), specs):
         blocks = 1 + REQUESTS * spec.max_num_blocks_per_req(config, 0)
@@ -355,3 +359,69 @@ def test_mamba_prefix_caching_with_specla_chains_is_refused(vllm_config, monkeyp
                                          r"speculative decoding: its prefix-cache block copies read vLLM's "
                                          r"per-position state slots$"):
         SpeclaQwenGatedDeltaNetAttention(HF_CONFIG, vllm_config, prefix=f"model.layers.{next(_layers)}.linear_attn")
+
+
+# two layers' steps, each row (block, kind, tokens, accepted at the request's previous step): the
+# blocks split between the layers, as vLLM's block pool splits them between its cache groups
+SHARED_STEPS = [
+    ([(1, "prefill", 5, 1), (2, "prefill", 3, 1)], [(3, "prefill", 4, 1)]),
+    ([(1, "spec", 4, 1), (2, "spec", 4, 1)], [(3, "spec", 3, 1)]),
+    # block 2's request ends with its chain pending; the block goes to a new request of the other layer
+    ([(1, "spec", 4, 2)], [(3, "spec", 4, 3), (2, "prefill", 3, 1)]),
+    ([(1, "spec", 2, 4)], [(3, "spec", 4, 2), (2, "spec", 4, 1)]),
+]
+SHARED_FINAL = ([(1, 2)], [(3, 3), (2, 1)])  # (block, accepted) of the last chains, committed at the end
+
+
+def test_layers_over_the_same_pages_share_records_and_compute_as_apart(vllm_config, interpreter_fixes,
+                                                                       gpu_ops_on_cpu):
+    """Two specla layers bound to views of one allocation, as vLLM binds one layer of each cache
+    group (``KVCacheTensor.shared_by``), share one record buffer; stepped with the blocks split
+    between them, and a block freed by one with its chain pending given to a new request of the
+    other, their outputs, states and conv windows equal, bit for bit, those of the same layers over
+    pages and records of their own."""
+    shared, apart = ([_layer(SpeclaQwenGatedDeltaNetAttention, vllm_config, seed) for seed in (2, 3)] for _ in range(2))
+    spec, blocks = shared[0].get_kv_cache_spec(vllm_config), 4
+    pages = torch.zeros(blocks, 1, 1, spec.page_size_bytes, dtype=torch.int8)
+    for layer in shared:
+        layer.bind_kv_cache(pages.view(blocks, 1, 1, -1))
+    for layer in apart:
+        layer.bind_kv_cache(torch.zeros_like(pages))
+    assert shared[0].slot_records is shared[1].slot_records
+    assert apart[0].slot_records is not apart[1].slot_records
+    packed = [_layer(SpeclaQwenGatedDeltaNetAttention, vllm_config, 5) for _ in range(2)]
+    both = torch.zeros(blocks, 2, spec.page_size_bytes, dtype=torch.int8)  # two layers' pages in one allocation
+    for i, layer in enumerate(packed):
+        layer.bind_kv_cache(both[:, i, None, None])
+    assert packed[0].slot_records is not packed[1].slot_records
+    builder = SpeclaGDNAttentionMetadataBuilder(spec, [shared[0].prefix], vllm_config, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    dtype = vllm_config.model_config.dtype
+    seq_len, last_chain = [0] * blocks, [0] * blocks
+    for step in SHARED_STEPS:
+        for which, rows in enumerate(step):
+            for b, kind, n, accepted in rows:
+                if kind == "prefill":  # a new request in block b
+                    seq_len[b], last_chain[b] = 0, 0
+                seq_len[b] += n - (last_chain[b] - accepted if last_chain[b] else 0)
+                last_chain[b] = n if kind == "spec" else 0
+            T = sum(n for _, _, n, _ in rows)
+            mixed_qkv = torch.randn(T, shared[0].conv_dim, generator=gen).to(dtype)
+            ba = torch.randn(T, 2 * HV, generator=gen).to(dtype)
+            outs = []
+            for layer in (shared[which], apart[which]):
+                meta = builder.build(0, _common([b - 1 for b, *_ in rows], [n for _, _, n, _ in rows],
+                                                [seq_len[b] for b, *_ in rows],
+                                                [kind == "prefill" for _, kind, _, _ in rows], 1),
+                                     num_accepted_tokens=torch.tensor([a for *_, a in rows], dtype=torch.int32),
+                                     num_decode_draft_tokens_cpu=torch.tensor(
+                                         [n - 1 if kind == "spec" else -1 for _, kind, n, _ in rows], dtype=torch.int32))
+                outs.append(_run(layer, meta, mixed_qkv, ba))
+            assert not outs[0].isnan().any() and torch.equal(*outs)
+    for which, rows in enumerate(SHARED_FINAL):
+        at = torch.tensor([b for b, _ in rows], dtype=torch.int32)
+        for layer in (shared[which], apart[which]):
+            layer.commit_pending(at, torch.tensor([a for _, a in rows], dtype=torch.int32))
+        for i in (0, 1):  # the recurrent states, the conv windows
+            assert torch.equal(shared[which].kv_cache[i][at.long()], apart[which].kv_cache[i][at.long()])
+    assert not shared[0].slot_records.pending.any()
