@@ -276,7 +276,24 @@ class ArchitecturePlugin(ABC):
     @abstractmethod
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise :class:`~specla.errors.UnsupportedModelError` naming the reason if this plugin
-        cannot run ``model``; return ``None`` otherwise."""
+        cannot run ``model``; return ``None`` otherwise (:meth:`require_class` first, then the
+        config's limits)."""
+
+    def require_class(self, model: object, classes: tuple[type, ...], source: str = "", hint: str = "") -> None:
+        """Refuse ``model`` unless it is an instance of one of ``classes``, in the words the
+        conformance suite checks (``test_models_of_other_plugins_are_refused_by_name``).
+
+        Args:
+            source: where the classes come from, written before their names (``"transformers' "``,
+                ``"fla.models."``).
+            hint: appended to the message (where the refused model would run instead).
+        Raises:
+            UnsupportedModelError: "the <name> plugin runs <source><Class, ...>, got
+                <module>.<Class><hint>".
+        """
+        if not isinstance(model, classes):
+            raise UnsupportedModelError(f"the {self.name} plugin runs {source}{', '.join(c.__name__ for c in classes)}, "
+                                        f"got {type(model).__module__}.{type(model).__name__}{hint}")
 
     def model_spec(self, model: torch.nn.Module, placement: "Placement") -> "ModelSpec":
         """Describe ``model`` as :class:`specla.model.adapter.ModelAdapter` runs it: its mixers,

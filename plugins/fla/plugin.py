@@ -72,9 +72,7 @@ class _FLAPlugin(ArchitecturePlugin):
         return model.to(device) if device else model
 
     def check_model(self, model: torch.nn.Module) -> None:
-        if not isinstance(model, getattr(fla_models(), self.fla_class)):
-            raise UnsupportedModelError(f"the {self.name} plugin runs fla.models.{self.fla_class}, got "
-                                        f"{type(model).__module__}.{type(model).__name__}")
+        self.require_class(model, (getattr(fla_models(), self.fla_class),), "fla.models.")
         self.check_config(model.config.to_dict())
 
     def reference_decode(self, model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -297,12 +295,9 @@ class Mamba2Plugin(_FLAPlugin):
         fla_models()
         from fla.models import Mamba2ForCausalLM
 
-        if not isinstance(model, Mamba2ForCausalLM):
-            raise UnsupportedModelError(
-                f"the mamba2 plugin runs fla.models.Mamba2ForCausalLM, got {type(model).__module__}.{type(model).__name__}"
-                + (" (transformers' Mamba2ForCausalLM runs on the mamba2_hybrid plugin)"
-                   if type(model).__module__.startswith("transformers.") else "")
-            )
+        self.require_class(model, (Mamba2ForCausalLM,), "fla.models.",
+                           " (transformers' Mamba2ForCausalLM runs on the mamba2_hybrid plugin)"
+                           if type(model).__module__.startswith("transformers.") else "")
         self.check_config(model.config.to_dict())
 
     def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:

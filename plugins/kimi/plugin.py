@@ -53,9 +53,7 @@ class KimiLinearPlugin(ArchitecturePlugin):
     def check_model(self, model: torch.nn.Module) -> None:
         from transformers import KimiLinearForCausalLM
 
-        if not isinstance(model, KimiLinearForCausalLM):
-            raise UnsupportedModelError(f"the kimi_linear plugin runs transformers' KimiLinearForCausalLM, got "
-                                        f"{type(model).__module__}.{type(model).__name__}")
+        self.require_class(model, (KimiLinearForCausalLM,), "transformers' ")
         for layer in model.model.layers:
             a = layer.self_attn
             if hasattr(a, "kv_b_proj") and a.num_key_value_groups != 1:

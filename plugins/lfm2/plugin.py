@@ -47,9 +47,7 @@ class Lfm2Plugin(ArchitecturePlugin):
     def check_model(self, model: torch.nn.Module) -> None:
         from transformers import Lfm2ForCausalLM
 
-        if not isinstance(model, Lfm2ForCausalLM):
-            raise UnsupportedModelError(f"the lfm2 plugin runs transformers' Lfm2ForCausalLM, got "
-                                        f"{type(model).__module__}.{type(model).__name__}")
+        self.require_class(model, (Lfm2ForCausalLM,), "transformers' ")
         unknown = set(model.config.layer_types) - {"conv", "full_attention"}
         if unknown:
             raise UnsupportedModelError(f"LFM2 layer types {sorted(unknown)} are not supported")

@@ -83,12 +83,8 @@ class Mamba2HybridPlugin(ArchitecturePlugin):
     def check_model(self, model: torch.nn.Module) -> None:
         import transformers
 
-        mt = getattr(getattr(model, "config", None), "model_type", None)
-        cls = getattr(transformers, f"{CLASSES[mt]}ForCausalLM", None) if mt in CLASSES else None
-        if cls is None or not isinstance(model, cls):
-            raise UnsupportedModelError(
-                f"the mamba2_hybrid plugin runs transformers' {', '.join(c + 'ForCausalLM' for c in CLASSES.values())}, "
-                f"got {type(model).__module__}.{type(model).__name__}")
+        self.require_class(model, tuple(getattr(transformers, f"{c}ForCausalLM") for c in CLASSES.values()),
+                           "transformers' ")
         from .spec import _inner, layer_mixers
 
         for layer in _inner(model).layers:

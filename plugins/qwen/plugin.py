@@ -70,11 +70,8 @@ class QwenPlugin(ArchitecturePlugin):
         from transformers import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
                                   Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
 
-        classes = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
-                   Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
-        if not isinstance(model, classes):
-            raise UnsupportedModelError(f"the qwen plugin runs {', '.join(c.__name__ for c in classes)}, got "
-                                        f"{type(model).__module__}.{type(model).__name__}")
+        self.require_class(model, (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
+                                   Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM), "transformers' ")
         from .spec import text_parts
 
         cfg = text_parts(model)[0].config

@@ -36,9 +36,7 @@ class RetentionPlugin(ArchitecturePlugin):
         return model.to(device or "cpu", dtype or torch.float32)
 
     def check_model(self, model: torch.nn.Module) -> None:
-        if not isinstance(model, RetentionModel):
-            raise UnsupportedModelError(f"the retention plugin runs RetentionModel, got "
-                                        f"{type(model).__module__}.{type(model).__name__}")
+        self.require_class(model, (RetentionModel,))
 
     def model_spec(self, model: torch.nn.Module, placement: Placement) -> ModelSpec:
         from .spec import retention_spec
