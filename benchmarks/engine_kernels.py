@@ -458,6 +458,37 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -> dict | None:
+    """The arguments of a timing run checked, the preset's defaults filled in; returns the per-rank
+    shapes to time, ``{(op, *dims): [(model, tp)]}`` (models of one shape are timed once), or
+    ``None`` after printing why the device cannot run them (``ap.error`` exits on the others)."""
+    if not args.out:
+        ap.error("--out is required (except with --extract)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"{prog}: error: needs a CUDA GPU; torch sees none (--device cpu under TRITON_INTERPRET=1)",
+              file=sys.stderr)
+        return None
+    for name, value in PRESETS[args.preset].items():
+        setattr(args, name, getattr(args, name) or value)
+    ops = args.ops.split(",")
+    if set(ops) - set(OPS):
+        ap.error(f"--ops: unknown {', '.join(sorted(set(ops) - set(OPS)))} (of {', '.join(OPS)})")
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(sorted(unknown))} (of {', '.join(MODELS)})")
+    shapes: dict[tuple, list] = {}
+    for model in (m for m in args.models.split(",") if MODELS[m]["op"] in ops):
+        m, op = MODELS[model], OPS[MODELS[model]["op"]]
+        for tp in ints(args.tp):
+            if any(m[k] % tp for k in op.split):
+                ap.error(f"{model}'s " + ", ".join(f"{k} {m[k]}" for k in op.split) + f" do not split over TP {tp}")
+            shapes.setdefault((m["op"], *(m[k] // tp if k in op.split else m[k] for k in op.dims)), []).append(
+                (model, tp))
+    if not shapes:
+        ap.error(f"no model of --ops {args.ops} in --models {args.models}")
+    return shapes
+
+
 def main(argv=None) -> int:
     ap = add_allow_dirty(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     ap.add_argument("--out", help="JSON report path (the tables go to the same path with .md)")
@@ -478,6 +509,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     gdn_verify.TUNING["tree"]["inverse"] = args.tree_inverse
     prog = Path(sys.argv[0]).name
+    if not args.extract:
+        shapes = _check_args(ap, args, prog)  # every argument checked before the engines load
+        if shapes is None:
+            return 2
     try:
         if args.extract:
             print("\n".join(str(p) for p in engine_kernels.extract(args.extract, args.kernels)))
@@ -490,35 +525,10 @@ def main(argv=None) -> int:
     except (engine_kernels.RegistryUnreachable, FileNotFoundError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    if not args.out:
-        ap.error("--out is required (except with --extract)")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"{prog}: error: needs a CUDA GPU; torch sees none (--device cpu under TRITON_INTERPRET=1)",
-              file=sys.stderr)
-        return 2
-    for name, value in PRESETS[args.preset].items():
-        setattr(args, name, getattr(args, name) or value)
     meta = provenance(args.device, args.allow_dirty)
     meta["engines"] = {e["name"]: e["version"] for e in engine_kernels.ENGINES}
     # what SGLang's kernel picked its launch from (tiles for the tree verify on SM90; PDL)
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
-    ops = args.ops.split(",")
-    if set(ops) - set(OPS):
-        ap.error(f"--ops: unknown {', '.join(sorted(set(ops) - set(OPS)))} (of {', '.join(OPS)})")
-    unknown = set(args.models.split(",")) - set(MODELS)
-    if unknown:
-        ap.error(f"--models: unknown {', '.join(sorted(unknown))} (of {', '.join(MODELS)})")
-    # per op and per-rank shape -> [(model, tp)]: models of one shape are timed once
-    shapes: dict[tuple, list] = {}
-    for model in (m for m in args.models.split(",") if MODELS[m]["op"] in ops):
-        m, op = MODELS[model], OPS[MODELS[model]["op"]]
-        for tp in ints(args.tp):
-            if any(m[k] % tp for k in op.split):
-                ap.error(f"{model}'s " + ", ".join(f"{k} {m[k]}" for k in op.split) + f" do not split over TP {tp}")
-            shapes.setdefault((m["op"], *(m[k] // tp if k in op.split else m[k] for k in op.dims)), []).append(
-                (model, tp))
-    if not shapes:
-        ap.error(f"no model of --ops {args.ops} in --models {args.models}")
     cells = []
     work = [("tree", D) for D in ints(args.trees)] + [("chain", D) for D in ints(args.chains)]
     # Triton's interpreter (the CPU) needs the engines' Mamba2 masks read as bool

@@ -103,8 +103,16 @@ def test_the_check_marks_a_contender_that_disagrees():
 
 
 def test_a_kernel_folder_without_the_files_is_refused_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path), "--out", str(tmp_path / "r.json")],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path), "--out", str(tmp_path / "r.json"),
+                           "--device", "cpu"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"engine_kernels.py: error: sglang 0.5.23's kernel files are not under {tmp_path}: ")
     assert proc.stderr.count("\n") == 1
+
+
+def test_arguments_are_checked_before_the_engines_load(tmp_path):
+    """A wrong ``--models`` is refused by name even where the engines' kernel files are missing."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path), "--out", str(tmp_path / "r.json"),
+                           "--device", "cpu", "--models", "no-such-model"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1].startswith("engine_kernels.py: error: --models: unknown no-such-model (of ")
