@@ -11,6 +11,7 @@ token), ``hidden`` the model width, ``vocab`` its vocabulary.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 from collections.abc import Callable, Iterable
 
@@ -46,8 +47,9 @@ def place(model: torch.nn.Module, config: SpecConfig, differentiable: bool) -> t
     eval mode; the caller's model is never modified.
 
     Raises:
-        ConfigError: ``kernels="triton"`` on a non-CUDA device without ``TRITON_INTERPRET=1``, or
-            with it set only after Triton kernels were defined compiled (specla's or FLA's).
+        ConfigError: ``kernels="triton"`` without Triton installed, on a non-CUDA device without
+            ``TRITON_INTERPRET=1``, or with it set only after Triton kernels were defined compiled
+            (specla's or FLA's).
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     ref = head.weight if head is not None else next(model.parameters())
@@ -56,6 +58,9 @@ def place(model: torch.nn.Module, config: SpecConfig, differentiable: bool) -> t
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.empty(0, device=device).device  # canonical: "cpu:0" is "cpu"
     dtype = getattr(torch, config.dtype) if config.dtype else ref.dtype
+    if config.engine.kernels == "triton" and importlib.util.find_spec("triton") is None:
+        raise ConfigError("kernels='triton' needs Triton, which is not installed (pip install triton; CUDA builds "
+                          "of torch bring it); use kernels='auto' or 'reference'")
     if config.engine.kernels == "triton" and device.type != "cuda":
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError(f"kernels='triton' on {device.type} needs TRITON_INTERPRET=1 (Triton's CPU "

@@ -484,6 +484,26 @@ def test_triton_kernels_on_cpu_without_the_interpreter_are_rejected_clearly(monk
     p.make_adapter(model, SpecConfig(engine={"kernels": "auto"}, device="cpu"))  # auto falls back to the reference path
 
 
+def test_triton_kernels_without_triton_installed_are_rejected_clearly(monkeypatch):
+    """Before anything imports Triton (the README's CPU install has none), and whatever
+    ``TRITON_INTERPRET`` says."""
+    import importlib.util
+
+    from specla import ConfigError, SpecConfig
+    from specla.registry import get_plugin
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    p = get_plugin("qwen")
+    model = p.tiny_model(p.tiny_variants[0])
+    with pytest.raises(ConfigError, match=r"^kernels='triton' needs Triton, which is not installed \(pip install "
+                                          r"triton; CUDA builds of torch bring it\); use kernels='auto' or "
+                                          r"'reference'$"):
+        p.make_adapter(model, SpecConfig(engine={"kernels": "triton"}, device="cpu"))
+    p.make_adapter(model, SpecConfig(engine={"kernels": "auto"}, device="cpu"))
+
+
 def test_recorded_one_token_steps_use_the_serial_kernel(monkeypatch):
     """Plain decoding (no budget) with ``cuda_graphs="on"`` (unrecorded on the CPU) and the Triton
     kernels: the fixed-shape one-token verify runs the serial kernel (the parallel one is for
