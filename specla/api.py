@@ -54,7 +54,8 @@ def _as_config(config: SpecConfig | dict[str, Any] | None) -> SpecConfig:
         try:
             return SpecConfig.model_validate(config)
         except pydantic.ValidationError as err:  # one specla error class for every bad option
-            raise ConfigError(f"config: {validation_message(err)}") from err
+            message = validation_message(err)  # a check of the whole config already names it
+            raise ConfigError(message if message.startswith("config: ") else f"config: {message}") from err
     raise TypeError(f"config must be a SpecConfig, a dict of its fields or None, got {type(config).__name__}")
 
 

@@ -62,8 +62,12 @@ def validation_message(err, names: dict[str, str] | None = None) -> str:
         field = next((names[k] for k in names if dotted == k or dotted.startswith(k + ".")), None)
         return field or dotted or "config"
 
-    # pydantic prefixes what a validator raised with "Value error, ": the text after it is ours
-    return "; ".join(f"{name(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+    def message(e: dict) -> str:
+        if e["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted"
+            return "unknown option"
+        return e["msg"].removeprefix("Value error, ")  # pydantic's prefix of what a validator raised
+
+    return "; ".join(f"{name(e['loc'])}: {message(e)}" for e in err.errors())
 
 
 class EngineOptions(BaseModel):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import re
@@ -260,7 +259,7 @@ def run_bench(model, drafter, prompts_file, *, config: SpecConfig, limit: int | 
                            "prefill_s", "wall_s"), 0)
     plain = dict.fromkeys(("steps", "graphs_recorded", "prefill_s", "wall_s"), 0)
     forms = (set(), set())  # the prefill forms the timed calls ran (RunStats.prefill)
-    for batch in tqdm(batches, desc="bench", unit="batch"):
+    for batch in tqdm(batches, desc="bench", unit="batch", disable=None):
         if done and time_limit_s is not None and time.perf_counter() - started > time_limit_s:
             break
         done += len(batch)

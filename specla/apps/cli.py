@@ -262,6 +262,7 @@ def _add_threads(parser: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    _spec_config({"device": _auto_device()}, None, {"device": args.device})  # a bad --device named as the flag
     _cpu_threads(args, _device_type(args.device))
     # a bar only on a terminal, as generate's: redirected to a file or a pipe it is noise
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -288,7 +289,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {model} has no tokenizer (no tokenizer.json in it); train-drafter reads text")
     texts = read_texts(args.data)
     config = _spec_config({"dtype": "float32", "device": _auto_device()}, None, {"device": args.device})
-    dec = SpecDecoder(model, args.plugin, config=config)
+    with _transformers_bars(sys.stderr.isatty()):  # bars on a terminal only, as every command's (tqdm's disable=None)
+        dec = SpecDecoder(model, args.plugin, config=config)
     summary = train_drafter(dec.adapter, dec.tokenizer, args.data, args.out, cfg, resume=args.resume,
                             stop_at=args.stop_at, overwrite=args.overwrite, texts=texts)
     print(json.dumps({"out": args.out, "windows": summary["windows"], "stopped_at": summary.get("stopped_at"),
@@ -321,9 +323,10 @@ def _bench(args: argparse.Namespace) -> int:
     load_prompts(args.prompts, args.limit)
     meta = provenance(config.device, root=checkout_root(), allow_dirty=args.allow_dirty,
                       command=shlex.join(["specla", *args.argv]))
-    report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
-                       batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit,
-                       execute_code=args.execute_code)
+    with _transformers_bars(sys.stderr.isatty()):  # bars on a terminal only (run_bench's tqdm: disable=None)
+        report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
+                           batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit,
+                           execute_code=args.execute_code)
     print(format_table(report))
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, **report}, indent=1))

@@ -131,7 +131,7 @@ def collect_features(adapter: TargetAdapter, sequences: list[list[int]], window:
     """
     wins = [s[i : i + window] for s in sequences for i in range(0, len(s) - window + 1, window)]
     toks, feats = [], []
-    for i in tqdm(range(0, len(wins), batch), desc="features", unit="batch", leave=False):
+    for i in tqdm(range(0, len(wins), batch), desc="features", unit="batch", leave=False, disable=None):
         x = torch.tensor(wins[i : i + batch], dtype=torch.int64)
         _, hidden = adapter.score(x, return_hidden=True)
         toks.append(x)
@@ -328,7 +328,7 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
         from ..drafters.ngram import NgramDrafter
 
         gen_cfg = SpecConfig(num_draft_tokens=6, max_new_tokens=cfg.distill_new_tokens, stop_at_eos=False)
-        for i in tqdm(range(0, len(prompts), 32), desc="self-distillation", leave=False):
+        for i in tqdm(range(0, len(prompts), 32), desc="self-distillation", leave=False, disable=None):
             batch = prompts[i : i + 32]
             outputs, _ = Engine(adapter, NgramDrafter(), gen_cfg).generate(batch)
             sequences += [p + o for p, o in zip(batch, outputs)]
@@ -354,7 +354,8 @@ def train_drafter(adapter: TargetAdapter, tokenizer, files: list[str | Path], ou
     warm = max(cfg.steps // 20, 1)
     # TF32 products on CUDA for the head and the LM head (the collected features are unchanged)
     with _matmul_precision("high" if adapter.device.type == "cuda" else None):
-        bar = tqdm(range(start, cfg.steps), desc="train-drafter", initial=start, total=cfg.steps)
+        bar = tqdm(range(start, cfg.steps), desc="train-drafter", initial=start, total=cfg.steps,
+                   disable=None)
         for step in bar:
             lr = cfg.lr * min((step + 1) / warm, 0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * step / cfg.steps)).item()))
             for g in opt.param_groups:

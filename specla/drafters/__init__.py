@@ -57,7 +57,7 @@ def make_drafter(drafter: str | Path | Drafter) -> Drafter:
         if owners := model_drafter_owners(drafter):
             raise DrafterError(f"drafter {drafter!r} is a model's own drafter (the {', '.join(owners)} plugins' "
                                "models bring it): pass it to SpecDecoder with such a model")
-        if not Path(drafter).is_dir():
+        if not str(drafter).strip() or not Path(drafter).is_dir():  # "" would be the working directory
             own = sorted({name for plugin in available() for name in get_plugin(plugin).model_drafters})
             names = [*BUILTIN_DRAFTERS, *(f"{name} (a model's own: the {', '.join(model_drafter_owners(name))} "
                                           "plugins')" for name in own)]

@@ -405,6 +405,8 @@ def test_the_demo_runs_torch_on_one_thread_on_a_cpu_unless_told(monkeypatch, cap
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setattr(specla.apps.demo, "run_demo", lambda **kw: {"exact_match": True, "device": kw["device"]})
+    if device == "cuda":  # the CLI checks --device before the (stubbed) demo
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:

@@ -45,6 +45,8 @@ def test_unknown_plugin_and_drafter_list_the_known_ones():
         get_plugin("mamba9")
     with pytest.raises(UnknownPluginError, match=r"unknown drafter 'eagle9'; available drafters: ngram"):
         make_drafter("eagle9")
+    with pytest.raises(UnknownPluginError, match=r"unknown drafter ''; available drafters: ngram"):
+        make_drafter("")  # not the working directory
     with pytest.raises(UnknownPluginError, match="available plugins"):
         specla.run(make_model(), "nope", prompts=[[1]])
 
@@ -180,6 +182,9 @@ def test_cli_plugins_and_generate():
         (["generate", "--model", str(TINY), "--prompt", "hi", "--drafter", "eagle9"], "unknown drafter"),
         (["generate", "--model", str(TINY), "--prompt", "", "--device", "cpu"], "the first --prompt is empty"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--device", "tpu"], "device 'tpu'"),
+        (["demo", "--device", "tpu"], "--device: device 'tpu' is not a torch device"),
+        (["generate", "--model", str(TINY), "--prompt", "hi", "--config", '{"bogus_key": 1}'],
+         "bogus_key: unknown option"),
     ],
 )
 def test_cli_errors_are_one_line(args, message):
@@ -750,10 +755,13 @@ def test_bad_options_given_as_a_dict_are_a_config_error_naming_each_field():
     with pytest.raises(ConfigError) as err:
         SpecDecoder("no/such/dir", config={"max_new_tokens": -1, "temperature": -0.5, "tempature": 1})
     assert str(err.value) == ("config: temperature: Input should be greater than or equal to 0; max_new_tokens: "
-                              "Input should be greater than or equal to 1; tempature: Extra inputs are not permitted")
+                              "Input should be greater than or equal to 1; tempature: unknown option")
     assert isinstance(err.value, specla.SpecError) and isinstance(err.value, ValueError)
     with pytest.raises(ConfigError, match=r"^config: max_new_tokens: Input should be greater than or equal to 1$"):
         specla.run(TINY, prompts=[[1, 2]], config={"max_new_tokens": 0})
     with pytest.raises(ConfigError) as err:  # what a validator said, without pydantic's "Value error, "
         SpecDecoder("no/such/dir", config={"stop_token_ids": [-1]})
     assert str(err.value) == "config: stop_token_ids: stop_token_ids must be non-negative token ids, got (-1,)"
+    with pytest.raises(ConfigError) as err:  # a check of the whole config: named once
+        SpecDecoder("no/such/dir", config={"top_p": 0.5})
+    assert str(err.value).startswith("config: top_p (0.5) and sampling_top_k (0) filter sampling: ")
