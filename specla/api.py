@@ -97,9 +97,11 @@ class SpecDecoder:
             not a checkpoint directory, or its files cannot be loaded (a corrupt config.json or
             weights file: the message names the directory and the loader's error), or its
             weights do not fit its config.json (missing, unexpected or of another shape: the
-            message names the directory, the counts and the first few weight names); a model
-            whose weights are on the ``meta`` device (built under ``torch.device("meta")`` or
-            loaded with ``device_map="meta"``), refused before anything else.
+            message names the directory, the counts and the first few weight names; files holding
+            less than half the parameters the config describes are refused before the model is
+            built, naming both counts); a model whose weights are on the ``meta`` device (built
+            under ``torch.device("meta")`` or loaded with ``device_map="meta"``), refused before
+            anything else.
         FileNotFoundError: a tokenizer directory that does not exist or holds no tokenizer (no
             ``tokenizer.json``, ``vocab.*``, ``*.model`` or ``*.tiktoken`` file: the message names
             the directory and those files), refused before the checkpoint loads.

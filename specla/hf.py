@@ -81,6 +81,50 @@ def tensors_only(what: str, error: type[Exception], advice: str) -> Iterator[Non
                         f"{advice}") from err
 
 
+def _refuse_weights_far_short_of_config(model_class, path: Path) -> None:
+    """Refuses a checkpoint whose weight files hold far fewer elements than the model its
+    ``config.json`` describes, before transformers builds that model in full (a config.json
+    without the model's sizes gives the class's defaults: billions of parameters).
+    The model is built on the meta device (no memory) and only the safetensors headers are read.
+    Twice what the files hold leaves room for renamed, fused, tied (counted once) or ignored
+    weights; :func:`load_pretrained`'s check after loading is the precise one. A directory
+    without safetensors files, or a quantized checkpoint (several weights in one stored
+    element), is not checked here.
+
+    Args:
+        model_class: a transformers model class or Auto class.
+        path: the checkpoint directory.
+    Raises:
+        UnsupportedModelError: the model needs more than twice the elements the files hold; the
+            message names the directory and both counts.
+    """
+    import math
+
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return
+    if hasattr(model_class, "from_config"):  # an Auto class: the config names the model class
+        from transformers import AutoConfig
+
+        config, build = AutoConfig.from_pretrained(str(path)), model_class.from_config
+    else:
+        config, build = model_class.config_class.from_pretrained(str(path)), model_class._from_config
+    if getattr(config, "quantization_config", None):
+        return
+    with torch.device("meta"):
+        needed = sum(param.numel() for param in build(config).parameters())
+    held = 0
+    for file in files:
+        with safe_open(str(file), "pt") as weights:
+            held += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    if needed > 2 * held:
+        raise UnsupportedModelError(f"{path}: its config.json describes a model of {needed / 1e6:.1f}M parameters, "
+                                    f"its weight files hold {held / 1e6:.1f}M: the model would run on random "
+                                    "weights (a config.json missing the model's sizes?)")
+
+
 def load_pretrained(model_class, path: Path, *, dtype: torch.dtype | None) -> torch.nn.Module:
     """``model_class.from_pretrained(path)`` (``dtype`` ``None``: the checkpoint's own), refusing a
     checkpoint whose weights do not fill the model its ``config.json`` describes: transformers
@@ -94,10 +138,12 @@ def load_pretrained(model_class, path: Path, *, dtype: torch.dtype | None) -> to
         path: the checkpoint directory.
         dtype: the dtype to load in.
     Raises:
-        UnsupportedModelError: weights missing from the files, unexpected in them, or of another
-            shape than the config gives; the message names the directory and, for each kind, the
-            count and the first few names (sorted).
+        UnsupportedModelError: as :func:`_refuse_weights_far_short_of_config`, before loading;
+            weights missing from the files, unexpected in them, or of another shape than the
+            config gives; the message names the directory and, for each kind, the count and the
+            first few names (sorted).
     """
+    _refuse_weights_far_short_of_config(model_class, path)
     # mismatched shapes are kept as a report rather than transformers' RuntimeError, whose text
     # does not name the tensors
     with _without_load_report():

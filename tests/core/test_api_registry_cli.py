@@ -564,6 +564,41 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused(tmp_path, c
     assert exit_.value.code == 2 and stderr.strip().splitlines()[-1] == f"specla: error: {message}"
     assert "Traceback" not in stderr
     assert isinstance(SpecDecoder(_edited_checkpoint(tmp_path / "unedited")).model, torch.nn.Module)
+
+
+def test_a_checkpoint_whose_config_lacks_the_model_sizes_is_refused_before_the_model_is_built(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """A config.json of ``{"model_type": "qwen3_5_text"}`` alone describes the class's default
+    model (billions of parameters) beside 8M parameters of weights: refused from the safetensors
+    headers and a model on the meta device, by the API and ``specla generate``, with both counts,
+    and transformers' ``from_pretrained`` (which would build the default model in full) never
+    runs."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(get_plugin("qwen").demo_checkpoint, path)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    held = sum(t.numel() for t in load_file(path / "model.safetensors").values())
+
+    def never(*args, **kwargs):
+        raise AssertionError("from_pretrained ran")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
+    pattern = (rf"^{re.escape(str(path))}: its config.json describes a model of (\d+\.\d)M parameters, its weight "
+               rf"files hold {re.escape(f'{held / 1e6:.1f}')}M: the model would run on random weights \(a "
+               r"config.json missing the model's sizes\?\)$")
+    with pytest.raises(UnsupportedModelError) as err:
+        SpecDecoder(path)
+    needed = re.match(pattern, str(err.value))
+    assert needed, str(err.value)
+    assert float(needed[1]) > 248320 * 4096 / 1e6  # at least the default vocabulary's embedding
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(path), "--prompt", "hi", "--device", "cpu"])
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2 and stderr.strip().splitlines()[-1] == f"specla: error: {err.value}"
+
+
 def test_max_new_tokens_is_at_most_a_32_bit_integer(capsys):
     """``max_new_tokens`` beyond 2**31 - 1 is refused by the config (from 2**63 on it would
     overflow inside a step), from the API and from ``--max-new-tokens`` in one line, before loading."""
