@@ -46,7 +46,7 @@ arithmetic. Even at 10,000 tokens/s a sequence this long takes 2.5 days; a large
 typo (from ``2**63`` on, one overflows the int64 tensors of a step)."""
 
 
-def validation_message(err, names: dict[str, str] | None = None) -> str:
+def validation_message(err, names: dict[str, str] | None = None, sources: dict[str, str] | None = None) -> str:
     """A pydantic ``ValidationError`` in one line: ``field: message; field: message``.
 
     Args:
@@ -54,13 +54,16 @@ def validation_message(err, names: dict[str, str] | None = None) -> str:
         names: what to call a field (its dotted location, e.g. ``engine.commit``) where the
             user set it by another name, e.g. a command-line flag; an item of a list field
             (``stop_token_ids.0``) takes its field's name.
+        sources: where the user gave a top-level field (``engine``, ``top_p``) not in ``names``,
+            written before its dotted location (``--config cfg.json engine.bogus``).
     """
-    names = names or {}
+    names, sources = names or {}, sources or {}
 
     def name(loc: tuple) -> str:
         dotted = ".".join(map(str, loc))
         field = next((names[k] for k in names if dotted == k or dotted.startswith(k + ".")), None)
-        return field or dotted or "config"
+        source = sources.get(str(loc[0])) if loc else None
+        return field or (f"{source} {dotted}" if source else dotted) or "config"
 
     def message(e: dict) -> str:
         if e["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted"

@@ -45,14 +45,16 @@ _FLAG_OF_FIELD = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "--n
                   "stop_token_ids": "--stop-token-id", "engine.commit": "--commit"}
 
 
-def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: dict | None = None) -> SpecConfig:
+def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: dict | None = None,
+                 source: str = "--config") -> SpecConfig:
     """``SpecConfig`` from defaults, then ``--config``'s fields, then the flags given (``None``:
     not given), each later one winning; ``engine_flags`` set fields of its ``engine`` over
     ``--config``'s.
 
     Raises:
         ValueError: a value SpecConfig refuses, in one line that names a value given by a flag
-            by that flag (``--tree-top-k``, not ``top_k``), and one from ``--config`` by its field.
+            by that flag (``--tree-top-k``, not ``top_k``), and one from ``--config`` by ``source``
+            (:func:`config_source`) and its field.
     """
     given = {k: v for k, v in flags.items() if v is not None}
     fields = {**base, **(overrides or {}), **given}
@@ -63,7 +65,8 @@ def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: 
         return SpecConfig(**fields)
     except ValidationError as err:
         flagged = [*given, *(f"engine.{k}" for k in engine)]
-        raise ValueError(validation_message(err, {k: _FLAG_OF_FIELD[k] for k in flagged})) from None
+        raise ValueError(validation_message(err, {k: _FLAG_OF_FIELD[k] for k in flagged},
+                                            {k: source for k in overrides or {} if k not in given})) from None
 
 
 def _checkpoint_dir(model: str) -> Path:
@@ -209,7 +212,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{' and '.join(sampling_only)} {verbs} --temperature > 0 (greedy decoding ignores "
                          f"{it}){hint}")
     engine_flags = {"commit": args.commit}
-    config = _spec_config({"device": _auto_device()}, overrides, flags, engine_flags)  # options fail before any load
+    source = config_source(args.config)
+    config = _spec_config({"device": _auto_device()}, overrides, flags, engine_flags, source)  # before any load
     _cpu_threads(args, _device_type(config.device))
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
@@ -217,7 +221,8 @@ def _generate(args: argparse.Namespace) -> int:
         if stop_texts:  # the config needs their ids before the decoder is built
             tokenizer = _load_tokenizer(tokenizer)
         stops = list(args.stop_token_id or []) + stop_string_ids(tokenizer, stop_texts)
-        config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops}, engine_flags)
+        config = _spec_config({"device": _auto_device()}, overrides, {**flags, "stop_token_ids": stops}, engine_flags,
+                              source)
     with _transformers_bars(sys.stderr.isatty() if args.progress is None else args.progress):
         decoder = SpecDecoder(model, args.plugin, drafter=args.drafter, config=config, tokenizer=tokenizer)
     progress = args.progress
@@ -302,7 +307,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import checkout_root, format_table, load_prompts, provenance, run_bench
 
     config = _spec_config({"max_new_tokens": 256, "device": _auto_device()}, read_config_option(args.config),
-                          {"max_new_tokens": args.max_new_tokens, "device": args.device})
+                          {"max_new_tokens": args.max_new_tokens, "device": args.device},
+                          source=config_source(args.config))
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
     _cpu_threads(args, _device_type(config.device))
@@ -389,6 +395,12 @@ def _number(text: str) -> float:
     return value
 
 
+def config_source(text: str | None) -> str:
+    """How errors name a ``--config`` value: ``--config`` for inline JSON (or none), else
+    ``--config FILE``."""
+    return "--config" if text is None or text.lstrip()[:1] in "{[" else f"--config {text}"
+
+
 def read_config_option(text: str | None) -> dict:
     """The fields given by ``--config`` (``generate`` and ``bench``): a JSON object of
     :class:`~specla.config.SpecConfig` fields, inline (text starting with ``{``) or the path of a
@@ -406,11 +418,11 @@ def read_config_option(text: str | None) -> dict:
     """
     if text is None:
         return {}
-    inline = text.lstrip()[:1] in "{["
+    source = config_source(text)
+    inline = source == "--config"
     if inline:
-        source, body = "--config", text
+        body = text
     else:
-        source = f"--config {text}"
         try:
             body = Path(text).read_text(encoding="utf-8")
         except FileNotFoundError:

@@ -91,21 +91,25 @@ def test_sampling_filters_without_temperature_are_refused(capsys):
 
 def test_config_errors_name_the_flag_typed_and_config_fields_by_their_name(capsys, tmp_path):
     """A value SpecConfig refuses is named by the flag that gave it (not its field), one from
-    ``--config`` by its field; pydantic's "Value error, " prefix is left out."""
+    ``--config`` by ``--config`` (and its file) and its field; pydantic's "Value error, " prefix is
+    left out, its "Extra inputs are not permitted" is "unknown option"."""
+    (tmp_path / "c.json").write_text('{"engine": {"bogus": 1}}')
     cases = [(["--tree-top-k", "0"], "--tree-top-k: Input should be greater than or equal to 1"),
              (["--top-k", "-1", "--temperature", "1"], "--top-k: Input should be greater than or equal to 0"),
              (["--max-new-tokens", "0"], "--max-new-tokens: Input should be greater than or equal to 1"),
              (["--stop-token-id", "-3"], "--stop-token-id: stop_token_ids must be non-negative token ids, got (-3,)"),
              (["--config", '{"top_k": 0}', "--max-depth", "0"],
-              "--max-depth: Input should be greater than or equal to 1; top_k: Input should be greater than or "
-              "equal to 1")]
+              "--max-depth: Input should be greater than or equal to 1; --config top_k: Input should be greater "
+              "than or equal to 1"),
+             (["--config", str(tmp_path / "c.json"), "--commit", "replay"],
+              f"--config {tmp_path / 'c.json'} engine.bogus: unknown option")]
     for args, message in cases:
         code, _, err = cli(capsys, "generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu", *args)
         assert (code, err) == (2, f"specla: error: {message}\n"), args
     code, _, err = cli(capsys, "bench", "--model", TINY, "--prompts", tmp_path / "p.jsonl", "--max-new-tokens", "3",
                        "--config", '{"stop_token_ids": [-1]}')
-    assert (code, err) == (2, "specla: error: stop_token_ids: stop_token_ids must be non-negative token ids, got "
-                              "(-1,)\n")
+    assert (code, err) == (2, "specla: error: --config stop_token_ids: stop_token_ids must be non-negative token "
+                              "ids, got (-1,)\n")
 
 
 def test_argument_errors_are_one_line_without_the_usage_block(capsys):

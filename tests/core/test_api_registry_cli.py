@@ -184,7 +184,7 @@ def test_cli_plugins_and_generate():
         (["generate", "--model", str(TINY), "--prompt", "hi", "--device", "tpu"], "device 'tpu'"),
         (["demo", "--device", "tpu"], "--device: device 'tpu' is not a torch device"),
         (["generate", "--model", str(TINY), "--prompt", "hi", "--config", '{"bogus_key": 1}'],
-         "bogus_key: unknown option"),
+         "--config bogus_key: unknown option"),
     ],
 )
 def test_cli_errors_are_one_line(args, message):
