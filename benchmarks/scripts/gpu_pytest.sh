@@ -3,7 +3,8 @@
 # minutes (the whole suite takes longer there). From the repository root, after
 # `source benchmarks/scripts/device_env.sh`:
 #   bash benchmarks/scripts/gpu_pytest.sh OUT PART [PART ...]
-# runs `pytest -n WORKERS` on each PART (a test folder or file) in turn, each under its own limit
+# runs `pytest -n WORKERS` on each PART (a test folder or file, or several in one quoted word
+# separated by spaces) in turn, each under its own limit
 # of PART_LIMIT seconds (default 280), and writes, under OUT: `pytest-<part>.log`,
 # `junit-<part>.xml` (where the part finished), `failures.txt` and `durations.txt` (seconds, phase
 # and test), appended as each test reports, and `running-<part>.txt`, the tests started and not
@@ -48,10 +49,10 @@ EOF
 export SPECLA_FAILURE_LOG=$out/failures.txt SPECLA_DURATION_LOG=$out/durations.txt PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$plugin
 status=0
 for part in "$@"; do
-    name=$(echo "$part" | tr '/.' '--')
+    name=$(echo "$part" | cut -d' ' -f1 | tr '/.' '--')$([ "$part" = "${part%% *}" ] || echo -and-more)
     export SPECLA_RUNNING_LOG=$out/running-$name.txt
     timeout "${PART_LIMIT:-280}" python -m pytest -q -n "${WORKERS:-14}" -p no:cacheprovider -p specla_failure_log \
-        -rfE --tb=short --junitxml="$out/junit-$name.xml" "$part" > "$out/pytest-$name.log" 2>&1
+        -rfE --tb=short --junitxml="$out/junit-$name.xml" $part > "$out/pytest-$name.log" 2>&1
     rc=$?
     echo "$part: rc=$rc, $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error).* =+$' "$out/pytest-$name.log" | tail -1)"
     [ "$rc" = 0 ] || status=$rc
