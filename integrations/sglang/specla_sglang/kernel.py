@@ -108,15 +108,20 @@ def verify_tree(
                         cache_indices[:bs], use_qk_l2norm_in_kernel=True, cu_seqlens=query_start_loc,
                         records=GDNRecordBuffers(*blocks[:3]), intermediate_state_indices=rows, cache_steps=steps,
                         retrieve_parent_token=None if retrieve_parent_token is None else retrieve_parent_token[:bs])
-    write_parents(blocks[3], rows, retrieve_parent_token, bs, steps)
+    write_parents(records, blocks[3], rows, retrieve_parent_token, bs, steps)
     return o
 
 
-def write_parents(parent: Tensor, rows: Tensor, retrieve_parent_token: Tensor | None, bs: int, steps: int) -> None:
-    """Each verified tree's parents (:func:`tree_parents`) into the parent block ``[R, D]`` of a
-    layer's records, rows ``rows[:bs]``, steps up to ``steps``: the commit finds each accepted
-    path from these alone."""
-    parent[rows[:bs].to(torch.int64), :steps] = tree_parents(retrieve_parent_token, bs, steps, parent.device).float()
+def write_parents(records: Tensor, parent: Tensor, rows: Tensor, retrieve_parent_token: Tensor | None, bs: int,
+                  steps: int) -> None:
+    """Each verified tree's parents (:func:`tree_parents`) into the parent block ``parent [R, D]``
+    of a layer's records ``records``, rows ``rows[:bs]``, steps up to ``steps``: the commit finds
+    each accepted path from these alone. Every layer verifies the same trees and the commit reads
+    the first layer's parents, so only the first layer's records, the view at the start of the
+    buffer this plugin allocates (``storage_offset() == 0``), are written; the other layers skip
+    the launches."""
+    if records.storage_offset() == 0:
+        parent[rows[:bs].to(torch.int64), :steps] = tree_parents(retrieve_parent_token, bs, steps, parent.device).float()
 
 
 def verify_mamba2_tree(
@@ -164,7 +169,7 @@ def verify_mamba2_tree(
                        records=Mamba2RecordBuffers(*blocks[:3]), intermediate_state_indices=intermediate_state_indices[:bs],
                        cache_steps=steps,
                        retrieve_parent_token=None if retrieve_parent_token is None else retrieve_parent_token[:bs])
-    write_parents(blocks[3], intermediate_state_indices, retrieve_parent_token, bs, steps)
+    write_parents(intermediate_states_buffer, blocks[3], intermediate_state_indices, retrieve_parent_token, bs, steps)
 
 
 def commit_paths(
