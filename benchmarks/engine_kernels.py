@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -506,8 +507,24 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tree-inverse", choices=("serial", "blocked"), default=gdn_verify.TUNING["tree"]["inverse"],
                     help="the GDN tree kernel's forward substitution, T = (I + A)^-1 (specla.mixers.gdn.verify.TUNING)")
+    ap.add_argument("--tree-tiles", metavar="BV,BKC", help="the GDN tree kernel's V tile and K block where its "
+                    "prepare runs apart (TUNING[\"tree\"][\"tiles\"][\"separate\"]), powers of two >= 16")
     args = ap.parse_args(argv)
-    gdn_verify.TUNING["tree"]["inverse"] = args.tree_inverse
+    tree = dict(gdn_verify.TUNING["tree"], inverse=args.tree_inverse)
+    if args.tree_tiles:
+        tiles = ints(args.tree_tiles) if re.fullmatch(r"\d+,\d+", args.tree_tiles) else []
+        if len(tiles) != 2 or any(t < 16 or t & (t - 1) for t in tiles):
+            ap.error(f"--tree-tiles: two powers of two >= 16 as BV,BKC, got {args.tree_tiles!r}")
+        tree["tiles"] = {**tree["tiles"], "separate": tuple(tiles)}
+    saved, gdn_verify.TUNING["tree"] = gdn_verify.TUNING["tree"], tree
+    try:
+        return _run(ap, args)
+    finally:  # the kernels' settings are the library's again for whoever calls next in this process
+        gdn_verify.TUNING["tree"] = saved
+
+
+def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """:func:`main` after its arguments are parsed and the kernels' settings made."""
     prog = Path(sys.argv[0]).name
     if not args.extract:
         shapes = _check_args(ap, args, prog)  # every argument checked before the engines load
@@ -527,6 +544,7 @@ def main(argv=None) -> int:
         return 2
     meta = provenance(args.device, args.allow_dirty)
     meta["engines"] = {e["name"]: e["version"] for e in engine_kernels.ENGINES}
+    meta["gdn_tree_tuning"] = gdn_verify.TUNING["tree"]  # specla's tree kernel settings this run timed
     # what SGLang's kernel picked its launch from (tiles for the tree verify on SM90; PDL)
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
     cells = []

@@ -116,3 +116,12 @@ def test_arguments_are_checked_before_the_engines_load(tmp_path):
                            "--device", "cpu", "--models", "no-such-model"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines()[-1].startswith("engine_kernels.py: error: --models: unknown no-such-model (of ")
+
+
+@pytest.mark.parametrize("tiles", ["12,32", "64", "64,32,16", "a,b"])
+def test_tree_tiles_other_than_two_powers_of_two_are_refused(tmp_path, tiles):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json"), "--device", "cpu",
+                           "--tree-tiles", tiles], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == (f"engine_kernels.py: error: --tree-tiles: two powers of two >= 16 as "
+                                            f"BV,BKC, got {tiles!r}")
