@@ -42,6 +42,29 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+
+def worker_threads(environ, cores: int) -> int | None:
+    """torch's CPU threads for one test process: ``None`` (torch's default, a thread per core)
+    unless pytest-xdist runs several workers and ``OMP_NUM_THREADS`` is not set; then each
+    worker's share of the cores. Each worker starting a thread per core oversubscribes the CPU:
+    16 workers on a 16-core GPU machine ran the compiled suite's CPU-side tests about 4x slower
+    than with one thread each (benchmarks/results/2026-12-06/README.md).
+
+    Args:
+        environ: the process environment (a mapping).
+        cores: the CPU cores this process may use.
+    """
+    workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or "OMP_NUM_THREADS" in environ:
+        return None
+    return max(1, cores // workers)
+
+
+_threads = worker_threads(os.environ, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count() or 1)
+if _threads is not None:
+    torch.set_num_threads(_threads)
+
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
 warnings.filterwarnings("ignore", message=".*ShortConvolution is crucial.*")
 

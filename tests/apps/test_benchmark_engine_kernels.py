@@ -1,6 +1,6 @@
-"""``benchmarks/engine_kernels.py`` on the CPU (Triton's interpreter, its ``tiny`` preset: float32,
-two layers of each op: GDN H = 2, HV = 4, K = 16, V = 64; Mamba2 H = 4, P = 16, NG = 2, NS = 16; KDA
-H = 2, K = V = 16): every cell's contenders agree, the report has every cell, and its memory
+"""``benchmarks/engine_kernels.py`` on the CPU under Triton's interpreter (on a CUDA machine, compiled
+on the GPU), its ``tiny`` preset (float32, two layers of each op: GDN H = 2, HV = 4, K = 16, V = 64;
+Mamba2 H = 4, P = 16, NG = 2, NS = 16; KDA H = 2, K = V = 16): every cell's contenders agree, the report has every cell, and its memory
 figures are the bytes of the buffers each engine allocates. The engines' kernel files are
 extracted into a folder the script reads (``--extract``'s layout); without network the test
 skips, like the oracle tests."""
@@ -27,9 +27,13 @@ def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
     except engine_kernels.RegistryUnreachable as err:
         pytest.skip(str(err))
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path / "engines"), "--device", "cpu",
+    # where the test run compiles Triton's kernels (a CUDA machine), the script runs them compiled on
+    # the GPU; elsewhere on the CPU under the interpreter
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path / "engines"), "--device", device,
                            "--preset", "tiny", "--reps", "1", "--out", str(out), "--allow-dirty"],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, TRITON_INTERPRET="1"))
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     cells = report["cells"]

@@ -3,6 +3,7 @@
 fail on a CPU; Triton is 1 GB that CUDA builds of torch already carry), and the demo and the
 transformers families run without either."""
 
+import os
 import subprocess
 import sys
 from importlib.metadata import requires
@@ -22,8 +23,11 @@ sys.meta_path.insert(0, Absent())
 
 
 def _without_fla_and_triton(code: str) -> subprocess.CompletedProcess:
+    # PYTHONPATH stays: where specla and its requirements are installed there (a --target install),
+    # the process needs it to find them
+    path = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
     return subprocess.run([sys.executable, "-c", BLOCKED + code], capture_output=True, text=True, timeout=600,
-                          env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+                          env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", **path})
 
 
 def test_fla_and_triton_are_extras_not_requirements():

@@ -1,6 +1,7 @@
 """The test run's Triton mode: ``tests/conftest.py`` has Triton's kernels interpreted exactly where
 no CUDA device is usable (unless ``TRITON_INTERPRET`` says otherwise), decided before triton is
-imported, and the FLA oracle skips where FLA's kernels are compiled."""
+imported, and the FLA oracle skips where FLA's kernels are compiled; pytest-xdist's workers share
+the CPU cores."""
 
 import os
 import subprocess
@@ -20,6 +21,17 @@ def test_the_test_run_interprets_triton_only_without_cuda():
     assert conftest.triton_interpret_default({}, lambda: False) == "1"
     assert conftest.triton_interpret_default({"TRITON_INTERPRET": "1"}, never) == "1"
     assert conftest.triton_interpret_default({"TRITON_INTERPRET": "0"}, never) == "0"
+
+
+def test_xdist_workers_share_the_cores_unless_omp_num_threads_is_set():
+    import conftest
+
+    assert conftest.worker_threads({}, 16) is None  # one process: torch's default
+    assert conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "1"}, 16) is None
+    assert conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "16"}, 16) == 1
+    assert conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "4"}, 18) == 4
+    assert conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "4"}, 2) == 1
+    assert conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "4", "OMP_NUM_THREADS": "8"}, 16) is None
 
 
 @pytest.mark.parametrize("cuda, env, expected", [(True, None, "0"), (False, None, "1"), (True, "1", "1")])
