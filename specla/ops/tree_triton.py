@@ -58,22 +58,26 @@ def token_rows(cu_seqlens, i_b, T, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC: tl.constexpr):
-    """In a tree kernel: the inclusive-ancestor mask ``[BT, BT]`` of sequence ``i_b``'s ``n``
-    nodes: loaded from ``mask`` (``ANC == 0``, ``[B, T, T]``), built from one parent index per
+def ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC: tl.constexpr):
+    """In a tree kernel: the inclusive-ancestor mask ``[BT, BT]`` of sequence ``i_b``'s nodes
+    (``m_t``): loaded from ``mask`` (``ANC == 0``, ``[B, T, T]``), built from one parent index per
     node (``ANC == 1``: ``parents[i_b * sP + i]`` local, ``< i``; node 0 hangs from the state and
-    its entry is not read) row by row (row ``i`` = row ``parent(i)`` plus ``i``), or a chain
+    its entry is not read; ``o_t`` spans at least 16 nodes, a power of two), or a chain
     (``ANC == 2``)."""
     m_tt = m_t[:, None] & m_t[None, :]
     if ANC == 0:
         b_M = tl.load(mask + i_b * T * T + o_t[:, None] * T + o_t[None, :], mask=m_tt, other=0) != 0
     elif ANC == 1:
+        # each node's parent or itself, closed under ancestry by repeated squaring (after s
+        # squarings every ancestor up to 2**s levels up): log2(BT) products on the tensor cores
+        # instead of a serial pass per node, each a reduction over the tile; 0/1 entries and their
+        # sums (at most BT) are exact in float16
         par = tl.load(parents + i_b * sP + o_t, mask=m_t & (o_t > 0), other=-1)
-        b_M = (o_t[:, None] == o_t[None, :]) & m_tt
-        for i in range(1, n):
-            p_i = tl.sum(tl.where(o_t == i, par, 0), 0)
-            row = tl.sum(tl.where(o_t[:, None] == p_i, b_M.to(tl.int32), 0), 0) > 0
-            b_M = b_M | ((o_t[:, None] == i) & row[None, :])
+        b_R = tl.where(((o_t[:, None] == o_t[None, :]) | (o_t[None, :] == par[:, None])) & m_tt, 1.0, 0.0)
+        for s in tl.static_range(7):  # BT <= 128
+            if (1 << s) < o_t.shape[0]:
+                b_R = tl.where(tl.dot(b_R.to(tl.float16), b_R.to(tl.float16)) > 0.5, 1.0, 0.0)
+        b_M = b_R > 0.5
     else:
         b_M = (o_t[None, :] <= o_t[:, None]) & m_tt
     return b_M

@@ -334,7 +334,7 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, cu_seqlens, parents, rec_idx, 
     m_t = o_t < n
     tok = bos + o_t
     m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
-    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC)
     b_g, b_beta = _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     ssq_k = tl.zeros([BT], dtype=tl.float32)
@@ -466,7 +466,7 @@ def _tree_verify_kernel(
     b_v = tl.load(v + tok[:, None] * SV + i_hv * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_g, b_beta = _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES)
-    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC)
     if PREPARE:
         b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n, BT, DOT_PREC, BLOCKED)
         if i_v == 0:

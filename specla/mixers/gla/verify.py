@@ -197,7 +197,7 @@ def _tree_decay_kernel(gk, mask, Gk, cu_seqlens, parents, rec_idx, A_log, dt_bia
         row = tl.load(rec_idx + i_b).to(tl.int64)
     m_t, m_k = o_t < n, o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC)
     b_g = tl.load(gk + (bos + o_t[:, None]) * SG + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     if RAW_GATES:
         x = b_g + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]

@@ -196,7 +196,7 @@ def _tree_verify_kernel(
         b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
     b_d = b_beta[:, None] * (b_v - b_kS)
     b_o = b_qS
-    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC).to(tl.int32)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC).to(tl.int32)
     for j in range(0, n):
         on = tl.sum(tl.where(o_t[None, :] == j, b_M, 0), 1) > 0  # is j on path(i)?
         r_kj = tl.sum(tl.where(o_t == j, r_k, 0.0), 0)

@@ -180,7 +180,7 @@ def _tree_verify_kernel(
         b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_b, 0, i_g, i_h, o_n, o_p, m_n, m_p,
                              Lp, Tp, H, NG, N, P)
     b_D = _load_D(D, i_h, o_p, m_p, P, BP, D_HDIM)
-    b_M = ancestor_mask_tile(mask, parents, i_b, T, n, sP, o_t, m_t, ANC)
+    b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC)
     tok = bos + o_t
     rec = row * RD + o_t
     m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
