@@ -1,12 +1,15 @@
 """Greedy tree speculation of a small model against its plain decoding, for the engine oracle tests
 (``test_*_engine_oracles.py``): random ragged draft trees that know part of the answer, verified
-in one pass a step, accepted greedily, committed."""
+in one pass a step, accepted greedily, committed. The tensors handed to the callbacks are on
+:data:`engine_cases.DEV`, as the model's must be."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+from engine_cases import DEV
 
 
 def speculate(plain: list[list[int]], roots: list[int], sizes: list[int], vocab: int, seed: int,
@@ -22,7 +25,7 @@ def speculate(plain: list[list[int]], roots: list[int], sizes: list[int], vocab:
         plain: the rows' plain greedy tokens (the drafter's knowledge; all of one length).
         roots: each row's last token. sizes: draft nodes a row. vocab: tokens. seed: the trees'.
         verify: ``(tokens [Ttot] packed, cu_seqlens [N + 1] int32, parents [N, max(sizes)]
-            int64, padded with 0) -> the target's greedy token after each node``.
+            int64, padded with 0, on DEV) -> the target's greedy token after each node``.
         commit: the rows' accepted paths (node indices, root to leaf).
     Returns:
         ``(tokens, accepted)``: each row's decoded tokens (at least as many as ``plain``'s),
@@ -31,7 +34,8 @@ def speculate(plain: list[list[int]], roots: list[int], sizes: list[int], vocab:
     gen = torch.Generator().manual_seed(seed)
     new, N, width = len(plain[0]), len(plain), max(sizes)
     out, roots, accepted = [[] for _ in range(N)], list(roots), []
-    qsl = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    qsl = torch.tensor(starts, dtype=torch.int32, device=DEV)
     while min(len(o) for o in out) < new:
         trees, toks = [], []
         for n in range(N):
@@ -50,10 +54,10 @@ def speculate(plain: list[list[int]], roots: list[int], sizes: list[int], vocab:
                     tok.append(wrong % vocab)
             trees.append(par + [0] * (width - sizes[n]))
             toks += tok
-        pred = verify(toks, qsl, torch.tensor(trees))
+        pred = verify(toks, qsl, torch.tensor(trees, device=DEV))
         paths = []
         for n in range(N):  # greedy acceptance: follow the child holding the target's token
-            base, path = int(qsl[n]), [0]
+            base, path = starts[n], [0]
             while True:
                 want = pred[base + path[-1]]
                 nxt = [c for c in range(1, sizes[n]) if trees[n][c] == path[-1] and toks[base + c] == want]
@@ -70,8 +74,8 @@ def speculate(plain: list[list[int]], roots: list[int], sizes: list[int], vocab:
 
 def plain_decode(step: Callable[[torch.Tensor], torch.Tensor], prompts: torch.Tensor, new: int) -> list[list[int]]:
     """Greedy decoding one token a row a step: ``step(tokens [N]) -> logits [N, vocab]`` (the
-    model through the engine's decode kernel, states kept by the caller), ``prompts [N, L]``;
-    returns the ``new`` tokens after each prompt."""
+    model through the engine's decode kernel, states kept by the caller), ``prompts [N, L]`` (on
+    the model's device); returns the ``new`` tokens after each prompt."""
     plain, tokens = [], prompts[:, 0]
     for t in range(prompts.shape[1] + new - 1):
         nxt = step(tokens).argmax(-1)
