@@ -1,5 +1,6 @@
 """specla's GDN verify and commit on a serving engine's data (``specla.mixers.gdn.serving``)
-against the engines' own published Triton kernels, run here under Triton's interpreter.
+against the engines' own published Triton kernels, on ``engine_cases.DEV``: compiled on a CUDA
+machine, under Triton's interpreter on the CPU.
 
 The engines' kernel files come from the package registry at test time, at pinned versions
 (:mod:`specla.testing.engine_kernels`: downloaded once into a per-user cache, imported by file
@@ -17,13 +18,15 @@ observed (noted at each assertion) with a margin of about 10x.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from specla.mixers.gdn.serving import GDNRecordBuffers, empty_record_buffers, gdn_pool_commit, gdn_pool_verify
 from specla.ops.naive import root_path
 from specla.testing import engine_kernels
-from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip
+from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, DEV, accepted_positions, chain_cu_seqlens, load_or_skip
 from tree_speculation import plain_decode, speculate
 
 
@@ -54,21 +57,22 @@ H, HV, K, V = 2, 4, 16, 16
 def _layer(T_total: int, seed: int, hv: int = HV, dtype: torch.dtype = torch.float32, dv: int = V):
     """One layer's verify inputs as SGLang hands them over: q, k, v strided views of one packed
     projection ``[1, Ttot, ...]`` (value head dim ``dv``), raw gate inputs ``a, b [Ttot, HV]``
-    (in ``dtype``), ``A_log``, ``dt_bias`` (float32)."""
+    (in ``dtype``), ``A_log``, ``dt_bias`` (float32); on :data:`DEV`."""
     gen = torch.Generator().manual_seed(seed)
-    mixed = torch.randn(T_total, 2 * H * K + hv * dv, generator=gen).to(dtype)
+    mixed = torch.randn(T_total, 2 * H * K + hv * dv, generator=gen).to(dtype).to(DEV)
     q, k, v = torch.split(mixed, [H * K, H * K, hv * dv], dim=-1)
     q, k, v = q.view(1, T_total, H, K), k.view(1, T_total, H, K), v.view(1, T_total, hv, dv)
     a = torch.randn(T_total, hv, generator=gen).to(dtype)
     b = torch.randn(T_total, hv, generator=gen).to(dtype)
     A_log = torch.rand(hv, generator=gen) * 2 - 1
     dt_bias = torch.randn(hv, generator=gen) * 0.5
-    return dict(A_log=A_log, a=a, dt_bias=dt_bias, q=q, k=k, v=v, b=b)
+    return dict(A_log=A_log.to(DEV), a=a.to(DEV), dt_bias=dt_bias.to(DEV), q=q, k=k, v=v, b=b.to(DEV))
 
 
 def _pool(slots: int, seed: int, hv: int = HV, dv: int = V) -> torch.Tensor:
-    """A state pool ``[slots, HV, dv, K]`` float32 of states of a decoded sequence's size."""
-    return torch.randn(slots, hv, dv, K, generator=torch.Generator().manual_seed(seed)) * 0.3
+    """A state pool ``[slots, HV, dv, K]`` float32 of states of a decoded sequence's size, on
+    :data:`DEV`."""
+    return (torch.randn(slots, hv, dv, K, generator=torch.Generator().manual_seed(seed)) * 0.3).to(DEV)
 
 
 def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths, rows, hv=HV):
@@ -76,7 +80,7 @@ def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths,
     commit, and checks that the verify left the pool bit-identical."""
     pool = pool.clone()
     before = pool.clone()
-    records = empty_record_buffers(rows, steps, H, hv, K, pool.shape[2], "cpu")
+    records = empty_record_buffers(rows, steps, H, hv, K, pool.shape[2], DEV)
     o = gdn_pool_verify(softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=pool,
                         initial_state_indices=cache_indices, use_qk_l2norm_in_kernel=True, cu_seqlens=qsl,
                         records=records, intermediate_state_indices=row_indices, cache_steps=steps,
@@ -107,13 +111,13 @@ def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, prepare,
     paths[3] = paths[3][:2]  # a path ending inside the tree
     layer = _layer(N * D, seed=0, dtype=dtype)
     pool = _pool(slots, seed=1)
-    cache_indices = torch.tensor([5, 0, 3, 6], dtype=torch.int32)
-    row_indices = torch.tensor([2, 0, 3, 1], dtype=torch.int32)  # record / scratch row of each request
-    qsl = torch.arange(0, N * D + 1, D, dtype=torch.int32)
-    parents = torch.tensor(trees, dtype=torch.int64)
+    cache_indices = torch.tensor([5, 0, 3, 6], dtype=torch.int32, device=DEV)
+    row_indices = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEV)  # record / scratch row of each request
+    qsl = torch.arange(0, N * D + 1, D, dtype=torch.int32, device=DEV)
+    parents = torch.tensor(trees, dtype=torch.int64, device=DEV)
 
     ref_pool = pool.clone()
-    scratch = torch.zeros(N, D, HV, V, K)
+    scratch = torch.zeros(N, D, HV, V, K, device=DEV)
     o_ref = sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
         softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=ref_pool, initial_state_indices=cache_indices,
         cu_seqlens=qsl, use_qk_l2norm_in_kernel=True, is_kda=False, disable_state_update=True,
@@ -143,7 +147,7 @@ def _specla_chains(layer, pool, cache_indices, qsl, hv):
     ``n`` offset by ``n * steps`` in ``accept_index``)."""
     steps = max(CHAIN_LENS)
     paths = [list(range(m)) for m in CHAIN_ACCEPTED]
-    rows = torch.arange(len(CHAIN_LENS), dtype=torch.int64)
+    rows = torch.arange(len(CHAIN_LENS), dtype=torch.int64, device=DEV)
     return _specla(layer, pool, cache_indices, rows, qsl, steps, None, paths, len(CHAIN_LENS), hv=hv)
 
 
@@ -153,14 +157,14 @@ def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm, prepare):
     position: specla's outputs and committed states against it, on ragged chains up to 48 long."""
     qsl, layer, pool = _chains()
     N, T = len(CHAIN_LENS), max(CHAIN_LENS)
-    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
     # vLLM's pool: slot 0 is its null block; row n's positions take slots 1 + n * T + t
-    vpool = torch.zeros(1 + N * T, 2, V, K)
-    slots = 1 + torch.arange(N * T, dtype=torch.int32).view(N, T)
+    vpool = torch.zeros(1 + N * T, 2, V, K, device=DEV)
+    slots = 1 + torch.arange(N * T, dtype=torch.int32, device=DEV).view(N, T)
     vpool[slots[:, 0].long()] = pool[cache_indices.long()]
     o_ref, _ = vllm.fused_sigmoid_gating_delta_rule_update(
         initial_state=vpool, inplace_final_state=True, cu_seqlens=qsl, ssm_state_indices=slots,
-        num_accepted_tokens=torch.ones(N, dtype=torch.int32), use_qk_l2norm_in_kernel=True, **layer)
+        num_accepted_tokens=torch.ones(N, dtype=torch.int32, device=DEV), use_qk_l2norm_in_kernel=True, **layer)
 
     o, committed = _specla_chains(layer, pool, cache_indices, qsl, hv=2)
     assert (o - o_ref).abs().max() < 3e-6  # observed 3.1e-7 (outputs up to 0.26)
@@ -194,19 +198,19 @@ def test_chain_verify_and_commit_equal_vllm_fused_mtp_decode_triton_port(vllm_mt
     layer, pool = _layer(int(qsl[-1]), seed=7, hv=hv, dtype=dtype, dv=dv), _pool(5, seed=8, hv=hv, dv=dv)
     q, tokens = layer["q"], int(qsl[-1])
     mixed_qkv = q.as_strided((tokens, q.stride(1)), (q.stride(1), 1))  # the projection q, k, v are views of
-    cache_indices = torch.tensor([2, 0, 4, 3], dtype=torch.int32)
-    prev = torch.tensor(MTP_PREV_ACCEPTED, dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0, 4, 3], dtype=torch.int32, device=DEV)
+    prev = torch.tensor(MTP_PREV_ACCEPTED, dtype=torch.int32, device=DEV)
     # vLLM's pool: slot 0 is its null block; row n's positions take slots 1 + n * T + t
-    slots = 1 + torch.arange(N * T, dtype=torch.int32).view(N, T)
-    vpool = torch.zeros(1 + N * T, hv, dv, K)
-    vpool[slots[torch.arange(N), prev.long() - 1].long()] = pool[cache_indices.long()]
+    slots = 1 + torch.arange(N * T, dtype=torch.int32, device=DEV).view(N, T)
+    vpool = torch.zeros(1 + N * T, hv, dv, K, device=DEV)
+    vpool[slots[torch.arange(N, device=DEV), prev.long() - 1].long()] = pool[cache_indices.long()]
     gen = torch.Generator().manual_seed(9)
-    z = torch.randn(tokens, hv, dv, generator=gen).to(dtype)
-    weight = (1 + 0.2 * torch.randn(dv, generator=gen)).to(dtype)
+    z = torch.randn(tokens, hv, dv, generator=gen).to(dtype).to(DEV)
+    weight = (1 + 0.2 * torch.randn(dv, generator=gen)).to(dtype).to(DEV)
 
     def port(module, activation):
         monkeypatch.setattr(module, "num_compute_units", lambda device_id: compute_units)
-        states, out = vpool.clone(), torch.empty(tokens, hv, dv, dtype=dtype)
+        states, out = vpool.clone(), torch.empty(tokens, hv, dv, dtype=dtype, device=DEV)
         module.fused_gdn_decode_post_conv_mtp_triton(
             mixed_qkv=mixed_qkv, a=layer["a"], b=layer["b"], A_log=layer["A_log"], dt_bias=layer["dt_bias"],
             state_indices=slots, cu_seqlens=qsl, num_accepted_tokens=prev, state=states, output_gate=z,
@@ -215,7 +219,7 @@ def test_chain_verify_and_commit_equal_vllm_fused_mtp_decode_triton_port(vllm_mt
 
     o_ref, states = port(vllm_mtp["unnormed"], "silu")
     paths = [list(range(m)) for m in MTP_ACCEPTED]
-    o, committed = _specla(layer, pool, cache_indices, torch.arange(N), qsl, T, None, paths, N, hv=hv)
+    o, committed = _specla(layer, pool, cache_indices, torch.arange(N, device=DEV), qsl, T, None, paths, N, hv=hv)
     o = o.view(tokens, hv, dv)
     assert o.dtype == o_ref.dtype == dtype
     # float32: observed 5.6e-8 (outputs up to 0.33); bfloat16: observed equal, allowed one bf16 rounding
@@ -242,15 +246,16 @@ def test_chain_verify_and_commit_equal_sglang_replayssm_fold(sglang):
     the checkpoint state. specla's outputs and committed states against both."""
     qsl, layer, pool = _chains()
     L = max(CHAIN_LENS)
-    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
     ref_pool = pool.clone()
-    ring = dict(replayssm_rawv=torch.zeros(4, 2, L, V), replayssm_rawk=torch.zeros(4, H, L, K),
-                replayssm_g=torch.zeros(4, 2, L), replayssm_beta=torch.zeros(4, 2, L))
+    ring = dict(replayssm_rawv=torch.zeros(4, 2, L, V, device=DEV),
+                replayssm_rawk=torch.zeros(4, H, L, K, device=DEV),
+                replayssm_g=torch.zeros(4, 2, L, device=DEV), replayssm_beta=torch.zeros(4, 2, L, device=DEV))
     o_ref = sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
         softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=ref_pool, initial_state_indices=cache_indices,
         cu_seqlens=qsl, use_qk_l2norm_in_kernel=True, is_kda=False, disable_state_update=True, cache_ring=True,
         **ring, **layer)
-    accept_lens = torch.tensor(CHAIN_ACCEPTED, dtype=torch.int32)
+    accept_lens = torch.tensor(CHAIN_ACCEPTED, dtype=torch.int32, device=DEV)
     sglang.fold.commit_gdn_replayssm_fold_all_layers(
         ref_pool[None], ring["replayssm_rawv"][None], ring["replayssm_rawk"][None], ring["replayssm_g"][None],
         ring["replayssm_beta"][None], cache_indices, accept_lens, max_cache_len=L, num_k_heads=H)
@@ -265,26 +270,27 @@ def test_commit_leaves_padding_rows_and_empty_paths_alone():
     """A row with a negative slot, or with no accepted node, writes nothing; the other row
     commits (a change of the state is checked, not its value: the oracles above check those)."""
     steps = 3
-    qsl = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 5, 7], dtype=torch.int32, device=DEV)
     layer, pool = _layer(7, seed=4, hv=2), _pool(4, seed=5, hv=2)
-    cache_indices = torch.tensor([2, -1, 3], dtype=torch.int32)
-    records = empty_record_buffers(3, steps, H, 2, K, V, "cpu")
-    rows = torch.arange(3, dtype=torch.int32)
+    cache_indices = torch.tensor([2, -1, 3], dtype=torch.int32, device=DEV)
+    records = empty_record_buffers(3, steps, H, 2, K, V, DEV)
+    rows = torch.arange(3, dtype=torch.int32, device=DEV)
     gdn_pool_verify(pool.new_zeros(2), layer["a"], layer["dt_bias"], 1.0, 20.0, layer["q"], layer["k"], layer["v"],
                     layer["b"], pool, cache_indices, use_qk_l2norm_in_kernel=True, cu_seqlens=qsl,
                     records=records, intermediate_state_indices=rows)
     committed = pool.clone()
     accept_index, _ = accepted_positions([[0, 1, 2], [0, 1], [0, 1]], steps, steps)
-    gdn_pool_commit(committed, cache_indices, records, rows, accept_index, torch.tensor([3, 2, 0]), steps)
+    gdn_pool_commit(committed, cache_indices, records, rows, accept_index, torch.tensor([3, 2, 0], device=DEV), steps)
     assert torch.equal(committed[[0, 1, 3]], pool[[0, 1, 3]])  # slot -1's row and slot 3's empty path
     assert not torch.equal(committed[2], pool[2])
 
 
 def test_pool_entry_points_reject_bad_input_clearly():
     qsl, layer, pool = _chains()
-    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
-    records = empty_record_buffers(3, max(CHAIN_LENS), H, 2, K, V, "cpu")
-    rows = torch.arange(3, dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
+    records = empty_record_buffers(3, max(CHAIN_LENS), H, 2, K, V, DEV)
+    rows = torch.arange(3, dtype=torch.int32, device=DEV)
+    on = re.escape(str(pool.device))  # as the messages name it (cuda:0, not cuda)
     call = dict(softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=pool,
                 initial_state_indices=cache_indices, cu_seqlens=qsl, records=records,
                 intermediate_state_indices=rows, **layer)
@@ -299,28 +305,29 @@ def test_pool_entry_points_reject_bad_input_clearly():
     with pytest.raises(ValueError, match=r"^records must be GDNRecordBuffers, got tuple$"):
         gdn_pool_verify(**call | dict(records=tuple(records)))
     bad = GDNRecordBuffers(records.k, records.delta.to(torch.bfloat16), records.G)
-    with pytest.raises(ValueError, match=r"^records.delta must be float32 \[3, 48, 2, 16\] on cpu, contiguous, got "
-                                         r"torch.bfloat16 \[3, 48, 2, 16\] on cpu$"):
+    with pytest.raises(ValueError, match=rf"^records.delta must be float32 \[3, 48, 2, 16\] on {on}, contiguous, got "
+                                         rf"torch.bfloat16 \[3, 48, 2, 16\] on {on}$"):
         gdn_pool_verify(**call | dict(records=bad))
-    with pytest.raises(ValueError, match=r"^intermediate_state_indices must be int32 or int64 \[3\] on cpu, got "
+    with pytest.raises(ValueError, match=rf"^intermediate_state_indices must be int32 or int64 \[3\] on {on}, got "
                                          r"torch.int32 \[2\]$"):
         gdn_pool_verify(**call | dict(intermediate_state_indices=rows[:2]))
-    with pytest.raises(ValueError, match=r"^accept_index must be int32 or int64 \[3, P\] on cpu, "
+    with pytest.raises(ValueError, match=rf"^accept_index must be int32 or int64 \[3, P\] on {on}, "
                                          r"got torch.int64 \[3\]$"):
-        gdn_pool_commit(pool, cache_indices, records, rows, torch.zeros(3, dtype=torch.int64),
-                        torch.ones(3, dtype=torch.int64), 48)
+        gdn_pool_commit(pool, cache_indices, records, rows, torch.zeros(3, dtype=torch.int64, device=DEV),
+                        torch.ones(3, dtype=torch.int64, device=DEV), 48)
 
 
 class TinyGDNModel:
     """A two-layer GDN language model of random weights (vocabulary 5, width 32, no short conv,
     which the engine keeps outside the recurrent kernels): ``h += (gdn(q, k, v, a, b)) W_o`` a
-    layer, ``gdn`` being the caller's kernel call on its state pool ``pools[layer]``."""
+    layer, ``gdn`` being the caller's kernel call on its state pool ``pools[layer]``. Its weights
+    are on :data:`DEV`."""
 
     vocab, width, layers = 5, 32, 2
 
     def __init__(self, seed: int):
         gen = torch.Generator().manual_seed(seed)
-        r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+        r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEV)  # noqa: E731
         d = self.width
         self.emb = r(self.vocab, d)
         self.lm = r(d, self.vocab, scale=d**-0.5)
@@ -343,7 +350,7 @@ class TinyGDNModel:
 
 def _plain_step(model, sglang, pools, cache_indices, tokens):
     """One token a row through SGLang's own decode kernel (states updated in place)."""
-    qsl = torch.arange(tokens.shape[0] + 1, dtype=torch.int32)
+    qsl = torch.arange(tokens.shape[0] + 1, dtype=torch.int32, device=DEV)
 
     def gdn(i, A_log, a, dt_bias, q, k, v, b):
         return sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
@@ -362,20 +369,20 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
     drafter knows part of the answer (a random-depth branch of the plain tokens, the other
     branches wrong), so steps accept from nothing to a whole branch. Tokens must be identical."""
     model, new = TinyGDNModel(seed=6), 12
-    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]])
+    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]], device=DEV)
     N, slots, sizes = 2, 5, [6, 4]
-    cache_indices = torch.tensor([3, 1], dtype=torch.int32)
+    cache_indices = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
 
-    pools = [torch.zeros(slots, HV, V, K) for _ in range(model.layers)]
+    pools = [torch.zeros(slots, HV, V, K, device=DEV) for _ in range(model.layers)]
     plain = plain_decode(lambda tokens: _plain_step(model, sglang, pools, cache_indices, tokens), prompts, new)
 
-    pools = torch.zeros(model.layers, slots, HV, V, K)  # every layer's pool, committed in one launch
+    pools = torch.zeros(model.layers, slots, HV, V, K, device=DEV)  # every layer's pool, committed in one launch
     for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
         _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
-    rows = torch.tensor([1, 0], dtype=torch.int32)
+    rows = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
     # every layer's records in one buffer, a layer's k, delta and G blocks one after another
     blocks = [N * max(sizes) * w for w in (H * K, HV * V, HV)]
-    buf = torch.empty(model.layers, sum(blocks)).split(blocks, dim=1)
+    buf = torch.empty(model.layers, sum(blocks), device=DEV).split(blocks, dim=1)
     records = GDNRecordBuffers(*(x.view(model.layers, N, max(sizes), *tail)
                                  for x, tail in zip(buf, [(H, K), (HV, V), (HV,)])))
     width = max(sizes)
@@ -387,7 +394,7 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
                                    intermediate_state_indices=rows, cache_steps=width,
                                    retrieve_parent_token=parents)
 
-        return model.logits(torch.tensor(toks), gdn).argmax(-1).tolist()
+        return model.logits(torch.tensor(toks, device=DEV), gdn).argmax(-1).tolist()
 
     def commit(paths):
         accept_index, accept_lens = accepted_positions(paths, width, width)
