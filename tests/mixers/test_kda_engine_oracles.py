@@ -1,5 +1,6 @@
 """specla's KDA verify and commit on a serving engine's data (``specla.mixers.kda.serving``)
-against the engines' own published Triton kernels, run here under Triton's interpreter.
+against the engines' own published Triton kernels, on ``engine_cases.DEV``: compiled on a CUDA
+machine, under Triton's interpreter on the CPU.
 
 The engines' kernel files come from the package registry at test time, at pinned versions
 (:mod:`specla.testing.engine_kernels`: downloaded once into a per-user cache, imported by file
@@ -16,13 +17,15 @@ Tolerances: the largest errors observed (noted at each assertion) with a margin 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from specla.mixers.kda.serving import KDARecordBuffers, empty_record_buffers, kda_pool_commit, kda_pool_verify
 from specla.ops.naive import root_path
 from specla.testing import engine_kernels
-from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip
+from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, DEV, accepted_positions, chain_cu_seqlens, load_or_skip
 from tree_speculation import plain_decode, speculate
 
 
@@ -44,21 +47,22 @@ H, K, V = 2, 16, 16
 def _layer(T_total: int, seed: int, dtype: torch.dtype = torch.float32):
     """One layer's verify inputs as SGLang hands them over: q, k, v strided views of one packed
     projection ``[1, Ttot, ...]``, raw gate inputs ``a [Ttot, H * K]``, ``b [Ttot, H]`` (in
-    ``dtype``), ``A_log [H]``, ``dt_bias [H * K]`` (float32)."""
+    ``dtype``), ``A_log [H]``, ``dt_bias [H * K]`` (float32); on :data:`DEV`."""
     gen = torch.Generator().manual_seed(seed)
-    mixed = torch.randn(T_total, 2 * H * K + H * V, generator=gen).to(dtype)
+    mixed = torch.randn(T_total, 2 * H * K + H * V, generator=gen).to(dtype).to(DEV)
     q, k, v = torch.split(mixed, [H * K, H * K, H * V], dim=-1)
     q, k, v = q.view(1, T_total, H, K), k.view(1, T_total, H, K), v.view(1, T_total, H, V)
     a = torch.randn(T_total, H * K, generator=gen).to(dtype)
     b = torch.randn(T_total, H, generator=gen).to(dtype)
     A_log = torch.rand(H, generator=gen) * 2 - 1
     dt_bias = torch.randn(H * K, generator=gen) * 0.5
-    return dict(A_log=A_log, a=a, dt_bias=dt_bias, q=q, k=k, v=v, b=b)
+    return dict(A_log=A_log.to(DEV), a=a.to(DEV), dt_bias=dt_bias.to(DEV), q=q, k=k, v=v, b=b.to(DEV))
 
 
 def _pool(slots: int, seed: int) -> torch.Tensor:
-    """A state pool ``[slots, H, V, K]`` float32 of states of a decoded sequence's size."""
-    return torch.randn(slots, H, V, K, generator=torch.Generator().manual_seed(seed)) * 0.3
+    """A state pool ``[slots, H, V, K]`` float32 of states of a decoded sequence's size, on
+    :data:`DEV`."""
+    return (torch.randn(slots, H, V, K, generator=torch.Generator().manual_seed(seed)) * 0.3).to(DEV)
 
 
 def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths, rows):
@@ -66,7 +70,7 @@ def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths,
     commit, and checks that the verify left the pool bit-identical."""
     pool = pool.clone()
     before = pool.clone()
-    records = empty_record_buffers(rows, steps, H, K, V, "cpu")
+    records = empty_record_buffers(rows, steps, H, K, V, DEV)
     o = kda_pool_verify(softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=pool,
                         initial_state_indices=cache_indices, use_qk_l2norm_in_kernel=True, cu_seqlens=qsl,
                         records=records, intermediate_state_indices=row_indices, cache_steps=steps,
@@ -89,13 +93,13 @@ def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, dtype):
     paths[3] = paths[3][:2]
     layer = _layer(N * D, seed=0, dtype=dtype)
     pool = _pool(slots, seed=1)
-    cache_indices = torch.tensor([5, 0, 3, 6], dtype=torch.int32)
-    row_indices = torch.tensor([2, 0, 3, 1], dtype=torch.int32)  # record / scratch row of each request
-    qsl = torch.arange(0, N * D + 1, D, dtype=torch.int32)
-    parents = torch.tensor(trees, dtype=torch.int64)
+    cache_indices = torch.tensor([5, 0, 3, 6], dtype=torch.int32, device=DEV)
+    row_indices = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEV)  # record / scratch row of each request
+    qsl = torch.arange(0, N * D + 1, D, dtype=torch.int32, device=DEV)
+    parents = torch.tensor(trees, dtype=torch.int64, device=DEV)
 
     ref_pool = pool.clone()
-    scratch = torch.zeros(N, D, H, V, K)
+    scratch = torch.zeros(N, D, H, V, K, device=DEV)
     o_ref = sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
         softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=ref_pool, initial_state_indices=cache_indices,
         cu_seqlens=qsl, use_qk_l2norm_in_kernel=True, is_kda=True, disable_state_update=True,
@@ -125,7 +129,7 @@ def _specla_chains(layer, pool, cache_indices, qsl):
     * steps`` in ``accept_index``)."""
     steps = max(CHAIN_LENS)
     paths = [list(range(m)) for m in CHAIN_ACCEPTED]
-    rows = torch.arange(len(CHAIN_LENS), dtype=torch.int64)
+    rows = torch.arange(len(CHAIN_LENS), dtype=torch.int64, device=DEV)
     return _specla(layer, pool, cache_indices, rows, qsl, steps, None, paths, len(CHAIN_LENS))
 
 
@@ -136,17 +140,17 @@ def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm):
     48 long."""
     qsl, layer, pool = _chains()
     N, T = len(CHAIN_LENS), max(CHAIN_LENS)
-    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
     # vLLM's pool: slot 0 is its null block; row n's positions take slots 1 + n * T + t
-    vpool = torch.zeros(1 + N * T, H, V, K)
-    slots = 1 + torch.arange(N * T, dtype=torch.int32).view(N, T)
+    vpool = torch.zeros(1 + N * T, H, V, K, device=DEV)
+    slots = 1 + torch.arange(N * T, dtype=torch.int32, device=DEV).view(N, T)
     vpool[slots[:, 0].long()] = pool[cache_indices.long()]
     Ttot = int(qsl[-1])
     o_ref, _ = vllm.fused_recurrent_kda(
         q=layer["q"], k=layer["k"], v=layer["v"], raw_g=layer["a"].view(1, Ttot, H, K),
         raw_beta=layer["b"].view(1, Ttot, H), A_log=layer["A_log"], dt_bias=layer["dt_bias"], lower_bound=None,
         initial_state=vpool, cu_seqlens=qsl, ssm_state_indices=slots,
-        num_accepted_tokens=torch.ones(N, dtype=torch.int32))
+        num_accepted_tokens=torch.ones(N, dtype=torch.int32, device=DEV))
 
     o, committed = _specla_chains(layer, pool, cache_indices, qsl)
     assert (o - o_ref).abs().max() < 1e-6  # observed 1.0e-7
@@ -164,10 +168,11 @@ def test_chain_verify_and_commit_equal_sglang_kda_replayssm(sglang):
     the checkpoint state. specla's outputs and committed states against both."""
     qsl, layer, pool = _chains()
     L = max(CHAIN_LENS)
-    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
     ref_pool = pool.clone()
-    ring = dict(replayssm_rawv=torch.zeros(4, H, L, V), replayssm_rawk=torch.zeros(4, H, L, K),
-                replayssm_g=torch.zeros(4, H, L, K), replayssm_beta=torch.zeros(4, H, L))
+    ring = dict(replayssm_rawv=torch.zeros(4, H, L, V, device=DEV),
+                replayssm_rawk=torch.zeros(4, H, L, K, device=DEV),
+                replayssm_g=torch.zeros(4, H, L, K, device=DEV), replayssm_beta=torch.zeros(4, H, L, device=DEV))
     o_ref = sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
         softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=ref_pool, initial_state_indices=cache_indices,
         cu_seqlens=qsl, use_qk_l2norm_in_kernel=True, is_kda=True, disable_state_update=True, cache_ring=True,
@@ -175,7 +180,7 @@ def test_chain_verify_and_commit_equal_sglang_kda_replayssm(sglang):
     assert torch.equal(ref_pool, pool)
     sglang.kda_fold.commit_kda_replayssm_spec(
         ref_pool, ring["replayssm_rawv"], ring["replayssm_rawk"], ring["replayssm_g"], ring["replayssm_beta"],
-        cache_indices, torch.tensor(CHAIN_ACCEPTED, dtype=torch.int32), max_cache_len=L, num_k_heads=H,
+        cache_indices, torch.tensor(CHAIN_ACCEPTED, dtype=torch.int32, device=DEV), max_cache_len=L, num_k_heads=H,
         null_block_id=-1)  # SGLang's commit after verify passes -1: slot 0 is a request's
 
     o, committed = _specla_chains(layer, pool, cache_indices, qsl)
@@ -188,18 +193,18 @@ def test_commit_of_every_layer_at_once_equals_each_layer_and_leaves_padding_alon
     """Two layers' pools and records committed in one launch equal each layer's own commit; a row
     with a negative slot, or with no accepted node, writes nothing, while the other row commits."""
     steps, layers = 3, 2
-    qsl = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
-    cache_indices = torch.tensor([2, -1, 3], dtype=torch.int32)
-    rows = torch.arange(3, dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 5, 7], dtype=torch.int32, device=DEV)
+    cache_indices = torch.tensor([2, -1, 3], dtype=torch.int32, device=DEV)
+    rows = torch.arange(3, dtype=torch.int32, device=DEV)
     pools = torch.stack([_pool(4, seed=5 + i) for i in range(layers)])
-    records = empty_record_buffers(3, steps, H, K, V, "cpu", layers=(layers,))
+    records = empty_record_buffers(3, steps, H, K, V, DEV, layers=(layers,))
     for i in range(layers):
         kda_pool_verify(**_layer(7, seed=4 + i), softplus_beta=1.0, softplus_threshold=20.0,
                         initial_state_source=pools[i], initial_state_indices=cache_indices,
                         use_qk_l2norm_in_kernel=True, cu_seqlens=qsl, records=records.layer(i),
                         intermediate_state_indices=rows)
     accept_index, _ = accepted_positions([[0, 1, 2], [0, 1], [0, 1]], steps, steps)
-    accept_lens = torch.tensor([3, 2, 0])
+    accept_lens = torch.tensor([3, 2, 0], device=DEV)
     each = pools.clone()
     for i in range(layers):
         kda_pool_commit(each[i], cache_indices, records.layer(i), rows, accept_index, accept_lens, steps)
@@ -212,9 +217,10 @@ def test_commit_of_every_layer_at_once_equals_each_layer_and_leaves_padding_alon
 
 def test_pool_entry_points_reject_bad_input_clearly():
     qsl, layer, pool = _chains()
-    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
-    records = empty_record_buffers(3, max(CHAIN_LENS), H, K, V, "cpu")
-    rows = torch.arange(3, dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
+    records = empty_record_buffers(3, max(CHAIN_LENS), H, K, V, DEV)
+    rows = torch.arange(3, dtype=torch.int32, device=DEV)
+    on = re.escape(str(pool.device))  # as the messages name it (cuda:0, not cuda)
     call = dict(softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=pool,
                 initial_state_indices=cache_indices, cu_seqlens=qsl, records=records,
                 intermediate_state_indices=rows, **layer)
@@ -230,25 +236,26 @@ def test_pool_entry_points_reject_bad_input_clearly():
     with pytest.raises(ValueError, match=r"^records must be KDARecordBuffers, got tuple$"):
         kda_pool_verify(**call | dict(records=tuple(records)))
     bad = KDARecordBuffers(records.k, records.delta, records.Gk.to(torch.bfloat16))
-    with pytest.raises(ValueError, match=r"^records.Gk must be float32 \[3, 48, 2, 16\] on cpu, contiguous, got "
-                                         r"torch.bfloat16 \[3, 48, 2, 16\] on cpu$"):
+    with pytest.raises(ValueError, match=rf"^records.Gk must be float32 \[3, 48, 2, 16\] on {on}, contiguous, got "
+                                         rf"torch.bfloat16 \[3, 48, 2, 16\] on {on}$"):
         kda_pool_verify(**call | dict(records=bad))
-    with pytest.raises(ValueError, match=r"^accept_index must be int32 or int64 \[3, P\] on cpu, "
+    with pytest.raises(ValueError, match=rf"^accept_index must be int32 or int64 \[3, P\] on {on}, "
                                          r"got torch.int64 \[3\]$"):
-        kda_pool_commit(pool, cache_indices, records, rows, torch.zeros(3, dtype=torch.int64),
-                        torch.ones(3, dtype=torch.int64), 48)
+        kda_pool_commit(pool, cache_indices, records, rows, torch.zeros(3, dtype=torch.int64, device=DEV),
+                        torch.ones(3, dtype=torch.int64, device=DEV), 48)
 
 
 class TinyKDAModel:
     """A two-layer KDA language model of random weights (vocabulary 5, width 32, no short conv,
     which the engine keeps outside the recurrent kernels): ``h += kda(q, k, v, a, b) W_o`` a
-    layer, ``kda`` being the caller's kernel call on its state pool of that layer."""
+    layer, ``kda`` being the caller's kernel call on its state pool of that layer. Its weights are
+    on :data:`DEV`."""
 
     vocab, width, layers = 5, 32, 2
 
     def __init__(self, seed: int):
         gen = torch.Generator().manual_seed(seed)
-        r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+        r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEV)  # noqa: E731
         d = self.width
         self.emb = r(self.vocab, d)
         self.lm = r(d, self.vocab, scale=d**-0.5)
@@ -271,7 +278,7 @@ class TinyKDAModel:
 
 def _plain_step(model, sglang, pools, cache_indices, tokens):
     """One token a row through SGLang's own KDA decode call (states updated in place)."""
-    qsl = torch.arange(tokens.shape[0] + 1, dtype=torch.int32)
+    qsl = torch.arange(tokens.shape[0] + 1, dtype=torch.int32, device=DEV)
 
     def kda(i, A_log, a, dt_bias, q, k, v, b):
         return sglang.recurrent.fused_sigmoid_gating_delta_rule_update(
@@ -290,18 +297,18 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
     tokens, the other branches wrong), so steps accept from nothing to a whole branch. Tokens
     must be identical."""
     model, new = TinyKDAModel(seed=6), 12
-    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]])
+    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]], device=DEV)
     N, slots, sizes = 2, 5, [6, 4]
-    cache_indices = torch.tensor([3, 1], dtype=torch.int32)
+    cache_indices = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
 
-    pools = [torch.zeros(slots, H, V, K) for _ in range(model.layers)]
+    pools = [torch.zeros(slots, H, V, K, device=DEV) for _ in range(model.layers)]
     plain = plain_decode(lambda tokens: _plain_step(model, sglang, pools, cache_indices, tokens), prompts, new)
 
-    pools = torch.zeros(model.layers, slots, H, V, K)  # every layer's pool, committed in one launch
+    pools = torch.zeros(model.layers, slots, H, V, K, device=DEV)  # every layer's pool, committed in one launch
     for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
         _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
-    rows = torch.tensor([1, 0], dtype=torch.int32)
-    records = empty_record_buffers(N, max(sizes), H, K, V, "cpu", layers=(model.layers,))
+    rows = torch.tensor([1, 0], dtype=torch.int32, device=DEV)
+    records = empty_record_buffers(N, max(sizes), H, K, V, DEV, layers=(model.layers,))
     width = max(sizes)
 
     def verify(toks, qsl, parents):
@@ -311,7 +318,7 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
                                    intermediate_state_indices=rows, cache_steps=width,
                                    retrieve_parent_token=parents)
 
-        return model.logits(torch.tensor(toks), kda).argmax(-1).tolist()
+        return model.logits(torch.tensor(toks, device=DEV), kda).argmax(-1).tolist()
 
     def commit(paths):
         accept_index, accept_lens = accepted_positions(paths, width, width)
