@@ -1,5 +1,6 @@
 """specla's Mamba2 verify and commit on a serving engine's data (``specla.mixers.mamba2.serving``)
-against the engines' own published Triton kernels, run here under Triton's interpreter.
+against the engines' own published Triton kernels, on ``engine_cases.DEV``: compiled on a CUDA
+machine, under Triton's interpreter on the CPU.
 
 The engines' kernel files come from the package registry at test time, at the pinned versions
 (:mod:`specla.testing.engine_kernels`: downloaded once into a per-user cache, imported by file
@@ -20,6 +21,8 @@ assertion) with a margin of about 10x.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -28,7 +31,7 @@ from specla.mixers.mamba2.serving import (
 )
 from specla.ops.naive import root_path
 from specla.testing import engine_kernels
-from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, accepted_positions, chain_cu_seqlens, load_or_skip
+from engine_cases import CHAIN_ACCEPTED, CHAIN_LENS, DEV, accepted_positions, chain_cu_seqlens, load_or_skip
 from tree_speculation import plain_decode, speculate
 
 
@@ -56,17 +59,17 @@ H, P, NG, NS = 4, 16, 2, 16
 def _layer(T_total: int, seed: int, dtype: torch.dtype = torch.float32, lead: tuple = ()):
     """One layer's verify inputs as the engines hand them over: ``x``, ``B``, ``C`` strided views
     of one conv output, ``dt`` of the projection (token dims ``lead`` or ``[Ttot]``), in ``dtype``;
-    ``A`` (negative), ``dt_bias``, ``D`` float32 ``[H]``."""
+    ``A`` (negative), ``dt_bias``, ``D`` float32 ``[H]``; on :data:`DEV`."""
     gen = torch.Generator().manual_seed(seed)
     lead = lead or (T_total,)
-    xbc = torch.randn(T_total, H * P + 2 * NG * NS, generator=gen).to(dtype)
+    xbc = torch.randn(T_total, H * P + 2 * NG * NS, generator=gen).to(dtype).to(DEV)
     x, B, C = torch.split(xbc, [H * P, NG * NS, NG * NS], dim=-1)
-    proj = torch.randn(T_total, H + 3, generator=gen).to(dtype)  # dt, a slice of a wider projection
+    proj = torch.randn(T_total, H + 3, generator=gen).to(dtype).to(DEV)  # dt, a slice of a wider projection
     # Mamba2's initialisation: softplus(dt_bias) log-uniform in [1e-3, 0.1], A = -[1, 16]
     dt0 = 1e-3 * 100 ** torch.rand(H, generator=gen)
     return dict(x=x.view(*lead, H, P), B=B.view(*lead, NG, NS), C=C.view(*lead, NG, NS),
-                dt=proj[:, :H].view(*lead, H), A=-(16 ** torch.rand(H, generator=gen)),
-                dt_bias=torch.log(torch.expm1(dt0)), D=torch.randn(H, generator=gen))
+                dt=proj[:, :H].view(*lead, H), A=(-(16 ** torch.rand(H, generator=gen))).to(DEV),
+                dt_bias=torch.log(torch.expm1(dt0)).to(DEV), D=torch.randn(H, generator=gen).to(DEV))
 
 
 def _engine_args(layer: dict) -> dict:
@@ -78,8 +81,9 @@ def _engine_args(layer: dict) -> dict:
 
 
 def _pool(slots: int, seed: int) -> torch.Tensor:
-    """A state pool ``[slots, H, P, Ns]`` float32 of states of a decoded sequence's size."""
-    return torch.randn(slots, H, P, NS, generator=torch.Generator().manual_seed(seed)) * 0.3
+    """A state pool ``[slots, H, P, Ns]`` float32 of states of a decoded sequence's size, on
+    :data:`DEV`."""
+    return (torch.randn(slots, H, P, NS, generator=torch.Generator().manual_seed(seed)) * 0.3).to(DEV)
 
 
 def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths, rows):
@@ -87,7 +91,7 @@ def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths,
     ``y`` and the pool after the commit, and checks that the verify left the pool bit-identical."""
     pool = pool.clone()
     before = pool.clone()
-    records = empty_record_buffers(rows, steps, H, P, NG, NS, "cpu")
+    records = empty_record_buffers(rows, steps, H, P, NG, NS, DEV)
     y = mamba2_pool_verify(pool, dt_softplus=True, state_batch_indices=cache_indices, cu_seqlens=qsl,
                            records=records, intermediate_state_indices=row_indices, cache_steps=steps,
                            retrieve_parent_token=parents, **_engine_args(layer))
@@ -109,12 +113,12 @@ def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, dtype):
     paths[3] = paths[3][:2]  # a path ending inside the tree
     layer = _layer(N * T, seed=0, dtype=dtype, lead=(N, T))
     pool = _pool(slots, seed=1)
-    cache_indices = torch.tensor([5, 0, 3, 6, -1], dtype=torch.int32)  # the last row: padding
-    row_indices = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32)  # record / scratch row of each request
-    parents = torch.tensor(trees, dtype=torch.int64)
+    cache_indices = torch.tensor([5, 0, 3, 6, -1], dtype=torch.int32, device=DEV)  # the last row: padding
+    row_indices = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32, device=DEV)  # record / scratch row of each request
+    parents = torch.tensor(trees, dtype=torch.int64, device=DEV)
 
     ref_pool = pool.clone()
-    scratch = torch.zeros(N, T, H, P, NS)
+    scratch = torch.zeros(N, T, H, P, NS, device=DEV)
     y_ref = torch.empty_like(layer["x"])
     sglang.selective_state_update(
         ref_pool, z=None, dt_softplus=True, state_batch_indices=cache_indices, out=y_ref, disable_state_update=True,
@@ -144,19 +148,19 @@ def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm):
     qsl = chain_cu_seqlens()
     N, T = len(CHAIN_LENS), max(CHAIN_LENS)
     layer, pool = _layer(int(qsl[-1]), seed=2), _pool(4, seed=3)
-    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
     # vLLM's pool: slot 0 is its null block; row n's positions take slots 1 + n * T + t
-    vpool = torch.zeros(1 + N * T, H, P, NS)
-    slots = 1 + torch.arange(N * T, dtype=torch.int32).view(N, T)
+    vpool = torch.zeros(1 + N * T, H, P, NS, device=DEV)
+    slots = 1 + torch.arange(N * T, dtype=torch.int32, device=DEV).view(N, T)
     vpool[slots[:, 0].long()] = pool[cache_indices.long()]
     y_ref = torch.empty_like(layer["x"])
     with vllm.override_ssm_config((16, 4)):  # its launch config, without a tuned-config lookup
         vllm.selective_state_update(
             vpool, dt_softplus=True, state_batch_indices=slots, dst_state_batch_indices=slots, out=y_ref,
-            num_accepted_tokens=torch.ones(N, dtype=torch.int32), cu_seqlens=qsl, **_engine_args(layer))
+            num_accepted_tokens=torch.ones(N, dtype=torch.int32, device=DEV), cu_seqlens=qsl, **_engine_args(layer))
 
     paths = [list(range(m)) for m in CHAIN_ACCEPTED]
-    rows = torch.arange(N, dtype=torch.int64)
+    rows = torch.arange(N, dtype=torch.int64, device=DEV)
     y, committed = _specla(layer, pool, cache_indices, rows, qsl, T, None, paths, N)
     # observed 1.1e-5 (outputs up to 6.2), vLLM's own error: against float64, its outputs are off by
     # 1.1e-5 on the 48-token row, specla's by 1.4e-6
@@ -170,16 +174,17 @@ def test_commit_leaves_padding_rows_and_empty_paths_alone():
     """A row with a negative slot, or with no accepted node, writes nothing; the other row
     commits (a change of the state is checked, not its value: the oracles above check those)."""
     steps = 3
-    qsl = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 5, 7], dtype=torch.int32, device=DEV)
     layer, pool = _layer(7, seed=4), _pool(4, seed=5)
-    cache_indices = torch.tensor([2, -1, 3], dtype=torch.int32)
-    records = empty_record_buffers(3, steps, H, P, NG, NS, "cpu")
-    rows = torch.arange(3, dtype=torch.int32)
+    cache_indices = torch.tensor([2, -1, 3], dtype=torch.int32, device=DEV)
+    records = empty_record_buffers(3, steps, H, P, NG, NS, DEV)
+    rows = torch.arange(3, dtype=torch.int32, device=DEV)
     mamba2_pool_verify(pool, layer["x"], layer["dt"], layer["A"], layer["B"], layer["C"], layer["D"],
                        layer["dt_bias"], True, cache_indices, qsl, records=records, intermediate_state_indices=rows)
     committed = pool.clone()
     accept_index, _ = accepted_positions([[0, 1, 2], [0, 1], [0, 1]], steps, steps)
-    mamba2_pool_commit(committed, cache_indices, records, rows, accept_index, torch.tensor([3, 2, 0]), steps)
+    mamba2_pool_commit(committed, cache_indices, records, rows, accept_index, torch.tensor([3, 2, 0], device=DEV),
+                       steps)
     assert torch.equal(committed[[0, 1, 3]], pool[[0, 1, 3]])  # slot -1's row and slot 3's empty path
     assert not torch.equal(committed[2], pool[2])
 
@@ -188,13 +193,13 @@ def test_verify_writes_a_strided_out_in_place_and_takes_every_form_of_d():
     """``out`` may be a strided view (SGLang's preallocated output is one): it is written in
     place, equal to the returned output without it; ``D`` per head, its stride-0 expand and a
     materialised ``[H, P]`` give the same outputs."""
-    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEV)
     layer, pool = _layer(5, seed=10), _pool(3, seed=11)
-    call = dict(state=pool, dt_softplus=True, state_batch_indices=torch.tensor([2, 0]), cu_seqlens=qsl,
-                records=empty_record_buffers(2, 3, H, P, NG, NS, "cpu"), intermediate_state_indices=torch.arange(2),
-                **layer)
+    call = dict(state=pool, dt_softplus=True, state_batch_indices=torch.tensor([2, 0], device=DEV), cu_seqlens=qsl,
+                records=empty_record_buffers(2, 3, H, P, NG, NS, DEV),
+                intermediate_state_indices=torch.arange(2, device=DEV), **layer)
     y = mamba2_pool_verify(**call)
-    wide = torch.full((5, H * P + 8), float("nan"))
+    wide = torch.full((5, H * P + 8), float("nan"), device=DEV)
     out = wide[:, 8:].view(5, H, P)
     assert mamba2_pool_verify(**call | dict(out=out)) is out
     assert torch.equal(out, y) and wide[:, :8].isnan().all()
@@ -203,11 +208,12 @@ def test_verify_writes_a_strided_out_in_place_and_takes_every_form_of_d():
 
 
 def test_pool_entry_points_reject_bad_input_clearly():
-    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEV)
     layer, pool = _layer(5, seed=6), _pool(4, seed=7)
-    cache_indices = torch.tensor([2, 0], dtype=torch.int32)
-    records = empty_record_buffers(2, 4, H, P, NG, NS, "cpu")
-    rows = torch.arange(2, dtype=torch.int32)
+    cache_indices = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    records = empty_record_buffers(2, 4, H, P, NG, NS, DEV)
+    rows = torch.arange(2, dtype=torch.int32, device=DEV)
+    on = re.escape(str(pool.device))  # as the messages name it (cuda:0, not cuda)
     call = dict(state=pool, dt_softplus=True, state_batch_indices=cache_indices, cu_seqlens=qsl, records=records,
                 intermediate_state_indices=rows, **layer)
     with pytest.raises(ValueError, match=r"^state must be float32 \[slots, 4, 16, 16\] \(P before N\), "
@@ -217,34 +223,35 @@ def test_pool_entry_points_reject_bad_input_clearly():
         mamba2_pool_verify(**call | dict(dt_softplus=False))
     with pytest.raises(ValueError, match=r"^A must be one value per head, or its expand over \[16, 16\] \(stride 0\), "
                                          r"got \[4, 16, 16\] of strides \[256, 16, 1\]$"):
-        mamba2_pool_verify(**call | dict(A=torch.zeros(H, P, NS)))
+        mamba2_pool_verify(**call | dict(A=torch.zeros(H, P, NS, device=DEV)))
     with pytest.raises(ValueError, match=r"^cache_steps must be at most the records' D = 4 and 64, got 5$"):
         mamba2_pool_verify(**call | dict(cache_steps=5))
     with pytest.raises(ValueError, match=r"^records must be Mamba2RecordBuffers, got tuple$"):
         mamba2_pool_verify(**call | dict(records=tuple(records)))
     bad = Mamba2RecordBuffers(records.Bm.to(torch.bfloat16), records.u, records.G)
-    with pytest.raises(ValueError, match=r"^records.Bm must be float32 \[2, 4, 2, 16\] on cpu, contiguous, got "
-                                         r"torch.bfloat16 \[2, 4, 2, 16\] on cpu$"):
+    with pytest.raises(ValueError, match=rf"^records.Bm must be float32 \[2, 4, 2, 16\] on {on}, contiguous, got "
+                                         rf"torch.bfloat16 \[2, 4, 2, 16\] on {on}$"):
         mamba2_pool_verify(**call | dict(records=bad))
-    with pytest.raises(ValueError, match=r"^state_batch_indices must be int32 or int64 \[2\] on cpu, got "
+    with pytest.raises(ValueError, match=rf"^state_batch_indices must be int32 or int64 \[2\] on {on}, got "
                                          r"torch.int32 \[1\]$"):
         mamba2_pool_verify(**call | dict(state_batch_indices=cache_indices[:1]))
-    with pytest.raises(ValueError, match=r"^accept_index must be int32 or int64 \[2, P\] on cpu, "
+    with pytest.raises(ValueError, match=rf"^accept_index must be int32 or int64 \[2, P\] on {on}, "
                                          r"got torch.int64 \[2\]$"):
-        mamba2_pool_commit(pool, cache_indices, records, rows, torch.zeros(2, dtype=torch.int64),
-                           torch.ones(2, dtype=torch.int64), 4)
+        mamba2_pool_commit(pool, cache_indices, records, rows, torch.zeros(2, dtype=torch.int64, device=DEV),
+                           torch.ones(2, dtype=torch.int64, device=DEV), 4)
 
 
 class TinyMamba2Model:
     """A two-layer Mamba2 language model of random weights (vocabulary 5, width 32; no short conv
     and no gated norm, which the engines run outside the SSM kernel): ``h += ssm(x, dt, B, C) W_o``
-    a layer, ``ssm`` being the caller's kernel call on its state pool ``pools[layer]``."""
+    a layer, ``ssm`` being the caller's kernel call on its state pool ``pools[layer]``. Its weights
+    are on :data:`DEV`."""
 
     vocab, width, layers = 5, 32, 2
 
     def __init__(self, seed: int):
         gen = torch.Generator().manual_seed(seed)
-        r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+        r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(DEV)  # noqa: E731
         d = self.width
         self.emb = r(self.vocab, d)
         self.lm = r(d, self.vocab, scale=d**-0.5)
@@ -287,19 +294,19 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
     (6 and 4 nodes, root included, packed) through ``mamba2_pool_verify`` and
     ``mamba2_pool_commit`` (every layer in one launch). Tokens must be identical."""
     model, new = TinyMamba2Model(seed=8), 12
-    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]])
+    prompts = torch.tensor([[1, 4, 2, 0], [3, 3, 1, 2]], device=DEV)
     N, slots, sizes = 2, 5, [6, 4]
-    cache_indices = torch.tensor([3, 1], dtype=torch.int32)
+    cache_indices = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
 
-    pools = [torch.zeros(slots, H, P, NS) for _ in range(model.layers)]
+    pools = [torch.zeros(slots, H, P, NS, device=DEV) for _ in range(model.layers)]
     plain = plain_decode(lambda tokens: _plain_step(model, sglang, pools, cache_indices, tokens), prompts, new)
 
-    pools = torch.zeros(model.layers, slots, H, P, NS)  # every layer's pool, committed in one launch
+    pools = torch.zeros(model.layers, slots, H, P, NS, device=DEV)  # every layer's pool, committed in one launch
     for t in range(prompts.shape[1] - 1):  # the prompt but its last token, which roots the first tree
         _plain_step(model, sglang, pools, cache_indices, prompts[:, t])
-    rows, width = torch.tensor([1, 0], dtype=torch.int32), max(sizes)
-    records = Mamba2RecordBuffers(*(torch.empty(model.layers, *r.shape) for r in
-                                    empty_record_buffers(N, width, H, P, NG, NS, "cpu")))
+    rows, width = torch.tensor([1, 0], dtype=torch.int32, device=DEV), max(sizes)
+    records = Mamba2RecordBuffers(*(torch.empty(model.layers, *r.shape, device=DEV) for r in
+                                    empty_record_buffers(N, width, H, P, NG, NS, DEV)))
 
     def verify(toks, qsl, parents):
         def ssm(i, x, dt, B, C, A, dt_bias, D):
@@ -307,7 +314,7 @@ def test_tree_speculation_through_a_small_model_is_token_identical_to_the_engine
                                       records=records.layer(i), intermediate_state_indices=rows, cache_steps=width,
                                       retrieve_parent_token=parents)
 
-        return model.logits(torch.tensor(toks), ssm).argmax(-1).tolist()
+        return model.logits(torch.tensor(toks, device=DEV), ssm).argmax(-1).tolist()
 
     def commit(paths):
         accept_index, accept_lens = accepted_positions(paths, width, width)
