@@ -102,6 +102,8 @@ class SpecDecoder:
             built, naming both counts); a model whose weights are on the ``meta`` device (built
             under ``torch.device("meta")`` or loaded with ``device_map="meta"``), refused before
             anything else.
+        TypeError: a ``tokenizer`` that is none of the above (not callable, or without ``decode``),
+            or a ``drafter`` that is neither a name, a path nor a ``Drafter``.
         FileNotFoundError: a tokenizer directory that does not exist or holds no tokenizer (no
             ``tokenizer.json``, ``vocab.*``, ``*.model`` or ``*.tiktoken`` file: the message names
             the directory and those files), refused before the checkpoint loads.
@@ -130,6 +132,7 @@ class SpecDecoder:
         tokenizer: Any = None,
     ):
         self.config = _as_config(config)
+        _check_tokenizer(tokenizer)
         if isinstance(model, torch.nn.Module):
             _refuse_meta_weights(model)
         if isinstance(model, (str, Path)) and not (Path(model) / "config.json").is_file():
@@ -315,6 +318,22 @@ class _TokenBar:
 
     def __call__(self, stats: RunStats) -> None:
         self.bar.update(stats.generated_tokens - self.bar.n)
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    """Refuses a ``tokenizer`` argument specla cannot use, before anything loads: it is called
+    on string prompts and its ``decode`` on every output, which would otherwise fail only then
+    (after a whole batch is decoded, for token-id prompts).
+
+    Raises:
+        TypeError: neither ``None``, a tokenizer directory (``str`` or ``Path``), nor a callable
+            with a ``decode`` method (a transformers tokenizer); the message names the type given.
+    """
+    if tokenizer is None or isinstance(tokenizer, (str, Path)):
+        return
+    if not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise TypeError("tokenizer must be a transformers tokenizer, a tokenizer directory or None, "
+                        f"got {type(tokenizer).__name__}")
 
 
 def _refuse_meta_weights(model: torch.nn.Module) -> None:

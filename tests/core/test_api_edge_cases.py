@@ -347,3 +347,29 @@ def test_checkpoints_loaded_from_several_threads_at_once_decode_alike(tmp_path):
     for t in threads:
         t.join()
     assert not errors and got == [want] * 8
+
+
+class _Tokenizer:
+    """What specla calls of a tokenizer: encoding a text, and ``decode``."""
+
+    def __call__(self, text, **kwargs):
+        return {"input_ids": [ord(c) % 61 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("tokenizer,name", [(42, "int"), (lambda text: text, "function"), (b"tok/", "bytes")])
+def test_a_tokenizer_specla_cannot_call_is_refused_when_the_decoder_is_built(gdn, tokenizer, name):
+    """Not a tokenizer directory, nor callable with ``decode``: a TypeError naming what was given,
+    before anything decodes (it failed when encoding text, or after decoding a whole batch of ids)."""
+    _, model = gdn
+    message = f"tokenizer must be a transformers tokenizer, a tokenizer directory or None, got {name}"
+    with pytest.raises(TypeError) as err:
+        SpecDecoder(model, tokenizer=tokenizer)
+    assert str(err.value) == message
+    with pytest.raises(TypeError) as err:
+        specla.run(model, prompts=[PROMPT], tokenizer=tokenizer)
+    assert str(err.value) == message
+    out = SpecDecoder(model, tokenizer=_Tokenizer(), config=dict(max_new_tokens=3)).generate(["hi"])
+    assert out.texts == [" ".join(map(str, out.outputs[0]))]
