@@ -20,7 +20,7 @@ from .engine import Engine, RunStats
 from .errors import (ConfigError, ContextLengthWarning, DrafterError, GenerationInterrupted, InvalidTokenError,
                      TokenTypeError, UnsupportedModelError)
 from .interfaces import ArchitecturePlugin, Drafter
-from .hf import load_tokenizer, tensors_only, tokenizer_dir, weaken_hook_cycles
+from .hf import checkpoint_dir, load_tokenizer, tensors_only, tokenizer_dir, weaken_hook_cycles
 from .registry import detect_plugin, get_plugin
 
 # transformers' from_pretrained is not thread-safe: two threads loading at once can leave a tied
@@ -93,9 +93,10 @@ class SpecDecoder:
 
     Raises:
         UnknownPluginError: unknown plugin or drafter name (lists the available ones).
-        UnsupportedModelError: the plugin cannot run the model (or none matches it), a path is
-            not a checkpoint directory, or its files cannot be loaded (a corrupt config.json or
-            weights file: the message names the directory and the loader's error), or its
+        UnsupportedModelError: the plugin cannot run the model (or none matches it), a path
+            that does not exist, is a file or holds no config.json (the messages say which), or
+            its files cannot be loaded (a corrupt config.json or weights file: the message names
+            the directory and the loader's error), or its
             weights do not fit its config.json (missing, unexpected or of another shape: the
             message names the directory, the counts and the first few weight names; files holding
             less than half the parameters the config describes are refused before the model is
@@ -135,8 +136,8 @@ class SpecDecoder:
         _check_tokenizer(tokenizer)
         if isinstance(model, torch.nn.Module):
             _refuse_meta_weights(model)
-        if isinstance(model, (str, Path)) and not (Path(model) / "config.json").is_file():
-            raise UnsupportedModelError(f"{model} is not a checkpoint directory (no config.json in it)")
+        if isinstance(model, (str, Path)):
+            checkpoint_dir(model)
         self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin is not None else detect_plugin(model)
         own_drafter = isinstance(drafter, str) and drafter in self.plugin.model_drafters  # the model's own (MTP)
         if not own_drafter:  # before any checkpoint loads: a wrong name or directory fails fast

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..config import EngineOptions, SpecConfig, nest_engine_options, validation_message
-from ..errors import GenerationInterrupted, SpecError, UnsupportedModelError
+from ..errors import GenerationInterrupted, SpecError
 
 # generate shows a progress bar (on a terminal, or with --progress) from this many tokens per
 # prompt: the default 64 and other short completions end within seconds and print nothing more
@@ -70,14 +70,11 @@ def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: 
 
 
 def _checkpoint_dir(model: str) -> Path:
-    """``--model`` as a checkpoint directory, checked before anything loads."""
-    if not Path(model).exists():
-        raise UnsupportedModelError(f"--model {model} does not exist")
-    if not Path(model).is_dir():
-        raise UnsupportedModelError(f"--model {model} is a file, not a checkpoint directory")
-    if not (Path(model) / "config.json").is_file():
-        raise UnsupportedModelError(f"--model {model} is not a checkpoint directory (no config.json in it)")
-    return Path(model)
+    """``--model`` as a checkpoint directory, checked before anything loads
+    (:func:`specla.hf.checkpoint_dir`, the API's check, naming the flag)."""
+    from ..hf import checkpoint_dir
+
+    return checkpoint_dir(model, f"--model {model}")
 
 
 def _tokenizer_dir(model: Path, tokenizer: str | None) -> Path:

@@ -373,3 +373,16 @@ def test_a_tokenizer_specla_cannot_call_is_refused_when_the_decoder_is_built(gdn
     assert str(err.value) == message
     out = SpecDecoder(model, tokenizer=_Tokenizer(), config=dict(max_new_tokens=3)).generate(["hi"])
     assert out.texts == [" ".join(map(str, out.outputs[0]))]
+
+
+def test_a_model_path_that_is_missing_or_a_file_is_named_so(tmp_path):
+    """The API words a path that is no checkpoint directory as the command line does (one
+    check, :func:`specla.hf.checkpoint_dir`)."""
+    cases = [(tmp_path / "nonexistent", f"{tmp_path / 'nonexistent'} does not exist"),
+             (TINY_TARGET / "config.json", f"{TINY_TARGET / 'config.json'} is a file, not a checkpoint directory"),
+             (tmp_path, f"{tmp_path} is not a checkpoint directory (no config.json in it)")]
+    for path, message in cases:
+        for model in (path, str(path)):
+            with pytest.raises(specla.UnsupportedModelError) as err:
+                SpecDecoder(model)
+            assert str(err.value) == message
