@@ -96,7 +96,7 @@ class SpecDecoder:
         UnsupportedModelError: the plugin cannot run the model (or none matches it), a path
             that does not exist, is a file or holds no config.json (the messages say which), or
             its files cannot be loaded (a corrupt config.json or weights file: the message names
-            the directory and the loader's error), or its
+            the directory and the loader's error, in one line), or its
             weights do not fit its config.json (missing, unexpected or of another shape: the
             message names the directory, the counts and the first few weight names; files holding
             less than half the parameters the config describes are refused before the model is
@@ -161,7 +161,10 @@ class SpecDecoder:
             except (UnsupportedModelError, ConfigError):
                 raise
             except Exception as err:  # transformers, huggingface_hub and safetensors each raise their own
-                raise UnsupportedModelError(f"cannot load the checkpoint in {path}: {type(err).__name__}: {err}") from err
+                # in one line, as every specla error: some (transformers' strict config fields) span several
+                detail = " ".join(str(err).split())
+                raise UnsupportedModelError(f"cannot load the checkpoint in {path}: {type(err).__name__}: "
+                                            f"{detail}") from err
         if isinstance(tokenizer, Path):  # after the model, whose type its plugin registers (transformers warns otherwise)
             tokenizer = load_tokenizer(tokenizer)
         self.model = model

@@ -386,3 +386,22 @@ def test_a_model_path_that_is_missing_or_a_file_is_named_so(tmp_path):
             with pytest.raises(specla.UnsupportedModelError) as err:
                 SpecDecoder(model)
             assert str(err.value) == message
+
+
+def test_a_config_field_of_the_wrong_type_is_reported_in_one_line(tmp_path):
+    """transformers' strict config check words a field of the wrong type in two lines; the
+    error that wraps it is one line, as every specla error is (docs/usage.md)."""
+    import json
+    import shutil
+
+    from specla_qwen.plugin import QwenPlugin
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(QwenPlugin.demo_checkpoint, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "vocab_size": "lots"}))
+    with pytest.raises(specla.UnsupportedModelError) as err:
+        SpecDecoder(ckpt)
+    assert str(err.value) == (f"cannot load the checkpoint in {ckpt}: StrictDataclassFieldValidationError: "
+                              "Validation error for field 'vocab_size': TypeError: Field 'vocab_size' expected int, "
+                              "got str (value: 'lots')")
