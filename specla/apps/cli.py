@@ -461,17 +461,29 @@ def _spec_default(field: str):
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line argument error, as every other error of the command line; the
     usage block argparse would print first is what ``--help`` shows, and the line points there.
-    Subcommand parsers are of this class too (argparse makes them of their parent's class)."""
+    Subcommand parsers are of its subclass :class:`_SubcommandParser`."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _SubcommandParser(_Parser):
+    """A subcommand's parser, which reports the arguments it does not know itself (``specla
+    generate: error: unrecognized arguments: ...``): argparse hands a subcommand's leftovers back
+    to the top-level parser, whose error would name ``specla`` and its --help."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specla`` argument parser."""
     parser = _Parser(prog="specla", description="Speculative decoding for linear-attention models")
     parser.add_argument("--version", action="version", version=f"specla {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     config_help = ("SpecConfig fields as a JSON object, inline ('{\"temperature\": 0.8}') or the path of a file "
                    "holding one; the flags of this command override its fields")
 

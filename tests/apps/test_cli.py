@@ -124,6 +124,21 @@ def test_argument_errors_are_one_line_without_the_usage_block(capsys):
         assert cli(capsys, *args) == (2, "", line + "\n"), args
 
 
+def test_a_subcommands_unknown_arguments_are_reported_by_that_subcommand(capsys):
+    """argparse leaves a subcommand's unknown arguments to the top-level parser, which named
+    ``specla`` and its --help; the subcommand reports them itself. Unknown arguments before the
+    subcommand stay the top level's."""
+    cases = [(["generate", "--model", TINY, "--prompt", PROMPT, "--bogus-flag"],
+              "specla generate: error: unrecognized arguments: --bogus-flag (see specla generate --help)"),
+             (["generate", "--model", TINY, "--prompt", PROMPT, "two", "words"],
+              "specla generate: error: unrecognized arguments: two words (see specla generate --help)"),
+             (["plugins", "--bogus"],
+              "specla plugins: error: unrecognized arguments: --bogus (see specla plugins --help)"),
+             (["--bogus", "plugins"], "specla: error: unrecognized arguments: --bogus (see specla --help)")]
+    for args, line in cases:
+        assert cli(capsys, *args) == (2, "", line + "\n"), args
+
+
 def test_stop_token_ids_and_single_token_stop_strings(capsys):
     stats, _ = generate(capsys, "--max-new-tokens", "12", "--stop-token-id", "1042")
     assert stats["generated_tokens"] == GREEDY.index(1042) + 1 and stats["config"]["stop_token_ids"] == [1042]
