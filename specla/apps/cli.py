@@ -669,15 +669,26 @@ _FORMAT_WARNING = warnings.formatwarning
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``specla`` console script. Errors exit with one line on stderr: 2 for
-    a user's mistake, 130 for Ctrl-C (``generate`` first prints what it decoded until then)."""
+    a user's mistake, 130 for Ctrl-C (``generate`` first prints what it decoded until then). A
+    reader that closes stdout early (``specla generate ... | head``) ends the command quietly with
+    141, the status of a process killed by SIGPIPE, as Unix tools end."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # the command a report records
     try:
         warnings.formatwarning = _format_warning
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe raises here, in the handler below, rather than at exit
+        return code
     except KeyboardInterrupt:
         parser.exit(130, "specla: interrupted\n")
+    except BrokenPipeError:
+        # 128 + SIGPIPE, as a shell reports `yes | head`: not 1, which `specla demo` returns for a
+        # mismatch. What stdout still buffers goes to devnull, or the interpreter's flush at exit
+        # raises again (the recipe of Python's signal module docs)
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor (tests)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except ValidationError as err:
         # user mistakes (bad paths, options, prompts) get one line, not a traceback
         parser.exit(2, f"specla: error: {validation_message(err)}\n")

@@ -435,6 +435,31 @@ def test_the_demo_runs_torch_on_one_thread_on_a_cpu_unless_told(monkeypatch, cap
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["device"] == device
 
 
+# a closed pipe
+
+
+@pytest.mark.parametrize("args,unbuffered", [(["plugins"], False), (["plugins"], True),
+                                             (["generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu",
+                                               "--max-new-tokens", "4"], True)])
+def test_a_reader_that_closed_stdout_ends_the_command_quietly_with_141(args, unbuffered):
+    """``specla generate ... | head -c 10``: once the reader is gone, the command ends as a
+    process killed by SIGPIPE would (status 141, nothing on stderr), not with ``specla: error:
+    [Errno 32] Broken pipe`` and 2, nor with the interpreter's complaint at exit (block-buffered
+    stdout writes only then)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: every write fails
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(PYTHONWARNINGS="ignore", **({"PYTHONUNBUFFERED": "1"} if unbuffered else {}))
+    try:
+        out = subprocess.run([sys.executable, "-m", "specla.apps.cli", *map(str, args)], stdout=write,
+                             stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (141, "")
+
+
 # Ctrl-C and progress
 
 
