@@ -386,6 +386,24 @@ def test_demo_and_generate_draw_no_progress_bar_when_stderr_is_not_a_terminal(ca
     assert (code, err) == (0, "")
 
 
+def test_the_demo_says_its_target_ships_no_mtp_layer_when_asked_for_mtp(capsys):
+    """The demo's target is a qwen model, whose own drafter ``mtp`` needs the checkpoint's MTP
+    layer; the tiny checkpoint ships none. The demo says so (it said mtp needed a qwen or
+    mamba2_hybrid model), in the API's words, and which drafters it runs."""
+    from specla_qwen.plugin import QwenPlugin
+
+    tiny = QwenPlugin.demo_checkpoint
+    reason = (f"drafter='mtp' reads the checkpoint's mtp.* tensors, and {tiny} holds none: load the model from a "
+              "checkpoint directory that ships its MTP layer")
+    with pytest.raises(DrafterError) as err:
+        SpecDecoder(tiny, drafter="mtp", config=dict(device="cpu"))
+    assert str(err.value) == reason
+    code, out, err = cli(capsys, "demo", "--drafter", "mtp", "--device", "cpu", "--no-progress")
+    assert (code, out, last_error(err)) == (2, "", f"specla: error: the demo's target cannot run its own drafter "
+                                                   f"'mtp' ({reason}); the demo runs ngram, eagle or a directory saved "
+                                                   "by `specla train-drafter`")
+
+
 def test_shown_prompt_cuts_at_a_boundary_with_a_marker():
     assert shown_prompt("short prompt\n") == "short prompt"
     assert shown_prompt("first line\nsecond line\nthird", limit=18) == "[... 11 characters cut]\nsecond line\nthird"
