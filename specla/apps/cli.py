@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import shlex
 import sys
 import tempfile
@@ -211,6 +212,12 @@ def _generate(args: argparse.Namespace) -> int:
     engine_flags = {"commit": args.commit}
     source = config_source(args.config)
     config = _spec_config({"device": _auto_device()}, overrides, flags, engine_flags, source)  # before any load
+    if config.temperature > 0 and config.seed is None:
+        # drawn here rather than by the engine, which would report none: the reported config's seed
+        # repeats the run (--seed). Seeded sampling takes the fixed budget policy under "auto"
+        # (resolve_budget_policy): unlike the adaptive one's, its schedule does not follow timings
+        flags["seed"] = secrets.randbelow(2**32)
+        config = config.model_copy(update={"seed": flags["seed"]})
     _cpu_threads(args, _device_type(config.device))
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
@@ -521,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep only the K most likely tokens (0: all; default: "
                            f"{_spec_default('sampling_top_k')}); not the draft tree's width, which is --tree-top-k")
     samp.add_argument("--seed", type=_integer, default=None, metavar="N",
-                      help="sampling seed: the same seed repeats a run (default: a fresh random seed)")
+                      help="sampling seed: the same seed repeats a run (default: a fresh random seed, which "
+                           "the final JSON line's config reports)")
     stop = gen.add_argument_group("stopping (a stop token is kept in the output; the model's eos_token_id also "
                                   "stops unless --config sets stop_at_eos to false)")
     stop.add_argument("--stop-token-id", type=_integer, action="append", default=None, metavar="ID",

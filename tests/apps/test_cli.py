@@ -65,6 +65,22 @@ def test_generate_samples_from_the_command_line_as_the_api_does(capsys):
     assert out.split("-" * 40)[0] == api.texts[0] + "\n"
 
 
+def test_an_unseeded_sampled_run_reports_the_seed_that_repeats_it(capsys):
+    """Sampling without --seed draws a fresh seed in the command, not the engine, and reports it
+    in the final JSON line's config (it reported null): --seed with it repeats the output. A
+    greedy run draws none."""
+    first, out = generate(capsys, "--temperature", "0.8", "--max-new-tokens", "8")
+    seed = first["config"]["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**32
+    again, out_again = generate(capsys, "--temperature", "0.8", "--max-new-tokens", "8", "--seed", seed)
+    assert again["config"]["seed"] == seed and out_again.split("-" * 40)[0] == out.split("-" * 40)[0]
+    assert again["config"] == first["config"]
+    from_config, _ = generate(capsys, "--config", '{"temperature": 0.8}', "--max-new-tokens", "2")
+    assert isinstance(from_config["config"]["seed"], int)
+    greedy, _ = generate(capsys, "--max-new-tokens", "2")
+    assert greedy["config"]["seed"] is None
+
+
 def test_generate_flags_override_config_inline_and_from_a_file(capsys, tmp_path):
     fields = {"temperature": 0.7, "seed": 1, "max_new_tokens": 20, "top_k": 2, "num_draft_tokens": 4}
     stats, _ = generate(capsys, "--config", json.dumps(fields), "--max-new-tokens", "5", "--seed", "4")
