@@ -20,7 +20,7 @@ from .engine import Engine, RunStats
 from .errors import (ConfigError, ContextLengthWarning, DrafterError, GenerationInterrupted, InvalidTokenError,
                      TokenTypeError, UnsupportedModelError)
 from .interfaces import ArchitecturePlugin, Drafter
-from .hf import load_tokenizer, tensors_only, tokenizer_dir, weaken_hook_cycles
+from .hf import checkpoint_dir, load_tokenizer, tensors_only, tokenizer_dir, weaken_hook_cycles
 from .registry import detect_plugin, get_plugin
 
 # transformers' from_pretrained is not thread-safe: two threads loading at once can leave a tied
@@ -93,15 +93,18 @@ class SpecDecoder:
 
     Raises:
         UnknownPluginError: unknown plugin or drafter name (lists the available ones).
-        UnsupportedModelError: the plugin cannot run the model (or none matches it), a path is
-            not a checkpoint directory, or its files cannot be loaded (a corrupt config.json or
-            weights file: the message names the directory and the loader's error), or its
+        UnsupportedModelError: the plugin cannot run the model (or none matches it), a path
+            that does not exist, is a file or holds no config.json (the messages say which), or
+            its files cannot be loaded (a corrupt config.json or weights file: the message names
+            the directory and the loader's error, in one line), or its
             weights do not fit its config.json (missing, unexpected or of another shape: the
             message names the directory, the counts and the first few weight names; files holding
             less than half the parameters the config describes are refused before the model is
             built, naming both counts); a model whose weights are on the ``meta`` device (built
             under ``torch.device("meta")`` or loaded with ``device_map="meta"``), refused before
             anything else.
+        TypeError: a ``tokenizer`` that is none of the above (not callable, or without ``decode``),
+            or a ``drafter`` that is neither a name, a path nor a ``Drafter``.
         FileNotFoundError: a tokenizer directory that does not exist or holds no tokenizer (no
             ``tokenizer.json``, ``vocab.*``, ``*.model`` or ``*.tiktoken`` file: the message names
             the directory and those files), refused before the checkpoint loads.
@@ -130,10 +133,11 @@ class SpecDecoder:
         tokenizer: Any = None,
     ):
         self.config = _as_config(config)
+        _check_tokenizer(tokenizer)
         if isinstance(model, torch.nn.Module):
             _refuse_meta_weights(model)
-        if isinstance(model, (str, Path)) and not (Path(model) / "config.json").is_file():
-            raise UnsupportedModelError(f"{model} is not a checkpoint directory (no config.json in it)")
+        if isinstance(model, (str, Path)):
+            checkpoint_dir(model)
         self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin is not None else detect_plugin(model)
         own_drafter = isinstance(drafter, str) and drafter in self.plugin.model_drafters  # the model's own (MTP)
         if not own_drafter:  # before any checkpoint loads: a wrong name or directory fails fast
@@ -157,7 +161,10 @@ class SpecDecoder:
             except (UnsupportedModelError, ConfigError):
                 raise
             except Exception as err:  # transformers, huggingface_hub and safetensors each raise their own
-                raise UnsupportedModelError(f"cannot load the checkpoint in {path}: {type(err).__name__}: {err}") from err
+                # in one line, as every specla error: some (transformers' strict config fields) span several
+                detail = " ".join(str(err).split())
+                raise UnsupportedModelError(f"cannot load the checkpoint in {path}: {type(err).__name__}: "
+                                            f"{detail}") from err
         if isinstance(tokenizer, Path):  # after the model, whose type its plugin registers (transformers warns otherwise)
             tokenizer = load_tokenizer(tokenizer)
         self.model = model
@@ -315,6 +322,22 @@ class _TokenBar:
 
     def __call__(self, stats: RunStats) -> None:
         self.bar.update(stats.generated_tokens - self.bar.n)
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    """Refuses a ``tokenizer`` argument specla cannot use, before anything loads: it is called
+    on string prompts and its ``decode`` on every output, which would otherwise fail only then
+    (after a whole batch is decoded, for token-id prompts).
+
+    Raises:
+        TypeError: neither ``None``, a tokenizer directory (``str`` or ``Path``), nor a callable
+            with a ``decode`` method (a transformers tokenizer); the message names the type given.
+    """
+    if tokenizer is None or isinstance(tokenizer, (str, Path)):
+        return
+    if not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise TypeError("tokenizer must be a transformers tokenizer, a tokenizer directory or None, "
+                        f"got {type(tokenizer).__name__}")
 
 
 def _refuse_meta_weights(model: torch.nn.Module) -> None:

@@ -1,6 +1,7 @@
-"""transformers glue: loading a transformers-format checkpoint and refusing weights that do not
-fit it, refusing pickles that hold more than tensors in one line, loading a tokenizer directory, the end-of-sequence ids a model's generation stops at, and
-the hook cycles of a model specla owns (loaded or copied by it)."""
+"""transformers glue: checking and loading a transformers-format checkpoint directory and
+refusing weights that do not fit it, refusing pickles that hold more than tensors in one line,
+loading a tokenizer directory, the end-of-sequence ids a model's generation stops at, and the hook
+cycles of a model specla owns (loaded or copied by it)."""
 
 from __future__ import annotations
 
@@ -162,6 +163,27 @@ def load_pretrained(model_class, path: Path, *, dtype: torch.dtype | None) -> to
         raise UnsupportedModelError(f"{path}: its weights do not fit its config.json (the model would run on "
                                     f"random or dropped weights): {'; '.join(problems)}")
     return model
+
+
+def checkpoint_dir(path: str | Path, name: str | None = None) -> Path:
+    """``path`` as a checkpoint directory (one holding a ``config.json``), checked before
+    anything loads; the Python API and the command line both ask here, so they word it alike.
+
+    Args:
+        path: the directory; name: how the messages name it (default: ``path`` itself; the
+            command line's ``"--model PATH"``).
+    Raises:
+        UnsupportedModelError: ``"{name} does not exist"``, ``"{name} is a file, not a checkpoint
+            directory"``, or ``"{name} is not a checkpoint directory (no config.json in it)"``.
+    """
+    path, name = Path(path), str(path) if name is None else name
+    if not path.exists():
+        raise UnsupportedModelError(f"{name} does not exist")
+    if not path.is_dir():
+        raise UnsupportedModelError(f"{name} is a file, not a checkpoint directory")
+    if not (path / "config.json").is_file():
+        raise UnsupportedModelError(f"{name} is not a checkpoint directory (no config.json in it)")
+    return path
 
 
 def tokenizer_dir(directory: str | Path) -> Path:

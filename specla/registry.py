@@ -82,18 +82,20 @@ def plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, with the ``specla.plugins`` entry points loaded: all of
     them, or only those named in the environment variable ``SPECLA_PLUGINS`` (comma-separated
     entry-point names, which for the bundled plugins are their architecture names; read once per
-    process). Each entry point is loaded on its own, the bundled ones first: one that fails to
-    import (any exception, ``sys.exit`` included), or whose name another distribution's entry
-    point already took, is skipped with a :class:`~specla.errors.PluginLoadWarning`.
+    process; set but empty or blank, it counts as unset). Each entry point is loaded on its own,
+    the bundled ones first: one that fails to import (any exception, ``sys.exit`` included), or
+    whose name another distribution's entry point already took, is skipped with a
+    :class:`~specla.errors.PluginLoadWarning`.
 
     Raises:
         UnknownPluginError: ``SPECLA_PLUGINS`` names an entry point that is not installed (the
-            message lists the installed ones), or is set but empty; nothing is loaded then.
+            message lists the installed ones), or names none (only commas and blanks: ``" , "``);
+            nothing is loaded then.
     """
     pm = _Manager()
     found = entry_points(group=hookspecs.ENTRY_POINT_GROUP)
     wanted = os.environ.get("SPECLA_PLUGINS")
-    if wanted is not None:
+    if wanted is not None and wanted.strip():  # set to nothing (`SPECLA_PLUGINS= specla ...`) is unset
         names = {n.strip() for n in wanted.split(",") if n.strip()}
         installed = {ep.name for ep in found}
         if not names:

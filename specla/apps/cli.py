@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import shlex
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..config import EngineOptions, SpecConfig, nest_engine_options, validation_message
-from ..errors import GenerationInterrupted, SpecError, UnsupportedModelError
+from ..errors import GenerationInterrupted, SpecError
 
 # generate shows a progress bar (on a terminal, or with --progress) from this many tokens per
 # prompt: the default 64 and other short completions end within seconds and print nothing more
@@ -70,14 +71,11 @@ def _spec_config(base: dict, overrides: dict | None, flags: dict, engine_flags: 
 
 
 def _checkpoint_dir(model: str) -> Path:
-    """``--model`` as a checkpoint directory, checked before anything loads."""
-    if not Path(model).exists():
-        raise UnsupportedModelError(f"--model {model} does not exist")
-    if not Path(model).is_dir():
-        raise UnsupportedModelError(f"--model {model} is a file, not a checkpoint directory")
-    if not (Path(model) / "config.json").is_file():
-        raise UnsupportedModelError(f"--model {model} is not a checkpoint directory (no config.json in it)")
-    return Path(model)
+    """``--model`` as a checkpoint directory, checked before anything loads
+    (:func:`specla.hf.checkpoint_dir`, the API's check, naming the flag)."""
+    from ..hf import checkpoint_dir
+
+    return checkpoint_dir(model, f"--model {model}")
 
 
 def _tokenizer_dir(model: Path, tokenizer: str | None) -> Path:
@@ -214,6 +212,12 @@ def _generate(args: argparse.Namespace) -> int:
     engine_flags = {"commit": args.commit}
     source = config_source(args.config)
     config = _spec_config({"device": _auto_device()}, overrides, flags, engine_flags, source)  # before any load
+    if config.temperature > 0 and config.seed is None:
+        # drawn here rather than by the engine, which would report none: the reported config's seed
+        # repeats the run (--seed). Seeded sampling takes the fixed budget policy under "auto"
+        # (resolve_budget_policy): unlike the adaptive one's, its schedule does not follow timings
+        flags["seed"] = secrets.randbelow(2**32)
+        config = config.model_copy(update={"seed": flags["seed"]})
     _cpu_threads(args, _device_type(config.device))
     model = _checkpoint_dir(args.model)
     tokenizer = _tokenizer_dir(model, args.tokenizer)
@@ -464,17 +468,29 @@ def _spec_default(field: str):
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line argument error, as every other error of the command line; the
     usage block argparse would print first is what ``--help`` shows, and the line points there.
-    Subcommand parsers are of this class too (argparse makes them of their parent's class)."""
+    Subcommand parsers are of its subclass :class:`_SubcommandParser`."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _SubcommandParser(_Parser):
+    """A subcommand's parser, which reports the arguments it does not know itself (``specla
+    generate: error: unrecognized arguments: ...``): argparse hands a subcommand's leftovers back
+    to the top-level parser, whose error would name ``specla`` and its --help."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specla`` argument parser."""
     parser = _Parser(prog="specla", description="Speculative decoding for linear-attention models")
     parser.add_argument("--version", action="version", version=f"specla {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     config_help = ("SpecConfig fields as a JSON object, inline ('{\"temperature\": 0.8}') or the path of a file "
                    "holding one; the flags of this command override its fields")
 
@@ -512,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep only the K most likely tokens (0: all; default: "
                            f"{_spec_default('sampling_top_k')}); not the draft tree's width, which is --tree-top-k")
     samp.add_argument("--seed", type=_integer, default=None, metavar="N",
-                      help="sampling seed: the same seed repeats a run (default: a fresh random seed)")
+                      help="sampling seed: the same seed repeats a run (default: a fresh random seed, which "
+                           "the final JSON line's config reports)")
     stop = gen.add_argument_group("stopping (a stop token is kept in the output; the model's eos_token_id also "
                                   "stops unless --config sets stop_at_eos to false)")
     stop.add_argument("--stop-token-id", type=_integer, action="append", default=None, metavar="ID",
@@ -660,15 +677,26 @@ _FORMAT_WARNING = warnings.formatwarning
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``specla`` console script. Errors exit with one line on stderr: 2 for
-    a user's mistake, 130 for Ctrl-C (``generate`` first prints what it decoded until then)."""
+    a user's mistake, 130 for Ctrl-C (``generate`` first prints what it decoded until then). A
+    reader that closes stdout early (``specla generate ... | head``) ends the command quietly with
+    141, the status of a process killed by SIGPIPE, as Unix tools end."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else [str(a) for a in argv]  # the command a report records
     try:
         warnings.formatwarning = _format_warning
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe raises here, in the handler below, rather than at exit
+        return code
     except KeyboardInterrupt:
         parser.exit(130, "specla: interrupted\n")
+    except BrokenPipeError:
+        # 128 + SIGPIPE, as a shell reports `yes | head`: not 1, which `specla demo` returns for a
+        # mismatch. What stdout still buffers goes to devnull, or the interpreter's flush at exit
+        # raises again (the recipe of Python's signal module docs)
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor (tests)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except ValidationError as err:
         # user mistakes (bad paths, options, prompts) get one line, not a traceback
         parser.exit(2, f"specla: error: {validation_message(err)}\n")

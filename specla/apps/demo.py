@@ -15,7 +15,7 @@ from .. import registry
 from ..api import SpecDecoder
 from ..config import SpecConfig
 from ..drafters import make_drafter
-from ..errors import UnknownPluginError
+from ..errors import DrafterError, UnknownPluginError
 
 
 def demo_prompts() -> list[dict]:
@@ -87,8 +87,10 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
         progress: show a progress bar on stderr (loading, warm-up, then one update per prompt).
     Raises:
         UnknownPluginError: another drafter name, before the target is loaded.
-        DrafterError: a model's own drafter name (``mtp``), or a path that is not a trained
-            drafter directory, before the target is loaded.
+        DrafterError: before the target is loaded, a path that is not a trained drafter
+            directory or the name of another plugin's models' own drafter; once it is loaded, a
+            drafter of its own (``mtp``) that its checkpoint does not ship (the message gives
+            the reason).
     Returns:
         ``exact_match`` (speculative == autoregressive tokens for every prompt),
         ``mean_accepted_tokens`` (drafts accepted per step), ``tokens_per_s`` and
@@ -99,17 +101,27 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows = demo_prompts()
     plugin, path = default_checkpoint()
-    shipped = registry.get_plugin(plugin).demo_drafters
-    try:  # before the target loads and the progress bar starts
-        proposer = make_drafter(shipped.get(drafter, drafter))
+    arch = registry.get_plugin(plugin)
+    shipped, choices = arch.demo_drafters, ", ".join(["ngram", *sorted(arch.demo_drafters)])
+    # the target's own drafter (mtp) is asked of the loaded target: only its checkpoint says whether it ships one
+    own = drafter in arch.model_drafters and drafter not in shipped
+    try:  # any other drafter before the target loads and the progress bar starts
+        proposer = drafter if own else make_drafter(shipped.get(drafter, drafter))
     except UnknownPluginError:
-        raise UnknownPluginError(f"unknown demo drafter {drafter!r}: use {', '.join(['ngram', *sorted(shipped)])} "
+        raise UnknownPluginError(f"unknown demo drafter {drafter!r}: use {choices} "
                                  "or a directory saved by `specla train-drafter`") from None
     bar = tqdm(total=len(rows), desc="demo: loading the target", unit="prompt", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     cfg = SpecConfig(num_draft_tokens=8, max_depth=6, top_k=2, max_new_tokens=max_new_tokens,
                      dtype="float32", device=device)
-    spec = SpecDecoder(path, plugin, drafter=proposer, config=cfg)
+    try:
+        spec = SpecDecoder(path, plugin, drafter=proposer, config=cfg)
+    except DrafterError as err:
+        bar.close()
+        if not own:
+            raise
+        raise DrafterError(f"the demo's target cannot run its own drafter {drafter!r} ({err}); the demo runs "
+                           f"{choices} or a directory saved by `specla train-drafter`") from err
     ar = SpecDecoder(spec.model, plugin, config=cfg.model_copy(update={"num_draft_tokens": 0}),
                      tokenizer=spec.tokenizer)
     params = sum(p.numel() for p in spec.model.parameters())

@@ -65,6 +65,22 @@ def test_generate_samples_from_the_command_line_as_the_api_does(capsys):
     assert out.split("-" * 40)[0] == api.texts[0] + "\n"
 
 
+def test_an_unseeded_sampled_run_reports_the_seed_that_repeats_it(capsys):
+    """Sampling without --seed draws a fresh seed in the command, not the engine, and reports it
+    in the final JSON line's config (it reported null): --seed with it repeats the output. A
+    greedy run draws none."""
+    first, out = generate(capsys, "--temperature", "0.8", "--max-new-tokens", "8")
+    seed = first["config"]["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**32
+    again, out_again = generate(capsys, "--temperature", "0.8", "--max-new-tokens", "8", "--seed", seed)
+    assert again["config"]["seed"] == seed and out_again.split("-" * 40)[0] == out.split("-" * 40)[0]
+    assert again["config"] == first["config"]
+    from_config, _ = generate(capsys, "--config", '{"temperature": 0.8}', "--max-new-tokens", "2")
+    assert isinstance(from_config["config"]["seed"], int)
+    greedy, _ = generate(capsys, "--max-new-tokens", "2")
+    assert greedy["config"]["seed"] is None
+
+
 def test_generate_flags_override_config_inline_and_from_a_file(capsys, tmp_path):
     fields = {"temperature": 0.7, "seed": 1, "max_new_tokens": 20, "top_k": 2, "num_draft_tokens": 4}
     stats, _ = generate(capsys, "--config", json.dumps(fields), "--max-new-tokens", "5", "--seed", "4")
@@ -120,6 +136,21 @@ def test_argument_errors_are_one_line_without_the_usage_block(capsys):
              (["bench", "--model", TINY, "--prompts", "p.jsonl", "--batch-size", "0"],
               "specla bench: error: argument --batch-size: must be >= 1, got 0 (see specla bench --help)"),
              ([], "specla: error: the following arguments are required: command (see specla --help)")]
+    for args, line in cases:
+        assert cli(capsys, *args) == (2, "", line + "\n"), args
+
+
+def test_a_subcommands_unknown_arguments_are_reported_by_that_subcommand(capsys):
+    """argparse leaves a subcommand's unknown arguments to the top-level parser, which named
+    ``specla`` and its --help; the subcommand reports them itself. Unknown arguments before the
+    subcommand stay the top level's."""
+    cases = [(["generate", "--model", TINY, "--prompt", PROMPT, "--bogus-flag"],
+              "specla generate: error: unrecognized arguments: --bogus-flag (see specla generate --help)"),
+             (["generate", "--model", TINY, "--prompt", PROMPT, "two", "words"],
+              "specla generate: error: unrecognized arguments: two words (see specla generate --help)"),
+             (["plugins", "--bogus"],
+              "specla plugins: error: unrecognized arguments: --bogus (see specla plugins --help)"),
+             (["--bogus", "plugins"], "specla: error: unrecognized arguments: --bogus (see specla --help)")]
     for args, line in cases:
         assert cli(capsys, *args) == (2, "", line + "\n"), args
 
@@ -371,6 +402,24 @@ def test_demo_and_generate_draw_no_progress_bar_when_stderr_is_not_a_terminal(ca
     assert (code, err) == (0, "")
 
 
+def test_the_demo_says_its_target_ships_no_mtp_layer_when_asked_for_mtp(capsys):
+    """The demo's target is a qwen model, whose own drafter ``mtp`` needs the checkpoint's MTP
+    layer; the tiny checkpoint ships none. The demo says so (it said mtp needed a qwen or
+    mamba2_hybrid model), in the API's words, and which drafters it runs."""
+    from specla_qwen.plugin import QwenPlugin
+
+    tiny = QwenPlugin.demo_checkpoint
+    reason = (f"drafter='mtp' reads the checkpoint's mtp.* tensors, and {tiny} holds none: load the model from a "
+              "checkpoint directory that ships its MTP layer")
+    with pytest.raises(DrafterError) as err:
+        SpecDecoder(tiny, drafter="mtp", config=dict(device="cpu"))
+    assert str(err.value) == reason
+    code, out, err = cli(capsys, "demo", "--drafter", "mtp", "--device", "cpu", "--no-progress")
+    assert (code, out, last_error(err)) == (2, "", f"specla: error: the demo's target cannot run its own drafter "
+                                                   f"'mtp' ({reason}); the demo runs ngram, eagle or a directory saved "
+                                                   "by `specla train-drafter`")
+
+
 def test_shown_prompt_cuts_at_a_boundary_with_a_marker():
     assert shown_prompt("short prompt\n") == "short prompt"
     assert shown_prompt("first line\nsecond line\nthird", limit=18) == "[... 11 characters cut]\nsecond line\nthird"
@@ -418,6 +467,31 @@ def test_the_demo_runs_torch_on_one_thread_on_a_cpu_unless_told(monkeypatch, cap
     assert main(["demo", "--device", device]) == 0
     assert calls == threads
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["device"] == device
+
+
+# a closed pipe
+
+
+@pytest.mark.parametrize("args,unbuffered", [(["plugins"], False), (["plugins"], True),
+                                             (["generate", "--model", TINY, "--prompt", PROMPT, "--device", "cpu",
+                                               "--max-new-tokens", "4"], True)])
+def test_a_reader_that_closed_stdout_ends_the_command_quietly_with_141(args, unbuffered):
+    """``specla generate ... | head -c 10``: once the reader is gone, the command ends as a
+    process killed by SIGPIPE would (status 141, nothing on stderr), not with ``specla: error:
+    [Errno 32] Broken pipe`` and 2, nor with the interpreter's complaint at exit (block-buffered
+    stdout writes only then)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: every write fails
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(PYTHONWARNINGS="ignore", **({"PYTHONUNBUFFERED": "1"} if unbuffered else {}))
+    try:
+        out = subprocess.run([sys.executable, "-m", "specla.apps.cli", *map(str, args)], stdout=write,
+                             stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (141, "")
 
 
 # Ctrl-C and progress

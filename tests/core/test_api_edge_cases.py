@@ -347,3 +347,61 @@ def test_checkpoints_loaded_from_several_threads_at_once_decode_alike(tmp_path):
     for t in threads:
         t.join()
     assert not errors and got == [want] * 8
+
+
+class _Tokenizer:
+    """What specla calls of a tokenizer: encoding a text, and ``decode``."""
+
+    def __call__(self, text, **kwargs):
+        return {"input_ids": [ord(c) % 61 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("tokenizer,name", [(42, "int"), (lambda text: text, "function"), (b"tok/", "bytes")])
+def test_a_tokenizer_specla_cannot_call_is_refused_when_the_decoder_is_built(gdn, tokenizer, name):
+    """Not a tokenizer directory, nor callable with ``decode``: a TypeError naming what was given,
+    before anything decodes (it failed when encoding text, or after decoding a whole batch of ids)."""
+    _, model = gdn
+    message = f"tokenizer must be a transformers tokenizer, a tokenizer directory or None, got {name}"
+    with pytest.raises(TypeError) as err:
+        SpecDecoder(model, tokenizer=tokenizer)
+    assert str(err.value) == message
+    with pytest.raises(TypeError) as err:
+        specla.run(model, prompts=[PROMPT], tokenizer=tokenizer)
+    assert str(err.value) == message
+    out = SpecDecoder(model, tokenizer=_Tokenizer(), config=dict(max_new_tokens=3)).generate(["hi"])
+    assert out.texts == [" ".join(map(str, out.outputs[0]))]
+
+
+def test_a_model_path_that_is_missing_or_a_file_is_named_so(tmp_path):
+    """The API words a path that is no checkpoint directory as the command line does (one
+    check, :func:`specla.hf.checkpoint_dir`)."""
+    cases = [(tmp_path / "nonexistent", f"{tmp_path / 'nonexistent'} does not exist"),
+             (TINY_TARGET / "config.json", f"{TINY_TARGET / 'config.json'} is a file, not a checkpoint directory"),
+             (tmp_path, f"{tmp_path} is not a checkpoint directory (no config.json in it)")]
+    for path, message in cases:
+        for model in (path, str(path)):
+            with pytest.raises(specla.UnsupportedModelError) as err:
+                SpecDecoder(model)
+            assert str(err.value) == message
+
+
+def test_a_config_field_of_the_wrong_type_is_reported_in_one_line(tmp_path):
+    """transformers' strict config check words a field of the wrong type in two lines; the
+    error that wraps it is one line, as every specla error is (docs/usage.md)."""
+    import json
+    import shutil
+
+    from specla_qwen.plugin import QwenPlugin
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(QwenPlugin.demo_checkpoint, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "vocab_size": "lots"}))
+    with pytest.raises(specla.UnsupportedModelError) as err:
+        SpecDecoder(ckpt)
+    assert str(err.value) == (f"cannot load the checkpoint in {ckpt}: StrictDataclassFieldValidationError: "
+                              "Validation error for field 'vocab_size': TypeError: Field 'vocab_size' expected int, "
+                              "got str (value: 'lots')")

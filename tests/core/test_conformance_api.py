@@ -68,6 +68,21 @@ def test_specla_plugins_env_limits_loading_and_names_unknown_plugins():
     assert "gdn" in bad.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_specla_plugins_set_but_empty_loads_every_plugin_as_if_unset(value):
+    """``SPECLA_PLUGINS=`` (as a shell clears a variable) made every command and every
+    ``specla.run`` fail; empty or blank, it is unset."""
+    import os
+
+    code = "from specla.registry import available; print(available())"
+    unset = {k: v for k, v in os.environ.items() if k != "SPECLA_PLUGINS"}
+    every = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=unset, timeout=300)
+    empty = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**unset, "SPECLA_PLUGINS": value}, timeout=300)
+    assert every.returncode == 0 and empty.returncode == 0, empty.stderr[-1000:]
+    assert empty.stdout == every.stdout and "'gdn'" in every.stdout and "'qwen'" in every.stdout
+
+
 def test_no_plugin_for_a_model_type_says_when_specla_plugins_limited_the_plugins(tmp_path):
     import os
 
