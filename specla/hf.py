@@ -174,8 +174,11 @@ def checkpoint_dir(path: str | Path, name: str | None = None) -> Path:
             command line's ``"--model PATH"``).
     Raises:
         UnsupportedModelError: ``"{name} does not exist"``, ``"{name} is a file, not a checkpoint
-            directory"``, or ``"{name} is not a checkpoint directory (no config.json in it)"``.
+            directory"``, ``"{name} is not a checkpoint directory (no config.json in it)"``, or
+            an empty path.
     """
+    if not str(path):  # Path("") is the working directory: name the mistake, not "."
+        raise UnsupportedModelError("the model path is empty")
     path, name = Path(path), str(path) if name is None else name
     if not path.exists():
         raise UnsupportedModelError(f"{name} does not exist")
@@ -192,10 +195,16 @@ def tokenizer_dir(directory: str | Path) -> Path:
     config.json alone, builds an empty tokenizer.
 
     Raises:
-        FileNotFoundError: ``directory`` does not exist, or holds none of
-            :data:`TOKENIZER_FILES` (the message names the directory and the files looked for).
+        FileNotFoundError: ``directory`` is empty, does not exist, is a file (the message names
+            the directory holding it), or holds none of :data:`TOKENIZER_FILES` (the message
+            names the directory and the files looked for).
     """
+    if not str(directory):
+        raise FileNotFoundError("the tokenizer directory path is empty")
     path = Path(directory)
+    if path.is_file():  # tokenizer.json itself, as users often name it
+        raise FileNotFoundError(f"tokenizer directory {directory} is a file: give the directory holding it "
+                                f"({path.parent})")
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
     if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):

@@ -686,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         warnings.formatwarning = _format_warning
         code = args.func(args)
-        sys.stdout.flush()  # a closed pipe raises here, in the handler below, rather than at exit
+        if sys.stdout is not None:  # None where the process started with stdout closed (>&-)
+            sys.stdout.flush()  # a closed pipe raises here, in the handler below, rather than at exit
         return code
     except KeyboardInterrupt:
         parser.exit(130, "specla: interrupted\n")

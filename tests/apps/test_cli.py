@@ -350,6 +350,27 @@ def test_cli_asks_for_the_tokenizer_flag(capsys, tmp_path):
 
 
 
+def test_a_tokenizer_file_or_an_empty_path_is_named_so(capsys, tmp_path):
+    """``--tokenizer .../tokenizer.json`` (the file, not its directory) is refused naming the
+    directory to give; an empty path is named empty, not read as the working directory."""
+    shutil.copy(TINY / "tokenizer.json", tmp_path)
+    file = tmp_path / "tokenizer.json"
+    message = f"tokenizer directory {file} is a file: give the directory holding it ({tmp_path})"
+    with pytest.raises(FileNotFoundError) as err:
+        SpecDecoder(TINY, tokenizer=str(file), config=dict(device="cpu"))
+    assert str(err.value) == message
+    code, out, err = cli(capsys, "generate", "--model", TINY, "--prompt", "hi", "--device", "cpu", "--tokenizer", file)
+    assert (code, out, err) == (2, "", f"specla: error: {message}\n")
+    with pytest.raises(FileNotFoundError, match="^the tokenizer directory path is empty$"):
+        SpecDecoder(TINY, tokenizer="", config=dict(device="cpu"))
+
+
+def test_a_process_started_with_stdout_closed_runs_without_a_traceback(monkeypatch):
+    """``specla plugins >&-``: Python's ``sys.stdout`` is None; the command still ends normally."""
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["plugins"]) == 0
+
+
 @pytest.mark.parametrize("files", [(), ("config.json",), ("config.json", "tokenizer_config.json")])
 def test_a_tokenizer_directory_without_a_tokenizer_is_one_line_naming_it(capsys, tmp_path, monkeypatch, files):
     """A tokenizer directory with no vocabulary file is refused in one line that names it and the

@@ -386,6 +386,8 @@ def test_a_model_path_that_is_missing_or_a_file_is_named_so(tmp_path):
             with pytest.raises(specla.UnsupportedModelError) as err:
                 SpecDecoder(model)
             assert str(err.value) == message
+    with pytest.raises(specla.UnsupportedModelError, match="^the model path is empty$"):
+        SpecDecoder("")  # not the working directory
 
 
 def test_a_config_field_of_the_wrong_type_is_reported_in_one_line(tmp_path):
