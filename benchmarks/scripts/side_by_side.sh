@@ -13,9 +13,10 @@
 # BASE into /tmp/site_base). The target and its EAGLE drafter are trained once, with HEAD, by
 # benchmarks/small_target.sh (OUT_DIR/small, OUT_DIR/eagle; a finished stage is kept, so a
 # cut-off run is finished by running the command again) and both trees decode that checkpoint.
-# PHASES (default train,step,rows) picks the parts; LIMIT (prompts per row, default 24) and
-# REPEATS (default 2) size them. Writes OUT_DIR/{step,rows}-{base,head}-R.json and
-# OUT_DIR/side_by_side.log; each report's meta.commit names its tree (BASE through SPECLA_COMMIT).
+# PHASES (default train,step,rows; also engine: the serving engines' kernel cells, below) picks
+# the parts; LIMIT (prompts per row, default 24) and REPEATS (default 2) size them. Writes
+# OUT_DIR/{step,rows,engine}-{base,head}-*.json and OUT_DIR/side_by_side.log; each report's
+# meta.commit names its tree (BASE through SPECLA_COMMIT).
 set -uo pipefail
 base=${1:?usage: bash benchmarks/scripts/side_by_side.sh BASE_DIR BASE_COMMIT OUT_DIR [DATA_DIR]}
 base_commit=${2:?usage: bash benchmarks/scripts/side_by_side.sh BASE_DIR BASE_COMMIT OUT_DIR [DATA_DIR]}
@@ -72,6 +73,23 @@ for r in $(seq 1 "${REPEATS:-2}"); do
             --allow-dirty > "$out/$name.log" 2>&1)
         echo "== $shape $side $r rc=$?" | tee -a "$log"
         grep "^all " "$out/$name.log" | tee -a "$log"
+      done
+    fi
+    if [[ $phases == *,engine,* ]]; then
+      # benchmarks/engine_kernels.py's GDN cells (ENGINE_ARGS, the script's arguments but
+      # --kernels and --out; default Qwen3-Next-80B-A3B at TP 4, the engines' files in .engines/),
+      # each tree with its own script; on HEAD's side also with BASE's script, whose contender
+      # list is BASE's: a change that follows the script rather than the library is the benchmark's
+      scripts=("$tree")
+      [ $side = head ] && scripts+=("$base")
+      for script in "${scripts[@]}"; do
+        name=engine-$side-$([ "$script" = "$tree" ] && echo own || echo base-script)-$r
+        # shellcheck disable=SC2086  # ENGINE_ARGS is a list of arguments
+        (cd "$tree" && "${envs[@]}" python "$script/benchmarks/engine_kernels.py" --kernels "$root/.engines" \
+            ${ENGINE_ARGS:---models qwen3-next-80b-a3b --tp 4 --trees 8,32 --chains 4 --batches 1,8} \
+            --allow-dirty --out "$out/$name.json" > "$out/$name.log" 2>&1)
+        echo "== $name rc=$?" | tee -a "$log"
+        grep -h "| \(tree\|chain\)[0-9]* |" "$out/$name.md" 2>/dev/null | head -12 | cut -c1-160 | tee -a "$log"
       done
     fi
   done
