@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from specla.testing import engine_kernels
-
 # every tensor a kernel sees is on DEV: compiled kernels on a CUDA machine, Triton's interpreter
 # on the CPU (tests/conftest.py); random values are drawn on the CPU (seeded generators) and moved,
 # so both devices take the same inputs
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from trees import DEV
 
 # chains of ragged lengths, one long (48 tokens), each with a different accepted prefix (the first
 # row's root alone)

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from specla.ops.naive import root_path
 from specla.mixers.gdn.naive import naive_tree_gdn
 from specla.mixers.gdn.verify import hybrid_verify, serial_verify
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from trees import DEV
 
 
 

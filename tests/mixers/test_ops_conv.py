@@ -9,9 +9,7 @@ import torch
 from specla.ops import conv_triton as conv_kernels
 from specla.ops.conv import causal_conv, conv_ancestors, conv_window_after, conv_windows_per_node, tree_conv
 from specla.ops.naive import naive_tree_conv, root_path
-from trees import SHAPES, TOL, batch_parents, rel_err, tree_parents
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from trees import DEV, SHAPES, TOL, batch_parents, rel_err, tree_parents
 
 
 
