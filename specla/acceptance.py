@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -136,6 +139,58 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
         p = p.scatter(-1, idx, sp.masked_fill(drop, 0.0))
         p = p / p.sum(-1, keepdim=True)
     return p
+
+
+def keyed_uniforms(seed: int, sequences: Sequence[int], positions: Sequence[int], width: int) -> Tensor:
+    """Draws from ``U[0, 1)`` keyed by what they decide: ``u[b, d]`` depends only on ``(seed,
+    sequences[b], positions[b] + d)``, the token of that sequence at that output position. A
+    sampling step reads the draw of the position each node's token would take, so whichever
+    budget (drafts, a chain, or none) decides a token, it is decided by the same number: with
+    deterministic proposals a sampled run emits exactly what plain decoding sampled with the
+    same seed emits (:func:`accept_sampling`'s draw-and-match walk picks ``F^-1(u)`` at every
+    accepted node), whatever schedule of budgets ran it.
+
+    Each draw is the top 24 bits of a counter hash: SplitMix64's finalizer (Steele, Lea and Flood,
+    "Fast splittable pseudorandom number generators", OOPSLA 2014) applied to the seed, then
+    mixed with the sequence and the position in turn.
+
+    Args:
+        seed: the run's seed, ``0 <= seed < 2**64``.
+        sequences: ``[B]`` which sequence each row decodes (its prompt's index in the call).
+        positions: ``[B]`` the output position of each row's next token (tokens emitted so far).
+        width: draws per row: positions ``positions[b]`` to ``positions[b] + width - 1``.
+    Returns:
+        ``[B, width]`` float32 on the CPU, multiples of ``2**-24`` in ``[0, 1)``.
+    """
+    with np.errstate(over="ignore"):
+        h = _mix(np.uint64(seed) + _GOLDEN)
+        h = _mix(h ^ (np.asarray(sequences, dtype=np.uint64)[:, None] + _GOLDEN))
+        h = _mix(h ^ (np.asarray(positions, dtype=np.uint64)[:, None] + np.arange(width, dtype=np.uint64)))
+    return torch.from_numpy((h >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24))
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z):
+    """SplitMix64's finalizer: a bijection of uint64 that scatters every input bit over the output."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def node_uniforms(tree: DraftTree, by_depth: Tensor) -> Tensor:
+    """The draw each node of ``tree`` samples its target token with: its depth's (the root's is
+    column 0), from draws by depth as :func:`keyed_uniforms` gives them.
+
+    Args:
+        tree: ``B`` draft trees of width ``N`` whose real nodes are at most ``by_depth.shape[1] - 1``
+            deep. by_depth: ``[B, >= D + 1]`` float32 on the tree's device.
+    Returns:
+        ``[B, N + 1]`` float32 (padding nodes read depth 1's draw; no path reaches them).
+    """
+    depth = tree.depth.clamp(max=by_depth.shape[1] - 1).to(by_depth.device)
+    return torch.cat([by_depth[:, :1], by_depth.gather(1, depth)], 1)
 
 
 def accept_sampling(tree: DraftTree, target_probs: Tensor, draft_probs: Tensor | None,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .acceptance import keyed_uniforms
 from .config import SpecConfig
 from .errors import ConfigError, GenerationInterrupted, NonFiniteLogitsError, SpecError
 from .cuda.graph_step import GraphRunner, batch_bucket, graph_problem
@@ -136,8 +137,8 @@ class Engine:
         # the thread holding _lock: a call from that same thread (its on_step callback) would wait
         # on itself forever, so it is refused instead
         self._owner: int | None = None
-        # the draws of a sampling run: one generator for the eager steps and every runner, reseeded
-        # by each generate call (separate generators seeded alike would repeat each other's draws)
+        # a sampling run's random source where the draws cannot be keyed by position (a drafter's
+        # sampled tree with its q, on eager steps), and the seed of unseeded calls
         self._sampler = torch.Generator(device=adapter.device) if config.temperature > 0 else None
         if config.engine.cuda_graphs == "on" and adapter.device.type != "cuda":
             raise ConfigError(f"cuda_graphs='on' needs a CUDA device; the model runs on {adapter.device} "
@@ -246,7 +247,9 @@ class Engine:
         stats.prefill = adapter.prefill_form
         self.drafter.reset(prompts)
         if self._sampler is not None:
-            self._sampler.manual_seed(cfg.seed) if cfg.seed is not None else self._sampler.seed()
+            if cfg.seed is not None:
+                self._sampler.manual_seed(cfg.seed)
+            run.seed = cfg.seed if cfg.seed is not None else self._sampler.seed()
         if runner is not None:
             for r in self._runners():
                 r.release()  # the state was replaced: the next step loads it into its graph
@@ -272,8 +275,7 @@ class Engine:
             if c != self._current:
                 self._current = c
                 stats.budget_switches += 1
-            num, drafted, bonus, nonfinite, (t1, t2, t3) = self._eager_step(run.row_contexts(), room, generator,
-                                                                            self.configs[c])
+            num, drafted, bonus, nonfinite, (t1, t2, t3) = self._eager_step(run, room, generator, self.configs[c])
             run.check_logits(nonfinite)
             stats.draft_s += t1 - t
             stats.verify_s += t2 - t1
@@ -305,7 +307,8 @@ class Engine:
                 run.stats.budget_switches += 1
             runner = self._graph_runner(c)
             t_step = time.perf_counter()
-            num, drafted, bonus, nonfinite = runner.step(run.row_contexts())  # synchronises
+            draws = run.uniforms(runner.depth + 1) if self._sampler is not None else None
+            num, drafted, bonus, nonfinite = runner.step(run.row_contexts(), draws)  # synchronises
             done = time.perf_counter()
             run.check_logits(nonfinite)
             if switched:
@@ -341,21 +344,24 @@ class Engine:
         live = [n for n, seq in zip(num, run.rows) if seq is not None]
         self.policy.observe(batch_bucket(len(run.rows)), seconds, 1 + sum(live) / max(len(live), 1))
 
-    def _eager_step(self, contexts: list[list[int]], room: list[int], generator: torch.Generator | None,
-                    budget: SpecConfig):
+    def _eager_step(self, run: _Decoding, room: list[int], generator: torch.Generator | None, budget: SpecConfig):
         """The host drafter's checked tree (the device drafters build theirs inside ``propose``),
         then :func:`specla.step.speculative_step`, op by op, with ``budget``'s draft budget and
-        the run's sampling options. ``room[r]``: drafts row ``r`` may still use (deeper nodes are
-        cut). Returns ``(num_accepted, accepted tokens, bonus, nonfinite)`` per row (host lists)
-        and the clock after drafting, verify+accept and commit."""
+        the run's sampling options (a sampled step draws by position, unless the drafter sampled
+        its tree and gives its ``q``). ``room[r]``: drafts row ``r`` may still use (deeper nodes
+        are cut). Returns ``(num_accepted, accepted tokens, bonus, nonfinite)`` per row (host
+        lists) and the clock after drafting, verify+accept and commit."""
         adapter = self.adapter
-        tree = host_proposal(self.drafter, contexts, budget, vocab_size=adapter.vocab_size)
+        tree = host_proposal(self.drafter, run.row_contexts(), budget, vocab_size=adapter.vocab_size)
         # drafts past max_new_tokens would be verified for nothing: the bonus token is always emitted
         tree = tree.limit_depth(torch.tensor(room).clamp(min=0))
         tree = DraftTree.trusted(*(x.to(adapter.device) for x in (tree.tokens, tree.parents, tree.num_nodes)),
                                  draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(adapter.device))
+        draws = None
+        if generator is not None and tree.draft_probs is None:
+            draws = run.uniforms(step_depth(budget) + 1).to(adapter.device)
         marks = [self._clock()]
-        rows = speculative_step(adapter, self.drafter, tree, budget, generator=generator,
+        rows = speculative_step(adapter, self.drafter, tree, budget, generator=generator, uniforms=draws,
                                 after_accept=lambda: marks.append(self._clock()))
         marks.append(self._clock())
         return (*read_outcome(rows), tuple(marks))
@@ -376,8 +382,7 @@ class Engine:
         if not (self._recorded or self.config.engine.cuda_graphs == "unrecorded"):
             return None
         if self._graph_runners[candidate] is None:
-            runner = GraphRunner(self.adapter, self.drafter, self.configs[candidate], capture=self._recorded,
-                                 generator=self._sampler)
+            runner = GraphRunner(self.adapter, self.drafter, self.configs[candidate], capture=self._recorded)
             self._graph_runners[candidate] = runner
         return self._graph_runners[candidate]
 
@@ -404,12 +409,19 @@ class _Decoding:
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.rows: list[int | None] = list(range(len(prompts)))
         self.shown = list(range(len(prompts)))
+        self.seed = 0  # a sampling run's: what its draws are keyed by
         self.stops = set(cfg.stop_token_ids)
         if cfg.stop_at_eos:
             self.stops.update(eos)
 
     def row_contexts(self) -> list[list[int]]:
         return [self.contexts[s] for s in self.shown]
+
+    def uniforms(self, width: int) -> torch.Tensor:
+        """``[rows, width]`` float32 CPU draws of a sampling step: row ``r``'s column ``d`` keyed
+        by the sequence it shows and the output position of its ``d``-th token this step
+        (:func:`specla.acceptance.keyed_uniforms`)."""
+        return keyed_uniforms(self.seed, self.shown, [len(self.outputs[s]) for s in self.shown], width)
 
     def live(self) -> list[int]:
         return [r for r, seq in enumerate(self.rows) if seq is not None]

@@ -23,9 +23,11 @@ def resolve_budget_policy(config: SpecConfig, recorded: bool) -> str:
     ``auto`` is ``adaptive`` where the steps are recorded in CUDA graphs, which is where it was
     measured (on the trained ``small`` target it stayed ahead of plain decoding at batches 1 to
     64, a little behind the fixed tree at batch 1 and ahead of it at batch 32; docs/tuning.md,
-    "Budget policy"), and ``fixed`` elsewhere: eager
-    steps (step times dominated by host overhead, which the policy was not measured on), no
-    drafts at all, and seeded sampling (whose draws repeat only under a timing-free schedule).
+    "Budget policy"), and ``fixed`` elsewhere: eager steps (step times dominated by host
+    overhead, which the policy was not measured on) and no drafts at all. Sampling takes it too:
+    a recorded sampling step draws by output position
+    (:func:`specla.acceptance.keyed_uniforms`), so a seeded run's tokens do not depend on which
+    budget ran each step.
 
     Args:
         config: the run's configuration.
@@ -37,8 +39,7 @@ def resolve_budget_policy(config: SpecConfig, recorded: bool) -> str:
         return "fixed"
     if config.engine.budget_policy != "auto":
         return config.engine.budget_policy
-    seeded_sampling = config.temperature > 0 and config.seed is not None
-    return "adaptive" if recorded and not seeded_sampling else "fixed"
+    return "adaptive" if recorded else "fixed"
 
 
 @dataclass

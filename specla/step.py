@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .acceptance import accept_greedy, accept_sampling, sampling_probs
+from .acceptance import accept_greedy, accept_sampling, node_uniforms, sampling_probs
 from .config import SpecConfig
 from .errors import InvalidTreeError
 from .interfaces import Drafter, TargetAdapter
@@ -39,8 +39,10 @@ def speculative_step(adapter: TargetAdapter, drafter: Drafter, tree: DraftTree, 
 
     Acceptance is greedy at ``temperature == 0``; otherwise lossless sampling
     (:func:`specla.acceptance.accept_sampling`): with ``uniforms`` the drafts count as
-    deterministic proposals (one draw per node from the static buffer: the recorded step), else
-    with the tree's ``draft_probs`` when it has them and draws from ``generator``.
+    deterministic proposals and each node samples with its depth's draw (keyed by output
+    position, :func:`specla.acceptance.keyed_uniforms`: the tokens are those plain decoding
+    samples with the same draws), else with the tree's ``draft_probs`` when it has them and
+    draws from ``generator``.
 
     Args:
         adapter, drafter: the run's. tree: ``B`` trees on the adapter's device, already checked
@@ -48,7 +50,8 @@ def speculative_step(adapter: TargetAdapter, drafter: Drafter, tree: DraftTree, 
             drafter's device builder).
         config: the step's budget and sampling options.
         generator: the eager sampling step's random source.
-        uniforms: ``[B, >= N + 1]`` float32 draws from ``U[0, 1)`` (the recorded sampling step).
+        uniforms: ``[B, >= D + 1]`` float32 draws from ``U[0, 1)`` on the adapter's device, column
+            ``d`` for the token at depth ``d`` (the bonus token at the root: column 0).
         after_accept: called between acceptance and commit (the eager step's clock).
     Returns:
         ``[B, 3 + D]`` int64 on the device (:func:`outcome_rows`), ``D`` = :func:`step_depth`.
@@ -58,7 +61,7 @@ def speculative_step(adapter: TargetAdapter, drafter: Drafter, tree: DraftTree, 
     if config.temperature > 0:
         probs = sampling_probs(out.logits, config.temperature, config.sampling_top_k, config.top_p)
         if uniforms is not None:
-            acceptance = accept_sampling(tree, probs, None, uniforms=uniforms[:, : tree.width + 1], max_depth=depth)
+            acceptance = accept_sampling(tree, probs, None, uniforms=node_uniforms(tree, uniforms), max_depth=depth)
         else:  # with the drafter's q when it gives one, else one-hot q: lossless either way
             q = tree.draft_probs
             acceptance = accept_sampling(tree, probs, q, generator, max_depth=depth if q is None else None)

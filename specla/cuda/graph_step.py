@@ -27,9 +27,10 @@ full trees and the engine keeps only the tokens a sequence still has room for, w
 same output (every accepted token is the target's greedy token).
 
 Sampling (``temperature > 0``) runs in the graph too: trees are verified as deterministic
-proposals (greedy device trees, host trees without their ``q``), so acceptance is one draw per node
-and a walk (:func:`specla.acceptance.accept_sampling`), lossless whatever the drafter; the draws
-come from a static buffer that the run's one generator fills before each replay.
+proposals (greedy device trees, host trees without their ``q``), so acceptance is one draw per
+depth and a walk (:func:`specla.acceptance.accept_sampling`), lossless whatever the drafter; the
+engine copies the draws, keyed by output position (:func:`specla.acceptance.keyed_uniforms`), into
+a static buffer before each replay.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class _Graph:
     drafter_state: list[Tensor]  # static copies of drafter.graph_state()
     tree: tuple[Tensor, Tensor, Tensor] | None  # static host-drafter tree (tokens, parents, num_nodes)
     outcome: Tensor  # [B, 3 + D] int64: num_accepted, bonus, non-finite logits (0 / 1), accepted tokens
-    uniforms: Tensor | None = None  # [B, N + 1] float32 draws of a sampling step, filled before each replay
+    uniforms: Tensor | None = None  # [B, D + 1] float32 draws by depth of a sampling step, filled before each replay
     graph: torch.cuda.CUDAGraph | None = None
     host: Tensor | None = None  # [2 B N + B] int64 pinned staging of the host tree, reused every step
 
@@ -76,16 +77,12 @@ class GraphRunner:
             ``adapter.graph_max_nodes()``.
         capture: record CUDA graphs (``False`` runs the same static-buffer step eagerly, which is
             how the CPU tests check the runner's logic).
-        generator: the random source of a sampling run's draws (``temperature > 0``); the engine
-            passes one generator to every runner and its eager steps, so no draw is ever reused
-            (default: a new, randomly seeded one).
 
     Raises:
         ValueError: the adapter cannot run in graphs, or the budget is over its limit.
     """
 
-    def __init__(self, adapter: ModelAdapter, drafter: Drafter, config: SpecConfig, capture: bool = True,
-                 generator: torch.Generator | None = None):
+    def __init__(self, adapter: ModelAdapter, drafter: Drafter, config: SpecConfig, capture: bool = True):
         problem = graph_problem(adapter, config)
         if problem:
             raise ValueError(f"CUDA graphs cannot run this configuration: {problem}")
@@ -99,16 +96,12 @@ class GraphRunner:
         self._bound: _Graph | None = None  # the graph whose static buffers hold the live state
         self._bound_roots: Tensor | None = None  # adapter.roots while bound (replaced by any prefill or select)
         self.sampling = config.temperature > 0
-        if self.sampling and generator is None:
-            generator = torch.Generator(device=adapter.device)
-            generator.seed()
-        self.generator = generator
 
     # ------------------------------------------------------------------ the recorded step
     def _body(self, tree: DraftTree | None, uniforms: Tensor | None = None) -> Tensor:
         """:func:`specla.step.speculative_step` on the bound state, with fixed shapes; ``tree``
-        ``None``: the drafter builds it on the device; ``uniforms`` ``[B, N + 1]``: a sampling
-        step's draws (the drafts count as deterministic proposals). Returns the outcome rows
+        ``None``: the drafter builds it on the device; ``uniforms`` ``[B, D + 1]``: a sampling
+        step's draws by depth (the drafts count as deterministic proposals). Returns the outcome rows
         ``[B, 3 + D]``."""
         ad, dr, cfg = self.adapter, self.drafter, self.config
         ad.static_shapes = True
@@ -154,7 +147,7 @@ class GraphRunner:
         g = _Graph([static_like(t) for t in state], [static_like(t) for t in drafter_state], tree,
                    torch.zeros(B, 3 + self.depth, dtype=torch.int64, device=dev))
         if self.sampling:
-            g.uniforms = torch.rand(B, self.config.num_draft_tokens + 1, device=dev)  # overwritten before each step
+            g.uniforms = torch.rand(B, self.depth + 1, device=dev)  # overwritten before each step
         if tree is not None:  # the host tree's staging, once per graph: a pinned allocation synchronises
             g.host = self._staging(B, pinned=self.capture)
         if self.capture:
@@ -168,7 +161,8 @@ class GraphRunner:
         copy_into(g.state + g.drafter_state, state + drafter_state)
 
     # ------------------------------------------------------------------ public
-    def step(self, contexts: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
+    def step(self, contexts: list[list[int]], uniforms: Tensor | None = None
+             ) -> tuple[list[int], list[list[int]], list[int], list[bool]]:
         """One speculative step of the whole (physical) batch: one replay of the batch size's
         graph, recorded on first use. The first step after a prefill starts from a pending
         commit of nothing (:meth:`ModelAdapter.empty_commit`), so every step, the first
@@ -178,14 +172,21 @@ class GraphRunner:
         Args:
             contexts: per row of the adapter's batch, the tokens so far (what a host drafter
                 reads; dead rows may show any valid context).
+            uniforms: a sampling step's draws by depth, ``[B, >= D + 1]`` float32 (on any device;
+                :func:`specla.acceptance.keyed_uniforms`); required when sampling, unused otherwise.
         Returns:
             ``(num_accepted, accepted draft tokens, bonus, nonfinite)`` per row, on the host
             (:func:`specla.step.read_outcome`).
         Raises:
             BudgetError / InvalidTokenError / InvalidTreeError / ValueError: a host drafter's
                 tree is invalid (checked on the CPU before anything runs).
+            ValueError: a sampling step without ``uniforms`` of that shape.
         """
         ad, dr = self.adapter, self.drafter
+        if self.sampling and (uniforms is None or uniforms.dim() != 2 or uniforms.shape[0] != ad.batch_size
+                              or uniforms.shape[1] <= self.depth):
+            got = None if uniforms is None else list(uniforms.shape)
+            raise ValueError(f"a sampling step needs uniforms [{ad.batch_size}, >= {self.depth + 1}], got {got}")
         g = self._bound
         # a prefill or select outside the runner replaces the roots: that also unbinds
         if g is None or ad.roots is not self._bound_roots or self.graphs.get(ad.batch_size) is not g:
@@ -206,17 +207,12 @@ class GraphRunner:
             for static, host in zip(g.tree, self._host_tree(contexts, g.host)):
                 static.copy_(host, non_blocking=True)
         if g.uniforms is not None:
-            self._draw(g.uniforms.shape[0], out=g.uniforms)
+            g.uniforms.copy_(uniforms[:, : self.depth + 1], non_blocking=True)
         if g.graph is not None:
             g.graph.replay()
         else:
             self._record(g)
         return read_outcome(g.outcome)  # the step's one host synchronisation
-
-    def _draw(self, B: int, out: Tensor | None = None) -> Tensor:
-        """``[B, N + 1]`` float32 draws from ``U[0, 1)`` by the run's generator (into ``out``)."""
-        shape = (B, self.config.num_draft_tokens + 1)
-        return torch.rand(shape, generator=self.generator, device=self.adapter.device, out=out)
 
     def release(self) -> None:
         """Forget which graph holds the live state: the next :meth:`step` reads the adapter's and

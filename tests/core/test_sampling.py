@@ -3,12 +3,14 @@ against the exact target distribution, one that fails when the acceptance rule i
 deterministic-draft case, seeded repeats, and the sampling warpers."""
 
 import itertools
+import re
 
 import pytest
 import torch
 
 import specla.acceptance as acc
 from specla import DraftTree
+from specla.registry import get_plugin
 
 V, L, TRIALS = 4, 4, 60_000  # vocabulary, generated tokens compared, independent runs
 
@@ -245,35 +247,71 @@ def test_engine_sampling_with_the_eagle_drafters_q_follows_the_model_distributio
     assert again.outputs == out.outputs
 
 
+def test_keyed_uniforms_depend_on_the_seed_sequence_and_position_only():
+    """A draw is a function of (seed, sequence, position): a row's d-th column equals the draw of
+    that row's position + d asked alone, in any batch; draws are uniform on [0, 1) (chi-square
+    over 64 bins) and change with each of the three keys."""
+    u = acc.keyed_uniforms(7, [0, 5, 2], [0, 9, 4], 6)
+    assert u.shape == (3, 6) and u.dtype == torch.float32
+    for b, (seq, pos) in enumerate([(0, 0), (5, 9), (2, 4)]):
+        for d in range(6):
+            assert float(u[b, d]) == float(acc.keyed_uniforms(7, [seq], [pos + d], 1)[0, 0])
+    many = acc.keyed_uniforms(3, list(range(2000)), [17] * 2000, 50).flatten()
+    assert float(many.min()) >= 0.0 and float(many.max()) < 1.0
+    observed = torch.bincount((many * 64).long(), minlength=64).double()
+    expected = many.numel() / 64
+    assert float(((observed - expected) ** 2 / expected).sum()) < bound(63)
+    base = acc.keyed_uniforms(3, [4], [10], 8)
+    for other in (acc.keyed_uniforms(4, [4], [10], 8), acc.keyed_uniforms(3, [5], [10], 8),
+                  acc.keyed_uniforms(3, [4], [11], 8)[:, :7]):
+        assert not torch.equal(base[:, : other.shape[1]], other)
+    assert acc.keyed_uniforms(2**64 - 1, [0], [0], 1).shape == (1, 1)
+
+
+def test_node_uniforms_give_each_node_its_depths_draw():
+    """Node i + 1 reads column depth(i); the root column 0; padding reads depth 1's."""
+    tree = DraftTree(torch.tensor([[4, 5, 6, 7, 0]]), torch.tensor([[-1, 0, -1, 1, -1]]), torch.tensor([4]))
+    by_depth = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    assert acc.node_uniforms(tree, by_depth).tolist() == [[pytest.approx(x) for x in (0.1, 0.2, 0.3, 0.2, 0.4, 0.2)]]
+
+
 @pytest.mark.parametrize("graphs", ["off", "unrecorded"])
-def test_steps_of_both_budgets_draw_fresh_numbers(graphs, monkeypatch):
-    """With the adaptive policy a run alternates its drafting budget and plain decoding, each
-    with its own recorded step: every step's draws come from the run's one generator, so no
-    step reuses another's numbers (separately seeded generators would replay the same draws),
-    and the seeded run repeats."""
+def test_sampled_tokens_are_plain_decodings_whatever_budget_decides_them(graphs, monkeypatch):
+    """Draws keyed by output position: plain decoding (no drafts), the fixed budget and an
+    adaptive run whose steps cycle through the tree, its chain and plain decoding emit the same
+    sampled tokens with the same seed, with drafts accepted along the way; another seed emits
+    others (so the comparison can fail)."""
     from specla import SpecDecoder
     from specla.engine import Engine
-    from specla.registry import get_plugin
 
     model = get_plugin("gdn").tiny_model("base", seed=3, dtype=torch.float32)
-    firsts = []
-    real_rand = torch.rand
+    prompts = [[5, 9, 5, 9, 5, 9, 2], [3, 14, 15, 9, 2, 6, 5, 3], [7, 1, 7, 1, 7]]
+    base = dict(temperature=0.3, seed=7, max_new_tokens=16)
+    drafts = dict(num_draft_tokens=6, max_depth=3, top_k=2)
 
-    def spy_rand(*shape, **kw):  # every sampling draw, eager or into a graph's buffer
-        out = real_rand(*shape, **kw)
-        if kw.get("generator") is not None:
-            firsts.append(float(out.flatten()[0]))
-        return out
+    def run(policy="fixed", **config):
+        config = dict(base, **config, engine=dict(cuda_graphs=graphs, budget_policy=policy))
+        return SpecDecoder(model, "gdn", drafter="ngram", config=config).generate(prompts)
 
-    monkeypatch.setattr(torch, "rand", spy_rand)
-    monkeypatch.setattr(Engine, "_choose", lambda self, batch: self.stats_steps.__next__())
-    runs = []
-    for _ in range(2):
-        firsts.clear()
-        dec = SpecDecoder(model, "gdn", drafter="ngram",
-                          config=dict(temperature=0.8, seed=7, max_new_tokens=12, num_draft_tokens=3, max_depth=3,
-                                      engine=dict(budget_policy="adaptive", cuda_graphs=graphs)))
-        dec.engine.stats_steps = iter([0, 1] * 20)  # drafting, plain, drafting, ...
-        runs.append((dec.generate([[5, 9, 5, 9, 5, 9, 2]]).outputs, list(firsts)))
-        assert len(firsts) >= 4 and len(set(firsts)) == len(firsts), firsts
-    assert runs[0] == runs[1]
+    plain = run(num_draft_tokens=0)
+    fixed = run(**drafts)
+    monkeypatch.setattr(Engine, "_choose", lambda self, batch: next(self.schedule) % len(self.configs))
+    monkeypatch.setattr(Engine, "schedule", itertools.count(), raising=False)
+    cycled = run("adaptive", **drafts)
+    assert fixed.outputs == plain.outputs and cycled.outputs == plain.outputs
+    assert sum(fixed.stats.accepted_histogram[1:]) > 0 and sum(cycled.stats.accepted_histogram[1:]) > 0
+    assert cycled.stats.chain_steps > 0 and cycled.stats.plain_steps > 0
+    assert run(**dict(drafts, seed=8)).outputs != plain.outputs
+
+
+def test_a_sampling_graph_step_needs_its_draws():
+    from specla import SpecDecoder
+    from specla.cuda.graph_step import GraphRunner
+
+    dec = SpecDecoder(get_plugin("gdn").tiny_model("base", seed=3, dtype=torch.float32), "gdn", drafter="ngram",
+                      config=dict(temperature=0.5, num_draft_tokens=3, max_depth=3))
+    runner = GraphRunner(dec.engine.adapter, dec.engine.drafter, dec.config, capture=False)
+    dec.engine.adapter.prefill([[1, 2, 3]])
+    for bad, got in ((None, "None"), (torch.rand(1, 3), "[1, 3]"), (torch.rand(2, 4), "[2, 4]")):
+        with pytest.raises(ValueError, match=rf"a sampling step needs uniforms \[1, >= 4\], got {re.escape(got)}$"):
+            runner.step([[1, 2, 3]], bad)
