@@ -121,10 +121,10 @@ def prepare(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["serial", "blocked"])
+@pytest.fixture(params=gdn_verify.INVERSE_FORMS)
 def inverse(request, monkeypatch):
-    """Both forms of the forward substitution giving ``T = (I + A)^-1``: row by row, or by
-    blocks of 16 rows (trees of more than 16 nodes have off-diagonal blocks)."""
+    """Every form of the forward substitution giving ``T = (I + A)^-1``: row by row, by blocks
+    of 16 rows (trees of more than 16 nodes have off-diagonal blocks), or level by level."""
     monkeypatch.setitem(gdn_verify.TUNING, "tree", {**gdn_verify.TUNING["tree"], "inverse": request.param})
     return request.param
 
@@ -228,7 +228,7 @@ def test_tree_verify_rejects_bad_input():
     with pytest.raises(ValueError, match="mask must be bool"):
         tree_verify(q, k, v, g, beta, S0, torch.ones(1, 3, 3, device=DEV), 0.5)
     big = [torch.zeros(1, 65, 1, 4, device=DEV)] * 2
-    with pytest.raises(ValueError, match='TUNING\\["tree"\\]\\["inverse"\\] must be "serial" or "blocked", got \'row\''):
+    with pytest.raises(ValueError, match='TUNING\\["tree"\\]\\["inverse"\\] must be one of \'serial\', \'blocked\', \'levels\', got \'row\'$'):
         with pytest.MonkeyPatch.context() as mp:
             mp.setitem(gdn_verify.TUNING, "tree", {**gdn_verify.TUNING["tree"], "inverse": "row"})
             tree_verify(q, k, v, g, beta, S0, torch.ones(1, 3, 3, dtype=torch.bool, device=DEV), 0.5)

@@ -42,14 +42,17 @@ from .records import GDNFactorRecord
 # commit's product, likewise. The top-level "prepare": the warps of the tree's prepare kernel (a
 # serial forward substitution, which stays accurate where a Neumann product of powers of A
 # cancels catastrophically on deep chains of correlated keys); "inverse": that substitution row
-# by row ("serial", one step a node) or by blocks of 16 rows on the tensor cores ("blocked", 15 + 2
-# (BT / 16 - 1) tile products whatever the node count). benchmarks/kernels.py --only sweep and
-# benchmarks/scripts/gdn_pending_verify.py --sweep time the alternatives.
+# by row ("serial", one step a node), by blocks of 16 rows on the tensor cores ("blocked", 15 + 2
+# (BT / 16 - 1) tile products whatever the node count) or level by level ("levels", one tile
+# product a tree level: the rows of one depth depend only on shallower rows).
+# benchmarks/kernels.py --only sweep, benchmarks/scripts/gdn_pending_verify.py --sweep and
+# benchmarks/engine_kernels.py --tree-inverse time the alternatives.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps": 4},
           "chain": {"BV": 16, "num_warps": 1},
           "tree": {"tiles": {"separate": (64, 32), "fused": (32, 64)}, "num_warps": 4, "num_stages": 3,
                    "prepare": "auto", "dot": "tf32x3", "commit": "tf32x3", "inverse": "serial"},
           "prepare": {"num_warps": 2}}
+INVERSE_FORMS = ("serial", "blocked", "levels")  # TUNING["tree"]["inverse"], by the kernels' INVERSE
 
 
 @triton.jit
@@ -259,22 +262,32 @@ def _pending_kwargs(pending: LayerCommit | None) -> dict:
 
 
 @triton.jit
-def _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n, BT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCKED: tl.constexpr):
+def _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n, BT: tl.constexpr, DOT_PREC: tl.constexpr, INVERSE: tl.constexpr):
     """``(T, G)`` of one (sequence, value head) from ``k k^T [BT, BT]``, the inclusive-ancestor
     mask ``[BT, BT]``, the log decays and betas ``[BT]``: ``G = M_incl @ g`` and ``T = (I +
     A)^{-1}`` with ``A = strict_M * beta_i (k_i . k_j) exp(G_i - G_j)`` (strictly lower
     triangular: a parent precedes its children), by forward substitution (a serial form: a
-    Neumann product of powers of A cancels catastrophically on deep chains of correlated keys):
-    row by row over the ``n`` nodes, or (``BLOCKED``) the same substitution grouped by blocks of
-    16 rows: the rows of equal offset in every diagonal block at once (15 products), then each
-    block row's off-diagonal part from the rows above, ``T_IJ = -T_II sum_K A_IK T_KJ``
-    (two products a block row), all products ``[BT, BT]`` tiles in ``DOT_PREC``."""
+    Neumann product of powers of A cancels catastrophically on deep chains of correlated keys),
+    ``INVERSE`` (:data:`INVERSE_FORMS`) choosing the order: row by row over the ``n`` nodes
+    (0); grouped by blocks of 16 rows (1): the rows of equal offset in every diagonal block at
+    once (15 products), then each block row's off-diagonal part from the rows above, ``T_IJ =
+    -T_II sum_K A_IK T_KJ`` (two products a block row); or level by level (2): row ``i`` is
+    ``e_i - sum_j A_ij T_j`` over its strict ancestors ``j``, all shallower, so every row of
+    depth ``d`` follows at once from the rows above it (one product a level: the tree's depth,
+    not its node count, sets the steps). Products are ``[BT, BT]`` tiles in ``DOT_PREC``."""
     b_G = tl.sum(tl.where(b_M, b_g[None, :], 0.0), 1)  # path-summed log decay, not a cumsum
     diff = tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)  # masked before exp
     strict = b_M & (o_t[:, None] != o_t[None, :])
     b_A = tl.where(strict, b_beta[:, None] * b_kk * tl.exp(diff), 0.0)
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    if BLOCKED:
+    if INVERSE == 2:
+        depth = tl.sum(b_M.to(tl.int32), 1)  # ancestors, itself included (0 past the nodes)
+        b_T = eye
+        for d in range(2, tl.max(depth, 0) + 1):  # depth-1 rows have no ancestor: e_i
+            rows = depth == d
+            upd = tl.dot(tl.where(rows[:, None], b_A, 0.0), b_T, input_precision=DOT_PREC)
+            b_T = tl.where(rows[:, None], eye - upd, b_T)
+    elif INVERSE == 1:
         same = (o_t[:, None] // 16) == (o_t[None, :] // 16)
         b_Ad = tl.where(same, b_A, 0.0)
         b_D = eye  # the diagonal blocks' inverses
@@ -319,7 +332,7 @@ def _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES: tl.constexpr)
 def _tree_prepare_kernel(k, g, beta, mask, Tm, G, cu_seqlens, parents, rec_idx, A_log, dt_bias, T, SQK, SG, D, sP,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKC: tl.constexpr,
                          DOT_PREC: tl.constexpr, VARLEN: tl.constexpr, RAW_GATES: tl.constexpr, ANC: tl.constexpr,
-                         L2NORM: tl.constexpr, BLOCKED: tl.constexpr):
+                         L2NORM: tl.constexpr, INVERSE: tl.constexpr):
     """Per (sequence, value head): ``T`` and ``G`` (:func:`_tree_inverse`) once, for all V tiles
     of a separate verify launch. ``k k^T`` accumulates over K in blocks of ``BKC`` (a whole
     [BT, 256] tile would spill). Data placement as :func:`_tree_verify_kernel`'s."""
@@ -349,7 +362,7 @@ def _tree_prepare_kernel(k, g, beta, mask, Tm, G, cu_seqlens, parents, rec_idx, 
     if L2NORM:
         r_k = 1.0 / tl.sqrt(ssq_k + 1e-6)
         b_kk = b_kk * r_k[:, None] * r_k[None, :]
-    b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n, BT, DOT_PREC, BLOCKED)
+    b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n, BT, DOT_PREC, INVERSE)
     tl.store(Tm + i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :], b_T)
     tl.store(G + (row * D + o_t) * HV + i_hv, b_G, mask=m_rec)
 
@@ -366,7 +379,7 @@ def _tree_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, DOT_PREC: tl.constexpr,
     COMMIT_PREC: tl.constexpr, BP: tl.constexpr, PREPARE: tl.constexpr, VARLEN: tl.constexpr,
-    SLOTS: tl.constexpr, RAW_GATES: tl.constexpr, ANC: tl.constexpr, L2NORM: tl.constexpr, BLOCKED: tl.constexpr,
+    SLOTS: tl.constexpr, RAW_GATES: tl.constexpr, ANC: tl.constexpr, L2NORM: tl.constexpr, INVERSE: tl.constexpr,
 ):
     """Per (sequence, value head, V tile): fused delayed commit, then the tree-masked factorized
     verify: Delta = T (beta v - beta exp(G) k S0), O = exp(G) q S0 + ((q k^T) * Gam) Delta.
@@ -468,7 +481,7 @@ def _tree_verify_kernel(
     b_g, b_beta = _gates(g, beta, A_log, dt_bias, tok, SG, i_hv, m_t, RAW_GATES)
     b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC)
     if PREPARE:
-        b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n, BT, DOT_PREC, BLOCKED)
+        b_T, b_G = _tree_inverse(b_kk, b_M, b_g, b_beta, o_t, n, BT, DOT_PREC, INVERSE)
         if i_v == 0:
             tl.store(G + rec * HV + i_hv, b_G, mask=m_rec)
     else:
@@ -552,21 +565,22 @@ def _launch_tree(B, steps, q, k, v, g, beta, state, out, scale, *, pending=None,
     prec, commit = ("ieee", "ieee") if v.dtype == torch.float32 else (tune["dot"], tune["commit"])
     where = dict(mask=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, A_log=None, dt_bias=None,
                  rk=None, sP=0, L2NORM=False) | where
-    if tune["inverse"] not in ("serial", "blocked"):
-        raise ValueError(f'TUNING["tree"]["inverse"] must be "serial" or "blocked", got {tune["inverse"]!r}')
-    blocked = tune["inverse"] == "blocked"
+    if tune["inverse"] not in INVERSE_FORMS:
+        raise ValueError(f'TUNING["tree"]["inverse"] must be one of {", ".join(map(repr, INVERSE_FORMS))}, got '
+                         f'{tune["inverse"]!r}')
+    inverse = INVERSE_FORMS.index(tune["inverse"])
     Tm = None if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     if not fused:
         prep = {name: where[name] for name in ("mask", "cu_seqlens", "parents", "rec_idx", "A_log", "dt_bias", "T",
                                                "SQK", "SG", "D", "sP", "L2NORM")}
         _tree_prepare_kernel[(B * HV,)](k=k, g=g, beta=beta, Tm=Tm, G=G, H=H, HV=HV, K=K, BT=BT, BKC=BKC,
-                                        DOT_PREC=prec, BLOCKED=blocked, **prep, num_warps=TUNING["prepare"]["num_warps"])
+                                        DOT_PREC=prec, INVERSE=inverse, **prep, num_warps=TUNING["prepare"]["num_warps"])
     pend = _pending_kwargs(pending)
     sS = state_strides if state_strides is not None else state.stride()
     _tree_verify_kernel[(B * HV, triton.cdiv(V, BV))](
         q=q, k=k, v=v, g=g, beta=beta, Tm=Tm, G=G, S=state, o=o, delta=d, scale=scale, sS_b=sS[0], sS_h=sS[1],
         sS_k=sS[2], sS_v=sS[3], H=H, HV=HV, K=K, V=V, BT=BT, BKC=BKC, BV=BV, DOT_PREC=prec, COMMIT_PREC=commit,
-        BP=max(16, triton.next_power_of_2(pend["P"])), BLOCKED=blocked, **pend, **where, num_warps=tune["num_warps"],
+        BP=max(16, triton.next_power_of_2(pend["P"])), INVERSE=inverse, **pend, **where, num_warps=tune["num_warps"],
         num_stages=tune["num_stages"],
     )
 
