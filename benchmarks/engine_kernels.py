@@ -505,7 +505,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50, help="timed rounds (median)")
     ap.add_argument("--budget-gib", type=float, default=10.0, help="memory a rank gives running requests' GDN state")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tree-inverse", choices=gdn_verify.INVERSE_FORMS, default=gdn_verify.TUNING["tree"]["inverse"],
+    ap.add_argument("--tree-inverse", choices=("auto", *gdn_verify.INVERSE_FORMS),
+                    default=gdn_verify.TUNING["tree"]["inverse"],
                     help="the GDN tree kernel's forward substitution, T = (I + A)^-1 (specla.mixers.gdn.verify.TUNING)")
     ap.add_argument("--tree-tiles", metavar="BV,BKC", help="the GDN tree kernel's V tile and K block where its "
                     "prepare runs apart (TUNING[\"tree\"][\"tiles\"][\"separate\"]), powers of two >= 16")

@@ -228,7 +228,7 @@ def test_tree_verify_rejects_bad_input():
     with pytest.raises(ValueError, match="mask must be bool"):
         tree_verify(q, k, v, g, beta, S0, torch.ones(1, 3, 3, device=DEV), 0.5)
     big = [torch.zeros(1, 65, 1, 4, device=DEV)] * 2
-    with pytest.raises(ValueError, match='TUNING\\["tree"\\]\\["inverse"\\] must be one of \'serial\', \'blocked\', \'levels\', got \'row\'$'):
+    with pytest.raises(ValueError, match='TUNING\\["tree"\\]\\["inverse"\\] must be one of \'auto\', \'serial\', \'blocked\', \'levels\', got \'row\'$'):
         with pytest.MonkeyPatch.context() as mp:
             mp.setitem(gdn_verify.TUNING, "tree", {**gdn_verify.TUNING["tree"], "inverse": "row"})
             tree_verify(q, k, v, g, beta, S0, torch.ones(1, 3, 3, dtype=torch.bool, device=DEV), 0.5)

@@ -44,13 +44,14 @@ from .records import GDNFactorRecord
 # cancels catastrophically on deep chains of correlated keys); "inverse": that substitution row
 # by row ("serial", one step a node), by blocks of 16 rows on the tensor cores ("blocked", 15 + 2
 # (BT / 16 - 1) tile products whatever the node count) or level by level ("levels", one tile
-# product a tree level: the rows of one depth depend only on shallower rows).
+# product a tree level: the rows of one depth depend only on shallower rows); "auto": levels for
+# trees, serial for chains (docs/tuning.md, "GDN verify launch parameters").
 # benchmarks/kernels.py --only sweep, benchmarks/scripts/gdn_pending_verify.py --sweep and
 # benchmarks/engine_kernels.py --tree-inverse time the alternatives.
 TUNING = {"serial": {"BV": 8, "num_warps": 1}, "decode": {"BV": 32, "num_warps": 4},
           "chain": {"BV": 16, "num_warps": 1},
           "tree": {"tiles": {"separate": (64, 32), "fused": (32, 64)}, "num_warps": 4, "num_stages": 3,
-                   "prepare": "auto", "dot": "tf32x3", "commit": "tf32x3", "inverse": "serial"},
+                   "prepare": "auto", "dot": "tf32x3", "commit": "tf32x3", "inverse": "auto"},
           "prepare": {"num_warps": 2}}
 INVERSE_FORMS = ("serial", "blocked", "levels")  # TUNING["tree"]["inverse"], by the kernels' INVERSE
 
@@ -565,10 +566,13 @@ def _launch_tree(B, steps, q, k, v, g, beta, state, out, scale, *, pending=None,
     prec, commit = ("ieee", "ieee") if v.dtype == torch.float32 else (tune["dot"], tune["commit"])
     where = dict(mask=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, A_log=None, dt_bias=None,
                  rk=None, sP=0, L2NORM=False) | where
-    if tune["inverse"] not in INVERSE_FORMS:
-        raise ValueError(f'TUNING["tree"]["inverse"] must be one of {", ".join(map(repr, INVERSE_FORMS))}, got '
-                         f'{tune["inverse"]!r}')
-    inverse = INVERSE_FORMS.index(tune["inverse"])
+    form = tune["inverse"]
+    if form not in ("auto", *INVERSE_FORMS):
+        raise ValueError(f'TUNING["tree"]["inverse"] must be one of {", ".join(map(repr, ("auto", *INVERSE_FORMS)))}, '
+                         f'got {form!r}')
+    if form == "auto":  # a chain has as many levels as nodes, and the serial steps are the cheaper
+        form = "serial" if where["mask"] is None and where["parents"] is None else "levels"
+    inverse = INVERSE_FORMS.index(form)
     Tm = None if fused else torch.empty(B * HV, BT, BT, dtype=torch.float32, device=v.device)
     if not fused:
         prep = {name: where[name] for name in ("mask", "cu_seqlens", "parents", "rec_idx", "A_log", "dt_bias", "T",
