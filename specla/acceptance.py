@@ -146,9 +146,11 @@ def keyed_uniforms(seed: int, sequences: Sequence[int], positions: Sequence[int]
     sequences[b], positions[b] + d)``, the token of that sequence at that output position. A
     sampling step reads the draw of the position each node's token would take, so whichever
     budget (drafts, a chain, or none) decides a token, it is decided by the same number: with
-    deterministic proposals a sampled run emits exactly what plain decoding sampled with the
-    same seed emits (:func:`accept_sampling`'s draw-and-match walk picks ``F^-1(u)`` at every
-    accepted node), whatever schedule of budgets ran it.
+    deterministic proposals a sampled run emits what plain decoding sampled with the same seed
+    emits (:func:`accept_sampling`'s draw-and-match walk picks ``F^-1(u)`` at every accepted
+    node), whatever schedule of budgets ran it, up to rounding: a verify pass and a plain step
+    round the logits differently, and a draw that close to a boundary of ``F`` picks the
+    neighbouring token.
 
     Each draw is the top 24 bits of a counter hash: SplitMix64's finalizer (Steele, Lea and Flood,
     "Fast splittable pseudorandom number generators", OOPSLA 2014) applied to the seed, then

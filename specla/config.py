@@ -107,13 +107,11 @@ class EngineOptions(BaseModel):
             (:class:`specla.policy.BudgetPolicy`), so a run is never much slower than plain
             decoding; ``fixed``: every step drafts with the
             configured budget; ``auto`` (default): ``adaptive`` where the steps run in recorded
-            CUDA graphs, ``fixed`` for eager steps
+            CUDA graphs, ``fixed`` for eager steps and seeded sampling
             (:func:`specla.policy.resolve_budget_policy` says why, with the measurements).
-            Greedy output is the same either way. Sampled output follows the target's
-            distribution either way and, with a seed, is the same either way too: a sampled
-            token is drawn by its output position, whichever budget decides it (except eager
-            steps of a drafter that samples its tree and gives its ``q``, whose draws follow the
-            schedule: those repeat under ``fixed`` only).
+            Greedy output is the same either way; sampled output follows the target's
+            distribution either way, and a seeded run repeats exactly under ``fixed`` (under
+            ``adaptive``, up to rare tokens decided by rounding: docs/usage.md, "Sampling").
         prefill: how prompts reach the state: ``chain`` (every plugin: the prompt as chains of
             64 tokens through the verify pass and a commit, recorded in CUDA graphs up to batch
             8), ``chunked`` (one pass over whole prompts where every mixer of the model has a

@@ -24,10 +24,12 @@ def resolve_budget_policy(config: SpecConfig, recorded: bool) -> str:
     measured (on the trained ``small`` target it stayed ahead of plain decoding at batches 1 to
     64, a little behind the fixed tree at batch 1 and ahead of it at batch 32; docs/tuning.md,
     "Budget policy"), and ``fixed`` elsewhere: eager steps (step times dominated by host
-    overhead, which the policy was not measured on) and no drafts at all. Sampling takes it too:
-    a recorded sampling step draws by output position
-    (:func:`specla.acceptance.keyed_uniforms`), so a seeded run's tokens do not depend on which
-    budget ran each step.
+    overhead, which the policy was not measured on), no drafts at all, and seeded sampling. A
+    sampled token is drawn by its output position whichever budget decides it
+    (:func:`specla.acceptance.keyed_uniforms`), but a verify pass and a plain step round the
+    logits differently, so a draw that falls within rounding of a boundary of the cumulative
+    distribution can pick the neighbouring token: under a timing-driven schedule a seeded run
+    would repeat only up to such rare tokens, and a seed promises an exact repeat.
 
     Args:
         config: the run's configuration.
@@ -39,7 +41,8 @@ def resolve_budget_policy(config: SpecConfig, recorded: bool) -> str:
         return "fixed"
     if config.engine.budget_policy != "auto":
         return config.engine.budget_policy
-    return "adaptive" if recorded else "fixed"
+    seeded_sampling = config.temperature > 0 and config.seed is not None
+    return "adaptive" if recorded and not seeded_sampling else "fixed"
 
 
 @dataclass

@@ -41,8 +41,8 @@ def speculative_step(adapter: TargetAdapter, drafter: Drafter, tree: DraftTree, 
     (:func:`specla.acceptance.accept_sampling`): with ``uniforms`` the drafts count as
     deterministic proposals and each node samples with its depth's draw (keyed by output
     position, :func:`specla.acceptance.keyed_uniforms`: the tokens are those plain decoding
-    samples with the same draws), else with the tree's ``draft_probs`` when it has them and
-    draws from ``generator``.
+    samples with the same draws, up to rounding), else with the tree's ``draft_probs`` when it
+    has them and draws from ``generator``.
 
     Args:
         adapter, drafter: the run's. tree: ``B`` trees on the adapter's device, already checked

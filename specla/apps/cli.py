@@ -214,7 +214,8 @@ def _generate(args: argparse.Namespace) -> int:
     config = _spec_config({"device": _auto_device()}, overrides, flags, engine_flags, source)  # before any load
     if config.temperature > 0 and config.seed is None:
         # drawn here rather than by the engine, which would report none: the reported config's seed
-        # repeats the run (--seed)
+        # repeats the run (--seed). Seeded sampling takes the fixed budget policy under "auto"
+        # (resolve_budget_policy): unlike the adaptive one's, its schedule does not follow timings
         flags["seed"] = secrets.randbelow(2**32)
         config = config.model_copy(update={"seed": flags["seed"]})
     _cpu_threads(args, _device_type(config.device))

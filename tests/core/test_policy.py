@@ -186,12 +186,11 @@ def test_switching_with_the_eagle_drafter_keeps_the_output_exact(graphs):
 
 @pytest.mark.parametrize("config, recorded, want", [
     (dict(), True, "adaptive"), (dict(), False, "fixed"),
-    (dict(temperature=0.7), True, "adaptive"), (dict(temperature=0.7, seed=3), True, "adaptive"),
-    (dict(temperature=0.7, seed=3), False, "fixed"),
+    (dict(temperature=0.7), True, "adaptive"), (dict(temperature=0.7, seed=3), True, "fixed"),
     (dict(num_draft_tokens=0), True, "fixed"), (dict(engine=ADAPTIVE, num_draft_tokens=0), True, "fixed"),
     (dict(engine=dict(budget_policy="fixed")), True, "fixed"), (dict(engine=ADAPTIVE), False, "adaptive"),
     (dict(engine=ADAPTIVE, temperature=0.7, seed=3), False, "adaptive")])
-def test_auto_is_adaptive_for_recorded_steps(config, recorded, want):
+def test_auto_is_adaptive_for_recorded_steps_without_seeded_sampling(config, recorded, want):
     assert resolve_budget_policy(SpecConfig(**config), recorded) == want
 
 
