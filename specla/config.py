@@ -223,7 +223,8 @@ class SpecConfig(BaseModel):
             accepted, with a ``DeprecationWarning``, and moved into ``engine``.
     Raises:
         pydantic.ValidationError: on any out-of-range or unknown field, an integer field given
-            another type (``True``, ``"8"``, ``8.0``), sampling filters without sampling, or an
+            another type (``True``, ``"8"``, ``8.0``), a float field a bool or a string
+            (``tau_tree``'s ``"inf"`` aside), sampling filters without sampling, or an
             engine option given both flat and in ``engine``.
     """
 
@@ -266,6 +267,15 @@ class SpecConfig(BaseModel):
     @classmethod
     def _integers(cls, value):
         return _as_int(value)
+
+    @field_validator("temperature", "top_p", "tau_tree", mode="before")
+    @classmethod
+    def _numbers(cls, value):
+        # pydantic's lax mode would read True as 1.0 and "0.8" as 0.8; tau_tree's "inf" is how
+        # its JSON form writes infinity
+        if isinstance(value, bool) or (isinstance(value, str) and value != "inf"):
+            raise ValueError(f"must be a number, got {type(value).__name__} {value!r}")
+        return value
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod

@@ -105,6 +105,11 @@ def test_config_validation():
             with pytest.raises(pydantic.ValidationError, match="Input should be a valid integer"):
                 SpecConfig(**{field: bad, "temperature": 0.5})
     assert SpecConfig(temperature=1, seed=numpy.int64(3), stop_token_ids=(numpy.int64(3),)).seed == 3
+    for field, bad in (("temperature", True), ("temperature", "0.8"), ("top_p", "0.9"), ("tau_tree", False)):
+        with pytest.raises(pydantic.ValidationError, match=f"{field}\n  Value error, must be a number, got "
+                                                            f"{type(bad).__name__} {bad!r}"):
+            SpecConfig(**{"temperature": 0.5, field: bad})
+    assert SpecConfig(tau_tree="inf", temperature=numpy.float32(0.5)).tau_tree == float("inf")
     for bad in ({"top_p": 0.5}, {"sampling_top_k": 5}):  # greedy decoding would ignore them
         with pytest.raises(pydantic.ValidationError, match="filter sampling: greedy decoding"):
             SpecConfig(**bad)
