@@ -149,7 +149,8 @@ def run_demo(device: str | None = None, max_new_tokens: int = 96, drafter: str =
         totals["steps"] += s.stats.sequence_steps
         echo(f"=== {row['id']} ({row['category']}) " + "=" * 30)
         echo(shown_prompt(row["prompt"]))
-        echo(f"--- generated ({s.stats.generated_tokens} tokens, {s.stats.tokens_per_step:.2f} tokens per step, bonus tokens included):")
+        echo(f"--- generated ({s.stats.generated_tokens} tokens; per step {s.stats.mean_accepted_tokens:.2f} drafts "
+             "accepted, plus the bonus token):")
         echo(s.texts[0])
         bar.update(1)
     bar.close()
