@@ -73,6 +73,7 @@ from specla.mixers.gdn import serving as gdn_serving
 from specla.mixers.gdn import verify as gdn_verify
 from specla.mixers.kda import serving as kda_serving
 from specla.mixers.mamba2 import serving as mamba2_serving
+from specla.mixers.mamba2 import verify as mamba2_verify
 from specla.testing import engine_kernels
 
 # shapes of the whole model's linear-attention layers (op, dims, layers of that op), as published:
@@ -510,18 +511,28 @@ def main(argv=None) -> int:
                     help="the GDN tree kernel's forward substitution, T = (I + A)^-1 (specla.mixers.gdn.verify.TUNING)")
     ap.add_argument("--tree-tiles", metavar="BV,BKC", help="the GDN tree kernel's V tile and K block where its "
                     "prepare runs apart (TUNING[\"tree\"][\"tiles\"][\"separate\"]), powers of two >= 16")
+    ap.add_argument("--mamba2-tree", metavar="BP,WARPS", help="the Mamba2 tree kernel's widest P tile (a power of "
+                    "two >= 16) and warps (specla.mixers.mamba2.verify.TUNING)")
     args = ap.parse_args(argv)
+    m2 = dict(mamba2_verify.TUNING["tree"])
+    if args.mamba2_tree:
+        bp, warps = ints(args.mamba2_tree) if re.fullmatch(r"\d+,\d+", args.mamba2_tree) else (0, 0)
+        if bp < 16 or bp & (bp - 1) or warps not in (1, 2, 4, 8, 16):
+            ap.error(f"--mamba2-tree: BP,WARPS with BP a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16, got "
+                     f"{args.mamba2_tree!r}")
+        m2.update(BP=bp, num_warps=warps)
     tree = dict(gdn_verify.TUNING["tree"], inverse=args.tree_inverse)
     if args.tree_tiles:
         tiles = ints(args.tree_tiles) if re.fullmatch(r"\d+,\d+", args.tree_tiles) else []
         if len(tiles) != 2 or any(t < 16 or t & (t - 1) for t in tiles):
             ap.error(f"--tree-tiles: two powers of two >= 16 as BV,BKC, got {args.tree_tiles!r}")
         tree["tiles"] = {**tree["tiles"], "separate": tuple(tiles)}
-    saved, gdn_verify.TUNING["tree"] = gdn_verify.TUNING["tree"], tree
+    saved = gdn_verify.TUNING["tree"], mamba2_verify.TUNING["tree"]
+    gdn_verify.TUNING["tree"], mamba2_verify.TUNING["tree"] = tree, m2
     try:
         return _run(ap, args)
     finally:  # the kernels' settings are the library's again for whoever calls next in this process
-        gdn_verify.TUNING["tree"] = saved
+        gdn_verify.TUNING["tree"], mamba2_verify.TUNING["tree"] = saved
 
 
 def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -546,6 +557,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     meta = provenance(args.device, args.allow_dirty)
     meta["engines"] = {e["name"]: e["version"] for e in engine_kernels.ENGINES}
     meta["gdn_tree_tuning"] = gdn_verify.TUNING["tree"]  # specla's tree kernel settings this run timed
+    meta["mamba2_tree_tuning"] = mamba2_verify.TUNING["tree"]
     # what SGLang's kernel picked its launch from (tiles for the tree verify on SM90; PDL)
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
     cells = []

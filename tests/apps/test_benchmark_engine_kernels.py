@@ -129,3 +129,12 @@ def test_tree_tiles_other_than_two_powers_of_two_are_refused(tmp_path, tiles):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines()[-1] == (f"engine_kernels.py: error: --tree-tiles: two powers of two >= 16 as "
                                             f"BV,BKC, got {tiles!r}")
+
+
+@pytest.mark.parametrize("setting", ["12,4", "32,3", "32", "a,b"])
+def test_mamba2_tree_settings_other_than_a_tile_and_warps_are_refused(tmp_path, setting):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json"), "--device", "cpu",
+                           "--mamba2-tree", setting], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == (f"engine_kernels.py: error: --mamba2-tree: BP,WARPS with BP a power of "
+                                            f"two >= 16 and WARPS one of 1, 2, 4, 8, 16, got {setting!r}")

@@ -33,6 +33,14 @@ SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_n", "sS_p"), layers=("lS", "lB",
 
 MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the reference path
 
+# The tree kernel's launch: "BP", the widest P tile a program holds (with the whole [N, BP] state
+# tile: a narrower one holds fewer registers and gives small batches more programs), and its
+# warps. Chosen at the 1.3B-like shape before the serving engines' shapes were timed; at
+# Nemotron-H's (64 x 128 states a head) that form ran an order of magnitude slower than the serial
+# kernel on chains (benchmarks/results/2026-12-06/README.md): benchmarks/engine_kernels.py
+# --mamba2-tree BP,WARPS times others.
+TUNING = {"tree": {"BP": 64, "num_warps": 4}}
+
 
 @triton.jit
 def _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_r, off, i_g, i_h, o_n, o_p, m_n, m_p,
@@ -340,7 +348,8 @@ def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=No
     H, P = x.shape[-2], x.shape[-1]
     NG, N = Bm.shape[-2], Bm.shape[-1]
     y, u, G = out
-    BP = max(16, min(triton.next_power_of_2(P), 64))  # tl.dot needs tiles of at least 16
+    tune = TUNING["tree"]
+    BP = max(16, min(triton.next_power_of_2(P), tune["BP"]))  # tl.dot needs tiles of at least 16
     where = dict(a=None, mask=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, A=None,
                  dt_bias=None, rB=None, sP=0) | where
     sS = state_strides if state_strides is not None else state.stride()
@@ -349,7 +358,7 @@ def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=No
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
         x=x, dt=dt, Bm=Bm, Cm=Cm, D=D, S=state, y=y, u=u, G=G, sS_b=sS[0], sS_h=sS[1], sS_n=sS[2], sS_p=sS[3],
         H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(steps)), BN=max(16, triton.next_power_of_2(N)),
-        BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending), **where,
+        BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending), **where, num_warps=tune["num_warps"],
     )
 
 
