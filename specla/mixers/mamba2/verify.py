@@ -35,10 +35,8 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 
 # The tree kernel's launch: "BP", the widest P tile a program holds (with the whole [N, BP] state
 # tile: a narrower one holds fewer registers and gives small batches more programs), and its
-# warps. Chosen at the 1.3B-like shape before the serving engines' shapes were timed; at
-# Nemotron-H's (64 x 128 states a head) that form ran an order of magnitude slower than the serial
-# kernel on chains (benchmarks/results/2026-12-06/README.md): benchmarks/engine_kernels.py
-# --mamba2-tree BP,WARPS times others.
+# warps; not yet swept at the serving engines' shapes (docs/tuning.md, "Mamba2 tree node tiles").
+# benchmarks/engine_kernels.py --mamba2-tree BP,WARPS times other settings.
 TUNING = {"tree": {"BP": 64, "num_warps": 4}}
 
 
