@@ -460,6 +460,16 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def _int_pair(s: str) -> tuple[int, int]:
+    """``"A,B"`` as two integers; ``(0, 0)``, which every such option refuses, for anything else."""
+    return tuple(ints(s)) if re.fullmatch(r"\d+,\d+", s) else (0, 0)
+
+
+def _tile(t: int) -> bool:
+    """A tile width a kernel takes: a power of two of at least 16."""
+    return t >= 16 and not t & (t - 1)
+
+
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -> dict | None:
     """The arguments of a timing run checked, the preset's defaults filled in; returns the per-rank
     shapes to time, ``{(op, *dims): [(model, tp)]}`` (models of one shape are timed once), or
@@ -516,17 +526,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     m2 = dict(mamba2_verify.TUNING["tree"])
     if args.mamba2_tree:
-        bp, warps = ints(args.mamba2_tree) if re.fullmatch(r"\d+,\d+", args.mamba2_tree) else (0, 0)
-        if bp < 16 or bp & (bp - 1) or warps not in (1, 2, 4, 8, 16):
+        bp, warps = _int_pair(args.mamba2_tree)
+        if not _tile(bp) or warps not in (1, 2, 4, 8, 16):
             ap.error(f"--mamba2-tree: BP,WARPS with BP a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16, got "
                      f"{args.mamba2_tree!r}")
         m2.update(BP=bp, num_warps=warps)
     tree = dict(gdn_verify.TUNING["tree"], inverse=args.tree_inverse)
     if args.tree_tiles:
-        tiles = ints(args.tree_tiles) if re.fullmatch(r"\d+,\d+", args.tree_tiles) else []
-        if len(tiles) != 2 or any(t < 16 or t & (t - 1) for t in tiles):
+        tiles = _int_pair(args.tree_tiles)
+        if not all(map(_tile, tiles)):
             ap.error(f"--tree-tiles: two powers of two >= 16 as BV,BKC, got {args.tree_tiles!r}")
-        tree["tiles"] = {**tree["tiles"], "separate": tuple(tiles)}
+        tree["tiles"] = {**tree["tiles"], "separate": tiles}
     saved = gdn_verify.TUNING["tree"], mamba2_verify.TUNING["tree"]
     gdn_verify.TUNING["tree"], mamba2_verify.TUNING["tree"] = tree, m2
     try:

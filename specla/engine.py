@@ -247,9 +247,8 @@ class Engine:
         stats.prefill = adapter.prefill_form
         self.drafter.reset(prompts)
         if self._sampler is not None:
-            if cfg.seed is not None:
-                self._sampler.manual_seed(cfg.seed)
             run.seed = cfg.seed if cfg.seed is not None else self._sampler.seed()
+            self._sampler.manual_seed(run.seed)
         if runner is not None:
             for r in self._runners():
                 r.release()  # the state was replaced: the next step loads it into its graph

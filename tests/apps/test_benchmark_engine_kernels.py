@@ -122,19 +122,15 @@ def test_arguments_are_checked_before_the_engines_load(tmp_path):
     assert proc.stderr.splitlines()[-1].startswith("engine_kernels.py: error: --models: unknown no-such-model (of ")
 
 
-@pytest.mark.parametrize("tiles", ["12,32", "64", "64,32,16", "a,b"])
-def test_tree_tiles_other_than_two_powers_of_two_are_refused(tmp_path, tiles):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json"), "--device", "cpu",
-                           "--tree-tiles", tiles], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines()[-1] == (f"engine_kernels.py: error: --tree-tiles: two powers of two >= 16 as "
-                                            f"BV,BKC, got {tiles!r}")
+TILES = "two powers of two >= 16 as BV,BKC"
+MAMBA2 = "BP,WARPS with BP a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16"
 
 
-@pytest.mark.parametrize("setting", ["12,4", "32,3", "32", "a,b"])
-def test_mamba2_tree_settings_other_than_a_tile_and_warps_are_refused(tmp_path, setting):
+@pytest.mark.parametrize("flag, value, want", [
+    *[("--tree-tiles", v, TILES) for v in ("12,32", "64", "64,32,16", "a,b")],
+    *[("--mamba2-tree", v, MAMBA2) for v in ("12,4", "32,3", "32", "a,b")]])
+def test_kernel_settings_out_of_their_forms_are_refused(tmp_path, flag, value, want):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json"), "--device", "cpu",
-                           "--mamba2-tree", setting], capture_output=True, text=True, timeout=600)
+                           flag, value], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines()[-1] == (f"engine_kernels.py: error: --mamba2-tree: BP,WARPS with BP a power of "
-                                            f"two >= 16 and WARPS one of 1, 2, 4, 8, 16, got {setting!r}")
+    assert proc.stderr.splitlines()[-1] == f"engine_kernels.py: error: {flag}: {want}, got {value!r}"
