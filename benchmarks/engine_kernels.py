@@ -465,9 +465,9 @@ def _int_pair(s: str) -> tuple[int, int]:
     return tuple(ints(s)) if re.fullmatch(r"\d+,\d+", s) else (0, 0)
 
 
-def _tile(t: int) -> bool:
-    """A tile width a kernel takes: a power of two of at least 16."""
-    return t >= 16 and not t & (t - 1)
+def _tile(t: int, least: int = 16) -> bool:
+    """A tile width a kernel takes: a power of two of at least ``least`` (16 where it feeds tl.dot)."""
+    return t >= least and not t & (t - 1)
 
 
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -> dict | None:
@@ -523,26 +523,34 @@ def main(argv=None) -> int:
                     "prepare runs apart (TUNING[\"tree\"][\"tiles\"][\"separate\"]), powers of two >= 16")
     ap.add_argument("--mamba2-tree", metavar="BP,WARPS", help="the Mamba2 tree kernel's widest P tile (a power of "
                     "two >= 16) and warps (specla.mixers.mamba2.verify.TUNING)")
+    ap.add_argument("--mamba2-serial", metavar="BP,WARPS", help="the Mamba2 serial (chain) kernel's widest P tile "
+                    "(a power of two) and warps (specla.mixers.mamba2.verify.TUNING)")
     args = ap.parse_args(argv)
-    m2 = dict(mamba2_verify.TUNING["tree"])
-    if args.mamba2_tree:
-        bp, warps = _int_pair(args.mamba2_tree)
-        if not _tile(bp) or warps not in (1, 2, 4, 8, 16):
-            ap.error(f"--mamba2-tree: BP,WARPS with BP a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16, got "
-                     f"{args.mamba2_tree!r}")
-        m2.update(BP=bp, num_warps=warps)
+    m2 = {}
+    for launch, least in (("tree", 16), ("serial", 1)):
+        m2[launch] = dict(mamba2_verify.TUNING[launch])
+        given = getattr(args, f"mamba2_{launch}")
+        if given:
+            bp, warps = _int_pair(given)
+            if not _tile(bp, least) or warps not in (1, 2, 4, 8, 16):
+                at_least = f" >= {least}" if least > 1 else ""
+                ap.error(f"--mamba2-{launch}: BP,WARPS with BP a power of two{at_least} and WARPS one of 1, 2, 4, "
+                         f"8, 16, got {given!r}")
+            m2[launch].update(BP=bp, num_warps=warps)
     tree = dict(gdn_verify.TUNING["tree"], inverse=args.tree_inverse)
     if args.tree_tiles:
         tiles = _int_pair(args.tree_tiles)
         if not all(map(_tile, tiles)):
             ap.error(f"--tree-tiles: two powers of two >= 16 as BV,BKC, got {args.tree_tiles!r}")
         tree["tiles"] = {**tree["tiles"], "separate": tiles}
-    saved = gdn_verify.TUNING["tree"], mamba2_verify.TUNING["tree"]
-    gdn_verify.TUNING["tree"], mamba2_verify.TUNING["tree"] = tree, m2
+    saved = gdn_verify.TUNING["tree"], dict(mamba2_verify.TUNING)
+    gdn_verify.TUNING["tree"] = tree
+    mamba2_verify.TUNING.update(m2)
     try:
         return _run(ap, args)
     finally:  # the kernels' settings are the library's again for whoever calls next in this process
-        gdn_verify.TUNING["tree"], mamba2_verify.TUNING["tree"] = saved
+        gdn_verify.TUNING["tree"] = saved[0]
+        mamba2_verify.TUNING.update(saved[1])
 
 
 def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -568,6 +576,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     meta["engines"] = {e["name"]: e["version"] for e in engine_kernels.ENGINES}
     meta["gdn_tree_tuning"] = gdn_verify.TUNING["tree"]  # specla's tree kernel settings this run timed
     meta["mamba2_tree_tuning"] = mamba2_verify.TUNING["tree"]
+    meta["mamba2_serial_tuning"] = mamba2_verify.TUNING["serial"]
     # what SGLang's kernel picked its launch from (tiles for the tree verify on SM90; PDL)
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
     cells = []

@@ -31,7 +31,8 @@ def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
     # the GPU; elsewhere on the CPU under the interpreter
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path / "engines"), "--device", device,
-                           "--preset", "tiny", "--reps", "1", "--out", str(out), "--allow-dirty"],
+                           "--preset", "tiny", "--reps", "1", "--out", str(out), "--allow-dirty",
+                           "--mamba2-serial", "8,1"],  # Mamba2's chains split P = 16 in two
                           capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -75,6 +76,7 @@ def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
         per_request = 2 * m["layer_bytes"]  # the tiny models' two layers
         assert (m["model_bytes"], m["requests_in_budget"]) == (per_request, 10 * 2**30 // per_request)
     assert report["meta"]["engines"] == {"sglang": "0.5.23", "vllm": "0.34.0"}
+    assert report["meta"]["mamba2_serial_tuning"] == {"BP": 8, "num_warps": 1}
     assert {"commit", "device", "versions", "date", "command"} <= set(report["meta"])
     table = out.with_suffix(".md").read_text()
     assert table.count("| yes |") == 12 and "**NO**" not in table
@@ -124,11 +126,13 @@ def test_arguments_are_checked_before_the_engines_load(tmp_path):
 
 TILES = "two powers of two >= 16 as BV,BKC"
 MAMBA2 = "BP,WARPS with BP a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16"
+SERIAL = "BP,WARPS with BP a power of two and WARPS one of 1, 2, 4, 8, 16"
 
 
 @pytest.mark.parametrize("flag, value, want", [
     *[("--tree-tiles", v, TILES) for v in ("12,32", "64", "64,32,16", "a,b")],
-    *[("--mamba2-tree", v, MAMBA2) for v in ("12,4", "32,3", "32", "a,b")]])
+    *[("--mamba2-tree", v, MAMBA2) for v in ("12,4", "8,4", "32,3", "32", "a,b")],
+    *[("--mamba2-serial", v, SERIAL) for v in ("12,4", "0,4", "8,3", "8", "a,b")]])
 def test_kernel_settings_out_of_their_forms_are_refused(tmp_path, flag, value, want):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json"), "--device", "cpu",
                            flag, value], capture_output=True, text=True, timeout=600)

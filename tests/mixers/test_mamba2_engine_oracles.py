@@ -170,6 +170,45 @@ def test_chain_verify_and_commit_equal_vllm_per_position_slots(vllm):
     assert torch.equal(committed[1], pool[1])
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_chains_run_the_serial_kernel_and_agree_with_the_tree_kernel(packed, monkeypatch):
+    """Chains (no ``retrieve_parent_token``) take the state-resident serial kernel, with its P
+    tile split (8 of 16); the same rows given as chain-shaped trees take the tree kernel: outputs
+    and records agree (a padding slot's row among them), record steps past a row's tokens and a
+    row with record row -1 stay unwritten (NaN)."""
+    from specla.mixers.mamba2 import serving, verify
+
+    monkeypatch.setitem(verify.TUNING, "serial", {**verify.TUNING["serial"], "BP": 8})
+    launched = []
+    monkeypatch.setattr(serving, "_launch_serial", lambda *a, **k: launched.append(1) or verify._launch_serial(*a, **k))
+    lens, steps = ([5, 3, 7], 8) if packed else ([6, 6, 6], 6)
+    qsl = chain_cu_seqlens(lens) if packed else None
+    N = len(lens)
+    layer, pool = _layer(sum(lens), seed=12, lead=() if packed else (N, steps)), _pool(4, seed=13)
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)
+    rows = torch.tensor([1, 3, -1], dtype=torch.int32, device=DEV)
+    chain = torch.arange(-1, steps - 1, device=DEV).expand(N, steps)
+    got = {}
+    for name, parents in (("serial", None), ("tree", chain)):
+        rec = empty_record_buffers(4, steps, H, P, NG, NS, DEV)
+        for t in rec:
+            t.fill_(float("nan"))
+        y = mamba2_pool_verify(pool, dt_softplus=True, state_batch_indices=slots, cu_seqlens=qsl, records=rec,
+                               intermediate_state_indices=rows, cache_steps=steps, retrieve_parent_token=parents,
+                               **_engine_args(layer))
+        got[name] = y, rec
+    assert launched == [1]  # the chains' call, not the trees'
+    (y, rec), (y_ref, rec_ref) = got["serial"], got["tree"]
+    assert (y - y_ref).abs().max() < 1e-5  # observed 9.5e-7 (outputs up to 5.6)
+    for n, (row, m) in enumerate(zip(rows.tolist(), lens)):
+        for field, ref in zip(rec, rec_ref):
+            if row >= 0:
+                assert (field[row, :m] - ref[row, :m]).abs().max() < 1e-5  # observed 3e-8
+                assert field[row, m:].isnan().all() and ref[row, m:].isnan().all()
+    for field in rec:  # record rows 0 and 2 belong to no row
+        assert field[[0, 2]].isnan().all()
+
+
 def test_commit_leaves_padding_rows_and_empty_paths_alone():
     """A row with a negative slot, or with no accepted node, writes nothing; the other row
     commits (a change of the state is checked, not its value: the oracles above check those)."""

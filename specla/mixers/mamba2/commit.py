@@ -13,7 +13,7 @@ from specla.ops.pending import flush, layer_record, own_slots
 from specla.records import LayerCommit
 
 from .records import Mamba2FactorRecord
-from .verify import SLOT_PARAMS, _check_pending, _pending_kwargs, _serial_verify_kernel
+from .verify import SLOT_PARAMS, _check_pending, _pending_kwargs, _serial_verify_kernel, own_rows
 
 
 def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
@@ -41,4 +41,4 @@ def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
     BP = min(triton.next_power_of_2(P), 64)
     return flush(_serial_verify_kernel, (B * H, triton.cdiv(P, BP)), state, "[B, H, N, P]", pending,
                  H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=False, **_pending_kwargs(pending),
-                 **own_slots(state, **SLOT_PARAMS))
+                 **own_slots(state, **SLOT_PARAMS), **own_rows(H, P, NG, N, 0))

@@ -14,9 +14,10 @@ factor records go to engine-owned per-row buffers. No state is copied in or out.
 - :func:`mamba2_pool_commit`: after acceptance, the accepted path of every row into its slot of
   the pool, from the engine's ``accept_index`` / ``accept_lens``, in closed form from the records.
 
-Both run the kernels specla's own engine runs (:mod:`.verify`): the tree-masked factorized verify
-for :func:`mamba2_pool_verify` (one launch), the serial kernel's fused commit for
-:func:`mamba2_pool_commit` (one launch for every layer).
+Both run the kernels specla's own engine runs (:mod:`.verify`), one launch each: for
+:func:`mamba2_pool_verify`, the tree-masked factorized verify for trees and the state-resident
+serial verify for chains; for :func:`mamba2_pool_commit`, the serial kernel's fused commit (one
+launch for every layer).
 
 Shapes: ``N`` rows (requests) of a batch, ``Ttot`` tokens, ``H`` heads, ``P`` head dim, ``NG``
 groups of ``B``/``C`` (head ``h`` reads group ``h // (H / NG)``), ``Ns`` state size, ``R``
@@ -35,7 +36,7 @@ from torch import Tensor
 from specla.ops.pending import commit_alone
 from specla.ops.serving import check_commit, check_pool, check_records, check_rows, token_rows
 
-from .verify import MAX_TREE_NODES, _launch_tree, _serial_verify_kernel
+from .verify import MAX_TREE_NODES, SLOT_PARAMS, _launch_serial, _launch_tree, _serial_verify_kernel, own_rows
 
 
 class Mamba2RecordBuffers(NamedTuple):
@@ -176,11 +177,17 @@ def mamba2_pool_verify(
     Br, Cr = token_rows(B, NG, Ns), token_rows(C, NG, Ns)
     if Br.stride(0) != Cr.stride(0):  # one token stride for both
         Br, Cr = Br.contiguous(), Cr.contiguous()
-    _launch_tree(N, steps, xr, dtr, Br, Cr, D, state, (yr, records.u, records.G), state_strides=sS,
-                 A=A, dt_bias=dt_bias, rB=records.Bm, cu_seqlens=cu_seqlens, parents=parents,
-                 sP=0 if parents is None else parents.stride(0), state_idx=state_batch_indices,
-                 rec_idx=intermediate_state_indices, T=x.shape[1] if cu_seqlens is None else 0,
-                 SX=xr.stride(0), SDT=dtr.stride(0), SBC=Br.stride(0), SY=yr.stride(0), RD=Dsteps)
+    where = dict(A=A, dt_bias=dt_bias, rB=records.Bm, cu_seqlens=cu_seqlens, state_idx=state_batch_indices,
+                 rec_idx=intermediate_state_indices, SX=xr.stride(0), SDT=dtr.stride(0), SBC=Br.stride(0),
+                 SY=yr.stride(0), RD=Dsteps)
+    out3 = (yr, records.u, records.G)
+    if parents is None:  # chains: the state-resident serial kernel, one token after another
+        _launch_serial(N, x.shape[1] if cu_seqlens is None else steps, xr, dtr, Br, Cr, D, state, out3,
+                       path_step=0, **dict(zip(SLOT_PARAMS["strides"], sS)), **dict.fromkeys(SLOT_PARAMS["layers"], 0),
+                       **where)
+    else:
+        _launch_tree(N, steps, xr, dtr, Br, Cr, D, state, out3, state_strides=sS, parents=parents,
+                     sP=parents.stride(0), T=x.shape[1] if cu_seqlens is None else 0, **where)
     return y
 
 
@@ -226,5 +233,5 @@ def mamba2_pool_commit(
         path_len=accept_lens, state_idx=state_batch_indices, rec_idx=intermediate_state_indices,
         Lp=accept_index.shape[1], Tp=Dsteps, sS_b=sS[0], sS_h=sS[1], sS_n=sS[2], sS_p=sS[3],
         path_step=draft_token_num, **dict(zip(("lS", "lB", "lu", "lG"), layer_strides)), H=H, NG=NG, N=Ns, P=P,
-        BN=triton.next_power_of_2(Ns), BP=BP, D_HDIM=False,
+        BN=triton.next_power_of_2(Ns), BP=BP, D_HDIM=False, **own_rows(H, P, NG, Ns, 0),
     )

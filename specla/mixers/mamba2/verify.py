@@ -33,11 +33,12 @@ SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_n", "sS_p"), layers=("lS", "lB",
 
 MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the reference path
 
-# The tree kernel's launch: "BP", the widest P tile a program holds (with the whole [N, BP] state
-# tile: a narrower one holds fewer registers and gives small batches more programs), and its
-# warps; not yet swept at the serving engines' shapes (docs/tuning.md, "Mamba2 tree node tiles").
-# benchmarks/engine_kernels.py --mamba2-tree BP,WARPS times other settings.
-TUNING = {"tree": {"BP": 64, "num_warps": 4}}
+# The verify kernels' launches: "BP", the widest P tile a program holds (with the whole [N, BP]
+# state tile: a narrower one holds fewer registers and gives small batches more programs), and
+# their warps; not yet swept at the serving engines' shapes (docs/tuning.md, "Mamba2 tree node
+# tiles"). benchmarks/engine_kernels.py --mamba2-tree and --mamba2-serial (BP,WARPS) time other
+# settings. The tree kernel's tiles are at least 16 wide (tl.dot); the serial kernel's any power of two.
+TUNING = {"tree": {"BP": 64, "num_warps": 4}, "serial": {"BP": 64, "num_warps": 4}}
 
 
 @triton.jit
@@ -92,19 +93,32 @@ def _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, 
 
 
 @with_pending
-@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None})
+@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None,
+                    "RAW_DT": lambda args: args["A"] is not None,
+                    "VARLEN": lambda args: args["cu_seqlens"] is not None,
+                    "OWN": lambda args: args["num_nodes"] is not None})
 @triton.jit
 def _serial_verify_kernel(
     x, dt, a, Bm, Cm, D, S, y, u, G, num_nodes,
-    pB, pu, pG, path, path_len, state_idx, rec_idx,
-    T, Lp, Tp, sS_b, sS_h, sS_n, sS_p, path_step, lS, lB, lu, lG,
+    pB, pu, pG, path, path_len, state_idx, rec_idx, cu_seqlens, A, dt_bias, rB,
+    T, Lp, Tp, SX, SDT, SBC, SY, RD, sS_b, sS_h, sS_n, sS_p, path_step, lS, lB, lu, lG,
     H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
     BN: tl.constexpr, BP: tl.constexpr, HAS_PENDING: tl.constexpr, D_HDIM: tl.constexpr, SLOTS: tl.constexpr,
+    RAW_DT: tl.constexpr, VARLEN: tl.constexpr, OWN: tl.constexpr,
 ):
-    """Per (sequence, head, P tile[, layer]): the pending commit, then the chain's tokens. State
-    placement as :func:`_slot_tile`; the pending records of node ``path[b, j] - b * path_step``.
-    A third grid axis runs one commit per layer (``T = 0``): layer ``l``'s state and records lie
-    ``l lS``, ``l lB``, ``l lu``, ``l lG`` elements on."""
+    """Per (sequence, head, P tile[, layer]): the pending commit, then the chain's tokens.
+
+    Where the data lies (specla's own calls use the first of each): ``num_nodes[b]`` tokens of
+    sequence ``b`` at rows ``b * T + t`` (``OWN``: the nodes past them are padding and get zero
+    outputs and records), or every row ``T`` tokens, or packed at ``cu_seqlens[b] + t``
+    (``VARLEN``; rows past a sequence's tokens are not written); rows ``SX`` (x), ``SDT`` (dt,
+    a), ``SBC`` (Bm, Cm) and ``SY`` (y) elements apart, each row dense; the state as
+    :func:`_slot_tile`; the records ``u``, ``G`` (and ``Bm`` in float32 into ``rB``, when given)
+    of node ``t`` at row ``r * RD + t`` (a negative row writes none); step sizes ``dt`` and log
+    decays ``a`` given, or from the raw ``dt`` (``RAW_DT``: ``dt = softplus(dt + dt_bias)``,
+    ``a = dt A``, in float32). The pending records are those of node ``path[b, j] - b *
+    path_step``. A third grid axis runs one commit per layer (``T = 0``): layer ``l``'s state and
+    records lie ``l lS``, ``l lB``, ``l lu``, ``l lG`` elements on."""
     i_p, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(2).to(tl.int64)
     S += i_l * lS
@@ -124,27 +138,47 @@ def _serial_verify_kernel(
         b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_r, i_b * path_step, i_g, i_h,
                              o_n, o_p, m_n, m_p, Lp, Tp, H, NG, N, P)
     b_D = _load_D(D, i_h, o_p, m_p, P, BP, D_HDIM)
-    n = tl.load(num_nodes + i_b)
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
+    if OWN:
+        n = tl.load(num_nodes + i_b).to(tl.int32)
+    if RAW_DT:
+        zero = tl.zeros([1], dtype=tl.int64)
+        b_bias = tl.load(dt_bias + i_h + zero).to(tl.float32)
+        b_A = tl.load(A + i_h + zero).to(tl.float32)
+    has_row = (tl.zeros([1], dtype=tl.int64) + i_r) >= 0  # [1], as the masks it joins
     b_G = tl.zeros([1], dtype=tl.float32)
     for t in range(0, T):
-        i_t = i_b * T + t
-        one = i_t * H + i_h + tl.zeros([1], dtype=tl.int64)
-        b_x = tl.load(x + (i_t * H + i_h) * P + o_p, mask=m_p, other=0.0).to(tl.float32)
-        b_dt = tl.load(dt + one).to(tl.float32)
-        b_a = tl.load(a + one).to(tl.float32)
-        b_b = tl.load(Bm + (i_t * NG + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_c = tl.load(Cm + (i_t * NG + i_g) * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+        tok = bos + t
+        valid = (tl.zeros([1], dtype=tl.int32) + t) < n  # [1]: masks of [1] loads take no scalar
+        if OWN:  # specla's own rows write their padding nodes, as zeros
+            write = valid | True
+        else:  # an engine's rows past a sequence's tokens are another's, or none
+            write = valid
+        one = tok * SDT + i_h + tl.zeros([1], dtype=tl.int64)
+        b_x = tl.load(x + tok * SX + i_h * P + o_p, mask=m_p & valid, other=0.0).to(tl.float32)
+        if RAW_DT:
+            b_dt = softplus(tl.load(dt + one, mask=valid, other=0.0).to(tl.float32) + b_bias)
+            b_a = b_dt * b_A
+        else:
+            b_dt = tl.load(dt + one, mask=valid, other=0.0).to(tl.float32)
+            b_a = tl.load(a + one, mask=valid, other=0.0).to(tl.float32)
+        b_b = tl.load(Bm + tok * SBC + i_g * N + o_n, mask=m_n & valid, other=0.0).to(tl.float32)
+        b_c = tl.load(Cm + tok * SBC + i_g * N + o_n, mask=m_n & valid, other=0.0).to(tl.float32)
         b_u = b_dt * b_x
         S_new = b_S * tl.exp(b_a)[:, None] + b_b[:, None] * b_u[None, :]
         b_y = tl.sum(S_new * b_c[:, None], 0) + b_D * b_x
         G_new = b_G + b_a
-        valid = t < n
         b_S = tl.where(valid, S_new, b_S)
         b_G = tl.where(valid, G_new, b_G)
-        tl.store(y + (i_t * H + i_h) * P + o_p, tl.where(valid, b_y, 0.0), mask=m_p)
-        tl.store(u + (i_t * H + i_h) * P + o_p, tl.where(valid, b_u, 0.0), mask=m_p)
+        rec = i_r * RD + t
+        tl.store(y + tok * SY + i_h * P + o_p, tl.where(valid, b_y, 0.0).to(y.dtype.element_ty), mask=m_p & write)
+        tl.store(u + (rec * H + i_h) * P + o_p, tl.where(valid, b_u, 0.0), mask=m_p & write & has_row)
         if i_p == 0:
-            tl.store(G + one, tl.where(valid, G_new, 0.0))
+            tl.store(G + rec * H + i_h + tl.zeros([1], dtype=tl.int64), tl.where(valid, G_new, 0.0),
+                     mask=write & has_row)
+            if rB is not None:  # the records' Bm in float32, from one program per group
+                if i_h % (H // NG) == 0:
+                    tl.store(rB + (rec * NG + i_g) * N + o_n, b_b, mask=m_n & write & has_row)
 
 
 @with_pending
@@ -288,17 +322,13 @@ def serial_verify(
     Formula: docs/DESIGN.md section 5 (serial SSD recurrence; closed-form commit).
     """
     _check(x, dt, a, Bm, Cm, D, state, pending)
-    B, T, H, P = x.shape
-    NG, N = Bm.shape[2], Bm.shape[3]
+    B, T = x.shape[:2]
     if num_nodes.shape != (B,) or num_nodes.dtype != torch.int64 or num_nodes.device != x.device:
         raise ValueError(f"num_nodes must be int64 [{B}] on {x.device}, got {num_nodes.dtype} {list(num_nodes.shape)}")
-    y, u, G = out = _outputs(x, out)
-    BP = min(triton.next_power_of_2(P), 64)
-    _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
-        *(t.contiguous() for t in (x, dt, a, Bm, Cm, D)), state, y, u, G, num_nodes,
-        T=T, H=H, NG=NG, N=N, P=P, BN=triton.next_power_of_2(N), BP=BP, D_HDIM=D.dim() == 2,
-        **_pending_kwargs(pending), **own_slots(state, **SLOT_PARAMS),
-    )
+    out = _outputs(x, out)
+    x, dt, a, Bm, Cm, D = (t.contiguous() for t in (x, dt, a, Bm, Cm, D))
+    _launch_serial(B, T, x, dt, Bm, Cm, D, state, out, a=a, num_nodes=num_nodes, pending=pending,
+                   **own_slots(state, **SLOT_PARAMS))
     return out
 
 
@@ -357,6 +387,32 @@ def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=No
         x=x, dt=dt, Bm=Bm, Cm=Cm, D=D, S=state, y=y, u=u, G=G, sS_b=sS[0], sS_h=sS[1], sS_n=sS[2], sS_p=sS[3],
         H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(steps)), BN=max(16, triton.next_power_of_2(N)),
         BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending), **where, num_warps=tune["num_warps"],
+    )
+
+
+def own_rows(H: int, P: int, NG: int, N: int, T: int) -> dict:
+    """The serial kernel's token and record placement for specla's own dense ``[B, T, ...]``
+    tensors (sequence ``b``'s node ``t`` at row ``b * T + t``, records likewise), step sizes and
+    log decays given."""
+    return dict(cu_seqlens=None, A=None, dt_bias=None, rB=None, SX=H * P, SDT=H, SBC=NG * N, SY=H * P, RD=max(T, 1))
+
+
+def _launch_serial(B: int, steps: int, x, dt, Bm, Cm, D, state, out, **where) -> None:
+    """One launch of :func:`_serial_verify_kernel` over ``B`` chains of at most ``steps`` tokens,
+    with ``TUNING["serial"]``'s tile and warps. ``out`` is ``(y, u, G)``; ``where`` gives the
+    kernel's placement arguments (``a`` or ``A``/``dt_bias``, ``num_nodes``, ``pending``, the
+    slots and strides); those left out are specla's own layout (:func:`own_rows`)."""
+    H, P = x.shape[-2], x.shape[-1]
+    NG, N = Bm.shape[-2], Bm.shape[-1]
+    y, u, G = out
+    tune = TUNING["serial"]
+    BP = min(triton.next_power_of_2(P), tune["BP"])
+    pending = where.pop("pending", None)
+    where = own_rows(H, P, NG, N, steps) | dict(a=None, num_nodes=None) | where
+    _serial_verify_kernel[(B * H, triton.cdiv(P, BP))](
+        x=x, dt=dt, Bm=Bm, Cm=Cm, D=D, S=state, y=y, u=u, G=G, T=steps, H=H, NG=NG, N=N, P=P,
+        BN=triton.next_power_of_2(N), BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending), **where,
+        num_warps=tune["num_warps"],
     )
 
 
