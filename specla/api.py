@@ -137,7 +137,7 @@ class SpecDecoder:
         if isinstance(model, torch.nn.Module):
             _refuse_meta_weights(model)
         if isinstance(model, (str, Path)):
-            checkpoint_dir(model)
+            model = checkpoint_dir(model)  # "~" expanded
         self.plugin: ArchitecturePlugin = get_plugin(plugin) if plugin is not None else detect_plugin(model)
         own_drafter = isinstance(drafter, str) and drafter in self.plugin.model_drafters  # the model's own (MTP)
         if not own_drafter:  # before any checkpoint loads: a wrong name or directory fails fast

@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import logging
 import pickle
+import re
 import warnings
 from collections.abc import Iterator
 from numbers import Integral
@@ -170,17 +171,26 @@ def checkpoint_dir(path: str | Path, name: str | None = None) -> Path:
     anything loads; the Python API and the command line both ask here, so they word it alike.
 
     Args:
-        path: the directory; name: how the messages name it (default: ``path`` itself; the
-            command line's ``"--model PATH"``).
+        path: the directory (a leading ``~`` is the home directory); name: how the messages name
+            it (default: ``path`` itself; the command line's ``"--model PATH"``).
+    Returns:
+        the directory, ``~`` expanded.
     Raises:
-        UnsupportedModelError: ``"{name} does not exist"``, ``"{name} is a file, not a checkpoint
-            directory"``, ``"{name} is not a checkpoint directory (no config.json in it)"``, or
-            an empty path.
+        UnsupportedModelError: ``"{name} does not exist"`` (where it reads as a Hugging Face Hub
+            id, ``owner/name``, followed by how to fetch it: specla loads local directories), ``"{name}
+            is a file, not a checkpoint directory"``, ``"{name} is not a checkpoint directory (no
+            config.json in it)"``, or an empty path.
     """
     if not str(path):  # Path("") is the working directory: name the mistake, not "."
         raise UnsupportedModelError("the model path is empty")
-    path, name = Path(path), str(path) if name is None else name
+    hub_id = isinstance(path, str) and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None
+    path, name = Path(path).expanduser(), str(path) if name is None else name
     if not path.exists():
+        if hub_id:
+            raise UnsupportedModelError(
+                f"{name} does not exist (if it is a Hugging Face Hub id: specla loads checkpoints from local "
+                f"directories; download it first, `hf download {path} --local-dir DIR`, or load it with "
+                "transformers and pass the model)")
         raise UnsupportedModelError(f"{name} does not exist")
     if not path.is_dir():
         raise UnsupportedModelError(f"{name} is a file, not a checkpoint directory")
@@ -201,7 +211,7 @@ def tokenizer_dir(directory: str | Path) -> Path:
     """
     if not str(directory):
         raise FileNotFoundError("the tokenizer directory path is empty")
-    path = Path(directory)
+    path = Path(directory).expanduser()
     if path.is_file():  # tokenizer.json itself, as users often name it
         raise FileNotFoundError(f"tokenizer directory {directory} is a file: give the directory holding it "
                                 f"({path.parent})")

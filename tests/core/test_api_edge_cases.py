@@ -390,6 +390,21 @@ def test_a_model_path_that_is_missing_or_a_file_is_named_so(tmp_path):
         SpecDecoder("")  # not the working directory
 
 
+def test_a_hub_id_is_told_how_to_fetch_it_and_a_home_path_is_expanded(tmp_path, monkeypatch):
+    """specla loads local directories: an ``owner/name`` that is none gets how to download it (one
+    line); ``~/...`` is the home directory, for the API as for the command line."""
+    message = ("Qwen/Qwen3.5-0.8B does not exist (if it is a Hugging Face Hub id: specla loads checkpoints from "
+               "local directories; download it first, `hf download Qwen/Qwen3.5-0.8B --local-dir DIR`, or load it "
+               "with transformers and pass the model)")
+    with pytest.raises(specla.UnsupportedModelError) as err:
+        SpecDecoder("Qwen/Qwen3.5-0.8B")
+    assert str(err.value) == message
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").symlink_to(TINY_TARGET, target_is_directory=True)
+    out = SpecDecoder("~/ckpt", config=dict(max_new_tokens=2)).generate([[1, 2, 3]])
+    assert len(out.outputs[0]) == 2
+
+
 def test_a_config_field_of_the_wrong_type_is_reported_in_one_line(tmp_path):
     """transformers' strict config check words a field of the wrong type in two lines; the
     error that wraps it is one line, as every specla error is (docs/usage.md)."""
