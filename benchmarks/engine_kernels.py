@@ -525,6 +525,9 @@ def main(argv=None) -> int:
                     "two >= 16) and warps (specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--mamba2-serial", metavar="BP,WARPS", help="the Mamba2 serial (chain) kernel's widest P tile "
                     "(a power of two) and warps (specla.mixers.mamba2.verify.TUNING)")
+    ap.add_argument("--mamba2-dot", choices=("ieee", "tf32x3"), default=mamba2_verify.TUNING["tree"]["dot"],
+                    help="the Mamba2 tree kernel's products' precision where the activations are not float32 "
+                         "(specla.mixers.mamba2.verify.TUNING)")
     args = ap.parse_args(argv)
     m2 = {}
     for launch, least in (("tree", 16), ("serial", 1)):
@@ -537,6 +540,7 @@ def main(argv=None) -> int:
                 ap.error(f"--mamba2-{launch}: BP,WARPS with BP a power of two{at_least} and WARPS one of 1, 2, 4, "
                          f"8, 16, got {given!r}")
             m2[launch].update(BP=bp, num_warps=warps)
+    m2["tree"]["dot"] = args.mamba2_dot
     tree = dict(gdn_verify.TUNING["tree"], inverse=args.tree_inverse)
     if args.tree_tiles:
         tiles = _int_pair(args.tree_tiles)

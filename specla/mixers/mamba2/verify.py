@@ -38,7 +38,10 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 # their warps; not yet swept at the serving engines' shapes (docs/tuning.md, "Mamba2 tree node
 # tiles"). benchmarks/engine_kernels.py --mamba2-tree and --mamba2-serial (BP,WARPS) time other
 # settings. The tree kernel's tiles are at least 16 wide (tl.dot); the serial kernel's any power of two.
-TUNING = {"tree": {"BP": 64, "num_warps": 4}, "serial": {"BP": 64, "num_warps": 4}}
+# "dot": the tree kernel's products' precision where the activations are not float32 (float32
+# runs take "ieee"), as the GDN tree kernel's (specla.mixers.gdn.verify.TUNING): "tf32x3" keeps
+# float32's accuracy on the tensor cores, "ieee" keeps the products off them.
+TUNING = {"tree": {"BP": 64, "num_warps": 4, "dot": "tf32x3"}, "serial": {"BP": 64, "num_warps": 4}}
 
 
 @triton.jit
@@ -192,7 +195,7 @@ def _tree_verify_kernel(
     T, Lp, Tp, SX, SDT, SBC, SY, RD, sP, sS_b, sS_h, sS_n, sS_p,
     H: tl.constexpr, NG: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_PENDING: tl.constexpr, D_HDIM: tl.constexpr,
-    VARLEN: tl.constexpr, SLOTS: tl.constexpr, RAW_DT: tl.constexpr, ANC: tl.constexpr,
+    VARLEN: tl.constexpr, SLOTS: tl.constexpr, RAW_DT: tl.constexpr, ANC: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Per (sequence, head, P tile): fused delayed commit, then the tree-masked factorized SSD:
     y = exp(G) Cm S0 + ((Cm Bm^T) * Gam) u + D x with G = M_incl a and u = dt x.
@@ -239,8 +242,8 @@ def _tree_verify_kernel(
     b_u = b_dt[:, None] * b_x
     # mask the exponent before exp: off-path pairs are exactly 0, exp(-G) never overflows
     gam = tl.where(b_M, tl.exp(tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-    cb = tl.dot(b_C, tl.trans(b_B), input_precision="ieee") * gam
-    b_y = tl.exp(b_G)[:, None] * tl.dot(b_C, b_S, input_precision="ieee") + tl.dot(cb, b_u, input_precision="ieee")
+    cb = tl.dot(b_C, tl.trans(b_B), input_precision=DOT_PREC) * gam
+    b_y = tl.exp(b_G)[:, None] * tl.dot(b_C, b_S, input_precision=DOT_PREC) + tl.dot(cb, b_u, input_precision=DOT_PREC)
     b_y += b_D[None, :] * b_x
     tl.store(y + tok[:, None] * SY + i_h * P + o_p[None, :], b_y.to(y.dtype.element_ty), mask=m_tp)
     tl.store(u + (rec[:, None] * H + i_h) * P + o_p[None, :], b_u, mask=m_rec[:, None] & m_p[None, :])
@@ -386,7 +389,8 @@ def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=No
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
         x=x, dt=dt, Bm=Bm, Cm=Cm, D=D, S=state, y=y, u=u, G=G, sS_b=sS[0], sS_h=sS[1], sS_n=sS[2], sS_p=sS[3],
         H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(steps)), BN=max(16, triton.next_power_of_2(N)),
-        BP=BP, D_HDIM=D.dim() == 2, **_pending_kwargs(pending), **where, num_warps=tune["num_warps"],
+        BP=BP, D_HDIM=D.dim() == 2, DOT_PREC="ieee" if x.dtype == torch.float32 else tune["dot"],
+        **_pending_kwargs(pending), **where, num_warps=tune["num_warps"],
     )
 
 
