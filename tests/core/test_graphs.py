@@ -67,14 +67,14 @@ def test_one_host_synchronisation_per_recorded_step(drafter):
     runner, counts = dec.engine._runner, []
     step = runner.step
 
-    def counted(contexts):
+    def counted(*args):  # runner.step(contexts, uniforms)
         if dec.adapter.graph_state() is None or dec.adapter.batch_size not in runner.graphs:
-            return step(contexts)  # the first step after a prefill, or a batch not recorded yet
+            return step(*args)  # the first step after a prefill, or a batch not recorded yet
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                result = step(contexts)
+                result = step(*args)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         # only the synchronisation warnings themselves: the first set_sync_debug_mode call of a

@@ -35,13 +35,14 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 
 # The verify kernels' launches: "BP", the widest P tile a program holds (with the whole [N, BP]
 # state tile: a narrower one holds fewer registers and gives small batches more programs), and
-# their warps; not yet swept at the serving engines' shapes (docs/tuning.md, "Mamba2 tree node
-# tiles"). benchmarks/engine_kernels.py --mamba2-tree and --mamba2-serial (BP,WARPS) time other
-# settings. The tree kernel's tiles are at least 16 wide (tl.dot); the serial kernel's any power of two.
-# "dot": the tree kernel's products' precision where the activations are not float32 (float32
-# runs take "ieee"), as the GDN tree kernel's (specla.mixers.gdn.verify.TUNING): "tf32x3" keeps
-# float32's accuracy on the tensor cores, "ieee" keeps the products off them.
-TUNING = {"tree": {"BP": 64, "num_warps": 4, "dot": "tf32x3"}, "serial": {"BP": 64, "num_warps": 4}}
+# their warps. The tree kernel narrows its tile (to 16 at least, tl.dot's) while a launch would
+# have fewer than "programs" programs: a small batch then fills the GPU's SMs. "dot": the tree
+# kernel's products' precision where the activations are not float32 (float32 runs take "ieee"),
+# as the GDN tree kernel's (specla.mixers.gdn.verify.TUNING): "tf32x3" keeps float32's accuracy on
+# the tensor cores, "ieee" keeps the products off them (docs/tuning.md, "Mamba2 verify launch
+# parameters"). benchmarks/engine_kernels.py --mamba2-tree, --mamba2-serial (BP,WARPS) and
+# --mamba2-dot time other settings.
+TUNING = {"tree": {"BP": 64, "programs": 128, "num_warps": 4, "dot": "tf32x3"}, "serial": {"BP": 16, "num_warps": 1}}
 
 
 @triton.jit
@@ -381,6 +382,8 @@ def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=No
     y, u, G = out
     tune = TUNING["tree"]
     BP = max(16, min(triton.next_power_of_2(P), tune["BP"]))  # tl.dot needs tiles of at least 16
+    while BP > 16 and B * H * triton.cdiv(P, BP) < tune["programs"]:
+        BP //= 2
     where = dict(a=None, mask=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, A=None,
                  dt_bias=None, rB=None, sP=0) | where
     sS = state_strides if state_strides is not None else state.stride()
