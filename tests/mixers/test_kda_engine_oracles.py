@@ -189,6 +189,47 @@ def test_chain_verify_and_commit_equal_sglang_kda_replayssm(sglang):
     assert torch.equal(committed[1], pool[1])
 
 
+def test_chains_run_the_serial_kernel_and_agree_with_the_tree_kernel(monkeypatch):
+    """Chains (no ``retrieve_parent_token``) take the state-resident serial kernel, with its V
+    tile split (8 of 16); the same rows given as chain-shaped trees take the tree kernel: outputs
+    and records agree (a padding slot's row among them), record steps past a row's tokens stay
+    unwritten (NaN), and a row with record row -1 writes none and outputs zeros, as the tree
+    kernel's."""
+    from specla.mixers.kda import serving, verify
+
+    monkeypatch.setitem(verify.TUNING, "serial", {**verify.TUNING["serial"], "BV": 8})
+    launched = []
+    monkeypatch.setattr(serving, "_launch_serial", lambda *a, **k: launched.append(1) or verify._launch_serial(*a, **k))
+    lens, steps = [5, 3, 7], 8
+    qsl = chain_cu_seqlens(lens)
+    N = len(lens)
+    layer, pool = _layer(sum(lens), seed=14), _pool(4, seed=15)
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)
+    rows = torch.tensor([1, 3, -1], dtype=torch.int32, device=DEV)
+    chain = torch.arange(-1, steps - 1, device=DEV).expand(N, steps)
+    got = {}
+    for name, parents in (("serial", None), ("tree", chain)):
+        rec = empty_record_buffers(4, steps, H, K, V, DEV)
+        for t in rec:
+            t.fill_(float("nan"))
+        o = kda_pool_verify(softplus_beta=1.0, softplus_threshold=20.0, initial_state_source=pool,
+                            initial_state_indices=slots, use_qk_l2norm_in_kernel=True, cu_seqlens=qsl, records=rec,
+                            intermediate_state_indices=rows, cache_steps=steps, retrieve_parent_token=parents,
+                            **layer)
+        got[name] = o, rec
+    assert launched == [1]  # the chains' call, not the trees'
+    (o, rec), (o_ref, rec_ref) = got["serial"], got["tree"]
+    assert (o - o_ref).abs().max() < 3e-7  # observed 2.2e-8 (outputs up to 0.17)
+    assert (o[0, -lens[-1]:] == 0).all()  # record row -1
+    for row, m in zip(rows.tolist(), lens):
+        if row >= 0:
+            for field, ref in zip(rec, rec_ref):
+                assert (field[row, :m] - ref[row, :m]).abs().max() < 3e-6  # observed 2.4e-7
+                assert field[row, m:].isnan().all() and ref[row, m:].isnan().all()
+    for field in rec:  # record rows 0 and 2 belong to no row
+        assert field[[0, 2]].isnan().all()
+
+
 def test_commit_of_every_layer_at_once_equals_each_layer_and_leaves_padding_alone():
     """Two layers' pools and records committed in one launch equal each layer's own commit; a row
     with a negative slot, or with no accepted node, writes nothing, while the other row commits."""

@@ -372,19 +372,21 @@ def pending_inputs(B, H, P, NG, N, gen, rng):
 
 @needs_triton
 @pytest.mark.parametrize("kind, tile", [("chain", 64), ("chain", 8), ("tree", 64), ("tree", 16)])
-@pytest.mark.parametrize("shape", [(3, 5, 4, 3, 2, 5, False), (2, 7, 2, 17, 1, 3, True)])  # B, T, H, P, NG, N, D/ch
+@pytest.mark.parametrize("shape", [(3, 5, 4, 3, 2, 5, False), (2, 7, 2, 17, 1, 3, True),
+                                   (2, 4, 2, 3, 1, 37, False)])  # B, T, H, P, NG, N, D/channel
 def test_verify_kernels_with_fused_ragged_commit_equal_naive(kind, tile, shape, monkeypatch):
     """serial_verify (chains, ragged lengths) and tree_verify (random trees) from a state with a
     pending ragged commit, each kernel's P tile at most ``tile`` wide (8 splits P = 17 in three,
-    16 in two): the committed state equals the naive state after each accepted path (0 accepted:
-    bit-identical), outputs and records equal the naive per-path recurrence from it."""
+    16 in two), the tree kernel's state size in blocks of 16 (N = 37 in three): the committed
+    state equals the naive state after each accepted path (0 accepted: bit-identical), outputs
+    and records equal the naive per-path recurrence from it."""
     from specla.mixers.mamba2 import verify as mamba2_verify
     from specla.mixers.mamba2.verify import serial_verify, tree_verify
 
     launch = "serial" if kind == "chain" else "tree"
     # "programs": 1, so that these small batches keep the tree kernel's widest tile
     monkeypatch.setitem(mamba2_verify.TUNING, launch, {**mamba2_verify.TUNING[launch], "BP": tile}
-                        | ({"programs": 1} if launch == "tree" else {}))
+                        | ({"programs": 1, "BN": 16} if launch == "tree" else {}))
 
     B, T, H, P, NG, N, d_hdim = shape
     rng = random.Random(sum(shape[:6]))

@@ -12,7 +12,7 @@ from torch import Tensor
 from specla.ops.pending import flush, own_slots
 from specla.records import LayerCommit
 
-from .verify import SLOT_PARAMS, TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel
+from .verify import SLOT_PARAMS, TUNING, _check_pending, _pending_kwargs, _serial_verify_kernel, own_rows
 
 
 def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
@@ -36,4 +36,4 @@ def flush_commit(state: Tensor, pending: LayerCommit) -> Tensor:
     BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
     return flush(_serial_verify_kernel, (B * H, triton.cdiv(V, BV)), state, "[B, H, K, V]", pending,
                  H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, **_pending_kwargs(pending),
-                 **own_slots(state, **SLOT_PARAMS), num_warps=TUNING["serial"]["num_warps"])
+                 **own_slots(state, **SLOT_PARAMS), **own_rows(H, K, V, 0), num_warps=TUNING["serial"]["num_warps"])

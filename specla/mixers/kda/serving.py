@@ -14,9 +14,10 @@ records go to engine-owned per-row buffers. No state is copied in or out.
 - :func:`kda_pool_commit`: after acceptance, the accepted path of every row into its slot of the
   pool, from the engine's ``accept_index`` / ``accept_lens``, in closed form from the records.
 
-Both run the kernels specla's own engine runs (:mod:`.verify`): GLA's decay kernel and the
-tree-masked verify for ``kda_pool_verify`` (two launches), the serial kernel's fused commit for
-``kda_pool_commit`` (one launch for every layer). Kimi Linear's gate: ``g = -exp(A_log[h])
+Both run the kernels specla's own engine runs (:mod:`.verify`): for ``kda_pool_verify``, GLA's
+decay kernel and the tree-masked verify for trees (two launches) and the state-resident serial
+verify for chains (one); for ``kda_pool_commit``, the serial kernel's fused commit (one launch for
+every layer). Kimi Linear's gate: ``g = -exp(A_log[h])
 softplus(a + dt_bias[h, c])`` per key channel ``c``, ``beta = sigmoid(b)``; the safe gate
 (SGLang's ``lower_bound``) is not taken.
 
@@ -36,7 +37,9 @@ from torch import Tensor
 from specla.ops.pending import commit_alone
 from specla.ops.serving import check_commit, check_pool, check_records, check_rows, token_rows
 
-from .verify import MAX_TREE_NODES, TUNING, _launch_tree, _serial_verify_kernel
+from .verify import (
+    MAX_TREE_NODES, SLOT_PARAMS, TUNING, _launch_serial, _launch_tree, _serial_verify_kernel, own_rows,
+)
 
 
 class KDARecordBuffers(NamedTuple):
@@ -156,12 +159,18 @@ def kda_pool_verify(
         qr, kr = qr.contiguous(), kr.contiguous()
     vr, ar, br = token_rows(v, H, V), token_rows(a, H * K), token_rows(b, H)
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
-    _launch_tree(N, steps, qr, kr, vr, ar, br, initial_state_source, (o, records.delta, records.Gk),
-                 state_strides=sS, T=q.shape[1], cu_seqlens=cu_seqlens, parents=parents,
-                 sP=0 if parents is None else parents.stride(0), state_idx=initial_state_indices,
-                 rec_idx=intermediate_state_indices, A_log=A_log, dt_bias=dt_bias, rk=records.k,
-                 scale=K**-0.5 if scale is None else scale, SQK=qr.stride(0), SV=vr.stride(0), SG=br.stride(0),
-                 SGK=ar.stride(0), D=D, RAW_BETA=True, L2NORM=use_qk_l2norm_in_kernel)
+    out = (o, records.delta, records.Gk)
+    where = dict(cu_seqlens=cu_seqlens, state_idx=initial_state_indices, rec_idx=intermediate_state_indices,
+                 A_log=A_log, dt_bias=dt_bias, rk=records.k, scale=K**-0.5 if scale is None else scale,
+                 SQK=qr.stride(0), SV=vr.stride(0), SG=br.stride(0), SGK=ar.stride(0), RAW_BETA=True,
+                 L2NORM=use_qk_l2norm_in_kernel)
+    if parents is None:  # chains: the state-resident serial kernel, one token after another
+        _launch_serial(N, q.shape[1] if cu_seqlens is None else steps, qr, kr, vr, ar, br, initial_state_source, out,
+                       RD=D, path_step=0, **dict(zip(SLOT_PARAMS["strides"], sS)),
+                       **dict.fromkeys(SLOT_PARAMS["layers"], 0), **where)
+    else:
+        _launch_tree(N, steps, qr, kr, vr, ar, br, initial_state_source, out, state_strides=sS, T=q.shape[1],
+                     parents=parents, sP=parents.stride(0), D=D, **where)
     return o
 
 
@@ -210,5 +219,5 @@ def kda_pool_commit(
         rec_idx=intermediate_state_indices, P=accept_index.shape[1], Tp=D,
         sS_b=sS[0], sS_h=sS[1], sS_k=sS[2], sS_v=sS[3], path_step=draft_token_num,
         **dict(zip(("lS", "lk", "ld", "lG"), layer_strides)), H=H, K=K, V=V,
-        BK=triton.next_power_of_2(K), BV=BV, num_warps=TUNING["serial"]["num_warps"],
+        BK=triton.next_power_of_2(K), BV=BV, **own_rows(H, K, V, 0), num_warps=TUNING["serial"]["num_warps"],
     )

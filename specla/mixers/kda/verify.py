@@ -31,6 +31,7 @@ from specla.mixers.gla.verify import MAX_TREE_NODES, _apply_pending, launch_deca
 # KDAMixer's kernel rule (serial / parallel / reference): GLA's, whose kernels take the same forms
 # (untimed for KDA)
 from specla.mixers.gla.verify import pick_verify_kernel  # noqa: F401
+from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, own_slots, pending_launch, with_pending
 from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
 from specla.records import LayerCommit
@@ -48,22 +49,37 @@ TUNING = {"serial": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 32, "n
 
 
 @with_pending
-@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None})
+@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None,
+                    "VARLEN": lambda args: args["cu_seqlens"] is not None,
+                    "OWN": lambda args: args["num_nodes"] is not None,
+                    "RAW_GATES": lambda args: args["A_log"] is not None})
 @triton.jit
 def _serial_verify_kernel(
     q, k, v, g, beta, S, o, delta, Gk, num_nodes,
-    pk, pv, pGk, path, path_len, state_idx, rec_idx,
-    T, P, Tp, sS_b, sS_h, sS_k, sS_v, path_step, lS, lk, ld, lG,
+    pk, pv, pGk, path, path_len, state_idx, rec_idx, cu_seqlens, A_log, dt_bias, rk,
+    scale, T, P, Tp, SQK, SV, SG, SGK, RD, sS_b, sS_h, sS_k, sS_v, path_step, lS, lk, ld, lG,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, SLOTS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr,
+    OWN: tl.constexpr, RAW_GATES: tl.constexpr, RAW_BETA: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """Per (sequence, head, V tile[, layer]): fused delayed commit, then the chain token by token
-    with the ``[BK, BV]`` state tile in registers. Tokens ``t >= num_nodes`` leave the tile as it
-    is and get zero outputs and records. The state of sequence ``b`` lies at slot ``b``, or
-    ``state_idx[b]`` (``SLOTS``; a negative slot is neither read nor written), element ``(h, k,
-    v)`` at ``h sS_h + k sS_k + v sS_v``; its pending records at row ``b``, or ``rec_idx[b]``,
-    node ``path[b, j] - b * path_step``. A third grid axis runs one commit per layer (``T = 0``):
-    layer ``l``'s state and records lie ``l lS``, ``l lk``, ``l ld``, ``l lG`` elements on."""
+    with the ``[BK, BV]`` state tile in registers.
+
+    Where the data lies (specla's own calls use the first of each): ``num_nodes[b]`` tokens of
+    sequence ``b`` at rows ``b * T + t`` (``OWN``: the nodes past them are padding and get zero
+    outputs and records), or every row ``T`` tokens, or packed at ``cu_seqlens[b] + t``
+    (``VARLEN``; rows past a sequence's tokens are not written); q and k rows ``SQK``, v rows
+    ``SV``, beta rows ``SG``, g rows ``SGK`` elements apart, each row dense, o dense; the state of
+    sequence ``b`` at slot ``b``, or ``state_idx[b]`` (``SLOTS``; a negative slot is neither read
+    nor written), element ``(h, k, v)`` at ``h sS_h + k sS_k + v sS_v``; the records ``delta``,
+    ``Gk`` (and the keys into ``rk``, when given) of node ``t`` at row ``r * RD + t``, ``r = b``
+    or ``rec_idx[b]`` (a negative row writes none, and its outputs are zero, as the tree
+    kernel's); the pending records of node ``path[b, j] - b * path_step``; ``g`` given or raw
+    (``RAW_GATES``: ``g = -exp(A_log[h]) softplus(g + dt_bias[h, c])``), ``beta`` given or raw
+    (``RAW_BETA``: ``sigmoid``); ``L2NORM``: q and k L2-normalised here; q is scaled by
+    ``scale`` (specla's own calls: 1, q comes scaled). A third grid axis runs one commit per
+    layer (``T = 0``): layer ``l``'s state and records lie ``l lS``, ``l lk``, ``l ld``, ``l lG``
+    elements on."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(2).to(tl.int64)
     S += i_l * lS
@@ -86,26 +102,50 @@ def _serial_verify_kernel(
     if HAS_PENDING:  # fused delayed commit: the committed state is written once
         b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_r, i_b * path_step, i_h, o_k, o_v,
                              m_k, m_v, P, Tp, H, K, V)
-    n = tl.load(num_nodes + i_b)
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
+    if OWN:
+        n = tl.load(num_nodes + i_b).to(tl.int32)
+    if RAW_GATES:
+        b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_A = -tl.exp(tl.load(A_log + i_h + tl.zeros([1], dtype=tl.int64)).to(tl.float32))
+    has_row = (tl.zeros([1], dtype=tl.int64) + i_r) >= 0  # [1], as the masks it joins
     b_G = tl.zeros([BK], dtype=tl.float32)
     for t in range(0, T):
-        row = (i_b * T + t) * H + i_h
-        b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_vv = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + row).to(tl.float32)
-        valid = t < n
+        tok = bos + t
+        valid = (tl.zeros([1], dtype=tl.int32) + t) < n  # [1]: masks of [1] loads take no scalar
+        if OWN:  # specla's own rows write their padding nodes, as zeros
+            write = valid | True
+        else:  # an engine's rows past a sequence's tokens are another's, or none
+            write = valid
+        qk = tok * SQK + i_h * K + o_k
+        b_q = tl.load(q + qk, mask=m_k & valid, other=0.0).to(tl.float32)
+        b_k = tl.load(k + qk, mask=m_k & valid, other=0.0).to(tl.float32)
+        if L2NORM:
+            b_q = b_q * (scale / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6))
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+        else:
+            b_q = b_q * scale
+        b_vv = tl.load(v + tok * SV + i_h * V + o_v, mask=m_v & valid, other=0.0).to(tl.float32)
+        b_g = tl.load(g + tok * SGK + i_h * K + o_k, mask=m_k & valid, other=0.0).to(tl.float32)
+        if RAW_GATES:
+            b_g = tl.where(m_k, b_A * softplus(b_g + b_bias), 0.0)
+        b_beta = tl.load(beta + tok * SG + i_h + tl.zeros([1], dtype=tl.int64), mask=valid, other=0.0).to(tl.float32)
+        if RAW_BETA:
+            b_beta = tl.sigmoid(b_beta)
         S_dec = b_S * tl.exp(b_g)[:, None]
         b_d = b_beta * (b_vv - tl.sum(S_dec * b_k[:, None], 0))
         S_new = S_dec + b_k[:, None] * b_d[None, :]
         b_o = tl.sum(S_new * b_q[:, None], 0)
         b_S = tl.where(valid, S_new, b_S)
         b_G = tl.where(valid, b_G + b_g, b_G)
-        tl.store(o + row * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
-        tl.store(delta + row * V + o_v, tl.where(valid, b_d, 0.0), mask=m_v)
+        rec = i_r * RD + t
+        tl.store(o + (tok * H + i_h) * V + o_v, tl.where(valid & has_row, b_o, 0.0).to(o.dtype.element_ty),
+                 mask=m_v & write)
+        tl.store(delta + (rec * H + i_h) * V + o_v, tl.where(valid, b_d, 0.0), mask=m_v & write & has_row)
         if i_v == 0:
-            tl.store(Gk + row * K + o_k, tl.where(valid, b_G, 0.0), mask=m_k)
+            tl.store(Gk + (rec * H + i_h) * K + o_k, tl.where(valid, b_G, 0.0), mask=m_k & write & has_row)
+            if rk is not None:  # the records' keys, normalised
+                tl.store(rk + (rec * H + i_h) * K + o_k, b_k, mask=m_k & write & has_row)
 
 
 @with_pending
@@ -305,15 +345,37 @@ def serial_verify(
     _check(q, k, v, g, beta, state, pending)
     if num_nodes.shape != (B,) or num_nodes.dtype != torch.int64 or num_nodes.device != k.device:
         raise ValueError(f"num_nodes must be int64 [{B}] on {k.device}, got {num_nodes.dtype} {list(num_nodes.shape)}")
-    V = v.shape[3]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o, d, G = out = _outputs(v, K, out)
-    BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
-    _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
-        q, k, v, g, beta, state, o, d, G, num_nodes, T=T, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        **_pending_kwargs(pending), **own_slots(state, **SLOT_PARAMS), num_warps=TUNING["serial"]["num_warps"],
-    )
+    out = _outputs(v, K, out)
+    _launch_serial(B, T, q, k, v, g, beta, state, out, num_nodes=num_nodes, pending=pending,
+                   **own_slots(state, **SLOT_PARAMS))
     return out
+
+
+def own_rows(H: int, K: int, V: int, T: int) -> dict:
+    """The serial kernel's token and record placement for specla's own dense ``[B, T, ...]``
+    tensors (sequence ``b``'s node ``t`` at row ``b * T + t``, records likewise), gates, beta and
+    normalised, scaled q and k given."""
+    return dict(cu_seqlens=None, A_log=None, dt_bias=None, rk=None, scale=1.0, SQK=H * K, SV=H * V, SG=H, SGK=H * K,
+                RD=max(T, 1), RAW_BETA=False, L2NORM=False)
+
+
+def _launch_serial(B: int, steps: int, q, k, v, g, beta, state, out, **where) -> None:
+    """One launch of :func:`_serial_verify_kernel` over ``B`` chains of at most ``steps`` tokens,
+    with ``TUNING["serial"]``'s tile and warps. ``out`` is ``(o, delta, Gk)``; ``where`` gives the
+    kernel's placement arguments (``num_nodes``, ``pending``, the raw inputs, slots and strides);
+    those left out are specla's own layout (:func:`own_rows`)."""
+    H, K = k.shape[-2:]
+    V = v.shape[-1]
+    o, d, G = out
+    BV = min(triton.next_power_of_2(V), TUNING["serial"]["BV"])
+    pending = where.pop("pending", None)
+    where = own_rows(H, K, V, steps) | dict(num_nodes=None) | where
+    _serial_verify_kernel[(B * H, triton.cdiv(V, BV))](
+        q=q, k=k, v=v, g=g, beta=beta, S=state, o=o, delta=d, Gk=G, T=steps, H=H, K=K, V=V,
+        BK=triton.next_power_of_2(K), BV=BV, **_pending_kwargs(pending), **where,
+        num_warps=TUNING["serial"]["num_warps"],
+    )
 
 
 def tree_verify(

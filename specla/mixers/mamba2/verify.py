@@ -36,13 +36,15 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 # The verify kernels' launches: "BP", the widest P tile a program holds (with the whole [N, BP]
 # state tile: a narrower one holds fewer registers and gives small batches more programs), and
 # their warps. The tree kernel narrows its tile (to 16 at least, tl.dot's) while a launch would
-# have fewer than "programs" programs: a small batch then fills the GPU's SMs. "dot": the tree
+# have fewer than "programs" programs: a small batch then fills the GPU's SMs; it visits the state
+# size in blocks of "BN" rows (held whole, a state size of 256 made small trees far slower). "dot": the tree
 # kernel's products' precision where the activations are not float32 (float32 runs take "ieee"),
 # as the GDN tree kernel's (specla.mixers.gdn.verify.TUNING): "tf32x3" keeps float32's accuracy on
 # the tensor cores, "ieee" keeps the products off them (docs/tuning.md, "Mamba2 verify launch
 # parameters"). benchmarks/engine_kernels.py --mamba2-tree, --mamba2-serial (BP,WARPS) and
 # --mamba2-dot time other settings.
-TUNING = {"tree": {"BP": 64, "programs": 128, "num_warps": 4, "dot": "tf32x3"}, "serial": {"BP": 16, "num_warps": 1}}
+TUNING = {"tree": {"BP": 64, "BN": 128, "programs": 128, "num_warps": 4, "dot": "tf32x3"},
+          "serial": {"BP": 16, "num_warps": 1}}
 
 
 @triton.jit
@@ -80,6 +82,15 @@ def _load_D(D, i_h, o_p, m_p, P: tl.constexpr, BP: tl.constexpr, D_HDIM: tl.cons
 
 
 @triton.jit
+def _record_row(rec_idx, i_b, SLOTS: tl.constexpr):
+    """Sequence ``i_b``'s record row: ``i_b``, or ``rec_idx[i_b]`` (``SLOTS``)."""
+    if SLOTS:
+        return tl.load(rec_idx + i_b).to(tl.int64)
+    else:
+        return i_b
+
+
+@triton.jit
 def _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP: tl.constexpr,
                SLOTS: tl.constexpr):
     """Sequence ``i_b``'s state tile: pointers, mask and record row. Its state lies at slot
@@ -88,9 +99,9 @@ def _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, 
     ``rec_idx[i_b]``."""
     if SLOTS:
         slot = tl.load(state_idx + i_b).to(tl.int64)
-        i_r = tl.load(rec_idx + i_b).to(tl.int64)
     else:
-        slot, i_r = i_b, i_b
+        slot = i_b
+    i_r = _record_row(rec_idx, i_b, SLOTS)
     m_s = m_n[:, None] & m_p[None, :] & (slot >= tl.zeros([1, BP], dtype=tl.int64))
     p_S = S + slot * sS_b + i_h * sS_h + o_n[:, None] * sS_n + o_p[None, :] * sS_p
     return p_S, m_s, i_r
@@ -213,21 +224,12 @@ def _tree_verify_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_h // (H // NG)
     o_t = tl.arange(0, BT)
-    o_n = tl.arange(0, BN)
     o_p = i_p * BP + tl.arange(0, BP)
     bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
-    m_t, m_n, m_p = o_t < n, o_n < N, o_p < P
-    p_S, m_s, row = _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP,
-                               SLOTS)
-    b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
-    if HAS_PENDING:
-        b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_b, 0, i_g, i_h, o_n, o_p, m_n, m_p,
-                             Lp, Tp, H, NG, N, P)
+    m_t, m_p = o_t < n, o_p < P
     b_D = _load_D(D, i_h, o_p, m_p, P, BP, D_HDIM)
     b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC)
     tok = bos + o_t
-    rec = row * RD + o_t
-    m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
     b_dt = tl.load(dt + tok * SDT + i_h, mask=m_t, other=0.0).to(tl.float32)
     if RAW_DT:
         b_dt = tl.where(m_t, softplus(b_dt + tl.load(dt_bias + i_h).to(tl.float32)), 0.0)
@@ -235,24 +237,41 @@ def _tree_verify_kernel(
     else:
         b_a = tl.load(a + tok * SDT + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.sum(tl.where(b_M, b_a[None, :], 0.0), 1)  # path-summed log decay, not a cumsum
-    m_tn = m_t[:, None] & m_n[None, :]
     m_tp = m_t[:, None] & m_p[None, :]
-    b_B = tl.load(Bm + tok[:, None] * SBC + i_g * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
-    b_C = tl.load(Cm + tok[:, None] * SBC + i_g * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
     b_x = tl.load(x + tok[:, None] * SX + i_h * P + o_p[None, :], mask=m_tp, other=0.0).to(tl.float32)
     b_u = b_dt[:, None] * b_x
+    # Cm S0 and Cm Bm^T over the state size in blocks of BN rows: a state, Bm and Cm tile of a
+    # large N held whole would spill registers
+    row = _record_row(rec_idx, i_b, SLOTS)
+    rec = row * RD + o_t
+    m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
+    b_CS = tl.zeros([BT, BP], dtype=tl.float32)
+    b_CB = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_n in range(0, tl.cdiv(N, BN)):
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < N
+        p_S, m_s, _ = _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP,
+                                 SLOTS)
+        b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
+        if HAS_PENDING:
+            b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_b, 0, i_g, i_h, o_n, o_p, m_n,
+                                 m_p, Lp, Tp, H, NG, N, P)
+        m_tn = m_t[:, None] & m_n[None, :]
+        b_B = tl.load(Bm + tok[:, None] * SBC + i_g * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
+        b_C = tl.load(Cm + tok[:, None] * SBC + i_g * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
+        b_CB += tl.dot(b_C, tl.trans(b_B), input_precision=DOT_PREC)
+        b_CS += tl.dot(b_C, b_S, input_precision=DOT_PREC)
+        if rB is not None:  # the records' Bm in float32, from one program per group
+            if (i_p == 0) & (i_h % (H // NG) == 0):
+                tl.store(rB + (rec[:, None] * NG + i_g) * N + o_n[None, :], b_B, mask=m_rec[:, None] & m_n[None, :])
     # mask the exponent before exp: off-path pairs are exactly 0, exp(-G) never overflows
     gam = tl.where(b_M, tl.exp(tl.where(b_M, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-    cb = tl.dot(b_C, tl.trans(b_B), input_precision=DOT_PREC) * gam
-    b_y = tl.exp(b_G)[:, None] * tl.dot(b_C, b_S, input_precision=DOT_PREC) + tl.dot(cb, b_u, input_precision=DOT_PREC)
+    b_y = tl.exp(b_G)[:, None] * b_CS + tl.dot(b_CB * gam, b_u, input_precision=DOT_PREC)
     b_y += b_D[None, :] * b_x
     tl.store(y + tok[:, None] * SY + i_h * P + o_p[None, :], b_y.to(y.dtype.element_ty), mask=m_tp)
     tl.store(u + (rec[:, None] * H + i_h) * P + o_p[None, :], b_u, mask=m_rec[:, None] & m_p[None, :])
     if i_p == 0:
         tl.store(G + rec * H + i_h, b_G, mask=m_rec)
-        if rB is not None:  # the records' Bm in float32, from one program per group
-            if i_h % (H // NG) == 0:
-                tl.store(rB + (rec[:, None] * NG + i_g) * N + o_n[None, :], b_B, mask=m_rec[:, None] & m_n[None, :])
 
 
 def _check(x, dt, a, Bm, Cm, D, state, pending) -> None:
@@ -391,7 +410,8 @@ def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=No
     # (docs/tuning.md, "Mamba2 tree node tiles")
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
         x=x, dt=dt, Bm=Bm, Cm=Cm, D=D, S=state, y=y, u=u, G=G, sS_b=sS[0], sS_h=sS[1], sS_n=sS[2], sS_p=sS[3],
-        H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(steps)), BN=max(16, triton.next_power_of_2(N)),
+        H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(steps)),
+        BN=max(16, min(triton.next_power_of_2(N), tune["BN"])),
         BP=BP, D_HDIM=D.dim() == 2, DOT_PREC="ieee" if x.dtype == torch.float32 else tune["dot"],
         **_pending_kwargs(pending), **where, num_warps=tune["num_warps"],
     )
