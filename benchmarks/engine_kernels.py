@@ -73,6 +73,7 @@ from specla.mixers.gdn import serving as gdn_serving
 from specla.mixers.gdn import verify as gdn_verify
 from specla.mixers.kda import serving as kda_serving
 from specla.mixers.mamba2 import serving as mamba2_serving
+from specla.mixers.kda import verify as kda_verify
 from specla.mixers.mamba2 import verify as mamba2_verify
 from specla.testing import engine_kernels
 
@@ -525,6 +526,8 @@ def main(argv=None) -> int:
                     "two >= 16) and warps (specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--mamba2-serial", metavar="BP,WARPS", help="the Mamba2 serial (chain) kernel's widest P tile "
                     "(a power of two) and warps (specla.mixers.mamba2.verify.TUNING)")
+    ap.add_argument("--kda-serial", metavar="BV,WARPS", help="the KDA serial (chain) kernel's V tile (a power of two) "
+                    "and warps (specla.mixers.kda.verify.TUNING)")
     ap.add_argument("--mamba2-dot", choices=("ieee", "tf32x3"), default=mamba2_verify.TUNING["tree"]["dot"],
                     help="the Mamba2 tree kernel's products' precision where the activations are not float32 "
                          "(specla.mixers.mamba2.verify.TUNING)")
@@ -541,19 +544,26 @@ def main(argv=None) -> int:
                          f"8, 16, got {given!r}")
             m2[launch].update(BP=bp, num_warps=warps)
     m2["tree"]["dot"] = args.mamba2_dot
+    kda_serial = dict(kda_verify.TUNING["serial"])
+    if args.kda_serial:
+        bv, warps = _int_pair(args.kda_serial)
+        if not _tile(bv, 1) or warps not in (1, 2, 4, 8, 16):
+            ap.error(f"--kda-serial: BV,WARPS with BV a power of two and WARPS one of 1, 2, 4, 8, 16, got "
+                     f"{args.kda_serial!r}")
+        kda_serial.update(BV=bv, num_warps=warps)
     tree = dict(gdn_verify.TUNING["tree"], inverse=args.tree_inverse)
     if args.tree_tiles:
         tiles = _int_pair(args.tree_tiles)
         if not all(map(_tile, tiles)):
             ap.error(f"--tree-tiles: two powers of two >= 16 as BV,BKC, got {args.tree_tiles!r}")
         tree["tiles"] = {**tree["tiles"], "separate": tiles}
-    saved = gdn_verify.TUNING["tree"], dict(mamba2_verify.TUNING)
-    gdn_verify.TUNING["tree"] = tree
+    saved = gdn_verify.TUNING["tree"], dict(mamba2_verify.TUNING), kda_verify.TUNING["serial"]
+    gdn_verify.TUNING["tree"], kda_verify.TUNING["serial"] = tree, kda_serial
     mamba2_verify.TUNING.update(m2)
     try:
         return _run(ap, args)
     finally:  # the kernels' settings are the library's again for whoever calls next in this process
-        gdn_verify.TUNING["tree"] = saved[0]
+        gdn_verify.TUNING["tree"], kda_verify.TUNING["serial"] = saved[0], saved[2]
         mamba2_verify.TUNING.update(saved[1])
 
 
@@ -581,6 +591,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     meta["gdn_tree_tuning"] = gdn_verify.TUNING["tree"]  # specla's tree kernel settings this run timed
     meta["mamba2_tree_tuning"] = mamba2_verify.TUNING["tree"]
     meta["mamba2_serial_tuning"] = mamba2_verify.TUNING["serial"]
+    meta["kda_serial_tuning"] = kda_verify.TUNING["serial"]
     # what SGLang's kernel picked its launch from (tiles for the tree verify on SM90; PDL)
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
     cells = []

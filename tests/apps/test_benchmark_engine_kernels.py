@@ -132,7 +132,8 @@ SERIAL = "BP,WARPS with BP a power of two and WARPS one of 1, 2, 4, 8, 16"
 @pytest.mark.parametrize("flag, value, want", [
     *[("--tree-tiles", v, TILES) for v in ("12,32", "64", "64,32,16", "a,b")],
     *[("--mamba2-tree", v, MAMBA2) for v in ("12,4", "8,4", "32,3", "32", "a,b")],
-    *[("--mamba2-serial", v, SERIAL) for v in ("12,4", "0,4", "8,3", "8", "a,b")]])
+    *[("--mamba2-serial", v, SERIAL) for v in ("12,4", "0,4", "8,3", "8", "a,b")],
+    *[("--kda-serial", v, SERIAL.replace("BP", "BV")) for v in ("12,4", "8,3")]])
 def test_kernel_settings_out_of_their_forms_are_refused(tmp_path, flag, value, want):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "r.json"), "--device", "cpu",
                            flag, value], capture_output=True, text=True, timeout=600)
