@@ -49,7 +49,9 @@ Memory per running request and layer, from the buffers each contender allocated:
 slot(s) plus its speculation buffers (SGLang: ``D`` states; specla: its factor records; ReplaySSM:
 its rings; both vLLM contenders: ``T`` slots in all); times the model's layers of the op, and how
 many running requests fit in ``--budget-gib`` on one rank. Writes ``--out`` (JSON: ``meta``
-provenance, ``cells``, ``memory``) and the same path with ``.md`` (tables), printed last.
+provenance, ``cells``, ``memory``, ``complete``) and the same path with ``.md`` (tables), printed
+last; both are rewritten after every cell, so a run cut short keeps what it timed (``complete``:
+false).
 """
 
 from __future__ import annotations
@@ -596,6 +598,18 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
     cells = []
     work = [("tree", D) for D in ints(args.trees)] + [("chain", D) for D in ints(args.chains)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool) -> dict:
+        """The report of the cells so far, rewritten after each (a run cut short keeps them;
+        ``complete`` says whether it ran every cell)."""
+        report = dict(meta=meta, args=vars(args), complete=complete, cells=cells,
+                      memory=memory_rows(cells, shapes, args.budget_gib))
+        out.write_text(json.dumps(report, indent=1))
+        out.with_suffix(".md").write_text(markdown(report))
+        return report
+
     # Triton's interpreter (the CPU) needs the engines' Mamba2 masks read as bool
     with engine_kernels.interpreter_bool_masks():
         for (op, *dims), users in shapes.items():
@@ -606,12 +620,8 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     c["models"] = ", ".join(f"{m} ({tp})" for m, tp in users)
                     cells.append(c)
                     print(json.dumps(c), flush=True)
-    report = dict(meta=meta, args=vars(args), cells=cells, memory=memory_rows(cells, shapes, args.budget_gib))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+                    write(complete=False)
+    print(markdown(write(complete=True)))
     return 0
 
 

@@ -22,9 +22,9 @@ it (by date folder, then by the measured commit's place in ``git log``, then by 
   replay commits).
 - inside the serving engines: benchmarks/engine_kernels.py reports (``engine-kernels-*.json``):
   specla's verify + commit on an engine's data against the engines' own kernels, per layer of a
-  rank. Configuration: op (GDN where a report names none), models and tensor parallelism,
-  workload; its batches share one cell (specla first, then each engine contender of the
-  workload, in the report's order).
+  rank. Configuration: op (GDN where a report names none), the layer's shape on one rank (the
+  newest report of a shape stands, whichever models it named), workload; its batches share one
+  cell (specla first, then each engine contender of the workload, in the report's order).
 
 Each row names the GPU (the report's own field, else the title of its date folder's README.md),
 the date (the folder), the commit (the code cell of the folder README's file table, else the
@@ -72,8 +72,11 @@ QUESTIONS = {  # title, configuration columns, value columns
                   ["model", "setup", "batch", "row"],
                   ["tok/s", "ms / step", "accepted / step", "vs specla AR", "exact"]),
     "engines": ("Inside the serving engines: verify + commit, µs per layer of a rank (batch: specla / engines)",
-                ["op", "models (TP)", "workload"], ["by batch", "engines", "agree", "running requests a rank fits (specla / engines)"]),
+                ["op", "shape of a rank", "workload"],
+                ["models (TP)", "by batch", "engines", "agree", "running requests a rank fits (specla / engines)"]),
 }
+# an engine_kernels.py cell's per-rank layer dims, by op (its OPS' dims)
+ENGINE_DIMS = {"gdn": ("H", "HV", "K", "V"), "mamba2": ("H", "P", "NG", "NS"), "kda": ("H", "K", "V")}
 KERNEL_STUDIES = {  # study: (case field, specla time, baseline time, its label)
     "verify": ("tree", None, "replay_ms", "FLA replay of each root-to-leaf path"),
     "commit": ("accepted", "factor_ms", "replay_ms", "FLA token replay"),
@@ -316,11 +319,14 @@ def engine_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
     src = source(results, path, data["meta"])
     cases: dict[tuple, list[dict]] = {}
     for c in data["cells"]:  # reports from before the op axis timed GDN alone
-        cases.setdefault((c.get("op", "gdn"), c["models"], c["workload"]), []).append(c)
+        op = c.get("op", "gdn")
+        shape = " ".join(f"{d}{c[d]}" for d in ENGINE_DIMS[op] if d in c) or c["models"]
+        cases.setdefault((op, shape, c["workload"]), []).append(c)
     fits: dict[tuple, dict] = {}
     for m in data.get("memory", []):
         fits.setdefault((m["model"], m["tp"], m["workload"]), {})[m["contender"]] = m["requests_in_budget"]
-    for (op, models, workload), cells in cases.items():
+    for (op, shape, workload), cells in cases.items():
+        models = cells[0]["models"]
         others = [k for k in cells[0]["us"] if k != "specla"]
         by_batch = "; ".join(f"{c['batch']}: " + " / ".join(f"{c['us'][k]:.1f}" for k in ["specla", *others])
                              for c in sorted(cells, key=lambda c: c["batch"]))
@@ -329,8 +335,8 @@ def engine_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
             fit = fits.get((model, int(tp), workload), {})
             requests.append(f"{model} " + " / ".join(str(fit[k]) for k in ["specla", *others] if k in fit))
         agree = "yes" if all(c["agree"] for c in cells) else "NO"
-        yield Row("engines", (op, models, workload), [by_batch, ", ".join(others), agree,
-                                                      f"{data['args']['budget_gib']:g} GiB: " + "; ".join(requests)], src)
+        yield Row("engines", (op, shape, workload), [models, by_batch, ", ".join(others), agree,
+                                                     f"{data['args']['budget_gib']:g} GiB: " + "; ".join(requests)], src)
 
 
 def all_rows(results: Path) -> Iterator[Row]:

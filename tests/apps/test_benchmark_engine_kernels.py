@@ -37,6 +37,7 @@ def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
                           env=dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["complete"] is True  # rewritten after each cell, complete after the last
     cells = report["cells"]
     assert [(c["op"], c["batch"], c["workload"]) for c in cells] == [
         (op, N, w) for op in ("gdn", "mamba2", "kda") for N in (1, 3) for w in ("tree6", "chain3")]

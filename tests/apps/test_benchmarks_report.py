@@ -220,12 +220,14 @@ def test_the_generated_part_is_replaced_between_its_markers_only():
 
 
 def test_engine_kernels_rows_put_every_batch_in_one_cell_and_the_requests_per_model(results):
-    """An engine_kernels.py report: one row per op, models and workload (a cell naming no op is
-    GDN's, as reports from before the op axis), specla's time then each engine contender's per
-    batch (sorted by batch), disagreement shown as NO, and per model the running requests a rank
-    fits in the report's budget."""
+    """An engine_kernels.py report: one row per op, per-rank shape and workload (a cell naming no
+    op is GDN's, as reports from before the op axis), its models, specla's time then each engine
+    contender's per batch (sorted by batch), disagreement shown as NO, and per model the running
+    requests a rank fits in the report's budget."""
     def cell(batch, us, agree=True, **op):
-        return {"models": "m-a (4), m-b (4)", "workload": "chain4", "batch": batch, "us": us, "agree": agree, **op}
+        dims = dict(H=8, P=64, NG=2, NS=128) if op else dict(H=8, HV=16, K=128, V=128)
+        return {"models": "m-a (4), m-b (4)", "workload": "chain4", "batch": batch, "us": us, "agree": agree,
+                **dims, **op}
 
     data = {"meta": {"commit": "a" * 40, "device": "GPU X", "command": "python benchmarks/engine_kernels.py"},
             "args": {"budget_gib": 10.0},
@@ -238,8 +240,23 @@ def test_engine_kernels_rows_put_every_batch_in_one_cell_and_the_requests_per_mo
     path = results / "2026-01-02" / "engine-kernels-tp4-abcdef1.json"
     path.write_text(json.dumps(data))
     row, mamba2 = report.all_rows(results)
-    assert row.question == "engines" and row.key == ("gdn", "m-a (4), m-b (4)", "chain4")
-    assert row.values == ["1: 1.0 / 2.0; 8: 2.2 / 3.5", "sglang", "NO", "10 GiB: m-a 500 / 60; m-b 600 / 70"]
-    assert mamba2.key == ("mamba2", "m-c (4)", "chain4")
-    assert mamba2.values == ["1: 4.0 / 5.0 / 6.0", "sglang, vllm", "yes", "10 GiB: m-c 40 / 4 / 5"]
+    assert row.question == "engines" and row.key == ("gdn", "H8 HV16 K128 V128", "chain4")
+    assert row.values == ["m-a (4), m-b (4)", "1: 1.0 / 2.0; 8: 2.2 / 3.5", "sglang", "NO",
+                          "10 GiB: m-a 500 / 60; m-b 600 / 70"]
+    assert mamba2.key == ("mamba2", "H8 P64 NG2 NS128", "chain4")
+    assert mamba2.values == ["m-c (4)", "1: 4.0 / 5.0 / 6.0", "sglang, vllm", "yes", "10 GiB: m-c 40 / 4 / 5"]
     assert (row.source.commit, row.source.gpu) == ("abcdef1", "GPU X (report)")
+
+
+def test_the_newest_engine_report_of_a_shape_stands_whichever_models_it_names(results):
+    """Two reports of one per-rank GDN shape, the newer timing one of the models the older named:
+    one row, the newer report's, with its models."""
+    def data(models, us):
+        return {"meta": {"commit": "a" * 40, "device": "GPU X"}, "args": {"budget_gib": 10.0}, "memory": [],
+                "cells": [{"op": "gdn", "H": 8, "HV": 16, "K": 128, "V": 128, "models": models, "workload": "tree8",
+                           "batch": 1, "us": {"specla": us, "sglang": 2.0}, "agree": True}]}
+
+    write(results, "2026-01-01/engine-kernels-tp2-aaaaaaa.json", data("m-a (2), m-b (2)", 3.0))
+    write(results, "2026-01-02/engine-kernels-gdn-tp2-bbbbbbb.json", data("m-a (2)", 1.0))
+    [row] = report.newest(report.all_rows(results), History("aaaaaaa", "bbbbbbb"))
+    assert row.values[:2] == ["m-a (2)", "1: 1.0 / 2.0"] and row.source.commit == "bbbbbbb"
