@@ -41,10 +41,11 @@ from .records import KDAFactorRecord
 PENDING_FIELDS = dict(pk="k", pv="delta", pGk="Gk")  # GLA's commit parameter -> KDAFactorRecord field
 # the serial kernel's state-stride and layer-stride parameters (specla.ops.pending.own_slots)
 SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_k", "sS_v"), layers=("lS", "lk", "ld", "lG"))
-# Launch parameters, untimed. "serial": each program keeps a [K, BV] float32 state tile in
-# registers; [128, 16] at Kimi Linear's K = 128 holds as many elements as GDN's serial tile [256, 8],
-# past which that one spills. "tree": the state is visited in K blocks of BKC rows, so that nothing
-# larger than a [BT, BKC] or [BT, BV] tile is live.
+# Launch parameters. "serial": each program keeps a [K, BV] float32 state tile in registers;
+# [128, 16] at Kimi Linear's K = 128 holds as many elements as GDN's serial tile [256, 8], past
+# which that one spills; swept on the engines' chains (docs/tuning.md, "KDA serial kernel").
+# "tree", untimed: the state is visited in K blocks of BKC rows, so that nothing larger than a
+# [BT, BKC] or [BT, BV] tile is live.
 TUNING = {"serial": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 32, "num_warps": 4}}
 
 

@@ -37,8 +37,8 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 # state tile: a narrower one holds fewer registers and gives small batches more programs), and
 # their warps. The tree kernel narrows its tile (to 16 at least, tl.dot's) while a launch would
 # have fewer than "programs" programs: a small batch then fills the GPU's SMs; it visits the state
-# size in blocks of "BN" rows (held whole, a state size of 256 made small trees far slower). "dot": the tree
-# kernel's products' precision where the activations are not float32 (float32 runs take "ieee"),
+# size in blocks of "BN" rows (a state size of 256 held whole ran small trees far slower). "dot":
+# the tree kernel's products' precision where the activations are not float32 (float32 runs take "ieee"),
 # as the GDN tree kernel's (specla.mixers.gdn.verify.TUNING): "tf32x3" keeps float32's accuracy on
 # the tensor cores, "ieee" keeps the products off them (docs/tuning.md, "Mamba2 verify launch
 # parameters"). benchmarks/engine_kernels.py --mamba2-tree, --mamba2-serial (BP,WARPS) and
