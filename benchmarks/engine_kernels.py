@@ -483,8 +483,13 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, prog: str
         print(f"{prog}: error: needs a CUDA GPU; torch sees none (--device cpu under TRITON_INTERPRET=1)",
               file=sys.stderr)
         return None
-    for name, value in PRESETS[args.preset].items():
-        setattr(args, name, getattr(args, name) or value)
+    for name, value in PRESETS[args.preset].items():  # an option given empty ("--trees=") is none
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+    for name in ("models", "tp", "batches", "dtype"):
+        if not [x for x in getattr(args, name).split(",") if x]:
+            ap.error(f"--{name} is empty")
+    if not ints(args.trees) and not ints(args.chains):
+        ap.error("--trees and --chains are both empty: nothing to time")
     ops = args.ops.split(",")
     if set(ops) - set(OPS):
         ap.error(f"--ops: unknown {', '.join(sorted(set(ops) - set(OPS)))} (of {', '.join(OPS)})")
@@ -514,7 +519,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}: the preset's (or "
                                                          "--models') models of these ops (default: all)")
     for name in ("models", "tp", "batches", "trees", "chains", "dtype"):
-        ap.add_argument(f"--{name}", help=f"comma-separated; default: the preset's ({PRESETS['full'][name]} for full)")
+        ap.add_argument(f"--{name}", help=f"comma-separated; default: the preset's ({PRESETS['full'][name]} for full)"
+                        + ("; empty (--trees=) for none" if name in ("trees", "chains") else ""))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=50, help="timed rounds (median)")
     ap.add_argument("--budget-gib", type=float, default=10.0, help="memory a rank gives running requests' GDN state")

@@ -125,6 +125,14 @@ def test_arguments_are_checked_before_the_engines_load(tmp_path):
     assert proc.stderr.splitlines()[-1].startswith("engine_kernels.py: error: --models: unknown no-such-model (of ")
 
 
+@pytest.mark.parametrize("args, want", [(["--trees=", "--chains="], "--trees and --chains are both empty: nothing to time"),
+                                        (["--batches="], "--batches is empty")])
+def test_empty_lists_are_refused(tmp_path, args, want):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path), "--out", str(tmp_path / "r.json"),
+                           "--device", "cpu", *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == f"engine_kernels.py: error: {want}"
+
+
 TILES = "two powers of two >= 16 as BV,BKC"
 MAMBA2 = "BP,WARPS with BP a power of two >= 16 and WARPS one of 1, 2, 4, 8, 16"
 SERIAL = "BP,WARPS with BP a power of two and WARPS one of 1, 2, 4, 8, 16"
