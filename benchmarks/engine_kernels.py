@@ -536,6 +536,8 @@ def main(argv=None) -> int:
                     "(a power of two) and warps (specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--kda-serial", metavar="BV,WARPS", help="the KDA serial (chain) kernel's V tile (a power of two) "
                     "and warps (specla.mixers.kda.verify.TUNING)")
+    ap.add_argument("--mamba2-stages", type=int, choices=(1, 2, 3, 4),
+                    default=mamba2_verify.TUNING["tree"]["num_stages"], help="the Mamba2 tree kernel's pipeline stages (specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--mamba2-dot", choices=("ieee", "tf32x3"), default=mamba2_verify.TUNING["tree"]["dot"],
                     help="the Mamba2 tree kernel's products' precision where the activations are not float32 "
                          "(specla.mixers.mamba2.verify.TUNING)")
@@ -551,7 +553,7 @@ def main(argv=None) -> int:
                 ap.error(f"--mamba2-{launch}: BP,WARPS with BP a power of two{at_least} and WARPS one of 1, 2, 4, "
                          f"8, 16, got {given!r}")
             m2[launch].update(BP=bp, num_warps=warps)
-    m2["tree"]["dot"] = args.mamba2_dot
+    m2["tree"].update(dot=args.mamba2_dot, num_stages=args.mamba2_stages)
     kda_serial = dict(kda_verify.TUNING["serial"])
     if args.kda_serial:
         bv, warps = _int_pair(args.kda_serial)

@@ -41,9 +41,10 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 # the tree kernel's products' precision where the activations are not float32 (float32 runs take "ieee"),
 # as the GDN tree kernel's (specla.mixers.gdn.verify.TUNING): "tf32x3" keeps float32's accuracy on
 # the tensor cores, "ieee" keeps the products off them (docs/tuning.md, "Mamba2 verify launch
-# parameters"). benchmarks/engine_kernels.py --mamba2-tree, --mamba2-serial (BP,WARPS) and
-# --mamba2-dot time other settings.
-TUNING = {"tree": {"BP": 64, "BN": 128, "programs": 128, "num_warps": 4, "dot": "tf32x3"},
+# parameters"). "num_stages": the software pipelining of the tree kernel's loop over N blocks
+# (Triton's default, 3). benchmarks/engine_kernels.py --mamba2-tree, --mamba2-serial (BP,WARPS),
+# --mamba2-stages and --mamba2-dot time other settings.
+TUNING = {"tree": {"BP": 64, "BN": 128, "programs": 128, "num_warps": 4, "num_stages": 3, "dot": "tf32x3"},
           "serial": {"BP": 16, "num_warps": 1}}
 
 
@@ -413,7 +414,7 @@ def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=No
         H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(steps)),
         BN=max(16, min(triton.next_power_of_2(N), tune["BN"])),
         BP=BP, D_HDIM=D.dim() == 2, DOT_PREC="ieee" if x.dtype == torch.float32 else tune["dot"],
-        **_pending_kwargs(pending), **where, num_warps=tune["num_warps"],
+        **_pending_kwargs(pending), **where, num_warps=tune["num_warps"], num_stages=tune["num_stages"],
     )
 
 
