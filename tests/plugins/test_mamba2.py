@@ -386,7 +386,7 @@ def test_verify_kernels_with_fused_ragged_commit_equal_naive(kind, tile, shape, 
     launch = "serial" if kind == "chain" else "tree"
     # "programs": 1, so that these small batches keep the tree kernel's widest tile
     monkeypatch.setitem(mamba2_verify.TUNING, launch, {**mamba2_verify.TUNING[launch], "BP": tile}
-                        | ({"programs": 1, "BN": 16} if launch == "tree" else {}))
+                        | ({"programs": 1, "BN": 16, "BN_split": 16} if launch == "tree" else {}))
 
     B, T, H, P, NG, N, d_hdim = shape
     rng = random.Random(sum(shape[:6]))

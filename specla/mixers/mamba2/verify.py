@@ -36,15 +36,18 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 # The verify kernels' launches: "BP", the widest P tile a program holds (with the whole [N, BP]
 # state tile: a narrower one holds fewer registers and gives small batches more programs), and
 # their warps. The tree kernel narrows its tile (to 16 at least, tl.dot's) while a launch would
-# have fewer than "programs" programs: a small batch then fills the GPU's SMs; it visits the state
-# size in blocks of "BN" rows (a state size of 256 held whole ran small trees far slower). "dot":
+# have fewer than "programs" programs: a small batch then fills the GPU's SMs. It holds a state
+# size up to "BN" whole and visits a larger one in blocks of "BN_split" rows (a state size of 256
+# held whole, or in blocks of 128, compiled to heavy register spills and ran small trees far
+# slower; docs/tuning.md). "dot":
 # the tree kernel's products' precision where the activations are not float32 (float32 runs take "ieee"),
 # as the GDN tree kernel's (specla.mixers.gdn.verify.TUNING): "tf32x3" keeps float32's accuracy on
 # the tensor cores, "ieee" keeps the products off them (docs/tuning.md, "Mamba2 verify launch
 # parameters"). "num_stages": the software pipelining of the tree kernel's loop over N blocks
 # (Triton's default, 3). benchmarks/engine_kernels.py --mamba2-tree, --mamba2-serial (BP,WARPS),
 # --mamba2-stages and --mamba2-dot time other settings.
-TUNING = {"tree": {"BP": 64, "BN": 128, "programs": 128, "num_warps": 4, "num_stages": 3, "dot": "tf32x3"},
+TUNING = {"tree": {"BP": 64, "BN": 128, "BN_split": 64, "programs": 128, "num_warps": 4, "num_stages": 3,
+                   "dot": "tf32x3"},
           "serial": {"BP": 16, "num_warps": 1}}
 
 
@@ -412,7 +415,7 @@ def _launch_tree(B: int, steps: int, x, dt, Bm, Cm, D, state, out, *, pending=No
     _tree_verify_kernel[(B * H, triton.cdiv(P, BP))](
         x=x, dt=dt, Bm=Bm, Cm=Cm, D=D, S=state, y=y, u=u, G=G, sS_b=sS[0], sS_h=sS[1], sS_n=sS[2], sS_p=sS[3],
         H=H, NG=NG, N=N, P=P, BT=max(32, triton.next_power_of_2(steps)),
-        BN=max(16, min(triton.next_power_of_2(N), tune["BN"])),
+        BN=max(16, triton.next_power_of_2(N) if N <= tune["BN"] else tune["BN_split"]),
         BP=BP, D_HDIM=D.dim() == 2, DOT_PREC="ieee" if x.dtype == torch.float32 else tune["dot"],
         **_pending_kwargs(pending), **where, num_warps=tune["num_warps"], num_stages=tune["num_stages"],
     )
