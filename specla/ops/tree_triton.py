@@ -4,9 +4,9 @@ launch where the PyTorch form, a closure by repeated squaring, takes about fifte
 which is bound by the number of kernels it launches. One program per tree climbs from every
 node to the root, one parent per iteration.
 
-Also the tree verify kernels' shared device helpers (GDN's, GLA's, KDA's and Mamba2's): where a
-sequence's tokens lie (:func:`token_rows`) and its ancestor mask as a register tile
-(:func:`ancestor_mask_tile`).
+Also the verify kernels' shared device helpers (GDN's, GLA's, KDA's and Mamba2's): where a
+sequence's tokens lie (:func:`token_rows`; in a serial kernel :func:`chain_rows` and, token by
+token, :func:`chain_step`) and its ancestor mask as a register tile (:func:`ancestor_mask_tile`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,36 @@ def token_rows(cu_seqlens, i_b, T, VARLEN: tl.constexpr):
         bos = i_b * T
         n = T
     return bos, n
+
+
+CHAIN_PLACEMENT = {"VARLEN": PLACEMENT["VARLEN"], "OWN": lambda args: args["num_nodes"] is not None}
+"""Heuristics of a serial (chain) kernel's token rows (:func:`chain_rows`) from its ``cu_seqlens``
+and ``num_nodes`` arguments."""
+
+
+@triton.jit
+def chain_rows(cu_seqlens, num_nodes, i_b, T, VARLEN: tl.constexpr, OWN: tl.constexpr):
+    """In a serial (chain) kernel: the first token row of sequence ``i_b`` and its token count, as
+    :func:`token_rows`, the count ``num_nodes[i_b]`` instead where given (``OWN``: specla's own
+    ``[B, T]`` rows, whose nodes past it are padding)."""
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
+    if OWN:
+        n = tl.load(num_nodes + i_b).to(tl.int32)
+    return bos, n
+
+
+@triton.jit
+def chain_step(t, n, OWN: tl.constexpr):
+    """In a serial kernel, token ``t`` of a row of ``n``: ``(valid, write)``, both ``[1]`` (a
+    ``[1]`` load or store takes no scalar mask): whether it is one of the row's tokens, and
+    whether its outputs are stored (specla's own rows store their padding nodes, as zeros; an
+    engine's rows past a sequence's tokens are another's, or none)."""
+    valid = (tl.zeros([1], dtype=tl.int32) + t) < n
+    if OWN:
+        write = valid | True
+    else:
+        write = valid
+    return valid, write
 
 
 @triton.jit

@@ -33,7 +33,9 @@ from specla.mixers.gla.verify import MAX_TREE_NODES, _apply_pending, launch_deca
 from specla.mixers.gla.verify import pick_verify_kernel  # noqa: F401
 from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, own_slots, pending_launch, with_pending
-from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
+from specla.ops.tree_triton import (
+    CHAIN_PLACEMENT, PLACEMENT, ancestor_mask_tile, chain_rows, chain_step, token_rows,
+)
 from specla.records import LayerCommit
 
 from .records import KDAFactorRecord
@@ -51,8 +53,7 @@ TUNING = {"serial": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 32, "n
 
 @with_pending
 @triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None,
-                    "VARLEN": lambda args: args["cu_seqlens"] is not None,
-                    "OWN": lambda args: args["num_nodes"] is not None,
+                    **CHAIN_PLACEMENT,
                     "RAW_GATES": lambda args: args["A_log"] is not None})
 @triton.jit
 def _serial_verify_kernel(
@@ -103,9 +104,7 @@ def _serial_verify_kernel(
     if HAS_PENDING:  # fused delayed commit: the committed state is written once
         b_S = _apply_pending(b_S, p_S, m_s, pk, pv, pGk, path, path_len, i_b, i_r, i_b * path_step, i_h, o_k, o_v,
                              m_k, m_v, P, Tp, H, K, V)
-    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
-    if OWN:
-        n = tl.load(num_nodes + i_b).to(tl.int32)
+    bos, n = chain_rows(cu_seqlens, num_nodes, i_b, T, VARLEN, OWN)
     if RAW_GATES:
         b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_A = -tl.exp(tl.load(A_log + i_h + tl.zeros([1], dtype=tl.int64)).to(tl.float32))
@@ -113,11 +112,7 @@ def _serial_verify_kernel(
     b_G = tl.zeros([BK], dtype=tl.float32)
     for t in range(0, T):
         tok = bos + t
-        valid = (tl.zeros([1], dtype=tl.int32) + t) < n  # [1]: masks of [1] loads take no scalar
-        if OWN:  # specla's own rows write their padding nodes, as zeros
-            write = valid | True
-        else:  # an engine's rows past a sequence's tokens are another's, or none
-            write = valid
+        valid, write = chain_step(t, n, OWN)
         qk = tok * SQK + i_h * K + o_k
         b_q = tl.load(q + qk, mask=m_k & valid, other=0.0).to(tl.float32)
         b_k = tl.load(k + qk, mask=m_k & valid, other=0.0).to(tl.float32)

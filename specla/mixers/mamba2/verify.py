@@ -22,7 +22,9 @@ from torch import Tensor
 
 from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, own_slots, pending_launch, with_pending
-from specla.ops.tree_triton import PLACEMENT, ancestor_mask_tile, token_rows
+from specla.ops.tree_triton import (
+    CHAIN_PLACEMENT, PLACEMENT, ancestor_mask_tile, chain_rows, chain_step, token_rows,
+)
 from specla.records import LayerCommit
 
 from .records import Mamba2FactorRecord
@@ -86,36 +88,29 @@ def _load_D(D, i_h, o_p, m_p, P: tl.constexpr, BP: tl.constexpr, D_HDIM: tl.cons
 
 
 @triton.jit
-def _record_row(rec_idx, i_b, SLOTS: tl.constexpr):
-    """Sequence ``i_b``'s record row: ``i_b``, or ``rec_idx[i_b]`` (``SLOTS``)."""
+def _slot_rows(state_idx, rec_idx, i_b, SLOTS: tl.constexpr):
+    """Sequence ``i_b``'s state slot and record row: ``i_b`` and ``i_b``, or ``state_idx[i_b]``
+    and ``rec_idx[i_b]`` (``SLOTS``; a negative slot is neither read nor written, a negative row
+    has no records)."""
     if SLOTS:
-        return tl.load(rec_idx + i_b).to(tl.int64)
+        return tl.load(state_idx + i_b).to(tl.int64), tl.load(rec_idx + i_b).to(tl.int64)
     else:
-        return i_b
+        return i_b, i_b
 
 
 @triton.jit
-def _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP: tl.constexpr,
-               SLOTS: tl.constexpr):
-    """Sequence ``i_b``'s state tile: pointers, mask and record row. Its state lies at slot
-    ``i_b``, or ``state_idx[i_b]`` (``SLOTS``; a negative slot is neither read nor written),
-    element ``(h, n, p)`` at ``h sS_h + n sS_n + p sS_p``; its records at row ``i_b``, or
-    ``rec_idx[i_b]``."""
-    if SLOTS:
-        slot = tl.load(state_idx + i_b).to(tl.int64)
-    else:
-        slot = i_b
-    i_r = _record_row(rec_idx, i_b, SLOTS)
+def _state_tile(S, slot, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP: tl.constexpr):
+    """The pointers and mask of a state tile in ``slot`` (:func:`_slot_rows`): element ``(h, n,
+    p)`` at ``h sS_h + n sS_n + p sS_p``."""
     m_s = m_n[:, None] & m_p[None, :] & (slot >= tl.zeros([1, BP], dtype=tl.int64))
     p_S = S + slot * sS_b + i_h * sS_h + o_n[:, None] * sS_n + o_p[None, :] * sS_p
-    return p_S, m_s, i_r
+    return p_S, m_s
 
 
 @with_pending
 @triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None,
                     "RAW_DT": lambda args: args["A"] is not None,
-                    "VARLEN": lambda args: args["cu_seqlens"] is not None,
-                    "OWN": lambda args: args["num_nodes"] is not None})
+                    **CHAIN_PLACEMENT})
 @triton.jit
 def _serial_verify_kernel(
     x, dt, a, Bm, Cm, D, S, y, u, G, num_nodes,
@@ -131,13 +126,14 @@ def _serial_verify_kernel(
     sequence ``b`` at rows ``b * T + t`` (``OWN``: the nodes past them are padding and get zero
     outputs and records), or every row ``T`` tokens, or packed at ``cu_seqlens[b] + t``
     (``VARLEN``; rows past a sequence's tokens are not written); rows ``SX`` (x), ``SDT`` (dt,
-    a), ``SBC`` (Bm, Cm) and ``SY`` (y) elements apart, each row dense; the state as
-    :func:`_slot_tile`; the records ``u``, ``G`` (and ``Bm`` in float32 into ``rB``, when given)
-    of node ``t`` at row ``r * RD + t`` (a negative row writes none); step sizes ``dt`` and log
-    decays ``a`` given, or from the raw ``dt`` (``RAW_DT``: ``dt = softplus(dt + dt_bias)``,
-    ``a = dt A``, in float32). The pending records are those of node ``path[b, j] - b *
-    path_step``. A third grid axis runs one commit per layer (``T = 0``): layer ``l``'s state and
-    records lie ``l lS``, ``l lB``, ``l lu``, ``l lG`` elements on."""
+    a), ``SBC`` (Bm, Cm) and ``SY`` (y) elements apart, each row dense; the state and records
+    as :func:`_slot_rows` and :func:`_state_tile` place them, the records ``u``, ``G`` (and
+    ``Bm`` in float32 into ``rB``, when given) of node ``t`` at row ``r * RD + t`` (a negative
+    row writes none); step sizes ``dt`` and log decays ``a`` given, or from the raw ``dt``
+    (``RAW_DT``: ``dt = softplus(dt + dt_bias)``, ``a = dt A``, in float32). The pending records
+    are those of node ``path[b, j] - b * path_step``. A third grid axis runs one commit per
+    layer (``T = 0``): layer ``l``'s state and records lie ``l lS``, ``l lB``, ``l lu``, ``l lG``
+    elements on."""
     i_p, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_l = tl.program_id(2).to(tl.int64)
     S += i_l * lS
@@ -150,16 +146,14 @@ def _serial_verify_kernel(
     o_n = tl.arange(0, BN)
     o_p = i_p * BP + tl.arange(0, BP)
     m_n, m_p = o_n < N, o_p < P
-    p_S, m_s, i_r = _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP,
-                               SLOTS)
+    slot, i_r = _slot_rows(state_idx, rec_idx, i_b, SLOTS)
+    p_S, m_s = _state_tile(S, slot, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP)
     b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
     if HAS_PENDING:  # fused delayed commit: the committed state is written once
         b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_r, i_b * path_step, i_g, i_h,
                              o_n, o_p, m_n, m_p, Lp, Tp, H, NG, N, P)
     b_D = _load_D(D, i_h, o_p, m_p, P, BP, D_HDIM)
-    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
-    if OWN:
-        n = tl.load(num_nodes + i_b).to(tl.int32)
+    bos, n = chain_rows(cu_seqlens, num_nodes, i_b, T, VARLEN, OWN)
     if RAW_DT:
         zero = tl.zeros([1], dtype=tl.int64)
         b_bias = tl.load(dt_bias + i_h + zero).to(tl.float32)
@@ -168,11 +162,7 @@ def _serial_verify_kernel(
     b_G = tl.zeros([1], dtype=tl.float32)
     for t in range(0, T):
         tok = bos + t
-        valid = (tl.zeros([1], dtype=tl.int32) + t) < n  # [1]: masks of [1] loads take no scalar
-        if OWN:  # specla's own rows write their padding nodes, as zeros
-            write = valid | True
-        else:  # an engine's rows past a sequence's tokens are another's, or none
-            write = valid
+        valid, write = chain_step(t, n, OWN)
         one = tok * SDT + i_h + tl.zeros([1], dtype=tl.int64)
         b_x = tl.load(x + tok * SX + i_h * P + o_p, mask=m_p & valid, other=0.0).to(tl.float32)
         if RAW_DT:
@@ -220,10 +210,10 @@ def _tree_verify_kernel(
     rows ``b * T + t`` or packed at ``cu_seqlens[b] + t`` (``VARLEN``; ``n <= BT`` tokens), rows
     ``SX`` (x), ``SDT`` (dt, a), ``SBC`` (Bm, Cm) and ``SY`` (y) elements apart, each row dense;
     the tree as the ancestor mask or one parent per node (:func:`ancestor_mask_tile`); the state
-    as :func:`_slot_tile`; the records ``u``, ``G`` (and ``Bm`` in float32 into ``rB``, when
-    given) of node ``t`` at row ``r * RD + t`` (a negative row writes none); step sizes ``dt``
-    and log decays ``a`` given, or from the raw ``dt`` (``RAW_DT``: ``dt = softplus(dt +
-    dt_bias)``, ``a = dt A``, in float32)."""
+    and records as :func:`_slot_rows` and :func:`_state_tile` place them, the records ``u``,
+    ``G`` (and ``Bm`` in float32 into ``rB``, when given) of node ``t`` at row ``r * RD + t`` (a
+    negative row writes none); step sizes ``dt`` and log decays ``a`` given, or from the raw
+    ``dt`` (``RAW_DT``: ``dt = softplus(dt + dt_bias)``, ``a = dt A``, in float32)."""
     i_p, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_h // (H // NG)
@@ -246,7 +236,7 @@ def _tree_verify_kernel(
     b_u = b_dt[:, None] * b_x
     # Cm S0 and Cm Bm^T over the state size in blocks of BN rows: a state, Bm and Cm tile of a
     # large N held whole would spill registers
-    row = _record_row(rec_idx, i_b, SLOTS)
+    slot, row = _slot_rows(state_idx, rec_idx, i_b, SLOTS)
     rec = row * RD + o_t
     m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
     b_CS = tl.zeros([BT, BP], dtype=tl.float32)
@@ -254,8 +244,7 @@ def _tree_verify_kernel(
     for i_n in range(0, tl.cdiv(N, BN)):
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < N
-        p_S, m_s, _ = _slot_tile(S, state_idx, rec_idx, i_b, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP,
-                                 SLOTS)
+        p_S, m_s = _state_tile(S, slot, i_h, o_n, o_p, m_n, m_p, sS_b, sS_h, sS_n, sS_p, BP)
         b_S = tl.load(p_S, mask=m_s, other=0.0).to(tl.float32)
         if HAS_PENDING:
             b_S = _apply_pending(b_S, p_S, m_s, pB, pu, pG, path, path_len, i_b, i_b, 0, i_g, i_h, o_n, o_p, m_n,
