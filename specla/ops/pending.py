@@ -56,8 +56,17 @@ def own_slots(state: Tensor, strides: tuple[str, ...], layers: tuple[str, ...]) 
         keyword arguments: ``state_idx`` and ``rec_idx`` ``None``, ``path_step`` 0, ``layers`` 0
         and ``strides`` from ``state``.
     """
-    return dict(state_idx=None, rec_idx=None, path_step=0, **dict.fromkeys(layers, 0),
-                **dict(zip(strides, state.stride(), strict=True)))
+    return pool_slots(state.stride(), None, None, strides, layers)
+
+
+def pool_slots(state_strides: tuple[int, ...], state_idx: Tensor | None, rec_idx: Tensor | None,
+               strides: tuple[str, ...], layers: tuple[str, ...]) -> dict[str, Tensor | int | None]:
+    """The placement arguments of a serial kernel's verify of one layer: sequence ``b``'s state
+    at slot ``state_idx[b]`` of a pool of ``state_strides`` (slot dim first, in the kernel's
+    order), its records at row ``rec_idx[b]`` (``None``: slot and row ``b``), path entries as node
+    indices; ``strides`` and ``layers`` as :func:`own_slots`'s."""
+    return dict(state_idx=state_idx, rec_idx=rec_idx, path_step=0, **dict.fromkeys(layers, 0),
+                **dict(zip(strides, state_strides, strict=True)))
 
 
 def layer_record(pending: LayerCommit, record_type: type[R]) -> R:

@@ -34,7 +34,7 @@ import torch
 import triton
 from torch import Tensor
 
-from specla.ops.pending import commit_alone
+from specla.ops.pending import commit_alone, pool_slots
 from specla.ops.serving import check_commit, check_pool, check_records, check_rows, token_rows
 
 from .verify import (
@@ -160,17 +160,16 @@ def kda_pool_verify(
     vr, ar, br = token_rows(v, H, V), token_rows(a, H * K), token_rows(b, H)
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
     out = (o, records.delta, records.Gk)
-    where = dict(cu_seqlens=cu_seqlens, state_idx=initial_state_indices, rec_idx=intermediate_state_indices,
-                 A_log=A_log, dt_bias=dt_bias, rk=records.k, scale=K**-0.5 if scale is None else scale,
-                 SQK=qr.stride(0), SV=vr.stride(0), SG=br.stride(0), SGK=ar.stride(0), RAW_BETA=True,
-                 L2NORM=use_qk_l2norm_in_kernel)
+    slots = (initial_state_indices, intermediate_state_indices)
+    where = dict(cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, rk=records.k,
+                 scale=K**-0.5 if scale is None else scale, SQK=qr.stride(0), SV=vr.stride(0), SG=br.stride(0),
+                 SGK=ar.stride(0), RAW_BETA=True, L2NORM=use_qk_l2norm_in_kernel)
     if parents is None:  # chains: the state-resident serial kernel, one token after another
         _launch_serial(N, q.shape[1] if cu_seqlens is None else steps, qr, kr, vr, ar, br, initial_state_source, out,
-                       RD=D, path_step=0, **dict(zip(SLOT_PARAMS["strides"], sS)),
-                       **dict.fromkeys(SLOT_PARAMS["layers"], 0), **where)
+                       RD=D, **pool_slots(sS, *slots, **SLOT_PARAMS), **where)
     else:
         _launch_tree(N, steps, qr, kr, vr, ar, br, initial_state_source, out, state_strides=sS, T=q.shape[1],
-                     parents=parents, sP=parents.stride(0), D=D, **where)
+                     parents=parents, sP=parents.stride(0), D=D, state_idx=slots[0], rec_idx=slots[1], **where)
     return o
 
 

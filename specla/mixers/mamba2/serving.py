@@ -33,7 +33,7 @@ import torch
 import triton
 from torch import Tensor
 
-from specla.ops.pending import commit_alone
+from specla.ops.pending import commit_alone, pool_slots
 from specla.ops.serving import check_commit, check_pool, check_records, check_rows, token_rows
 
 from .verify import MAX_TREE_NODES, SLOT_PARAMS, _launch_serial, _launch_tree, _serial_verify_kernel, own_rows
@@ -177,17 +177,17 @@ def mamba2_pool_verify(
     Br, Cr = token_rows(B, NG, Ns), token_rows(C, NG, Ns)
     if Br.stride(0) != Cr.stride(0):  # one token stride for both
         Br, Cr = Br.contiguous(), Cr.contiguous()
-    where = dict(A=A, dt_bias=dt_bias, rB=records.Bm, cu_seqlens=cu_seqlens, state_idx=state_batch_indices,
-                 rec_idx=intermediate_state_indices, SX=xr.stride(0), SDT=dtr.stride(0), SBC=Br.stride(0),
-                 SY=yr.stride(0), RD=Dsteps)
+    slots = (state_batch_indices, intermediate_state_indices)
+    where = dict(A=A, dt_bias=dt_bias, rB=records.Bm, cu_seqlens=cu_seqlens, SX=xr.stride(0), SDT=dtr.stride(0),
+                 SBC=Br.stride(0), SY=yr.stride(0), RD=Dsteps)
     out3 = (yr, records.u, records.G)
     if parents is None:  # chains: the state-resident serial kernel, one token after another
         _launch_serial(N, x.shape[1] if cu_seqlens is None else steps, xr, dtr, Br, Cr, D, state, out3,
-                       path_step=0, **dict(zip(SLOT_PARAMS["strides"], sS)), **dict.fromkeys(SLOT_PARAMS["layers"], 0),
-                       **where)
+                       **pool_slots(sS, *slots, **SLOT_PARAMS), **where)
     else:
         _launch_tree(N, steps, xr, dtr, Br, Cr, D, state, out3, state_strides=sS, parents=parents,
-                     sP=parents.stride(0), T=x.shape[1] if cu_seqlens is None else 0, **where)
+                     sP=parents.stride(0), T=x.shape[1] if cu_seqlens is None else 0, state_idx=slots[0],
+                     rec_idx=slots[1], **where)
     return y
 
 
