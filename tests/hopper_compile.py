@@ -87,8 +87,9 @@ def _request(fn, args, kwargs) -> dict:
             "constexprs": constexprs, "options": options}
 
 
-def _compile(req: dict) -> str | None:
-    """Compile one request in this (compiling) process; the error's text, or ``None``."""
+def compile_request(req: dict):
+    """Compile one request (:func:`_request`) for ``sm_90`` in this process, which must not run
+    Triton's interpreter; returns Triton's compiled kernel (its ``asm["ptx"]``, ``metadata``)."""
     import importlib
 
     import triton
@@ -96,14 +97,18 @@ def _compile(req: dict) -> str | None:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    fn = getattr(importlib.import_module(req["module"]), req["name"])
+    while not isinstance(fn, JITFunction):  # @triton.heuristics / @triton.autotune wrap it
+        fn = fn.fn
+    src = ASTSource(fn=fn, signature=req["signature"], constexprs={k: _decode(v) for k, v in req["constexprs"].items()})
+    return triton.compile(src, target=GPUTarget(*TARGET), options=req["options"] or None)
+
+
+def _compile(req: dict) -> str | None:
+    """Compile one request in this (compiling) process; the error's text, or ``None``."""
     sys.path[:0] = [p for p in req.get("path", ()) if p not in sys.path]  # the test process's, now
     try:
-        fn = getattr(importlib.import_module(req["module"]), req["name"])
-        while not isinstance(fn, JITFunction):  # @triton.heuristics / @triton.autotune wrap it
-            fn = fn.fn
-        src = ASTSource(fn=fn, signature=req["signature"],
-                        constexprs={k: _decode(v) for k, v in req["constexprs"].items()})
-        triton.compile(src, target=GPUTarget(*TARGET), options=req["options"] or None)
+        compile_request(req)
         return None
     except Exception as e:  # the compiler's error types differ between Triton versions
         return f"{type(e).__name__}: {e}"

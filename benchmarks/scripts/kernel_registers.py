@@ -44,18 +44,9 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-bl
 COMPILE = r'''
 import json, sys
 sys.path[:0] = json.loads(sys.argv[1])
-import hopper_compile, importlib, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+import hopper_compile
 for line in sys.stdin:
-    r = json.loads(line)
-    fn = getattr(importlib.import_module(r["module"]), r["name"])
-    while not isinstance(fn, JITFunction):
-        fn = fn.fn
-    src = ASTSource(fn=fn, signature=r["signature"],
-                    constexprs={k: hopper_compile._decode(v) for k, v in r["constexprs"].items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=r["options"] or None)
+    k = hopper_compile.compile_request(json.loads(line))
     print(json.dumps({"ptx": k.asm["ptx"], "shared": k.metadata.shared}), flush=True)
 '''
 
