@@ -445,6 +445,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {c['op']} | {c['models']} | {shape} | {c['batch']} | {c['workload']} | "
                      + " | ".join(f"{c['us'][n]:.1f}" if n in c["us"] else "-" for n in NAMES)
                      + f" | {'yes' if c['agree'] else '**NO**'} | {errs} |")
+    for u in report.get("unfit", ()):
+        lines.append(f"| {u['op']} | {u['models']} | | {u['batch']} | {u['workload']} | "
+                     f"out of GPU memory: {u['error']} |")
     if any("vllm_fused_mtp" in c["us"] for c in report["cells"]):
         lines += ["", "vllm_fused_mtp: vLLM's ROCm Triton port of the compiled CUDA op its GDN layer runs by default "
                   "on NVIDIA (`fused_gdn_decode_post_conv_mtp`), a stand-in, not the CUDA kernel itself; timed without "
@@ -538,6 +541,9 @@ def main(argv=None) -> int:
                     "and warps (specla.mixers.kda.verify.TUNING)")
     ap.add_argument("--mamba2-stages", type=int, choices=(1, 2, 3, 4),
                     default=mamba2_verify.TUNING["tree"]["num_stages"], help="the Mamba2 tree kernel's pipeline stages (specla.mixers.mamba2.verify.TUNING)")
+    ap.add_argument("--mamba2-split", type=int, choices=(16, 32, 64, 128),
+                    default=mamba2_verify.TUNING["tree"]["BN_split"], help="the Mamba2 tree kernel's block of the "
+                    "state size N where N exceeds TUNING[\"tree\"][\"BN\"] (specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--mamba2-dot", choices=("ieee", "tf32x3"), default=mamba2_verify.TUNING["tree"]["dot"],
                     help="the Mamba2 tree kernel's products' precision where the activations are not float32 "
                          "(specla.mixers.mamba2.verify.TUNING)")
@@ -553,7 +559,7 @@ def main(argv=None) -> int:
                 ap.error(f"--mamba2-{launch}: BP,WARPS with BP a power of two{at_least} and WARPS one of 1, 2, 4, "
                          f"8, 16, got {given!r}")
             m2[launch].update(BP=bp, num_warps=warps)
-    m2["tree"].update(dot=args.mamba2_dot, num_stages=args.mamba2_stages)
+    m2["tree"].update(dot=args.mamba2_dot, num_stages=args.mamba2_stages, BN_split=args.mamba2_split)
     kda_serial = dict(kda_verify.TUNING["serial"])
     if args.kda_serial:
         bv, warps = _int_pair(args.kda_serial)
@@ -604,7 +610,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     meta["kda_serial_tuning"] = kda_verify.TUNING["serial"]
     # what SGLang's kernel picked its launch from (tiles for the tree verify on SM90; PDL)
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
-    cells = []
+    cells, unfit = [], []  # unfit: the cells that ran out of GPU memory
     work = [("tree", D) for D in ints(args.trees)] + [("chain", D) for D in ints(args.chains)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -612,7 +618,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     def write(complete: bool) -> dict:
         """The report of the cells so far, rewritten after each (a run cut short keeps them;
         ``complete`` says whether it ran every cell)."""
-        report = dict(meta=meta, args=vars(args), complete=complete, cells=cells,
+        report = dict(meta=meta, args=vars(args), complete=complete, cells=cells, unfit=unfit,
                       memory=memory_rows(cells, shapes, args.budget_gib))
         out.write_text(json.dumps(report, indent=1))
         out.with_suffix(".md").write_text(markdown(report))
@@ -624,8 +630,20 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             shape = dict(zip(OPS[op].dims, dims))
             for N in ints(args.batches):
                 for kind, D in work:
-                    c = run_cell(eng, op, shape, N, kind, D, args, seed=args.seed + 1000 * N + D)
-                    c["models"] = ", ".join(f"{m} ({tp})" for m, tp in users)
+                    models = ", ".join(f"{m} ({tp})" for m, tp in users)
+                    try:
+                        c = run_cell(eng, op, shape, N, kind, D, args, seed=args.seed + 1000 * N + D)
+                    except torch.OutOfMemoryError as err:
+                        # SGLang's per-node states outgrow one card first (Nemotron-H-56B at TP 2:
+                        # 64 GiB at batch 128 with 64 nodes); the cell is named, the sweep goes on
+                        unfit.append(dict(op=op, models=models, batch=N, workload=f"{kind}{D}",
+                                          error=str(err).splitlines()[0]))
+                        print(json.dumps(dict(unfit=unfit[-1])), flush=True)
+                        del err
+                        torch.cuda.empty_cache()
+                        write(complete=False)
+                        continue
+                    c["models"] = models
                     cells.append(c)
                     print(json.dumps(c), flush=True)
                     write(complete=False)

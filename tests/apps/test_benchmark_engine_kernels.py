@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,3 +150,31 @@ def test_kernel_settings_out_of_their_forms_are_refused(tmp_path, flag, value, w
                            flag, value], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines()[-1] == f"engine_kernels.py: error: {flag}: {want}, got {value!r}"
+
+
+def test_a_cell_out_of_gpu_memory_is_named_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """A cell whose buffers outgrow the card (SGLang's per-node states at large batches and trees)
+    is listed under ``unfit`` with the allocator's first line; every other cell still runs."""
+    bench = _script()
+    probe = SimpleNamespace(recurrent=SimpleNamespace(_is_sm90=False, is_arch_support_pdl=lambda: False))
+    for loader in ("load_sglang", "load_vllm", "load_vllm_mtp", "load_vllm_kda", "load_vllm_mamba2"):
+        monkeypatch.setattr(bench.engine_kernels, loader, lambda *a, **k: probe)
+
+    def run_cell(eng, op, shape, N, kind, D, args, seed):
+        if (N, kind) == (3, "tree"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore advice")
+        mem = {"specla": dict(slot_bytes=64, spec_bytes=8)}
+        return dict(op=op, **shape, batch=N, workload=f"{kind}{D}", input_sets=1, us={"specla": 1.0}, memory=mem,
+                    errors={}, agree=True)
+
+    monkeypatch.setattr(bench, "run_cell", run_cell)
+    out = tmp_path / "r.json"
+    assert bench.main(["--kernels", str(tmp_path), "--device", "cpu", "--preset", "tiny", "--ops", "gdn",
+                       "--out", str(out), "--allow-dirty"]) == 0
+    report = json.loads(out.read_text())
+    assert report["complete"] is True
+    assert [(c["batch"], c["workload"]) for c in report["cells"]] == [(1, "tree6"), (1, "chain3"), (3, "chain3")]
+    assert report["unfit"] == [dict(op="gdn", models="tiny (1)", batch=3, workload="tree6",
+                                    error="CUDA out of memory. Tried to allocate 2.00 GiB.")]
+    assert "| gdn | tiny (1) | | 3 | tree6 | out of GPU memory: CUDA out of memory. Tried to allocate 2.00 GiB. |" \
+        in out.with_suffix(".md").read_text()
