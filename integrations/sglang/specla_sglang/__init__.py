@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import importlib.metadata
 import logging
 
@@ -159,9 +160,24 @@ def _handle_max_mamba_cache(original, configurator, total_rest_memory):
         return original(configurator, total_rest_memory)
 
 
+TREES_NOTE = ("specla-sglang: draft trees (--speculative-eagle-topk %d) verify with specla's kernels and factor "
+              "records. At published drafters' acceptance, trees ran slower than chains of the same depth at every "
+              "batch measured, 1 to 64 (specla's docs/limits.md): a tree pays only where its drafter accepts more "
+              "tokens per step than its chain by more than the tree's extra step time. --speculative-eagle-topk 1 "
+              "runs SGLang's chains.")
+
+
+@functools.cache
+def _note_trees(topk: int) -> None:
+    """Says once per process, when the plugin takes a pool's trees over, where trees were measured
+    not to pay (item 5 of the integration's study): the choice of a tree stays the user's."""
+    logger.warning(TREES_NOTE, topk)
+
+
 def _pool_init(original, pool, **kwargs):
     if not engages(**kwargs):
         return original(pool, **kwargs)
+    _note_trees(kwargs["speculative_eagle_topk"])
     # SGLang's pool without speculative buffers, then the tree's buffers: dense conv windows (as
     # SGLang keeps them for trees) and records where SGLang keeps per-node states
     original(pool, **{**kwargs, "speculative_num_draft_tokens": None})

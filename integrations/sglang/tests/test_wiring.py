@@ -18,6 +18,7 @@ import dataclasses
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import sys
 import types
@@ -198,6 +199,18 @@ def test_pool_holds_records_and_no_per_node_states(hooks):
     assert ours.mamba2_layer_cache(1).intermediate_ssm.shape == (4, D, width)
     saved = LAYERS * 4 * D * (HV * V * K - width) * 4
     assert ours.mem_usage == pytest.approx(sglang_own.mem_usage - saved / GB, rel=1e-12)
+
+
+def test_trees_taken_over_say_once_where_trees_did_not_pay(hooks, caplog):
+    """The pool that keeps records says, once a process, that trees were measured slower than
+    chains; SGLang's own pools (a chain's, another model's) say nothing."""
+    specla_sglang._note_trees.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="specla_sglang"):
+        _pool(None), _pool("gdn", topk=1)
+        assert caplog.messages == []
+        _pool("gdn"), _pool("gdn")
+    assert caplog.messages == [specla_sglang.TREES_NOTE % 4]
+    assert caplog.messages[0].startswith("specla-sglang: draft trees (--speculative-eagle-topk 4) verify with")
 
 
 def test_record_blocks_tile_the_buffer():
