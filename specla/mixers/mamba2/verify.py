@@ -41,13 +41,13 @@ MAX_TREE_NODES = 64  # register tiles of [BT, BT]; larger trees run the referenc
 # have fewer than "programs" programs: a small batch then fills the GPU's SMs. It holds a state
 # size up to "BN" whole and visits a larger one in blocks of "BN_split" rows (a state size of 256
 # held whole, or in blocks of 128, compiled to heavy register spills and ran small trees far
-# slower; docs/tuning.md). "dot":
+# slower; blocks of 32 slower from batch 8; docs/tuning.md). "dot":
 # the tree kernel's products' precision where the activations are not float32 (float32 runs take "ieee"),
 # as the GDN tree kernel's (specla.mixers.gdn.verify.TUNING): "tf32x3" keeps float32's accuracy on
 # the tensor cores, "ieee" keeps the products off them (docs/tuning.md, "Mamba2 verify launch
 # parameters"). "num_stages": the software pipelining of the tree kernel's loop over N blocks
 # (Triton's default, 3). benchmarks/engine_kernels.py --mamba2-tree, --mamba2-serial (BP,WARPS),
-# --mamba2-stages and --mamba2-dot time other settings.
+# --mamba2-split, --mamba2-stages and --mamba2-dot time other settings.
 TUNING = {"tree": {"BP": 64, "BN": 128, "BN_split": 64, "programs": 128, "num_warps": 4, "num_stages": 3,
                    "dot": "tf32x3"},
           "serial": {"BP": 16, "num_warps": 1}}
