@@ -539,6 +539,10 @@ def main(argv=None) -> int:
                     "(a power of two) and warps (specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--kda-serial", metavar="BV,WARPS", help="the KDA serial (chain) kernel's V tile (a power of two) "
                     "and warps (specla.mixers.kda.verify.TUNING)")
+    ap.add_argument("--kda-tree-prepare", choices=kda_verify.PREPARE_FORMS,
+                    default=kda_verify.TUNING["tree"]["prepare"],
+                    help="where the KDA tree kernel's substitution matrices are built: in each verify program "
+                         "(fused) or once by a prepare launch (separate) (specla.mixers.kda.verify.TUNING)")
     ap.add_argument("--mamba2-stages", type=int, choices=(1, 2, 3, 4),
                     default=mamba2_verify.TUNING["tree"]["num_stages"], help="the Mamba2 tree kernel's pipeline stages (specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--mamba2-split", type=int, choices=(16, 32, 64, 128),
@@ -573,14 +577,16 @@ def main(argv=None) -> int:
         if not all(map(_tile, tiles)):
             ap.error(f"--tree-tiles: two powers of two >= 16 as BV,BKC, got {args.tree_tiles!r}")
         tree["tiles"] = {**tree["tiles"], "separate": tiles}
-    saved = gdn_verify.TUNING["tree"], dict(mamba2_verify.TUNING), kda_verify.TUNING["serial"]
+    saved = gdn_verify.TUNING["tree"], dict(mamba2_verify.TUNING), dict(kda_verify.TUNING)
     gdn_verify.TUNING["tree"], kda_verify.TUNING["serial"] = tree, kda_serial
+    kda_verify.TUNING["tree"] = dict(kda_verify.TUNING["tree"], prepare=args.kda_tree_prepare)
     mamba2_verify.TUNING.update(m2)
     try:
         return _run(ap, args)
     finally:  # the kernels' settings are the library's again for whoever calls next in this process
-        gdn_verify.TUNING["tree"], kda_verify.TUNING["serial"] = saved[0], saved[2]
+        gdn_verify.TUNING["tree"] = saved[0]
         mamba2_verify.TUNING.update(saved[1])
+        kda_verify.TUNING.update(saved[2])
 
 
 def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -608,6 +614,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     meta["mamba2_tree_tuning"] = mamba2_verify.TUNING["tree"]
     meta["mamba2_serial_tuning"] = mamba2_verify.TUNING["serial"]
     meta["kda_serial_tuning"] = kda_verify.TUNING["serial"]
+    meta["kda_tree_tuning"] = kda_verify.TUNING["tree"]
     # what SGLang's kernel picked its launch from (tiles for the tree verify on SM90; PDL)
     meta["sglang_probes"] = dict(sm90=eng.sglang.recurrent._is_sm90, pdl=eng.sglang.recurrent.is_arch_support_pdl())
     cells, unfit = [], []  # unfit: the cells that ran out of GPU memory

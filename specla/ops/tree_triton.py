@@ -113,6 +113,28 @@ def ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC: tl.constexpr):
     return b_M
 
 
+@triton.jit
+def ancestor_row(mask, parents, i_b, T, sP, i, n, o_t, ANC: tl.constexpr):
+    """Row ``i`` of :func:`ancestor_mask_tile` for a sequence of ``n`` nodes, ``[BT]`` over
+    ``o_t``: which nodes are ``i`` or its ancestors; none where ``i >= n``. From one parent index
+    per node (``ANC == 1``) by climbing from ``i`` to the root, a parent an iteration (a kernel
+    that needs one row per program builds no ``[BT, BT]`` tile)."""
+    m_t = (o_t < n) & ((tl.zeros_like(o_t) + i) < n)  # a scalar mask would not broadcast
+    if ANC == 0:
+        on = tl.load(mask + i_b * T * T + i * T + o_t, mask=m_t, other=0) != 0
+    elif ANC == 1:
+        on = o_t == i
+        # node 0 hangs from the state; past the nodes lie another sequence's entries, or none
+        cur = tl.load(parents + i_b * sP + i, mask=(i > 0) & (i < n), other=-1).to(tl.int64)
+        for _ in range(0, i):  # a path has at most i ancestors
+            up = cur >= 0
+            on = on | ((o_t == cur) & up)
+            cur = tl.load(parents + i_b * sP + cur, mask=cur > 0, other=-1).to(tl.int64)
+    else:
+        on = o_t <= i
+    return on & m_t
+
+
 MAX_NODES = 128  # larger trees (no verify or prefill pass builds one): the twin
 
 

@@ -33,7 +33,8 @@ def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", str(tmp_path / "engines"), "--device", device,
                            "--preset", "tiny", "--reps", "1", "--out", str(out), "--allow-dirty",
-                           "--mamba2-serial", "8,1", "--mamba2-stages", "1"],  # Mamba2's chains split P = 16 in two
+                           "--mamba2-serial", "8,1", "--mamba2-stages", "1",  # Mamba2's chains split P = 16 in two
+                           "--kda-tree-prepare", "separate"],
                           capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -80,6 +81,7 @@ def test_tiny_preset_agrees_and_reports_every_cell(tmp_path):
     assert report["meta"]["engines"] == {"sglang": "0.5.23", "vllm": "0.34.0"}
     assert report["meta"]["mamba2_serial_tuning"] == {"BP": 8, "num_warps": 1}
     assert report["meta"]["mamba2_tree_tuning"]["num_stages"] == 1
+    assert report["meta"]["kda_tree_tuning"]["prepare"] == "separate"
     assert {"commit", "device", "versions", "date", "command"} <= set(report["meta"])
     table = out.with_suffix(".md").read_text()
     assert table.count("| yes |") == 12 and "**NO**" not in table

@@ -22,6 +22,7 @@ import re
 import pytest
 import torch
 
+from specla.mixers.kda import verify as kda_verify
 from specla.mixers.kda.serving import KDARecordBuffers, empty_record_buffers, kda_pool_commit, kda_pool_verify
 from specla.ops.naive import root_path
 from specla.testing import engine_kernels
@@ -81,11 +82,14 @@ def _specla(layer, pool, cache_indices, row_indices, qsl, steps, parents, paths,
     return o, pool
 
 
+@pytest.mark.parametrize("prepare", ["fused", "separate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, dtype):
+def test_tree_verify_and_commit_equal_sglang_per_node_snapshots(sglang, dtype, prepare, monkeypatch):
     """Ragged 6-node trees (a different shape a row), a row whose root alone is accepted and a
     path ending inside its tree: specla's outputs and committed states against SGLang's KDA tree
-    verify and its snapshot commit, activations in float32 or bfloat16 (states float32)."""
+    verify and its snapshot commit, activations in float32 or bfloat16 (states float32), with
+    either form of the tree kernel's substitution matrices (``TUNING["tree"]["prepare"]``)."""
+    monkeypatch.setitem(kda_verify.TUNING, "tree", {**kda_verify.TUNING["tree"], "prepare": prepare})
     D, N, slots = 6, 4, 7
     trees = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 0, 0], [-1, 0, 1, 1, 3, 3]]
     leaves = [4, 5, 0, 5]  # row 2: the root alone is accepted

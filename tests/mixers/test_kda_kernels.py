@@ -76,8 +76,19 @@ def small_tiles(monkeypatch):
     monkeypatch.setitem(kv.TUNING, "serial", {**kv.TUNING["serial"], "BV": 16})
 
 
+@pytest.fixture(params=["fused", "separate"])
+def prepare(request, monkeypatch):
+    """Both forms of the tree kernel's substitution matrices A and Q: built column by column in
+    each verify program (``fused``), or a row a program by a prepare launch whose results every V
+    tile loads (``separate``)."""
+    import specla.mixers.kda.verify as kv
+
+    monkeypatch.setitem(kv.TUNING, "tree", {**kv.TUNING["tree"], "prepare": request.param})
+    return request.param
+
+
 @pytest.mark.parametrize("kind", SHAPES)
-def test_tree_verify_equals_reference_and_naive(kind, small_tiles):
+def test_tree_verify_equals_reference_and_naive(kind, small_tiles, prepare):
     """A ragged batch of two trees of ``kind`` (9 and 5 nodes, the second padded with roots):
     every node's output, delta and path-summed decay equal ``tree_kda``'s and the token-by-token
     twin's along its root path; every output element is written; the state is not."""
@@ -122,15 +133,19 @@ def test_serial_verify_equals_naive_ragged_chains(small_tiles):
     assert torch.equal(state.cpu(), S0.float())
 
 
-@pytest.mark.parametrize("kernel", ["serial", "parallel", "flush"])
-def test_pending_commit_ragged(kernel):
+@pytest.mark.parametrize("kernel", ["serial", "parallel", "prepared", "flush"])
+def test_pending_commit_ragged(kernel, monkeypatch):
     """A ragged pending commit (4, 0, 3 and 4 accepted nodes of the previous step's trees): the
     committed state equals the twin's state after each accepted path; nothing accepted leaves a
     row bit-identical; the fused commit (``serial``, ``parallel``) equals the standalone commit
     (``flush_commit``) followed by a verify without one, and the verify then continues from the
-    committed state as the twin does."""
+    committed state as the twin does (``prepared``: the tree kernel with its prepare launch)."""
     from specla.mixers.kda.commit import flush_commit
+    from specla.mixers.kda import verify as kv
     from specla.mixers.kda.verify import serial_verify, tree_verify
+
+    if kernel == "prepared":
+        monkeypatch.setitem(kv.TUNING, "tree", {**kv.TUNING["tree"], "prepare": "separate"})
 
     B, Tp, T, H, K, V = 4, 6, 3, 2, 12, 6
     gen = torch.Generator().manual_seed(5)
@@ -234,23 +249,39 @@ def test_kernels_reject_bad_input():
         flush_commit(S0, (k, v, g, path, plen))
 
 
-@pytest.mark.parametrize("kernel", ["serial", "parallel"])
-def test_kernels_at_the_kimi_linear_head_shape(kernel):
+def test_an_unknown_prepare_form_is_refused_before_any_launch(monkeypatch):
+    from specla.mixers.kda import verify as kv
+
+    B, T, H, K, V = 1, 3, 1, 4, 4
+    q, k, v, g, beta, S0 = on_dev(*kda_inputs(B, T, H, K, V, torch.Generator().manual_seed(3)))
+    out = nan_out(B, T, H, K, V)
+    monkeypatch.setitem(kv.TUNING, "tree", {**kv.TUNING["tree"], "prepare": "rows"})
+    with pytest.raises(ValueError, match='^TUNING\\["tree"\\]\\["prepare"\\] must be one of \'fused\', '
+                                         '\'separate\', got \'rows\'$'):
+        kv.tree_verify(q, k, v, g, beta, S0, inclusive_ancestor_mask(chain(B, T)).to(DEV), out=out)
+    assert out[0].isnan().all()  # nothing launched
+
+
+@pytest.mark.parametrize("kernel", ["serial", "parallel", "prepared"])
+def test_kernels_at_the_kimi_linear_head_shape(kernel, monkeypatch):
     """K = V = 128 (Kimi Linear's KDA heads), the default tiles (the tree kernel's K blocks and V
     tiles, the serial kernel's [128, BV] state tile; on a CPU also compiled for sm_90 at these
     sizes), one head: a 9-node tree or a 4-node chain after a pending commit of 3 accepted nodes
-    equals the float64 twins."""
+    equals the float64 twins (``prepared``: the tree kernel with its prepare launch)."""
+    from specla.mixers.kda import verify as kv
     from specla.mixers.kda.verify import serial_verify, tree_verify
 
+    if kernel == "prepared":
+        monkeypatch.setitem(kv.TUNING, "tree", {**kv.TUNING["tree"], "prepare": "separate"})
     B, Tp, H, K, V = 1, 4, 1, 128, 128
-    T = 9 if kernel == "parallel" else 4
+    T = 4 if kernel == "serial" else 9
     gen = torch.Generator().manual_seed(41)
     pq, pk, pv, pg, pbeta, S0 = kda_inputs(B, Tp, H, K, V, gen)
     pparents = chain(B, Tp)
     _, pdelta, pGk = tree_kda(pq, pk, pv, pg, pbeta, S0, inclusive_ancestor_mask(pparents))
     _, pstates, _ = kda_tree(pq, pk, pv, pg, pbeta, S0, pparents)
     pending = layer_commit(pk, pdelta, pGk, *padded_paths(pparents, [2]))
-    parents = torch.tensor([tree_parents("random" if kernel == "parallel" else "chain", T, random.Random(4))])
+    parents = torch.tensor([tree_parents("chain" if kernel == "serial" else "random", T, random.Random(4))])
     q, k, v, g, beta, _ = kda_inputs(B, T, H, K, V, gen)
     state = on_dev(S0)[0]
     if kernel == "serial":

@@ -34,7 +34,7 @@ from specla.mixers.gla.verify import pick_verify_kernel  # noqa: F401
 from specla.ops.act_triton import softplus
 from specla.ops.pending import check_layer_commit, own_slots, pending_launch, with_pending
 from specla.ops.tree_triton import (
-    CHAIN_PLACEMENT, PLACEMENT, ancestor_mask_tile, chain_rows, chain_step, token_rows,
+    CHAIN_PLACEMENT, PLACEMENT, ancestor_mask_tile, ancestor_row, chain_rows, chain_step, token_rows,
 )
 from specla.records import LayerCommit
 
@@ -47,8 +47,16 @@ SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_k", "sS_v"), layers=("lS", "lk",
 # [128, 16] at Kimi Linear's K = 128 holds as many elements as GDN's serial tile [256, 8], past
 # which that one spills; swept on the engines' chains (docs/tuning.md, "KDA serial kernel").
 # "tree", untimed: the state is visited in K blocks of BKC rows, so that nothing larger than a
-# [BT, BKC] or [BT, BV] tile is live.
-TUNING = {"serial": {"BV": 16, "num_warps": 1}, "tree": {"BV": 32, "BKC": 32, "num_warps": 4}}
+# [BT, BKC] or [BT, BV] tile is live. "prepare": where the tree's matrices A and Q (the
+# substitution's, :func:`_tree_verify_kernel`) come from: "fused", every verify program builds
+# them column by column, once per V tile (the form timed on the engines' data: 64-node trees
+# slower than SGLang's per-node kernel at batches 1 to 64, docs/limits.md); "separate", a prepare
+# launch builds them once, a row a program, and every V tile loads them (not yet timed on a GPU;
+# benchmarks/engine_kernels.py --kda-tree-prepare separate).
+TUNING = {"serial": {"BV": 16, "num_warps": 1},
+          "tree": {"BV": 32, "BKC": 32, "num_warps": 4, "prepare": "fused"},
+          "prepare": {"num_warps": 4}}
+PREPARE_FORMS = ("fused", "separate")  # TUNING["tree"]["prepare"]
 
 
 @with_pending
@@ -144,17 +152,93 @@ def _serial_verify_kernel(
                 tl.store(rk + (rec * H + i_h) * K + o_k, b_k, mask=m_k & write & has_row)
 
 
+@triton.heuristics(PLACEMENT)
+@triton.jit
+def _tree_prepare_kernel(
+    q, k, beta, mask, Gk, Am, Qm, cu_seqlens, parents, rec_idx,
+    scale, T, SQK, SG, D, sP,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKC: tl.constexpr,
+    VARLEN: tl.constexpr, ANC: tl.constexpr, RAW_BETA: tl.constexpr, L2NORM: tl.constexpr,
+):
+    """Per (sequence, head, node ``i``): row ``i`` of the substitution's matrices of
+    :func:`_tree_verify_kernel`, for all its V tiles, into ``Am``, ``Qm`` ``[B * H, BT, BT]``
+    float32 (row ``i``, every column written; zero off ``i``'s root path and past the nodes)::
+
+        A[i, j] = beta_i sum_c k_i[c] k_j[c] exp(Gk_i[c] - Gk_j[c])   (j a strict ancestor of i)
+        Q[i, j] = sum_c q_i[c] k_j[c] exp(Gk_i[c] - Gk_j[c])          (j on i's root path)
+
+    with q, k normalised and q scaled as the verify kernel does; the exponent is masked before
+    ``exp`` (off-path pairs would be exp(positive)). ``Gk`` is the decay kernel's; data placement
+    as the verify kernel's."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_t = tl.arange(0, BT)
+    bos, n = token_rows(cu_seqlens, i_b, T, VARLEN)
+    if rec_idx is not None:
+        row = tl.load(rec_idx + i_b).to(tl.int64)
+    else:
+        row = i_b
+    m_t = o_t < n
+    tok = bos + o_t
+    rec = row * D + o_t
+    m_rec = m_t & (row >= tl.zeros([BT], dtype=tl.int64))  # a scalar mask would not broadcast
+    on = ancestor_row(mask, parents, i_b, T, sP, i, n, o_t, ANC)
+    acc_a = tl.zeros([BT], dtype=tl.float32)
+    acc_q = tl.zeros([BT], dtype=tl.float32)
+    ssq_j = tl.zeros([BT], dtype=tl.float32)
+    ssq_qi = tl.zeros([BKC], dtype=tl.float32)
+    ssq_ki = tl.zeros([BKC], dtype=tl.float32)
+    for kb in range(0, K, BKC):
+        o_k = kb + tl.arange(0, BKC)
+        m_k = o_k < K
+        m_i = m_k & ((tl.zeros_like(o_k) + i) < n)  # a scalar mask would not broadcast
+        k_j = tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        G_j = tl.load(Gk + (rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_rec[:, None] & m_k[None, :],
+                      other=0.0)
+        k_i = tl.load(k + (bos + i) * SQK + i_h * K + o_k, mask=m_i, other=0.0).to(tl.float32)
+        q_i = tl.load(q + (bos + i) * SQK + i_h * K + o_k, mask=m_i, other=0.0).to(tl.float32)
+        G_i = tl.load(Gk + ((row * D + i) * H + i_h) * K + o_k, mask=m_i & (row >= tl.zeros([BKC], dtype=tl.int64)),
+                      other=0.0)
+        kw = k_j * tl.where(on[:, None], tl.exp(tl.where(on[:, None], G_i[None, :] - G_j, 0.0)), 0.0)
+        acc_a += tl.sum(kw * k_i[None, :], 1)
+        acc_q += tl.sum(kw * q_i[None, :], 1)
+        if L2NORM:
+            ssq_j += tl.sum(k_j * k_j, 1)
+            ssq_qi += q_i * q_i
+            ssq_ki += k_i * k_i
+    r_j = tl.full([BT], 1.0, dtype=tl.float32)
+    r_qi = scale
+    r_ki = 1.0
+    if L2NORM:
+        r_j = 1.0 / tl.sqrt(ssq_j + 1e-6)
+        r_qi = scale / tl.sqrt(tl.sum(ssq_qi, 0) + 1e-6)
+        r_ki = 1.0 / tl.sqrt(tl.sum(ssq_ki, 0) + 1e-6)
+    b_beta = 0.0
+    if i < n:
+        b_beta = tl.load(beta + (bos + i) * SG + i_h).to(tl.float32)
+        if RAW_BETA:
+            b_beta = tl.sigmoid(b_beta)
+    b_A = tl.where(on & (o_t != i), b_beta * r_ki * r_j * acc_a, 0.0)
+    b_Q = tl.where(on, r_qi * r_j * acc_q, 0.0)
+    tl.store(Am + (i_bh * BT + i) * BT + o_t, b_A)
+    tl.store(Qm + (i_bh * BT + i) * BT + o_t, b_Q)
+
+
 @with_pending
-@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None, **PLACEMENT})
+@triton.heuristics({"SLOTS": lambda args: args["state_idx"] is not None,
+                    "PREPARED": lambda args: args["Am"] is not None, **PLACEMENT})
 @triton.jit
 def _tree_verify_kernel(
     q, k, v, beta, mask, Gk, S, o, delta,
     pk, pv, pGk, path, path_len,
-    cu_seqlens, parents, state_idx, rec_idx, rk,
+    cu_seqlens, parents, state_idx, rec_idx, rk, Am, Qm,
     scale, T, P, Tp, SV, SQK, SG, D, sP, sS_b, sS_h, sS_k, sS_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, HAS_PENDING: tl.constexpr,
     VARLEN: tl.constexpr, SLOTS: tl.constexpr, ANC: tl.constexpr, RAW_BETA: tl.constexpr, L2NORM: tl.constexpr,
+    PREPARED: tl.constexpr,
 ):
     """Per (sequence, head, V tile), from ``Gk`` (:func:`_tree_decay_kernel`'s launch): the state
     visited in K blocks of ``BKC`` rows, each block committed (fused, written once) and then
@@ -177,7 +261,9 @@ def _tree_verify_kernel(
     the keys ``rk``, when given) of node ``t`` at row ``r * D + t``, ``r = b`` or ``rec_idx[b]``
     (a negative row has no records: no ``delta`` is written and its outputs are zero); ``beta``
     given or raw (``RAW_BETA``: ``sigmoid`` here); ``L2NORM``: q and k L2-normalised here; q is
-    scaled by ``scale`` (specla's own calls: 1, q comes scaled)."""
+    scaled by ``scale`` (specla's own calls: 1, q comes scaled). ``PREPARED``: ``A`` and ``Q``
+    loaded from :func:`_tree_prepare_kernel`'s ``Am``, ``Qm`` instead of built here, and
+    ``o += Q delta`` one product after the substitution."""
     i_v, i_bh = tl.program_id(1), tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_t = tl.arange(0, BT)
@@ -232,30 +318,39 @@ def _tree_verify_kernel(
         b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
     b_d = b_beta[:, None] * (b_v - b_kS)
     b_o = b_qS
-    b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC).to(tl.int32)
-    for j in range(0, n):
-        on = tl.sum(tl.where(o_t[None, :] == j, b_M, 0), 1) > 0  # is j on path(i)?
-        r_kj = tl.sum(tl.where(o_t == j, r_k, 0.0), 0)
-        b_a = tl.zeros([BT], dtype=tl.float32)
-        b_qk = tl.zeros([BT], dtype=tl.float32)
-        for kb in range(0, K, BKC):
-            o_k = kb + tl.arange(0, BKC)
-            m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            b_G = tl.load(Gk + (rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_rec[:, None] & m_k[None, :],
-                          other=0.0)
-            G_j = tl.load(Gk + ((row * D + j) * H + i_h) * K + o_k, mask=m_k & (row >= tl.zeros([BKC], dtype=tl.int64)),
-                          other=0.0)
-            k_j = tl.load(k + (bos + j) * SQK + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) * r_kj
-            # mask the exponent before exp: off-path pairs would be exp(positive)
-            kw = k_j[None, :] * tl.where(on[:, None], tl.exp(tl.where(on[:, None], b_G - G_j[None, :], 0.0)), 0.0)
-            b_a += tl.sum(tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(
-                tl.float32) * kw, 1) * r_k
-            b_qk += tl.sum(tl.load(q + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(
-                tl.float32) * kw, 1) * r_q
-        d_j = tl.sum(tl.where(o_t[:, None] == j, b_d, 0.0), 0)  # node j's delta: its ancestors are done
-        b_d -= tl.where(o_t != j, b_beta * b_a, 0.0)[:, None] * d_j[None, :]
-        b_o += b_qk[:, None] * d_j[None, :]
+    if PREPARED:
+        p_A = i_bh * BT * BT + o_t[:, None] * BT + o_t[None, :]
+        b_A = tl.load(Am + p_A)
+        for j in range(0, n):
+            a_j = tl.sum(tl.where(o_t[None, :] == j, b_A, 0.0), 1)  # column j of A: zero on j's row
+            d_j = tl.sum(tl.where(o_t[:, None] == j, b_d, 0.0), 0)  # node j's delta: its ancestors are done
+            b_d -= a_j[:, None] * d_j[None, :]
+        b_o += tl.dot(tl.load(Qm + p_A), b_d, input_precision="ieee")
+    else:
+        b_M = ancestor_mask_tile(mask, parents, i_b, T, sP, o_t, m_t, ANC).to(tl.int32)
+        for j in range(0, n):
+            on = tl.sum(tl.where(o_t[None, :] == j, b_M, 0), 1) > 0  # is j on path(i)?
+            r_kj = tl.sum(tl.where(o_t == j, r_k, 0.0), 0)
+            b_a = tl.zeros([BT], dtype=tl.float32)
+            b_qk = tl.zeros([BT], dtype=tl.float32)
+            for kb in range(0, K, BKC):
+                o_k = kb + tl.arange(0, BKC)
+                m_k = o_k < K
+                m_tk = m_t[:, None] & m_k[None, :]
+                b_G = tl.load(Gk + (rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_rec[:, None] & m_k[None, :],
+                              other=0.0)
+                G_j = tl.load(Gk + ((row * D + j) * H + i_h) * K + o_k,
+                              mask=m_k & (row >= tl.zeros([BKC], dtype=tl.int64)), other=0.0)
+                k_j = tl.load(k + (bos + j) * SQK + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32) * r_kj
+                # mask the exponent before exp: off-path pairs would be exp(positive)
+                kw = k_j[None, :] * tl.where(on[:, None], tl.exp(tl.where(on[:, None], b_G - G_j[None, :], 0.0)), 0.0)
+                b_a += tl.sum(tl.load(k + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(
+                    tl.float32) * kw, 1) * r_k
+                b_qk += tl.sum(tl.load(q + tok[:, None] * SQK + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(
+                    tl.float32) * kw, 1) * r_q
+            d_j = tl.sum(tl.where(o_t[:, None] == j, b_d, 0.0), 0)  # node j's delta: its ancestors are done
+            b_d -= tl.where(o_t != j, b_beta * b_a, 0.0)[:, None] * d_j[None, :]
+            b_o += b_qk[:, None] * d_j[None, :]
     b_o = tl.where(m_rec[:, None], b_o, 0.0)
     tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_t[:, None] & m_v[None, :])
@@ -429,8 +524,21 @@ def _launch_tree(B, steps, q, k, v, g, beta, state, out, *, pending=None, state_
     place = {name: where[name] for name in ("mask", "cu_seqlens", "parents", "rec_idx", "D", "sP")}
     launch_decay(B, g, G, T, H, K, BT, max(16, triton.next_power_of_2(K)), A_log=A_log, dt_bias=dt_bias, SG=SGK,
                  **place)
+    if tune["prepare"] not in PREPARE_FORMS:
+        raise ValueError(f'TUNING["tree"]["prepare"] must be one of {", ".join(map(repr, PREPARE_FORMS))}, '
+                         f'got {tune["prepare"]!r}')
+    Am = Qm = None
+    if tune["prepare"] == "separate":
+        Am, Qm = torch.empty(2, B * H, BT, BT, dtype=torch.float32, device=v.device)
+        _tree_prepare_kernel[(B * H, BT)](
+            q=q, k=k, beta=beta, Gk=G, Am=Am, Qm=Qm, T=T, H=H, K=K, BT=BT, BKC=BKC,
+            **{name: where[name] for name in ("mask", "cu_seqlens", "parents", "rec_idx", "scale", "SQK", "SG", "D",
+                                              "sP", "RAW_BETA", "L2NORM")},
+            num_warps=TUNING["prepare"]["num_warps"],
+        )
     sS = state_strides if state_strides is not None else state.stride()
     _tree_verify_kernel[(B * H, triton.cdiv(V, BV))](
         q=q, k=k, v=v, beta=beta, Gk=G, S=state, o=o, delta=d, T=T, sS_b=sS[0], sS_h=sS[1], sS_k=sS[2], sS_v=sS[3],
-        H=H, K=K, V=V, BT=BT, BKC=BKC, BV=BV, **_pending_kwargs(pending), **where, num_warps=tune["num_warps"],
+        H=H, K=K, V=V, BT=BT, BKC=BKC, BV=BV, Am=Am, Qm=Qm, **_pending_kwargs(pending), **where,
+        num_warps=tune["num_warps"],
     )
