@@ -111,7 +111,8 @@ def read_report(path: Path) -> dict:
         raise ValueError(f"{path}: not a raw report of the cost model (expected one of {', '.join(SOURCES)})")
     rows = [_row(shape, r, r["ms_per_step"] if "ms_per_step" in r else r["B"] / r["tokens_per_s"] * 1e3,
                  r.get("accepted_per_step"), r.get("vs_best_ar")) for shape, r in raw if r["row"] in ROWS]
-    return dict(path=path, commit=meta["commit"], date=meta["date"], device=meta.get("gpu"), rows=rows)
+    return dict(path=path, commit=meta["commit"], date=meta["date"], device=meta.get("device", meta.get("gpu")),
+                rows=rows)
 
 
 def reports(results: Path) -> list[dict]:
