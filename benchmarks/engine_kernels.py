@@ -523,10 +523,11 @@ def main(argv=None) -> int:
                                                          "--models') models of these ops (default: all)")
     for name in ("models", "tp", "batches", "trees", "chains", "dtype"):
         ap.add_argument(f"--{name}", help=f"comma-separated; default: the preset's ({PRESETS['full'][name]} for full)"
-                        + ("; empty (--trees=) for none" if name in ("trees", "chains") else ""))
+                        + (f"; empty (--{name}=) for none" if name in ("trees", "chains") else ""))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=50, help="timed rounds (median)")
-    ap.add_argument("--budget-gib", type=float, default=10.0, help="memory a rank gives running requests' GDN state")
+    ap.add_argument("--budget-gib", type=float, default=10.0,
+                    help="memory a rank gives running requests' states and speculation buffers of the op's layers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tree-inverse", choices=("auto", *gdn_verify.INVERSE_FORMS),
                     default=gdn_verify.TUNING["tree"]["inverse"],
@@ -547,7 +548,8 @@ def main(argv=None) -> int:
                     default=mamba2_verify.TUNING["tree"]["num_stages"], help="the Mamba2 tree kernel's pipeline stages (specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--mamba2-split", type=int, choices=(16, 32, 64, 128),
                     default=mamba2_verify.TUNING["tree"]["BN_split"], help="the Mamba2 tree kernel's block of the "
-                    "state size N where N exceeds TUNING[\"tree\"][\"BN\"] (specla.mixers.mamba2.verify.TUNING)")
+                    f"state size N where N exceeds {mamba2_verify.TUNING['tree']['BN']} (default %(default)s; "
+                    "specla.mixers.mamba2.verify.TUNING)")
     ap.add_argument("--mamba2-dot", choices=("ieee", "tf32x3"), default=mamba2_verify.TUNING["tree"]["dot"],
                     help="the Mamba2 tree kernel's products' precision where the activations are not float32 "
                          "(specla.mixers.mamba2.verify.TUNING)")
@@ -643,7 +645,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     except torch.OutOfMemoryError as err:
                         # SGLang's per-node states outgrow one card first (Nemotron-H-56B at TP 2:
                         # 64 GiB at batch 128 with 64 nodes); the cell is named, the sweep goes on
-                        unfit.append(dict(op=op, models=models, batch=N, workload=f"{kind}{D}",
+                        unfit.append(dict(op=op, **shape, models=models, batch=N, workload=f"{kind}{D}",
                                           error=str(err).splitlines()[0]))
                         print(json.dumps(dict(unfit=unfit[-1])), flush=True)
                         del err

@@ -325,11 +325,22 @@ def engine_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
     fits: dict[tuple, dict] = {}
     for m in data.get("memory", []):
         fits.setdefault((m["model"], m["tp"], m["workload"]), {})[m["contender"]] = m["requests_in_budget"]
+    unfit: dict[tuple, set[int]] = {}  # cells that ran out of GPU memory
+    for u in data.get("unfit", []):
+        shape = " ".join(f"{d}{u[d]}" for d in ENGINE_DIMS[u["op"]] if d in u) or u["models"]
+        unfit.setdefault((u["op"], shape, u["workload"]), set()).add(u["batch"])
+    batches = {c["batch"] for c in data["cells"]} | {b for bs in unfit.values() for b in bs}
     for (op, shape, workload), cells in cases.items():
         models = cells[0]["models"]
         others = [k for k in cells[0]["us"] if k != "specla"]
-        by_batch = "; ".join(f"{c['batch']}: " + " / ".join(f"{c['us'][k]:.1f}" for k in ["specla", *others])
-                             for c in sorted(cells, key=lambda c: c["batch"]))
+        parts = {c["batch"]: f"{c['batch']}: " + " / ".join(f"{c['us'][k]:.1f}" for k in ["specla", *others])
+                 for c in cells}
+        for b in unfit.get((op, shape, workload), ()):
+            parts[b] = f"{b}: out of GPU memory"
+        if data.get("complete") is False:  # a run cut short: the batches it timed elsewhere, not here
+            for b in batches - set(parts):
+                parts[b] = f"{b}: not run (the run stopped)"
+        by_batch = "; ".join(parts[b] for b in sorted(parts))
         requests = []
         for model, tp in re.findall(r"([\w.-]+) \((\d+)\)", models):
             fit = fits.get((model, int(tp), workload), {})

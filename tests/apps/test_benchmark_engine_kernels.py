@@ -176,7 +176,7 @@ def test_a_cell_out_of_gpu_memory_is_named_and_the_sweep_goes_on(tmp_path, monke
     report = json.loads(out.read_text())
     assert report["complete"] is True
     assert [(c["batch"], c["workload"]) for c in report["cells"]] == [(1, "tree6"), (1, "chain3"), (3, "chain3")]
-    assert report["unfit"] == [dict(op="gdn", models="tiny (1)", batch=3, workload="tree6",
+    assert report["unfit"] == [dict(op="gdn", H=2, HV=4, K=16, V=64, models="tiny (1)", batch=3, workload="tree6",
                                     error="CUDA out of memory. Tried to allocate 2.00 GiB.")]
     assert "| gdn | tiny (1) | | 3 | tree6 | out of GPU memory: CUDA out of memory. Tried to allocate 2.00 GiB. |" \
         in out.with_suffix(".md").read_text()

@@ -248,6 +248,27 @@ def test_engine_kernels_rows_put_every_batch_in_one_cell_and_the_requests_per_mo
     assert (row.source.commit, row.source.gpu) == ("abcdef1", "GPU X (report)")
 
 
+def test_engine_cells_out_of_memory_or_never_reached_are_named(results):
+    """A cell the script listed as out of GPU memory, and in a report cut short (``complete``
+    false) the batches other cases reached but this one did not, are named in the row."""
+    def cell(batch, workload):
+        return {"op": "mamba2", "H": 8, "P": 64, "NG": 2, "NS": 256, "models": "m (2)", "workload": workload,
+                "batch": batch, "us": {"specla": 1.0, "sglang": 2.0}, "agree": True}
+
+    write(results, "2026-01-02/engine-kernels-mamba2-tp2-abcdef1.json", {
+        "meta": {"commit": "a" * 40, "device": "GPU X"}, "args": {"budget_gib": 10.0}, "memory": [], "complete": False,
+        "cells": [cell(1, "tree8"), cell(8, "tree8"), cell(1, "tree64")],
+        "unfit": [{"op": "mamba2", "H": 8, "P": 64, "NG": 2, "NS": 256, "models": "m (2)", "batch": 8,
+                   "workload": "tree64", "error": "CUDA out of memory."}]})
+    rows = {r.key[2]: r.values[1] for r in report.all_rows(results)}
+    assert rows == {"tree8": "1: 1.0 / 2.0; 8: 1.0 / 2.0", "tree64": "1: 1.0 / 2.0; 8: out of GPU memory"}
+    write(results, "2026-01-02/engine-kernels-mamba2-tp2-abcdef1.json", {
+        "meta": {"commit": "a" * 40, "device": "GPU X"}, "args": {"budget_gib": 10.0}, "memory": [], "complete": False,
+        "cells": [cell(1, "tree8"), cell(8, "tree8"), cell(1, "tree64")]})
+    rows = {r.key[2]: r.values[1] for r in report.all_rows(results)}
+    assert rows["tree64"] == "1: 1.0 / 2.0; 8: not run (the run stopped)"
+
+
 def test_the_newest_engine_report_of_a_shape_stands_whichever_models_it_names(results):
     """Two reports of one per-rank GDN shape, the newer timing one of the models the older named:
     one row, the newer report's, with its models."""

@@ -161,10 +161,10 @@ def _handle_max_mamba_cache(original, configurator, total_rest_memory):
 
 
 TREES_NOTE = ("specla-sglang: draft trees (--speculative-eagle-topk %d) verify with specla's kernels and factor "
-              "records. At published drafters' acceptance, trees ran slower than chains of the same depth at every "
-              "batch measured, 1 to 64 (specla's docs/limits.md): a tree pays only where its drafter accepts more "
-              "tokens per step than its chain by more than the tree's extra step time. --speculative-eagle-topk 1 "
-              "runs SGLang's chains.")
+              "records. In specla's cost model at published drafters' acceptance, trees ran slower than chains of "
+              "the same depth at every batch measured, 1 to 64 (specla's docs/limits.md): a tree pays only where "
+              "its drafter accepts more tokens per step than its chain by more than the tree's extra step time. "
+              "--speculative-eagle-topk 1 runs SGLang's chains.")
 
 
 @functools.cache
