@@ -318,17 +318,21 @@ def engine_rows(results: Path, path: Path, data: dict) -> Iterator[Row]:
     report's memory budget."""
     src = source(results, path, data["meta"])
     cases: dict[tuple, list[dict]] = {}
-    for c in data["cells"]:  # reports from before the op axis timed GDN alone
-        op = c.get("op", "gdn")
-        shape = " ".join(f"{d}{c[d]}" for d in ENGINE_DIMS[op] if d in c) or c["models"]
-        cases.setdefault((op, shape, c["workload"]), []).append(c)
+    def case(entry: dict) -> tuple[str, str, str]:
+        """A cell's (or an unfit cell's) op, per-rank shape and workload; reports from before the
+        op axis timed GDN alone."""
+        op = entry.get("op", "gdn")
+        shape = " ".join(f"{d}{entry[d]}" for d in ENGINE_DIMS[op] if d in entry) or entry["models"]
+        return op, shape, entry["workload"]
+
+    for c in data["cells"]:
+        cases.setdefault(case(c), []).append(c)
     fits: dict[tuple, dict] = {}
     for m in data.get("memory", []):
         fits.setdefault((m["model"], m["tp"], m["workload"]), {})[m["contender"]] = m["requests_in_budget"]
     unfit: dict[tuple, set[int]] = {}  # cells that ran out of GPU memory
     for u in data.get("unfit", []):
-        shape = " ".join(f"{d}{u[d]}" for d in ENGINE_DIMS[u["op"]] if d in u) or u["models"]
-        unfit.setdefault((u["op"], shape, u["workload"]), set()).add(u["batch"])
+        unfit.setdefault(case(u), set()).add(u["batch"])
     batches = {c["batch"] for c in data["cells"]} | {b for bs in unfit.values() for b in bs}
     for (op, shape, workload), cells in cases.items():
         models = cells[0]["models"]

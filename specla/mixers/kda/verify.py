@@ -521,19 +521,18 @@ def _launch_tree(B, steps, q, k, v, g, beta, state, out, *, pending=None, state_
     where = dict(mask=None, cu_seqlens=None, parents=None, state_idx=None, rec_idx=None, rk=None, scale=1.0, SQK=H * K,
                  SV=H * V, SG=H, SGK=H * K, D=T, sP=0, RAW_BETA=False, L2NORM=False) | where
     A_log, dt_bias, SGK = where.pop("A_log", None), where.pop("dt_bias", None), where.pop("SGK")
+    if tune["prepare"] not in PREPARE_FORMS:  # before any launch writes an output
+        raise ValueError(f'TUNING["tree"]["prepare"] must be one of {", ".join(map(repr, PREPARE_FORMS))}, '
+                         f'got {tune["prepare"]!r}')
     place = {name: where[name] for name in ("mask", "cu_seqlens", "parents", "rec_idx", "D", "sP")}
     launch_decay(B, g, G, T, H, K, BT, max(16, triton.next_power_of_2(K)), A_log=A_log, dt_bias=dt_bias, SG=SGK,
                  **place)
-    if tune["prepare"] not in PREPARE_FORMS:
-        raise ValueError(f'TUNING["tree"]["prepare"] must be one of {", ".join(map(repr, PREPARE_FORMS))}, '
-                         f'got {tune["prepare"]!r}')
     Am = Qm = None
     if tune["prepare"] == "separate":
         Am, Qm = torch.empty(2, B * H, BT, BT, dtype=torch.float32, device=v.device)
         _tree_prepare_kernel[(B * H, BT)](
-            q=q, k=k, beta=beta, Gk=G, Am=Am, Qm=Qm, T=T, H=H, K=K, BT=BT, BKC=BKC,
-            **{name: where[name] for name in ("mask", "cu_seqlens", "parents", "rec_idx", "scale", "SQK", "SG", "D",
-                                              "sP", "RAW_BETA", "L2NORM")},
+            q=q, k=k, beta=beta, Gk=G, Am=Am, Qm=Qm, T=T, H=H, K=K, BT=BT, BKC=BKC, **place,
+            **{name: where[name] for name in ("scale", "SQK", "SG", "RAW_BETA", "L2NORM")},
             num_warps=TUNING["prepare"]["num_warps"],
         )
     sS = state_strides if state_strides is not None else state.stride()
