@@ -3,27 +3,28 @@
     python benchmarks/hybrid_study.py --out DIR [--models qwen3_5-0.8b,bamba-9.8b] [--batches 1,8] [--drafter mtp]
     python benchmarks/hybrid_study.py --out DIR --replot hybrid.json [...]   # the plot again
 
-Each model is a transformers class at a published model's layer shapes (:data:`SHAPES`) with random
-weights in bfloat16, except that the input embedding is scaled by ``--embed-scale`` and copied into
-the LM head, as in ``benchmarks/e2e.py``: the greedy next token is then the input token, which lets
-the oracle drafter of ``e2e.py`` (:class:`ProfileDrafter`) set acceptance exactly from a profile
-(by default the ``small`` target's trained EAGLE drafter on GSM8K, tree N 15 / depth 6 and chain N 6;
-``--profile published:NAME`` and ``--chain-profile published:NAME`` take a drafter's published
-acceptance from ``benchmarks/profiles/published.json``, each the tree's or the chain's own;
-``geometric:MEAN`` a geometric profile of ``MEAN`` accepted drafts per step) while a random drafter
-drafts a full tree each step, so the drafter's cost is counted: an EAGLE head of the model's width,
-or with ``--drafter mtp`` the model's own checkpoint-style MTP layer (:func:`draft_head`). Acceptance
-is therefore a replayed profile, not this model's: these rows are a cost model, not a speed claim
-for a trained checkpoint.
+Each model is a transformers class (FLA's ``GLAForCausalLM`` for GLA) at a published model's layer
+shapes (:data:`SHAPES`: Qwen3.5 dense and MoE, Bamba, Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2,
+Kimi-Linear, LFM2, GLA) with random weights in bfloat16, except that the input embedding is scaled
+by ``--embed-scale`` and copied into the LM head, as in ``benchmarks/e2e.py``: the greedy next token
+is then the input token, which lets the oracle drafter of ``e2e.py`` (:class:`ProfileDrafter`) set
+acceptance exactly from a profile (by default the ``small`` target's trained EAGLE drafter on GSM8K,
+tree N 15 / depth 6 and chain N 6; ``--profile published:NAME`` and ``--chain-profile
+published:NAME`` take a drafter's published acceptance from ``benchmarks/profiles/published.json``,
+each the tree's or the chain's own; ``geometric:MEAN`` a geometric profile of ``MEAN`` accepted
+drafts per step) while a random drafter drafts a full tree each step, so the drafter's cost is
+counted: an EAGLE head of the model's width, or with ``--drafter mtp`` the model's own
+checkpoint-style MTP layer (:func:`draft_head`). Acceptance is therefore a replayed profile, not
+this model's: these rows are a cost model, not a speed claim for a trained checkpoint.
 
 Rows per model and batch (medians over ``--repeats`` timed runs after a warm-up, prefill excluded):
 transformers ``generate`` (greedy, its cache, the model's own kernels: FLA's for Qwen3.5's GDN
-layers; not run for Mamba2 layers without ``mamba_ssm``, whose PyTorch reference path is no
-baseline), specla's
-graph-captured autoregressive step, SpecLA chain and tree (``factor`` commit, CUDA graphs). Every
-speculative row's ``vs_best_ar`` is against the faster of the two plain-decoding rows; ``exact`` is
-the fraction of sequences equal to specla's AR output; ``record_mib`` the MiB per sequence one
-verify of the tree keeps for its commit, for the ``factor`` and ``snapshot`` strategies.
+layers and for GLA; not run for Mamba2 layers without ``mamba_ssm``, whose PyTorch reference path is
+no baseline), specla's graph-captured autoregressive step, SpecLA chain and tree (``factor`` commit,
+CUDA graphs). Every speculative row's ``vs_best_ar`` is against the faster of the two plain-decoding
+rows; ``exact`` is the fraction of sequences equal to specla's AR output; ``record_mib`` the MiB per
+sequence one verify of the tree keeps for its commit, for the ``factor`` and ``snapshot``
+strategies.
 
 Writes ``DIR/hybrid.json`` (rows; ``meta``: commit, device, library versions, date and command,
 benchmarks/provenance.py, the options as ``args`` and the replayed ``profiles``, ``P(a)`` for
@@ -36,6 +37,7 @@ benchmarks/provenance.py, the options as ``args`` and the replayed ``profiles``,
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import statistics
@@ -53,7 +55,7 @@ from specla import SpecConfig, SpecDecoder  # noqa: E402
 from specla.drafters.eagle import EagleDrafter, EagleHead  # noqa: E402
 from specla.drafters.mtp import MTPDrafter  # noqa: E402
 
-# (plugin, transformers config class, model class, config kwargs)
+# (plugin, config class, model class, config kwargs); a class is a name in transformers or "module:attr"
 SHAPES = {
     # Qwen3.5-0.8B's layer shapes: 24 layers, every fourth gated attention (8 query, 2 key/value heads
     # of 256), GDN with 16 key and 16 value heads of 128, MLP 3584, vocabulary 248,320, tied head
@@ -127,6 +129,12 @@ SHAPES = {
         linear_value_head_dim=128, linear_conv_kernel_dim=4, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8, tie_word_embeddings=False,
         experts_implementation="grouped_mm")),
+    # FLA's GLA-1.3B (fla-hub/gla-1.3B-100B, FLA's GLAConfig defaults): 24 layers of width 2048, GLA with 4
+    # heads of key 256 / value 512 (expand_k 0.5, expand_v 1), no short conv, output gate, SwiGLU MLP 5632
+    # (hidden_ratio 4), vocabulary 32,000, untied head (no attention: the pure-GLA row)
+    "gla-1.3b": ("gla", "fla.models:GLAConfig", "fla.models:GLAForCausalLM", dict(
+        vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1,
+        hidden_ratio=4, use_short_conv=False, use_output_gate=True, attn_mode="chunk", tie_word_embeddings=False)),
     # tiny shapes for a CPU check of the script itself
     "qwen3_5-tiny": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -155,18 +163,25 @@ SHAPES = {
     "lfm2-tiny": ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, full_attn_idxs=[1])),
+    "gla-tiny": ("gla", "fla.models:GLAConfig", "fla.models:GLAForCausalLM", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_heads=2, expand_k=0.5,
+        expand_v=1, use_short_conv=False, use_output_gate=True, attn_mode="chunk", tie_word_embeddings=False)),
 }
+
+
+def _class(name: str) -> type:
+    """A class :data:`SHAPES` names: ``module:attr`` (``fla.models:GLAConfig``), or a bare name of transformers'."""
+    module, _, attr = name.rpartition(":")
+    return getattr(importlib.import_module(module or "transformers"), attr)
 
 
 def build(name: str, embed_scale: float, device: str, dtype: torch.dtype):
     """The model of ``SHAPES[name]`` with the embedding trick of the module docstring."""
-    import transformers
-
     plugin, cfg_cls, model_cls, kw = SHAPES[name]
     torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_cls)(**{"eos_token_id": None, **kw})
+    cfg = _class(cfg_cls)(**{"eos_token_id": None, **kw})
     with torch.device(device):  # built in ``dtype``: a float32 copy of the largest shapes would not fit
-        model = getattr(transformers, model_cls)._from_config(cfg, dtype=dtype).eval()
+        model = _class(model_cls)._from_config(cfg, dtype=dtype).eval()
     # MoE experts a CUDA graph records (specla.mixers.experts_graph_problem); a shape may name grouped_mm
     model.config._experts_implementation = kw.get("experts_implementation", "batched_mm")
     with torch.no_grad():

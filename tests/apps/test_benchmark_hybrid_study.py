@@ -1,6 +1,7 @@
-"""``benchmarks/hybrid_study.py`` on the CPU at its tiny MoE shape (the published shapes need a GPU):
-the MTP drafter's run completes with exact rows, each ratio taken against the fastest plain row,
-the replayed profile recorded; the MoE shapes' experts are ones a CUDA graph records."""
+"""``benchmarks/hybrid_study.py`` on the CPU at its tiny MoE and GLA shapes (the published shapes need a
+GPU): the MTP drafter's run and FLA's GLA run complete with exact rows, each ratio taken against the
+fastest plain row, the replayed profile recorded; the MoE shapes' experts are ones a CUDA graph
+records; the GLA-1.3B shape is FLA's own GLAForCausalLM at that checkpoint's config."""
 
 import importlib.util
 import json
@@ -76,3 +77,49 @@ def test_the_mtp_drafter_refuses_models_of_other_plugins(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit):
         hs.main()
     assert "not qwen models" in capsys.readouterr().err
+
+
+def test_fla_gla_shape_runs_exact_against_the_fastest_plain_row(tmp_path, monkeypatch):
+    """A SHAPES entry naming its classes as ``module:attr`` builds FLA's GLA, which the gla plugin runs."""
+    from fla.models import GLAForCausalLM
+
+    built, real = [], hs.build
+    monkeypatch.setattr(hs, "build", lambda *a: built.append(real(*a)) or built[-1])
+    monkeypatch.setattr(sys, "argv", [
+        "hybrid_study.py", "--out", str(tmp_path), "--models", "gla-tiny", "--batches", "1,2", "--tokens", "12",
+        "--repeats", "1", "--device", "cpu", "--profile", "geometric:3", "--chain-profile", "geometric:3",
+        "--allow-dirty", "--no-plot"])
+    hs.main()
+    [(plugin, model)] = built
+    assert plugin == "gla" and type(model) is GLAForCausalLM
+    rows = json.loads((tmp_path / "hybrid.json").read_text())["rows"]
+    assert sorted((r["B"], r["row"]) for r in rows) == sorted(
+        (B, row) for B in (1, 2) for row in ("specla AR (graph)", "SpecLA chain", "SpecLA tree"))
+    assert {r["params"] for r in rows} == {sum(p.numel() for p in model.parameters())}
+    for B in (1, 2):
+        mine = [r for r in rows if r["B"] == B]
+        best = max(r["tokens_per_s"] for r in mine if r["row"] in PLAIN)
+        for r in mine:
+            assert r["model"] == "gla-tiny" and r["exact"] == 1.0, r
+            assert r["vs_best_ar"] == pytest.approx(r["tokens_per_s"] / best, rel=1e-12), r
+            assert (r["accepted_per_step"] == 0) if r["row"] in PLAIN else (0 < r["accepted_per_step"] <= 6), r
+
+
+def test_the_gla_1_3b_shape_is_flas_model_at_the_published_config():
+    """fla-hub/gla-1.3B-100B's config (FLA's GLAConfig defaults): the parameter count is FLA's own
+    model's at those values, written out here rather than read from SHAPES."""
+    from fla.models import GLAConfig, GLAForCausalLM
+
+    published = dict(hidden_size=2048, num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1, vocab_size=32000,
+                     hidden_ratio=4, use_short_conv=False, use_output_gate=True, tie_word_embeddings=False)
+    plugin, model = hs.build("gla-1.3b", 2000.0, "meta", torch.bfloat16)
+    with torch.device("meta"):
+        ref = GLAForCausalLM(GLAConfig(**published))
+    assert plugin == "gla" and type(model) is GLAForCausalLM and model.dtype == torch.bfloat16
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
+    assert [p.shape for p in model.parameters()] == [p.shape for p in ref.parameters()]
+    layers = model.model.layers
+    assert len(layers) == 24 and all(b.attn.num_heads == 4 for b in layers)
+    assert all((b.attn.head_k_dim, b.attn.head_v_dim) == (256, 512) for b in layers)  # benchmarks/kernels.py's gla
+    assert not any(b.attn.use_short_conv for b in layers) and all(b.attn.use_output_gate for b in layers)
+    assert model.lm_head.weight is not model.get_input_embeddings().weight  # untied
