@@ -4,6 +4,7 @@ section 5: the step-change table and the launch sweep).
     python benchmarks/scripts/gdn_pending_verify.py            # kernel table
     python benchmarks/scripts/gdn_pending_verify.py --sweep    # launch settings, one row per setting
     python benchmarks/scripts/gdn_pending_verify.py --shape small   # the `small` target's layer
+    python benchmarks/scripts/gdn_pending_verify.py --writeback     # plain decoding's state write
 
 One layer, H = HV = 8 heads, K = V = 256 (``--shape small``: H = HV = 4, K = 128, V = 256), q/k/v bfloat16, gates and state float32; the pending
 commit is a path of ``P`` accepted nodes out of a previous step of 17 nodes. Times are device
@@ -17,7 +18,17 @@ launch first, included in its time), without the pending commit (fused), and the
 kernel alone on 1, 2, 4 and 8 warps. ``--sweep``: the serial kernel of one-token passes (``TUNING["decode"]``:
 V-tile width ``BV`` and warps) and the parallel kernel with a pending commit (``TUNING["tree"]``:
 ``BV``, warps and the prepare's form);
-``TUNING`` is restored afterwards. One CUDA GPU.
+``TUNING`` is restored afterwards.
+
+``--writeback``: whether writing the state back every ``L`` steps instead of every step (as vLLM's
+cached recurrent inputs do, vllm#48792) could pay for plain decoding. The one-token pass of the
+serial kernel (plain decoding's step) at batches 1 to 256 with a pending path of ``p = 0..8`` tokens
+of one chain: ``p = 0`` reads the state and writes nothing (the kernel stores a state tile only
+where a pending path is applied), ``p >= 1`` applies ``p`` tokens and stores the tile, as every
+plain step does today with ``p = 1``. With ``W = t(1) - t(0)`` (the store and one token's apply),
+a cycle of ``L`` steps that stores only at its last step costs at least
+``sum_{p<L} (t(p) - W) + t(L)``: the row's ``L=...`` columns give that lower bound per step, so
+``t(1)`` minus it bounds the saving per layer from above. One CUDA GPU.
 """
 import argparse
 import copy
@@ -126,9 +137,27 @@ def sweep():
         vk.TUNING.update(saved)
 
 
+def writeback():
+    print("| B | " + " | ".join(f"t({p})" for p in range(9)) + " | L=2 | L=4 | L=8 | state MiB |")
+    print("|---|" + "---|" * 13)
+    for B in (1, 8, 32, 64, 128, 256):
+        q, k, v, g, beta, S, pend, _ = make(B, 1, 8, 8)
+        n = torch.ones(B, dtype=torch.int64, device="cuda")
+        t = []
+        for p in range(9):  # a path of the first p nodes of the pending chain
+            lc = LayerCommit(pend.record, pend.path, torch.full((B,), p, device="cuda"))
+            t.append(us(lambda: vk.serial_verify(q, k, v, g, beta, S, n, K**-0.5, pending=lc)))
+        w = t[1] - t[0]
+        cycle = {L: (sum(t[p] - w for p in range(1, L)) + t[L]) / L for L in (2, 4, 8)}
+        print(f"| {B} | " + " | ".join(f"{x:.1f}" for x in t) + " | " + " | ".join(f"{c:.1f}" for c in cycle.values())
+              + f" | {S.numel() * 4 / 2**20:.0f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="time launch settings instead of the kernel table")
+    ap.add_argument("--writeback", action="store_true", help="time plain decoding's step with and without its "
+                    "state write (see the module docstring)")
     ap.add_argument("--shape", choices=sorted(SHAPE), default="1.3b", help="layer shape (default 1.3b)")
     a = add_allow_dirty(ap).parse_args()
     global H, HV, K, V
@@ -137,7 +166,7 @@ def main():
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     print_meta("cuda", a.allow_dirty)
-    sweep() if a.sweep else kernel_table()
+    sweep() if a.sweep else writeback() if a.writeback else kernel_table()
 
 
 if __name__ == "__main__":
