@@ -128,10 +128,13 @@ def sampling_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     if temperature <= 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature > 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
     x = logits.float()
-    x = (x - x.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
-    if top_k and top_k < x.shape[-1]:
-        kth = x.topk(top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
+    x = x - x.amax(-1, keepdim=True)
+    # the top-k set is taken before the division: at a huge temperature the quotients round to
+    # ties and the set would grow to the whole vocabulary (division by T > 0 keeps the order)
+    kept = x >= x.topk(top_k, dim=-1).values[..., -1:] if top_k and top_k < x.shape[-1] else None
+    x = x / max(temperature, torch.finfo(torch.float32).tiny)
+    if kept is not None:
+        x = x.masked_fill(~kept, float("-inf"))
     p = torch.softmax(x, dim=-1)
     if top_p < 1:
         sp, idx = p.sort(dim=-1, descending=True)

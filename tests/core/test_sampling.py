@@ -147,6 +147,15 @@ def test_sampling_probs_temperature_top_k_top_p():
         acc.sampling_probs(logits, 0.0)
 
 
+@pytest.mark.parametrize("temperature", [1e30, 1e300])
+def test_top_k_keeps_its_set_at_a_huge_temperature(temperature):
+    """``logits / T`` rounds to ties at a huge ``T``; the top-k set is the logits' own, so
+    ``top_k = 1`` still samples the greedy token and ``top_k = 2`` the two best, evenly."""
+    logits = torch.tensor([[2.0, 5.0, -1.0, 4.0], [0.0, -3.0, 1.0, 0.5]])
+    assert acc.sampling_probs(logits, temperature, top_k=1).tolist() == [[0, 1, 0, 0], [0, 0, 1, 0]]
+    assert acc.sampling_probs(logits, temperature, top_k=2).tolist() == [[0, 0.5, 0, 0.5], [0, 0, 0.5, 0.5]]
+
+
 def test_shapes_are_checked():
     tree = DraftTree.from_lists([([1], [-1])])
     with pytest.raises(ValueError, match="target_probs"):
