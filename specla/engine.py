@@ -49,6 +49,11 @@ class RunStats:
             ``draft_s`` includes the host bookkeeping between steps. With CUDA graphs a step is
             one replay, and the whole decode (a host drafter's proposals included) counts as
             ``verify_s``; ``draft_s`` / ``commit_s`` stay 0.
+        seed: a sampling run's seed, the configured one or the one drawn when none was given
+            (``None`` for greedy runs): every draw is keyed by it, so passing it as
+            ``SpecConfig.seed`` draws the same numbers again (a seeded run takes the fixed budget
+            under ``budget_policy="auto"``, so a token within rounding of a draw's boundary may
+            still differ from an adaptive run's).
     """
 
     steps: int = 0
@@ -66,6 +71,7 @@ class RunStats:
     verify_s: float = 0.0
     commit_s: float = 0.0
     wall_s: float = 0.0
+    seed: int | None = None
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -247,7 +253,7 @@ class Engine:
         stats.prefill = adapter.prefill_form
         self.drafter.reset(prompts)
         if self._sampler is not None:
-            run.seed = cfg.seed if cfg.seed is not None else self._sampler.seed()
+            run.seed = stats.seed = cfg.seed if cfg.seed is not None else self._sampler.seed()
             self._sampler.manual_seed(run.seed)
         if runner is not None:
             for r in self._runners():

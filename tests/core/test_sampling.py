@@ -324,3 +324,21 @@ def test_a_sampling_graph_step_needs_its_draws():
     for bad, got in ((None, "None"), (torch.rand(1, 3), "[1, 3]"), (torch.rand(2, 4), "[2, 4]")):
         with pytest.raises(ValueError, match=rf"a sampling step needs uniforms \[1, >= 4\], got {re.escape(got)}$"):
             runner.step([[1, 2, 3]], bad)
+
+
+def test_an_unseeded_run_reports_the_seed_that_repeats_it():
+    """A sampled run without a seed draws one and reports it in ``stats.seed``: passing it as the
+    seed repeats the run's tokens; another unseeded run draws another; greedy runs report none."""
+    from specla import SpecDecoder
+    from specla.registry import get_plugin
+
+    arch = get_plugin("gdn")
+    model = arch.tiny_model("base", seed=4, dtype=torch.float32)
+    prompts = [[3, 14, 15, 9, 2], [7, 1]]
+    cfg = dict(temperature=1.0, max_new_tokens=12, num_draft_tokens=3, max_depth=3, device="cpu")
+    first, second = (SpecDecoder(model, "gdn", drafter="ngram", config=cfg).generate(prompts) for _ in range(2))
+    assert isinstance(first.stats.seed, int) and first.stats.seed != second.stats.seed
+    again = SpecDecoder(model, "gdn", drafter="ngram", config={**cfg, "seed": first.stats.seed}).generate(prompts)
+    assert again.outputs == first.outputs and again.stats.seed == first.stats.seed
+    greedy = SpecDecoder(model, "gdn", drafter="ngram", config={**cfg, "temperature": 0.0}).generate(prompts)
+    assert greedy.stats.seed is None
