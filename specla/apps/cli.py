@@ -29,6 +29,10 @@ from ..errors import GenerationInterrupted, SpecError
 PROGRESS_FROM_TOKENS = 256
 
 
+# specla bench's note where provenance() finds no commit (an installed copy)
+NO_CHECKOUT = ("specla is not run from its git checkout (an editable install or the source tree), so the "
+               "report records no commit (meta.commit is null; meta.versions names specla's version) and "
+               "uncommitted changes are not checked")
 # make_drafter's rule, said once for every --drafter flag
 _DRAFTER_RULE = "a name is never read as a folder: give a folder named like a drafter as ./ngram"
 
@@ -333,6 +337,8 @@ def _bench(args: argparse.Namespace) -> int:
     load_prompts(args.prompts, args.limit)
     meta = provenance(config.device, root=checkout_root(), allow_dirty=args.allow_dirty,
                       command=shlex.join(["specla", *args.argv]))
+    if meta["commit"] is None:  # an installed copy: --allow-dirty's help promises a check that cannot run here
+        print(f"specla: note: {NO_CHECKOUT}", file=sys.stderr)
     with _transformers_bars(sys.stderr.isatty()):  # bars on a terminal only (run_bench's tqdm: disable=None)
         report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
                            batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit,
@@ -640,7 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "and a timeout, not a sandbox: only for prompts files you trust (default: not run)")
     bench.add_argument("--allow-dirty", action="store_true",
                        help="run from a specla checkout with uncommitted changes (refused otherwise); the report's "
-                            "commit then reads <sha>+dirty")
+                            "commit then reads <sha>+dirty. The check applies only when specla runs from its "
+                            "checkout (an editable install or the source tree): an installed copy records no "
+                            "commit, and a note on stderr says so")
     bench.set_defaults(func=_bench)
     plug = sub.add_parser("plugins", help="list registered architecture plugins",
                           description="List the registered architecture plugins, the model types each runs (with the "

@@ -269,7 +269,7 @@ def test_bench_refuses_a_dirty_checkout_before_decoding(checkout, monkeypatch, c
     assert not out.exists()
 
 
-def test_bench_report_meta_names_commit_device_versions_date_command(checkout, monkeypatch, tmp_path):
+def test_bench_report_meta_names_commit_device_versions_date_command(checkout, monkeypatch, capsys, tmp_path):
     (checkout / "f.py").write_text("x = 2\n")
     monkeypatch.setattr(specla.apps.bench, "checkout_root", lambda: checkout)
     monkeypatch.setattr(specla.apps.bench, "run_bench", lambda *a, **k: {"categories": {}})
@@ -284,9 +284,25 @@ def test_bench_report_meta_names_commit_device_versions_date_command(checkout, m
                                       "specla"]
     assert meta["versions"] == library_versions()
     assert meta["command"] == "specla " + " ".join(argv)
+    assert "note" not in capsys.readouterr().err  # a commit was recorded
     date = datetime.datetime.fromisoformat(meta["date"])
     assert date.utcoffset() == datetime.timedelta(0)
     assert abs(datetime.datetime.now(datetime.timezone.utc) - date) < datetime.timedelta(minutes=5)
+
+
+def test_bench_from_an_installed_copy_runs_and_says_it_records_no_commit(monkeypatch, capsys, tmp_path):
+    """``pip install .`` has no checkout to check: the run is not refused, and one note on
+    stderr says the report has no commit and nothing was checked."""
+    monkeypatch.delenv("SPECLA_COMMIT", raising=False)
+    monkeypatch.setattr(specla.apps.bench, "checkout_root", lambda: None)
+    monkeypatch.setattr(specla.apps.bench, "run_bench", lambda *a, **k: {"categories": {}})
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["commit"] is None
+    assert capsys.readouterr().err == (
+        "specla: note: specla is not run from its git checkout (an editable install or the source tree), so the "
+        "report records no commit (meta.commit is null; meta.versions names specla's version) and uncommitted "
+        "changes are not checked\n")
 
 
 def test_a_prompts_files_code_runs_only_when_asked_and_without_the_environment(tmp_path, monkeypatch):
