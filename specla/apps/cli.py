@@ -14,7 +14,6 @@ import os
 import secrets
 import shlex
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -313,6 +312,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench import checkout_root, format_table, load_prompts, provenance, run_bench
+    from .paths import unwritable
 
     config = _spec_config({"max_new_tokens": 256, "device": _auto_device()}, read_config_option(args.config),
                           {"max_new_tokens": args.max_new_tokens, "device": args.device},
@@ -326,13 +326,8 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
         if out.is_dir():
             raise ValueError(f"--out {args.out}: is a directory; name the report's file")
-        try:  # a real write: permission bits do not tell root, or a read-only file system, apart
-            if out.exists():
-                out.open("a").close()
-            else:
-                tempfile.TemporaryFile(dir=out.parent).close()
-        except OSError as e:
-            raise ValueError(f"--out {args.out}: not writable ({e.strerror})") from None
+        if problem := unwritable(out):
+            raise ValueError(f"--out {args.out}: not writable ({problem})")
     # the user's input first, then the checkout: a report of uncommitted code is refused before decoding
     load_prompts(args.prompts, args.limit)
     meta = provenance(config.device, root=checkout_root(), allow_dirty=args.allow_dirty,
