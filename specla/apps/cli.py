@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from ..config import EngineOptions, SpecConfig, nest_engine_options, validation_message
 from ..errors import GenerationInterrupted, SpecError
+from .paths import not_a_file, unwritable
 
 # generate shows a progress bar (on a terminal, or with --progress) from this many tokens per
 # prompt: the default 64 and other short completions end within seconds and print nothing more
@@ -32,6 +33,8 @@ PROGRESS_FROM_TOKENS = 256
 NO_CHECKOUT = ("specla is not run from its git checkout (an editable install or the source tree), so the "
                "report records no commit (meta.commit is null; meta.versions names specla's version) and "
                "uncommitted changes are not checked")
+# the most bytes a --config file is read up to
+CONFIG_LIMIT = 1 << 20
 # make_drafter's rule, said once for every --drafter flag
 _DRAFTER_RULE = "a name is never read as a folder: give a folder named like a drafter as ./ngram"
 
@@ -312,13 +315,12 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench import checkout_root, format_table, load_prompts, provenance, run_bench
-    from .paths import unwritable
 
     config = _spec_config({"max_new_tokens": 256, "device": _auto_device()}, read_config_option(args.config),
                           {"max_new_tokens": args.max_new_tokens, "device": args.device},
                           source=config_source(args.config))
-    if not Path(args.prompts).is_file():
-        raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
+    if problem := not_a_file(args.prompts):
+        raise ValueError(f"--prompts {args.prompts}: {problem}")
     _cpu_threads(args, _device_type(config.device))
     if args.out:  # found before decoding, not after
         out = Path(args.out).resolve()
@@ -340,7 +342,11 @@ def _bench(args: argparse.Namespace) -> int:
                            execute_code=args.execute_code)
     print(format_table(report))
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, **report}, indent=1))
+        try:
+            Path(args.out).write_text(json.dumps({"meta": meta, **report}, indent=1))
+        except OSError as e:  # the table above is all that is left of the run
+            raise ValueError(f"--out {args.out}: the report could not be written ({e.strerror}); the table above "
+                             "is the run's only record") from None
     return 0
 
 
@@ -417,7 +423,8 @@ def read_config_option(text: str | None) -> dict:
     Args:
         text: the ``--config`` value, or ``None``.
     Raises:
-        ValueError: a file that does not exist or cannot be read, text that is not JSON (the
+        ValueError: a file that does not exist, is not a regular file, is over
+            :data:`CONFIG_LIMIT` bytes or cannot be read, text that is not JSON (the
             message names the file, if any, and the JSON problem), JSON that is not an object,
             or flat engine keys together with ``engine``.
     """
@@ -428,10 +435,15 @@ def read_config_option(text: str | None) -> dict:
     if inline:
         body = text
     else:
+        if problem := not_a_file(text):
+            hint = " (inline JSON starts with '{')" if problem == "no such file" else ""
+            raise ValueError(f"{source}: {problem}{hint}")
         try:
-            body = Path(text).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ValueError(f"{source}: no such file (inline JSON starts with '{{')") from None
+            with open(text, "rb") as fh:
+                data = fh.read(CONFIG_LIMIT + 1)
+            if len(data) > CONFIG_LIMIT:  # a config is a few fields; past this it is the wrong file
+                raise ValueError(f"{source}: larger than {CONFIG_LIMIT >> 20} MiB, not a config")
+            body = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"{source}: cannot be read ({err})") from None
     try:
@@ -493,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specla {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     config_help = ("SpecConfig fields as a JSON object, inline ('{\"temperature\": 0.8}') or the path of a file "
-                   "holding one; the flags of this command override its fields")
+                   "holding one (a regular file of at most 1 MiB); the flags of this command override its fields")
 
     gen = sub.add_parser("generate", help="decode prompts with a checkpoint directory", formatter_class=_HelpFormatter,
                          description="Decode text prompts speculatively; prints each generation, then a JSON line "

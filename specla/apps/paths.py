@@ -1,10 +1,25 @@
-"""The apps' checks of the paths a user names, each made one way: a place a command will write
-(``specla bench --out``, ``specla train-drafter --out``), tried before any work is done."""
+"""The apps' checks of the paths a user names, each made one way: a file a command reads
+(``--config``, ``specla bench --prompts``) and a place it will write (``specla bench --out``,
+``specla train-drafter --out``), both before any work is done."""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+
+
+def not_a_file(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as a file (``no such file``, ``is a directory``, ``not a
+    regular file``: a device such as ``/dev/zero`` that never ends, a pipe, a socket), else None."""
+    path = Path(path)
+    try:
+        if path.is_file():
+            return None
+        if path.is_dir():
+            return "is a directory"
+        return "not a regular file" if path.exists() else "no such file"
+    except OSError as e:  # a folder on the way that may not be searched
+        return e.strerror
 
 
 def unwritable(path: str | Path) -> str | None:

@@ -200,9 +200,29 @@ def test_bench_flags_are_checked_before_decoding(args, match):
     assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_a_missing_prompts_file_is_named():
-    proc = _cli("bench", "--model", str(TINY), "--prompts", "/nonexistent.jsonl", "--device", "cpu")
-    assert proc.returncode == 2 and "--prompts /nonexistent.jsonl: no such file" in proc.stderr
+@pytest.mark.parametrize("prompts, problem", [("/nonexistent.jsonl", "no such file"), ("/tmp", "is a directory"),
+                                              ("/dev/zero", "not a regular file")])
+def test_a_prompts_file_that_cannot_be_read_is_named(prompts, problem, capsys):
+    if not Path(prompts).exists() and problem != "no such file":
+        pytest.skip(f"no {prompts} here")
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--model", str(TINY), "--prompts", prompts, "--device", "cpu"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"specla: error: --prompts {prompts}: {problem}\n"
+
+
+def test_a_report_that_cannot_be_written_names_its_path(monkeypatch, capsys):
+    """/dev/full opens for writing, so only the write after the run fails: the error names --out."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    monkeypatch.setattr(specla.apps.bench, "run_bench", lambda *a, **k: {"categories": {}})
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", "--out", "/dev/full",
+              "--allow-dirty"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "specla: error: --out /dev/full: the report could not be written (No space left on device); the table "
+        "above is the run's only record")
 
 
 def _git(cwd, *args):

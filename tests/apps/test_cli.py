@@ -190,6 +190,15 @@ def test_generate_and_bench_share_the_config_parser(capsys, tmp_path):
         assert code == 2
         assert last_error(err) == (f"specla: error: --config {tmp_path / 'none.json'}: no such file (inline JSON "
                                    "starts with '{')")
+        code, _, err = cli(capsys, *command, "--config", tmp_path)
+        assert code == 2 and last_error(err) == f"specla: error: --config {tmp_path}: is a directory"
+    big = tmp_path / "big.json"
+    big.write_text("{}" + " " * (1 << 20))  # valid JSON, but no config is a mebibyte
+    with pytest.raises(ValueError, match=rf"^--config {re.escape(str(big))}: larger than 1 MiB, not a config$"):
+        read_config_option(str(big))
+    if Path("/dev/zero").exists():  # endless: refused unread, not read until memory runs out
+        with pytest.raises(ValueError, match=r"^--config /dev/zero: not a regular file$"):
+            read_config_option("/dev/zero")
 
 
 # train-drafter
