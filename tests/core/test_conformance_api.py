@@ -95,6 +95,18 @@ def test_no_plugin_for_a_model_type_says_when_specla_plugins_limited_the_plugins
         "(gated_deltanet) (only these, as SPECLA_PLUGINS='gdn' limits loading; unset it to load every plugin)")
 
 
+def test_no_demo_checkpoint_says_when_specla_plugins_limited_the_plugins():
+    import os
+
+    env = {**os.environ, "SPECLA_PLUGINS": "lfm2,gdn"}  # neither ships one; qwen's is not loaded
+    out = subprocess.run([sys.executable, "-m", "specla.apps.cli", "demo"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == (
+        "specla: error: no installed plugin ships a demo checkpoint (only gdn, lfm2 loaded, as "
+        "SPECLA_PLUGINS='lfm2,gdn' limits loading; unset it to load every plugin)")
+
+
 def test_the_example_third_party_plugin_is_registered_through_its_entry_point_alone():
     """examples/third_party_plugin is installed by the test command and found without any
     change to specla (its own tests run the conformance suite)."""
