@@ -243,6 +243,44 @@ def test_the_accepted_count_check_names_the_state_that_differs(monkeypatch):
     assert_finite_difference(message)
 
 
+def bump_first_state(self):
+    """A write into the first mixer's recurrent state, where no write belongs."""
+    self.mixers[0].state()[0].add_(1)
+
+
+def verify_writing_the_state(self, tree):
+    bump_first_state(self)
+    return ADAPTER_VERIFY(self, tree)
+
+
+def flush_writing_the_state(self):
+    ADAPTER_FLUSH(self)
+    bump_first_state(self)
+
+
+ADAPTER_VERIFY, ADAPTER_FLUSH = ModelAdapter.verify, ModelAdapter.flush
+
+
+@pytest.mark.parametrize("method, broken, test, message", [
+    ("verify", verify_writing_the_state, "test_verify_never_writes_the_state",
+     r"verifying the same tree again changed mixer 0's 'recurrent' state \(max \|d\| 1\)"),
+    ("verify", verify_writing_the_state, "test_bad_input_raises_by_name_and_leaves_the_state_untouched",
+     r"a refused tree or prompt changed mixer 0's 'recurrent' state \(max \|d\| \d\)"),
+    ("flush", flush_writing_the_state, "test_delayed_commit_equals_flushed_and_flush_is_idempotent",
+     r"the next logits after a delayed commit and after a flushed one differ by max \|d\| \S+ \(tolerance \S+\); "
+     r"first beyond it: mixer 0's 'recurrent' state \(max \|d\| 1\)"),
+])
+def test_a_state_written_where_it_must_not_be_is_named_with_its_difference(monkeypatch, method, broken, test,
+                                                                          message):
+    """The suite's checks that a verify, a refused input or a flush leaves the state as it was
+    name the mixer and state that changed, with the largest difference."""
+    monkeypatch.setattr(ModelAdapter, method, broken)
+    with pytest.raises(AssertionError) as failure:
+        getattr(PluginSuite(), test)(get_plugin("gdn"), random.Random(1234))
+    first = str(failure.value).splitlines()[0]  # pytest's rewritten assert adds the expression's lines
+    assert re.fullmatch(message, first), str(failure.value)
+
+
 def mixed_batch(variant="base"):
     """A tiny gdn model, a ragged batch, its reference continuations and the oracle drafter of the
     ``mixed`` pattern (sequence 0 drafts nothing, the others their whole right chain)."""
