@@ -15,7 +15,6 @@ from specla import SpecConfig
 from specla.apps.bench import (device_name, format_table, gsm8k_answer, humaneval_passes, library_versions,
                                load_prompts, run_bench, source_commit)
 from specla.apps.cli import main
-from specla.registry import get_plugin
 from specla_fla.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
