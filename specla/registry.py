@@ -277,6 +277,15 @@ def model_type_of(model: torch.nn.Module | str | Path) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 
 
+def limited_loading(what: str) -> str:
+    """`` (WHAT, as SPECLA_PLUGINS='...' limits loading; unset it to load every plugin)`` where
+    that variable limited which plugins loaded, else ``""``: a message about the loaded plugins
+    ends with it, or an installed plugin would seem missing."""
+    if (limited := plugin_manager().limited_to) is None:
+        return ""
+    return f" ({what}, as SPECLA_PLUGINS={limited!r} limits loading; unset it to load every plugin)"
+
+
 def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
     """The plugin whose ``model_types`` contains the model's ``config.model_type``.
 
@@ -311,8 +320,7 @@ def detect_plugin(model: torch.nn.Module | str | Path) -> ArchitecturePlugin:
     if matches:
         return matches[0]
     known = ", ".join(f"{n} ({', '.join(a.model_types)})" for n, (a, _) in _architectures().archs.items()) or "none"
-    if (limited := plugin_manager().limited_to) is not None:  # else an installed plugin seems missing
-        known += f" (only these, as SPECLA_PLUGINS={limited!r} limits loading; unset it to load every plugin)"
+    known += limited_loading("only these")
     if model_type is None:
         if isinstance(model, torch.nn.Module):
             what = f"{type(model).__name__} has no config.model_type"

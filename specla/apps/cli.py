@@ -14,7 +14,6 @@ import os
 import secrets
 import shlex
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,12 +22,19 @@ from pydantic import ValidationError
 
 from ..config import EngineOptions, SpecConfig, nest_engine_options, validation_message
 from ..errors import GenerationInterrupted, SpecError
+from .paths import not_a_file, unwritable
 
 # generate shows a progress bar (on a terminal, or with --progress) from this many tokens per
 # prompt: the default 64 and other short completions end within seconds and print nothing more
 PROGRESS_FROM_TOKENS = 256
 
 
+# specla bench's note where provenance() finds no commit (an installed copy)
+NO_CHECKOUT = ("specla is not run from its git checkout (an editable install or the source tree), so the "
+               "report records no commit (meta.commit is null; meta.versions names specla's version) and "
+               "uncommitted changes are not checked")
+# the most bytes a --config file is read up to
+CONFIG_LIMIT = 1 << 20
 # make_drafter's rule, said once for every --drafter flag
 _DRAFTER_RULE = "a name is never read as a folder: give a folder named like a drafter as ./ngram"
 
@@ -313,8 +319,8 @@ def _bench(args: argparse.Namespace) -> int:
     config = _spec_config({"max_new_tokens": 256, "device": _auto_device()}, read_config_option(args.config),
                           {"max_new_tokens": args.max_new_tokens, "device": args.device},
                           source=config_source(args.config))
-    if not Path(args.prompts).is_file():
-        raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
+    if problem := not_a_file(args.prompts):
+        raise ValueError(f"--prompts {args.prompts}: {problem}")
     _cpu_threads(args, _device_type(config.device))
     if args.out:  # found before decoding, not after
         out = Path(args.out).resolve()
@@ -322,24 +328,25 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
         if out.is_dir():
             raise ValueError(f"--out {args.out}: is a directory; name the report's file")
-        try:  # a real write: permission bits do not tell root, or a read-only file system, apart
-            if out.exists():
-                out.open("a").close()
-            else:
-                tempfile.TemporaryFile(dir=out.parent).close()
-        except OSError as e:
-            raise ValueError(f"--out {args.out}: not writable ({e.strerror})") from None
+        if problem := unwritable(out):
+            raise ValueError(f"--out {args.out}: not writable ({problem})")
     # the user's input first, then the checkout: a report of uncommitted code is refused before decoding
     load_prompts(args.prompts, args.limit)
     meta = provenance(config.device, root=checkout_root(), allow_dirty=args.allow_dirty,
                       command=shlex.join(["specla", *args.argv]))
+    if meta["commit"] is None:  # an installed copy: --allow-dirty's help promises a check that cannot run here
+        print(f"specla: note: {NO_CHECKOUT}", file=sys.stderr)
     with _transformers_bars(sys.stderr.isatty()):  # bars on a terminal only (run_bench's tqdm: disable=None)
         report = run_bench(args.model, args.drafter, args.prompts, config=config, limit=args.limit,
                            batch_size=args.batch_size, plugin=args.plugin, time_limit_s=args.time_limit,
                            execute_code=args.execute_code)
     print(format_table(report))
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, **report}, indent=1))
+        try:
+            Path(args.out).write_text(json.dumps({"meta": meta, **report}, indent=1))
+        except OSError as e:  # the table above is all that is left of the run
+            raise ValueError(f"--out {args.out}: the report could not be written ({e.strerror}); the table above "
+                             "is the run's only record") from None
     return 0
 
 
@@ -416,7 +423,8 @@ def read_config_option(text: str | None) -> dict:
     Args:
         text: the ``--config`` value, or ``None``.
     Raises:
-        ValueError: a file that does not exist or cannot be read, text that is not JSON (the
+        ValueError: a file that does not exist, is not a regular file, is over
+            :data:`CONFIG_LIMIT` bytes or cannot be read, text that is not JSON (the
             message names the file, if any, and the JSON problem), JSON that is not an object,
             or flat engine keys together with ``engine``.
     """
@@ -427,10 +435,15 @@ def read_config_option(text: str | None) -> dict:
     if inline:
         body = text
     else:
+        if problem := not_a_file(text):
+            hint = " (inline JSON starts with '{')" if problem == "no such file" else ""
+            raise ValueError(f"{source}: {problem}{hint}")
         try:
-            body = Path(text).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ValueError(f"{source}: no such file (inline JSON starts with '{{')") from None
+            with open(text, "rb") as fh:
+                data = fh.read(CONFIG_LIMIT + 1)
+            if len(data) > CONFIG_LIMIT:  # a config is a few fields; past this it is the wrong file
+                raise ValueError(f"{source}: larger than {CONFIG_LIMIT >> 20} MiB, not a config")
+            body = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"{source}: cannot be read ({err})") from None
     try:
@@ -492,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specla {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     config_help = ("SpecConfig fields as a JSON object, inline ('{\"temperature\": 0.8}') or the path of a file "
-                   "holding one; the flags of this command override its fields")
+                   "holding one (a regular file of at most 1 MiB); the flags of this command override its fields")
 
     gen = sub.add_parser("generate", help="decode prompts with a checkpoint directory", formatter_class=_HelpFormatter,
                          description="Decode text prompts speculatively; prints each generation, then a JSON line "
@@ -640,7 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "and a timeout, not a sandbox: only for prompts files you trust (default: not run)")
     bench.add_argument("--allow-dirty", action="store_true",
                        help="run from a specla checkout with uncommitted changes (refused otherwise); the report's "
-                            "commit then reads <sha>+dirty")
+                            "commit then reads <sha>+dirty. The check applies only when specla runs from its "
+                            "checkout (an editable install or the source tree): an installed copy records no "
+                            "commit, and a note on stderr says so")
     bench.set_defaults(func=_bench)
     plug = sub.add_parser("plugins", help="list registered architecture plugins",
                           description="List the registered architecture plugins, the model types each runs (with the "

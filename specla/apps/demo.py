@@ -35,7 +35,9 @@ def default_checkpoint() -> tuple[str, object]:
         path = registry.get_plugin(info.name).demo_checkpoint
         if path is not None:
             return info.name, path
-    raise RuntimeError("no installed plugin ships a demo checkpoint")
+    loaded = ", ".join(sorted(info.name for info in registry.plugin_infos())) or "none"
+    raise RuntimeError("no installed plugin ships a demo checkpoint"
+                       + registry.limited_loading(f"only {loaded} loaded"))
 
 
 def shown_prompt(prompt: str, limit: int = 300) -> str:

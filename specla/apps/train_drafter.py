@@ -27,6 +27,7 @@ from ..errors import DrafterError
 from ..hf import tensors_only
 from ..interfaces import TargetAdapter
 from .jsonl import read_jsonl
+from .paths import unwritable
 
 
 @dataclass
@@ -207,7 +208,7 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
                  overwrite: bool = False) -> dict | None:
     """Check that a training run may write its drafter into ``out``, and return the checkpoint
     it resumes from (``None``: it starts from step 0). Reads ``out/checkpoint.pt`` at most;
-    writes nothing.
+    leaves nothing behind (a temporary file, gone once closed, tries that ``out`` can be written).
 
     ``out`` may be missing or hold other files; a file a run writes (:data:`DRAFTER_FILES`)
     already there is never replaced silently: ``resume`` continues from ``out/checkpoint.pt``
@@ -220,6 +221,8 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
         resume, overwrite: as in :func:`train_drafter` (``--resume``, ``--overwrite``).
     Raises:
         DrafterError: both ``resume`` and ``overwrite``; ``out`` exists and is not a directory;
+            ``out`` cannot be made or written in (its nearest existing folder refuses a file, or
+            is a file: see :func:`specla.apps.paths.unwritable`);
             ``out`` holds a ``config.json`` that is not a drafter's (a model checkpoint, e.g. the
             target's own folder), whatever the flags;
             ``out`` holds drafter files and neither ``overwrite`` nor ``resume`` with a
@@ -234,6 +237,8 @@ def check_output(out: str | Path, cfg: DrafterTrainConfig, *, resume: bool = Fal
                            "(overwrite=True) replaces it: pass one of them")
     if out.exists() and not out.is_dir():
         raise DrafterError(f"output folder {out} exists and is not a directory")
+    if problem := unwritable(out):  # found now, not after the target has loaded and the windows are built
+        raise DrafterError(f"output folder {out} (--out) cannot be created or written ({problem})")
     ckpt = out / "checkpoint.pt"
     if (out / "config.json").is_file() and not is_eagle_dir(out):  # e.g. --out is the target's own folder
         raise DrafterError(f"output folder {out} holds a config.json that is not a drafter's (a model checkpoint?); "

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import DrafterError, UnknownPluginError
 from ..interfaces import Drafter
 from ..registry import available, get_plugin
-from .eagle import EagleDrafter, is_eagle_dir
+from .eagle import FORMATS, EagleDrafter, is_eagle_dir, saved_format
 from .ngram import NgramDrafter
 
 BUILTIN_DRAFTERS: dict[str, type[Drafter]] = {"ngram": NgramDrafter}
@@ -73,6 +73,9 @@ def make_drafter(drafter: str | Path | Drafter) -> Drafter:
                            "`specla train-drafter` wrote)")
     if is_eagle_dir(path):
         return EagleDrafter.from_dir(path)
+    if (found := saved_format(path)) is not None:
+        raise DrafterError(f"drafter {drafter}: config.json names the format {found!r}, which this specla does not "
+                           f"read (it reads {', '.join(FORMATS)})")
     hint = " (a `--stop-at` run? finish it with --resume)" if (path / "checkpoint.pt").is_file() else ""
     raise DrafterError(f"{drafter} is not a trained drafter directory{hint}")
 

@@ -202,10 +202,23 @@ class EagleHead(nn.Module):
         try:
             cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
             if cfg.get("format") not in FORMATS:
-                raise DrafterError(f"{d} is not a specla EAGLE drafter (config.json format not in {FORMATS})")
+                raise DrafterError(f"{d} is not a specla EAGLE drafter (config.json's format is "
+                                   f"{cfg.get('format')!r}; this specla reads {', '.join(FORMATS)})")
             heads = cfg["num_heads"] if cfg["format"] == FORMAT else 0
             head = cls(cfg["hidden_size"], cfg["intermediate_size"], heads, cfg["eps"])
-            head.load_state_dict(load_file(str(d / "model.safetensors")))
+            state, expected = load_file(str(d / "model.safetensors")), head.state_dict()
+            # one line naming the first disagreement, not torch's line per parameter
+            wrong = [n for n in expected if n in state and state[n].shape != expected[n].shape]
+            if wrong:
+                more = f" ({len(wrong) - 1} more parameters differ)" if len(wrong) > 1 else ""
+                raise DrafterError(f"drafter {d}: model.safetensors does not match config.json: {wrong[0]} is "
+                                   f"{list(state[wrong[0]].shape)} in model.safetensors, "
+                                   f"{list(expected[wrong[0]].shape)} by config.json{more}")
+            missing, extra = [n for n in expected if n not in state], [n for n in state if n not in expected]
+            if missing or extra:
+                raise DrafterError(f"drafter {d}: model.safetensors does not match config.json: missing "
+                                   f"{', '.join(missing) or 'none'}; unexpected {', '.join(extra) or 'none'}")
+            head.load_state_dict(state)
             head.target_vocab_size = cfg.get("target_vocab_size")  # written by train-drafter
         except SafetensorError as err:
             raise DrafterError(f"{d / 'model.safetensors'} cannot be read ({err}): the drafter's weights file is "
@@ -223,13 +236,20 @@ def kernel_forms(adapter: TargetAdapter) -> bool:
     return bool(getattr(adapter, "triton_kernels", False)) and adapter.dtype in (torch.float32, torch.bfloat16)
 
 
-def is_eagle_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a directory holding a saved EAGLE drafter (its config says so)."""
+def saved_format(path: str | Path):
+    """The ``format`` that ``path/config.json`` names (a drafter's, maybe of another specla
+    version), else None (no such file, no such key, or not a JSON object)."""
     cfg = Path(path) / "config.json"
     try:
-        return cfg.is_file() and json.loads(cfg.read_text()).get("format") in FORMATS
-    except ValueError:  # malformed JSON: EagleHead.load would say so; here it is just "not one"
-        return False
+        value = json.loads(cfg.read_text()) if cfg.is_file() else None
+    except ValueError:  # malformed JSON: EagleHead.load would say so; here it is just "none"
+        return None
+    return value.get("format") if isinstance(value, dict) else None
+
+
+def is_eagle_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a directory holding a saved EAGLE drafter (its config says so)."""
+    return saved_format(path) in FORMATS
 
 
 class EagleDrafter(Drafter):

@@ -38,7 +38,7 @@ from ..errors import (BudgetError, ConfigError, InvalidTokenError, InvalidTreeEr
 from ..records import PendingCommit
 from ..registry import get_plugin
 from ..tree import DraftTree
-from .diagnosis import compare_states, diagnose, state_tolerance
+from .diagnosis import _named_states, compare_states, diagnose, state_tolerance
 from .drafters import OracleDrafter, ScriptedDrafter, path_acceptance
 
 N = 6  # draft budget of the suite's runs
@@ -423,13 +423,23 @@ class PluginSuite:
 
     @staticmethod
     def _snapshot(adapter) -> list[torch.Tensor]:
-        """Copies of every state tensor of every mixer, in the layers' order (a pending commit is
-        not applied)."""
-        return [t.clone() for m in adapter.mixers for t in m.state()]
+        """Copies of every state tensor of every mixer, in the layers' order (an adapter of the
+        plugin's own: its recurrent states); a pending commit is not applied."""
+        return [t.clone() for _, _, t in _named_states(adapter)]
 
     @staticmethod
-    def _bit_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    def _differs(adapter, a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 0.0) -> str:
+        """The first state in which snapshot ``b`` differs from ``a`` (bit for bit, or beyond
+        ``tol`` relative and absolute), named for a message: ``mixer I's 'KIND' state (max |d|
+        X)``, ``I`` its mixer's index in ``adapter.mixers``; ``""`` where none does."""
+        if len(a) != len(b):
+            return f"the number of state tensors ({len(a)}, then {len(b)})"
+        for (i, name, _), x, y in zip(_named_states(adapter), a, b):
+            if x.shape != y.shape:
+                return f"mixer {i}'s {name!r} state (shape {list(x.shape)}, then {list(y.shape)})"
+            if not (torch.allclose(x.double(), y.double(), rtol=tol, atol=tol) if tol else torch.equal(x, y)):
+                return f"mixer {i}'s {name!r} state (max |d| {float((x.double() - y.double()).abs().max()):.3g})"
+        return ""
 
     @staticmethod
     def _fixed_states(adapter) -> list[torch.Tensor]:
@@ -536,14 +546,19 @@ class PluginSuite:
         adapter.prefill([[rng.randrange(V) for _ in range(9)], [rng.randrange(V)]])
         tree = DraftTree.from_lists([([1, 2, 3], [-1, 0, 1]), ([4], [-1])], device=adapter.device)
         first = adapter.verify(tree).logits
-        assert torch.equal(adapter.verify(tree).logits, first)
+        state = self._snapshot(adapter)
+        again = adapter.verify(tree).logits
+        changed = self._differs(adapter, state, self._snapshot(adapter))
+        assert not changed, f"verifying the same tree again changed {changed}"
+        assert torch.equal(again, first), \
+            f"verifying the same tree twice gave logits apart by max |d| {float((again - first).abs().max()):.3g}"
 
     def test_delayed_commit_equals_flushed_and_flush_is_idempotent(self, arch, rng):
         model = self._model(arch)
         V = self._vocab(model)
         prompt = [rng.randrange(V) for _ in range(8)]
         ref = arch.reference_decode(model, prompt, N + 2)
-        runs = []
+        runs, adapters = [], []
         for flushes in (0, 1, 2):
             adapter = self._adapter(arch, model)
             adapter.prefill([prompt])
@@ -552,10 +567,17 @@ class PluginSuite:
             adapter.commit(tree, out, accept_greedy(tree, out.logits))
             for _ in range(flushes):
                 adapter.flush()
-            runs.append(self._root_logits(adapter))
+            runs.append(self._root_logits(adapter))  # the verify applies a delayed commit
+            adapters.append(adapter)
         tol = arch.logits_tolerance / 10
-        assert torch.allclose(runs[0], runs[1], rtol=tol, atol=tol)  # delayed == eager
-        assert torch.equal(runs[1], runs[2])  # a second flush changes nothing
+        states = [self._snapshot(a) for a in adapters]
+        assert torch.allclose(runs[0], runs[1], rtol=tol, atol=tol), (
+            f"the next logits after a delayed commit and after a flushed one differ by max |d| "
+            f"{float((runs[0] - runs[1]).abs().max()):.3g} (tolerance {tol:.3g}); first beyond it: "
+            f"{self._differs(adapters[0], states[0], states[1], tol) or 'no state'}")
+        assert torch.equal(runs[1], runs[2]), (
+            f"a second flush changed the next logits by max |d| {float((runs[1] - runs[2]).abs().max()):.3g} "
+            f"and {self._differs(adapters[1], states[1], states[2]) or 'no state'}")
 
     def test_bad_input_raises_by_name_and_leaves_the_state_untouched(self, arch, rng):
         """Bad trees (over the node budget, ids out of the vocabulary or negative, a parent after
@@ -567,7 +589,7 @@ class PluginSuite:
         V = self._vocab(model)
         adapter = self._adapter(arch, model)
         adapter.prefill([[rng.randrange(V) for _ in range(6)]])
-        before = self._root_logits(adapter)
+        before, state = self._root_logits(adapter), self._snapshot(adapter)
         bad_trees = {
             InvalidTokenError: [([V], [-1]), ([-1], [-1])],  # out of vocabulary, placeholder id
             InvalidTreeError: [([1, 2], [1, -1])],  # a parent after its child
@@ -580,7 +602,11 @@ class PluginSuite:
             adapter.verify(DraftTree.from_lists([(list(range(N + 1)), list(range(-1, N)))], device=adapter.device))
         with pytest.raises(InvalidTokenError):
             adapter.prefill([[]])
-        assert torch.equal(self._root_logits(adapter), before)
+        changed = self._differs(adapter, state, self._snapshot(adapter))
+        assert not changed, f"a refused tree or prompt changed {changed}"
+        after = self._root_logits(adapter)
+        assert torch.equal(after, before), \
+            f"a refused tree or prompt changed the next logits by max |d| {float((after - before).abs().max()):.3g}"
 
         for variant in arch.tiny_variants:  # with a pending commit: the messages, and nothing moved, bit for bit
             self._check_bad_input_by_name(arch, self._model(arch, variant), variant)
@@ -599,7 +625,8 @@ class PluginSuite:
             state, pending, roots = self._snapshot(adapter), adapter.pending, adapter.roots.clone()
             with pytest.raises(error, match=match):
                 adapter.verify(DraftTree.from_lists(tree, device=adapter.device))
-            assert self._bit_identical(state, self._snapshot(adapter)), f"{variant}: {match}"
+            changed = self._differs(adapter, state, self._snapshot(adapter))
+            assert not changed, f"{variant}: {match}: the refused tree changed {changed}"
             assert adapter.pending is pending and torch.equal(adapter.roots, roots), f"{variant}: {match}"
         prompts = [([[1, 2], []], "prompt 1 is empty"), ([[1, V]], f"token id {V}"), ([[-1, 3]], "token id -1"),
                    ([], "no prompts"), ([[1, 2.5]], "position 1: token ids must be integers, got float 2.5")]
@@ -608,7 +635,8 @@ class PluginSuite:
             state, roots = self._snapshot(adapter), adapter.roots.clone()
             with pytest.raises(InvalidTokenError, match=match):
                 adapter.prefill(bad_prompts)
-            assert self._bit_identical(state, self._snapshot(adapter)), f"{variant}: {match}"
+            changed = self._differs(adapter, state, self._snapshot(adapter))
+            assert not changed, f"{variant}: {match}: the refused prompts changed {changed}"
             assert torch.equal(adapter.roots, roots), f"{variant}: {match}"
 
     def test_commit_strategies_agree_and_delayed_equals_eager(self, arch):
@@ -639,15 +667,15 @@ class PluginSuite:
                 adapter.flush()
                 once = self._snapshot(adapter)
                 adapter.flush()  # idempotent
-                assert self._bit_identical(once, self._snapshot(adapter)), \
-                    f"{variant}, {name}: a second flush changed the state"
+                changed = self._differs(adapter, once, self._snapshot(adapter))
+                assert not changed, f"{variant}, {name}: a second flush changed {changed}"
                 states[name] = once
             for name in states:
                 assert float((logits[name] - logits["factor"]).abs().max()) < tol, f"{variant}, {name}"
                 for a, b in zip(states[name], states["factor"], strict=True):
                     assert float((a - b).abs().max()) < tol, f"{variant}, {name}"
-            assert self._bit_identical(states["factor"], states["factor_eager"]), \
-                f"{variant}: delayed and eager factor commits differ"  # same ops, same order
+            changed = self._differs(adapter, states["factor"], states["factor_eager"])
+            assert not changed, f"{variant}: delayed and eager factor commits differ in {changed}"  # same ops, order
 
     def test_ragged_batch_states_equal_per_sequence_runs_and_select_keeps_the_order(self, arch, rng):
         """A batch of prompts of 3, 8 and 1 tokens commits a path of 4 drafts, one off a second
@@ -701,7 +729,8 @@ class PluginSuite:
             whole.flush()
             rows = torch.tensor([2, 0], device=batch.device)
             after = self._snapshot(batch)
-            assert self._bit_identical(after, [y[rows] for y in self._snapshot(whole)]), variant
+            changed = self._differs(batch, [y[rows] for y in self._snapshot(whole)], after)
+            assert not changed, f"{variant}: the selected rows differ from the batch kept whole in {changed}"
             k = 0
             for m, mixer in enumerate(batch.mixers):  # row 1 is sequence 0, whose pending commit moves it
                 n = len(mixer.state())

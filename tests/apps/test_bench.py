@@ -15,7 +15,6 @@ from specla import SpecConfig
 from specla.apps.bench import (device_name, format_table, gsm8k_answer, humaneval_passes, library_versions,
                                load_prompts, run_bench, source_commit)
 from specla.apps.cli import main
-from specla.registry import get_plugin
 from specla_fla.plugin import TINY_TARGET
 
 TINY = TINY_TARGET
@@ -200,9 +199,29 @@ def test_bench_flags_are_checked_before_decoding(args, match):
     assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_a_missing_prompts_file_is_named():
-    proc = _cli("bench", "--model", str(TINY), "--prompts", "/nonexistent.jsonl", "--device", "cpu")
-    assert proc.returncode == 2 and "--prompts /nonexistent.jsonl: no such file" in proc.stderr
+@pytest.mark.parametrize("prompts, problem", [("/nonexistent.jsonl", "no such file"), ("/tmp", "is a directory"),
+                                              ("/dev/zero", "not a regular file")])
+def test_a_prompts_file_that_cannot_be_read_is_named(prompts, problem, capsys):
+    if not Path(prompts).exists() and problem != "no such file":
+        pytest.skip(f"no {prompts} here")
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--model", str(TINY), "--prompts", prompts, "--device", "cpu"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"specla: error: --prompts {prompts}: {problem}\n"
+
+
+def test_a_report_that_cannot_be_written_names_its_path(monkeypatch, capsys):
+    """/dev/full opens for writing, so only the write after the run fails: the error names --out."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    monkeypatch.setattr(specla.apps.bench, "run_bench", lambda *a, **k: {"categories": {}})
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", "--out", "/dev/full",
+              "--allow-dirty"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "specla: error: --out /dev/full: the report could not be written (No space left on device); the table "
+        "above is the run's only record")
 
 
 def _git(cwd, *args):
@@ -269,7 +288,7 @@ def test_bench_refuses_a_dirty_checkout_before_decoding(checkout, monkeypatch, c
     assert not out.exists()
 
 
-def test_bench_report_meta_names_commit_device_versions_date_command(checkout, monkeypatch, tmp_path):
+def test_bench_report_meta_names_commit_device_versions_date_command(checkout, monkeypatch, capsys, tmp_path):
     (checkout / "f.py").write_text("x = 2\n")
     monkeypatch.setattr(specla.apps.bench, "checkout_root", lambda: checkout)
     monkeypatch.setattr(specla.apps.bench, "run_bench", lambda *a, **k: {"categories": {}})
@@ -284,9 +303,25 @@ def test_bench_report_meta_names_commit_device_versions_date_command(checkout, m
                                       "specla"]
     assert meta["versions"] == library_versions()
     assert meta["command"] == "specla " + " ".join(argv)
+    assert "note" not in capsys.readouterr().err  # a commit was recorded
     date = datetime.datetime.fromisoformat(meta["date"])
     assert date.utcoffset() == datetime.timedelta(0)
     assert abs(datetime.datetime.now(datetime.timezone.utc) - date) < datetime.timedelta(minutes=5)
+
+
+def test_bench_from_an_installed_copy_runs_and_says_it_records_no_commit(monkeypatch, capsys, tmp_path):
+    """``pip install .`` has no checkout to check: the run is not refused, and one note on
+    stderr says the report has no commit and nothing was checked."""
+    monkeypatch.delenv("SPECLA_COMMIT", raising=False)
+    monkeypatch.setattr(specla.apps.bench, "checkout_root", lambda: None)
+    monkeypatch.setattr(specla.apps.bench, "run_bench", lambda *a, **k: {"categories": {}})
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", str(TINY), "--prompts", DATA, "--device", "cpu", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["commit"] is None
+    assert capsys.readouterr().err == (
+        "specla: note: specla is not run from its git checkout (an editable install or the source tree), so the "
+        "report records no commit (meta.commit is null; meta.versions names specla's version) and uncommitted "
+        "changes are not checked\n")
 
 
 def test_a_prompts_files_code_runs_only_when_asked_and_without_the_environment(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ import specla
 from specla import DrafterError, SpecDecoder, UnsupportedModelError
 from specla.apps.cli import main, read_config_option
 from specla.apps.demo import shown_prompt
+from specla.apps.paths import unwritable
 from specla.drafters import make_drafter
 from specla.drafters.eagle import EagleHead
 from specla.apps.train_drafter import DrafterTrainConfig, read_texts, train_drafter
@@ -188,6 +190,15 @@ def test_generate_and_bench_share_the_config_parser(capsys, tmp_path):
         assert code == 2
         assert last_error(err) == (f"specla: error: --config {tmp_path / 'none.json'}: no such file (inline JSON "
                                    "starts with '{')")
+        code, _, err = cli(capsys, *command, "--config", tmp_path)
+        assert code == 2 and last_error(err) == f"specla: error: --config {tmp_path}: is a directory"
+    big = tmp_path / "big.json"
+    big.write_text("{}" + " " * (1 << 20))  # valid JSON, but no config is a mebibyte
+    with pytest.raises(ValueError, match=rf"^--config {re.escape(str(big))}: larger than 1 MiB, not a config$"):
+        read_config_option(str(big))
+    if Path("/dev/zero").exists():  # endless: refused unread, not read until memory runs out
+        with pytest.raises(ValueError, match=r"^--config /dev/zero: not a regular file$"):
+            read_config_option("/dev/zero")
 
 
 # train-drafter
@@ -212,6 +223,24 @@ def test_train_drafter_checks_data_before_loading_and_creates_nothing(capsys, tm
     code, _, err = cli(capsys, "train-drafter", "--model", TINY, "--data", bad, "--out", out, *SMALL)
     assert code == 2 and not out.exists()
     assert last_error(err) == (f"specla: error: {bad}:3: not JSON (Expecting value: line 1 column 10 (char 9))")
+
+
+def test_train_drafter_checks_that_out_can_be_written_before_loading(capsys, tmp_path, monkeypatch):
+    """An --out that cannot be made (under a file; in /sys, where not even root makes folders)
+    is refused by name before the target loads."""
+    monkeypatch.setattr(specla.api, "SpecDecoder", lambda *a, **k: pytest.fail("the target loaded before --out"))
+    plain = tmp_path / "file"
+    plain.write_text("")
+    code, _, err = cli(capsys, "train-drafter", "--model", TINY, "--data", DATA, "--out", plain / "d", *SMALL)
+    assert code == 2
+    assert last_error(err) == (f"specla: error: output folder {plain / 'd'} (--out) cannot be created or written "
+                               f"({plain}: Not a directory)")
+    if not Path("/sys").is_dir() or unwritable("/sys") is None:
+        pytest.skip("no /sys that refuses new files")
+    code, _, err = cli(capsys, "train-drafter", "--model", TINY, "--data", DATA, "--out", "/sys/specla-d", *SMALL)
+    assert code == 2 and not Path("/sys/specla-d").exists()
+    assert last_error(err) == ("specla: error: output folder /sys/specla-d (--out) cannot be created or written "
+                               f"({unwritable('/sys')})")
 
 
 def test_bad_rows_name_file_and_line(tmp_path):

@@ -4,6 +4,7 @@ detection, prompts as tensors and token ids of the wrong type, option bounds, a 
 ``q``, corrupt checkpoints and checkpoints loaded from several threads at once. Each test asserts
 the exact output, error type or message."""
 
+import copy
 import threading
 
 import numpy as np
@@ -422,3 +423,17 @@ def test_a_config_field_of_the_wrong_type_is_reported_in_one_line(tmp_path):
     assert str(err.value) == (f"cannot load the checkpoint in {ckpt}: StrictDataclassFieldValidationError: "
                               "Validation error for field 'vocab_size': TypeError: Field 'vocab_size' expected int, "
                               "got str (value: 'lots')")
+
+
+def test_a_model_is_copied_only_where_the_runs_dtype_device_or_mode_differ(gdn):
+    """docs/usage.md ("Stopping and memory"): a float32 model in eval mode runs as it is on a CPU;
+    a bfloat16 one runs in float32 there, and one in training mode in eval mode, each as a copy
+    beside the caller's model, which is left as it was."""
+    arch, model = gdn
+    assert SpecDecoder(model.eval(), "gdn", config=dict(device="cpu")).adapter.placement.own_copy is False
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    adapter = SpecDecoder(half, "gdn", config=dict(device="cpu")).adapter
+    assert adapter.placement.own_copy and adapter.dtype == torch.float32
+    assert next(half.parameters()).dtype == torch.bfloat16
+    training = copy.deepcopy(model).train()
+    assert SpecDecoder(training, "gdn", config=dict(device="cpu")).adapter.placement.own_copy and training.training

@@ -95,6 +95,18 @@ def test_no_plugin_for_a_model_type_says_when_specla_plugins_limited_the_plugins
         "(gated_deltanet) (only these, as SPECLA_PLUGINS='gdn' limits loading; unset it to load every plugin)")
 
 
+def test_no_demo_checkpoint_says_when_specla_plugins_limited_the_plugins():
+    import os
+
+    env = {**os.environ, "SPECLA_PLUGINS": "lfm2,gdn"}  # neither ships one; qwen's is not loaded
+    out = subprocess.run([sys.executable, "-m", "specla.apps.cli", "demo"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.splitlines()[-1] == (
+        "specla: error: no installed plugin ships a demo checkpoint (only gdn, lfm2 loaded, as "
+        "SPECLA_PLUGINS='lfm2,gdn' limits loading; unset it to load every plugin)")
+
+
 def test_the_example_third_party_plugin_is_registered_through_its_entry_point_alone():
     """examples/third_party_plugin is installed by the test command and found without any
     change to specla (its own tests run the conformance suite)."""
@@ -229,6 +241,44 @@ def test_the_accepted_count_check_names_the_state_that_differs(monkeypatch):
                         r"the same tokens by max \|d\| \S+; layer 0 'conv window' state differs from plain decoding's "
                         r"by max \|d\| \S+ \(rel \S+\)", message), message
     assert_finite_difference(message)
+
+
+def bump_first_state(self):
+    """A write into the first mixer's recurrent state, where no write belongs."""
+    self.mixers[0].state()[0].add_(1)
+
+
+def verify_writing_the_state(self, tree):
+    bump_first_state(self)
+    return ADAPTER_VERIFY(self, tree)
+
+
+def flush_writing_the_state(self):
+    ADAPTER_FLUSH(self)
+    bump_first_state(self)
+
+
+ADAPTER_VERIFY, ADAPTER_FLUSH = ModelAdapter.verify, ModelAdapter.flush
+
+
+@pytest.mark.parametrize("method, broken, test, message", [
+    ("verify", verify_writing_the_state, "test_verify_never_writes_the_state",
+     r"verifying the same tree again changed mixer 0's 'recurrent' state \(max \|d\| 1\)"),
+    ("verify", verify_writing_the_state, "test_bad_input_raises_by_name_and_leaves_the_state_untouched",
+     r"a refused tree or prompt changed mixer 0's 'recurrent' state \(max \|d\| \d\)"),
+    ("flush", flush_writing_the_state, "test_delayed_commit_equals_flushed_and_flush_is_idempotent",
+     r"the next logits after a delayed commit and after a flushed one differ by max \|d\| \S+ \(tolerance \S+\); "
+     r"first beyond it: mixer 0's 'recurrent' state \(max \|d\| 1\)"),
+])
+def test_a_state_written_where_it_must_not_be_is_named_with_its_difference(monkeypatch, method, broken, test,
+                                                                          message):
+    """The suite's checks that a verify, a refused input or a flush leaves the state as it was
+    name the mixer and state that changed, with the largest difference."""
+    monkeypatch.setattr(ModelAdapter, method, broken)
+    with pytest.raises(AssertionError) as failure:
+        getattr(PluginSuite(), test)(get_plugin("gdn"), random.Random(1234))
+    first = str(failure.value).splitlines()[0]  # pytest's rewritten assert adds the expression's lines
+    assert re.fullmatch(message, first), str(failure.value)
 
 
 def mixed_batch(variant="base"):

@@ -83,3 +83,11 @@ def test_docs_and_code_do_not_narrate_work_periods():
     hits = [f"{f}:{i}" for f in files if not f.startswith("benchmarks/results/")
             for i, line in enumerate((ROOT / f).read_text().splitlines(), 1) if word.search(line)]
     assert not hits, hits
+
+
+def test_docs_install_from_a_clone_not_from_pypi():
+    """specla is not on PyPI: the user's documents install it from a clone (``pip install .``)."""
+    pypi = re.compile(r"pip install [\"']?specla\b")
+    hits = [f"{doc.name}:{i}" for doc in DOCS if doc.name == "README.md" or doc.parent.name == "docs"
+            for i, line in enumerate(doc.read_text().splitlines(), 1) if pypi.search(line)]
+    assert not hits, f"install specla from a clone, it is not on PyPI: {hits}"

@@ -2,6 +2,7 @@
 trained target shipped with the gdn plugin)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from importlib import resources
@@ -105,6 +106,43 @@ def test_bad_drafter_directories_raise_drafter_errors(tmp_path):
     with pytest.raises(DrafterError, match="no training window"):
         train_drafter(dec.adapter, dec.tokenizer, [DATA], tmp_path / "x", DrafterTrainConfig(window=100000),
                       log=lambda *_: None)
+
+
+def _edited_copy(tmp_path, **fields):
+    copy = tmp_path / "copy"
+    shutil.copytree(TINY_EAGLE, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, **fields}))
+    return copy
+
+
+def test_a_drafter_whose_weights_or_format_disagree_with_its_config_is_named_in_one_line(tmp_path):
+    """Weights of other shapes than config.json's (one line with the first parameter and both
+    shapes, not torch's line per parameter), weights of another head, and a format of another
+    specla version (named, with the ones read) are refused by the directory's name."""
+    from specla import DrafterError
+
+    copy = _edited_copy(tmp_path, hidden_size=512)
+    with pytest.raises(DrafterError) as err:
+        make_drafter(copy)
+    assert str(err.value) == (f"drafter {copy}: model.safetensors does not match config.json: fc.weight is "
+                              "[256, 512] in model.safetensors, [512, 1024] by config.json (7 more parameters differ)")
+    shutil.rmtree(copy)
+    copy = _edited_copy(tmp_path, format="specla-eagle-v1")  # the attention-free head: no attention weights
+    with pytest.raises(DrafterError) as err:
+        make_drafter(copy)
+    assert str(err.value) == (f"drafter {copy}: model.safetensors does not match config.json: missing none; "
+                              "unexpected attn_norm.weight, o.weight, qkv.weight")
+    shutil.rmtree(copy)
+    copy = _edited_copy(tmp_path, format="specla-eagle-v9")
+    with pytest.raises(DrafterError) as err:
+        make_drafter(copy)
+    assert str(err.value) == (f"drafter {copy}: config.json names the format 'specla-eagle-v9', which this specla "
+                              "does not read (it reads specla-eagle-v1, specla-eagle-v2)")
+    with pytest.raises(DrafterError) as err:
+        EagleHead.load(copy)
+    assert str(err.value) == (f"{copy} is not a specla EAGLE drafter (config.json's format is 'specla-eagle-v9'; "
+                              "this specla reads specla-eagle-v1, specla-eagle-v2)")
 
 
 def test_a_drafter_trained_for_another_vocabulary_is_refused(tmp_path):
