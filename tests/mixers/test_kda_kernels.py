@@ -144,8 +144,9 @@ def test_pending_commit_ragged(kernel, monkeypatch):
     from specla.mixers.kda import verify as kv
     from specla.mixers.kda.verify import serial_verify, tree_verify
 
-    if kernel == "prepared":
-        monkeypatch.setitem(kv.TUNING, "tree", {**kv.TUNING["tree"], "prepare": "separate"})
+    if kernel in ("parallel", "prepared"):  # each form of the tree kernel, whichever is the default
+        monkeypatch.setitem(kv.TUNING, "tree", {**kv.TUNING["tree"],
+                                                "prepare": "separate" if kernel == "prepared" else "fused"})
 
     B, Tp, T, H, K, V = 4, 6, 3, 2, 12, 6
     gen = torch.Generator().manual_seed(5)
@@ -271,8 +272,9 @@ def test_kernels_at_the_kimi_linear_head_shape(kernel, monkeypatch):
     from specla.mixers.kda import verify as kv
     from specla.mixers.kda.verify import serial_verify, tree_verify
 
-    if kernel == "prepared":
-        monkeypatch.setitem(kv.TUNING, "tree", {**kv.TUNING["tree"], "prepare": "separate"})
+    if kernel in ("parallel", "prepared"):  # each form of the tree kernel, whichever is the default
+        monkeypatch.setitem(kv.TUNING, "tree", {**kv.TUNING["tree"],
+                                                "prepare": "separate" if kernel == "prepared" else "fused"})
     B, Tp, H, K, V = 1, 4, 1, 128, 128
     T = 4 if kernel == "serial" else 9
     gen = torch.Generator().manual_seed(41)

@@ -48,13 +48,14 @@ SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_k", "sS_v"), layers=("lS", "lk",
 # which that one spills; swept on the engines' chains (docs/tuning.md, "KDA serial kernel").
 # "tree", untimed: the state is visited in K blocks of BKC rows, so that nothing larger than a
 # [BT, BKC] or [BT, BV] tile is live. "prepare": where the tree's matrices A and Q (the
-# substitution's, :func:`_tree_verify_kernel`) come from: "fused", every verify program builds
-# them column by column, once per V tile (the form timed on the engines' data: 64-node trees
-# slower than SGLang's per-node kernel at batches 1 to 64, docs/limits.md); "separate", a prepare
-# launch builds them once, a row a program, and every V tile loads them (not yet timed on a GPU;
-# benchmarks/engine_kernels.py --kda-tree-prepare separate).
+# substitution's, :func:`_tree_verify_kernel`) come from: "separate", a prepare launch builds
+# them once, a row a program, and every V tile loads them; "fused", every verify program builds
+# them column by column, once per V tile. On the engines' data at Kimi-Linear-48B-A3B, TP 4,
+# "separate" ran every tree of 8 to 64 nodes at batches 1 to 64 faster than "fused" (64 nodes,
+# batch 1: 112.0 against 310.2 µs) and than SGLang's per-node kernel (docs/tuning.md, "KDA tree
+# kernel"; benchmarks/engine_kernels.py --kda-tree-prepare times either).
 TUNING = {"serial": {"BV": 16, "num_warps": 1},
-          "tree": {"BV": 32, "BKC": 32, "num_warps": 4, "prepare": "fused"},
+          "tree": {"BV": 32, "BKC": 32, "num_warps": 4, "prepare": "separate"},
           "prepare": {"num_warps": 4}}
 PREPARE_FORMS = ("fused", "separate")  # TUNING["tree"]["prepare"]
 
