@@ -51,9 +51,9 @@ SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_k", "sS_v"), layers=("lS", "lk",
 # substitution's, :func:`_tree_verify_kernel`) come from: "separate", a prepare launch builds
 # them once, a row a program, and every V tile loads them; "fused", every verify program builds
 # them column by column, once per V tile. On the engines' data at Kimi-Linear-48B-A3B, TP 4,
-# "separate" ran every tree of 8 to 64 nodes at batches 1 to 64 faster than "fused" (64 nodes,
-# batch 1: 112.0 against 310.2 µs) and than SGLang's per-node kernel (docs/tuning.md, "KDA tree
-# kernel"; benchmarks/engine_kernels.py --kda-tree-prepare times either).
+# "separate" ran every tree of 8 to 64 nodes at batches 1 to 64 faster than "fused" and than
+# SGLang's per-node kernel (docs/tuning.md, "KDA tree kernel"; benchmarks/engine_kernels.py
+# --kda-tree-prepare times either).
 TUNING = {"serial": {"BV": 16, "num_warps": 1},
           "tree": {"BV": 32, "BKC": 32, "num_warps": 4, "prepare": "separate"},
           "prepare": {"num_warps": 4}}
