@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import DrafterError, UnknownPluginError
 from ..interfaces import Drafter
 from ..registry import available, get_plugin
-from .eagle import FORMATS, EagleDrafter, is_eagle_dir, saved_format
+from .eagle import FORMATS, EagleDrafter, saved_format
 from .ngram import NgramDrafter
 
 BUILTIN_DRAFTERS: dict[str, type[Drafter]] = {"ngram": NgramDrafter}
@@ -71,9 +71,10 @@ def make_drafter(drafter: str | Path | Drafter) -> Drafter:
     if not path.is_dir():
         raise DrafterError(f"drafter {drafter} is not a directory (a drafter is the directory "
                            "`specla train-drafter` wrote)")
-    if is_eagle_dir(path):
+    found = saved_format(path)  # config.json read once: a drafter of this specla, of another, or none
+    if found in FORMATS:
         return EagleDrafter.from_dir(path)
-    if (found := saved_format(path)) is not None:
+    if found is not None:
         raise DrafterError(f"drafter {drafter}: config.json names the format {found!r}, which this specla does not "
                            f"read (it reads {', '.join(FORMATS)})")
     hint = " (a `--stop-at` run? finish it with --resume)" if (path / "checkpoint.pt").is_file() else ""

@@ -156,7 +156,7 @@ def compare_states(got: TargetAdapter, want: TargetAdapter, tolerance: float, *,
     the same plugin's, hold a batch and have no commit pending (``want`` runs one verify of a
     root-only tree when a state differs, to find its layer). Tensors of different sizes (caches
     sized per batch) are compared over the part both hold."""
-    for (mixer, name, a), (_, _, b) in zip(_named_states(got), _named_states(want)):
+    for (mixer, name, a), (_, _, b) in zip(named_states(got), named_states(want)):
         a, b = a[got_row], b[want_row]
         both = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))
         a, b = a[both].double(), b[both].double()
@@ -166,7 +166,7 @@ def compare_states(got: TargetAdapter, want: TargetAdapter, tolerance: float, *,
     return None
 
 
-def _named_states(adapter: TargetAdapter) -> list[tuple[int, str, Tensor]]:
+def named_states(adapter: TargetAdapter) -> list[tuple[int, str, Tensor]]:
     """``(mixer index, kind, [B, ...] tensor)`` of every state the adapter holds."""
     mixers = getattr(adapter, "mixers", None)
     if mixers is None:

@@ -38,10 +38,15 @@ from ..errors import (BudgetError, ConfigError, InvalidTokenError, InvalidTreeEr
 from ..records import PendingCommit
 from ..registry import get_plugin
 from ..tree import DraftTree
-from .diagnosis import _named_states, compare_states, diagnose, state_tolerance
+from .diagnosis import named_states, compare_states, diagnose, state_tolerance
 from .drafters import OracleDrafter, ScriptedDrafter, path_acceptance
 
 N = 6  # draft budget of the suite's runs
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> str:
+    """``max |d| X``: the largest elementwise difference of two tensors, for a failure message."""
+    return f"max |d| {float((a - b).abs().max()):.3g}"
 COMMITS = ["factor", *BASELINES]  # factor: every plugin's contract; the baselines where declared
 
 
@@ -425,7 +430,7 @@ class PluginSuite:
     def _snapshot(adapter) -> list[torch.Tensor]:
         """Copies of every state tensor of every mixer, in the layers' order (an adapter of the
         plugin's own: its recurrent states); a pending commit is not applied."""
-        return [t.clone() for _, _, t in _named_states(adapter)]
+        return [t.clone() for _, _, t in named_states(adapter)]
 
     @staticmethod
     def _differs(adapter, a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 0.0) -> str:
@@ -434,11 +439,11 @@ class PluginSuite:
         X)``, ``I`` its mixer's index in ``adapter.mixers``; ``""`` where none does."""
         if len(a) != len(b):
             return f"the number of state tensors ({len(a)}, then {len(b)})"
-        for (i, name, _), x, y in zip(_named_states(adapter), a, b):
+        for (i, name, _), x, y in zip(named_states(adapter), a, b):
             if x.shape != y.shape:
                 return f"mixer {i}'s {name!r} state (shape {list(x.shape)}, then {list(y.shape)})"
             if not (torch.allclose(x.double(), y.double(), rtol=tol, atol=tol) if tol else torch.equal(x, y)):
-                return f"mixer {i}'s {name!r} state (max |d| {float((x.double() - y.double()).abs().max()):.3g})"
+                return f"mixer {i}'s {name!r} state ({_gap(x.double(), y.double())})"
         return ""
 
     @staticmethod
@@ -475,7 +480,7 @@ class PluginSuite:
                 state = (compare_states(adapter, fresh, state_tolerance(arch, adapter.dtype))
                          or "every state equals plain decoding's")
                 raise AssertionError(f"a = {a}: after committing {a} accepted drafts the next logits differ from a "
-                                     f"fresh prefill's of the same tokens by max |d| {(got - want).abs().max():.3g}; "
+                                     f"fresh prefill's of the same tokens by {_gap(got, want)}; "
                                      f"{state}")
 
     def test_empty_commit_lays_out_what_a_step_leaves_and_changes_nothing(self, arch, rng):
@@ -551,7 +556,7 @@ class PluginSuite:
         changed = self._differs(adapter, state, self._snapshot(adapter))
         assert not changed, f"verifying the same tree again changed {changed}"
         assert torch.equal(again, first), \
-            f"verifying the same tree twice gave logits apart by max |d| {float((again - first).abs().max()):.3g}"
+            f"verifying the same tree twice gave logits apart by {_gap(again, first)}"
 
     def test_delayed_commit_equals_flushed_and_flush_is_idempotent(self, arch, rng):
         model = self._model(arch)
@@ -572,11 +577,11 @@ class PluginSuite:
         tol = arch.logits_tolerance / 10
         states = [self._snapshot(a) for a in adapters]
         assert torch.allclose(runs[0], runs[1], rtol=tol, atol=tol), (
-            f"the next logits after a delayed commit and after a flushed one differ by max |d| "
-            f"{float((runs[0] - runs[1]).abs().max()):.3g} (tolerance {tol:.3g}); first beyond it: "
+            f"the next logits after a delayed commit and after a flushed one differ by "
+            f"{_gap(runs[0], runs[1])} (tolerance {tol:.3g}); first beyond it: "
             f"{self._differs(adapters[0], states[0], states[1], tol) or 'no state'}")
         assert torch.equal(runs[1], runs[2]), (
-            f"a second flush changed the next logits by max |d| {float((runs[1] - runs[2]).abs().max()):.3g} "
+            f"a second flush changed the next logits by {_gap(runs[1], runs[2])} "
             f"and {self._differs(adapters[1], states[1], states[2]) or 'no state'}")
 
     def test_bad_input_raises_by_name_and_leaves_the_state_untouched(self, arch, rng):
@@ -606,7 +611,7 @@ class PluginSuite:
         assert not changed, f"a refused tree or prompt changed {changed}"
         after = self._root_logits(adapter)
         assert torch.equal(after, before), \
-            f"a refused tree or prompt changed the next logits by max |d| {float((after - before).abs().max()):.3g}"
+            f"a refused tree or prompt changed the next logits by {_gap(after, before)}"
 
         for variant in arch.tiny_variants:  # with a pending commit: the messages, and nothing moved, bit for bit
             self._check_bad_input_by_name(arch, self._model(arch, variant), variant)

@@ -47,10 +47,10 @@ SLOT_PARAMS = dict(strides=("sS_b", "sS_h", "sS_k", "sS_v"), layers=("lS", "lk",
 # [128, 16] at Kimi Linear's K = 128 holds as many elements as GDN's serial tile [256, 8], past
 # which that one spills; swept on the engines' chains (docs/tuning.md, "KDA serial kernel").
 # "tree" (tiles and warps not swept): the state is visited in K blocks of BKC rows, so that
-# nothing larger than a [BT, BKC] or [BT, BV] tile is live. "prepare": where the tree's matrices A and Q (the
-# substitution's, :func:`_tree_verify_kernel`) come from: "separate", a prepare launch builds
-# them once, a row a program, and every V tile loads them; "fused", every verify program builds
-# them column by column, once per V tile. On the engines' data at Kimi-Linear-48B-A3B, TP 4,
+# nothing larger than a [BT, BKC] or [BT, BV] tile is live. "prepare": where the tree's matrices
+# A and Q (the substitution's, :func:`_tree_verify_kernel`) come from: "separate", a prepare
+# launch builds them once, a row a program, and every V tile loads them; "fused", every verify
+# program builds them column by column, once per V tile. On the engines' data at Kimi-Linear-48B-A3B, TP 4,
 # "separate" ran every tree of 8 to 64 nodes at batches 1 to 64 faster than "fused" and than
 # SGLang's per-node kernel (docs/tuning.md, "KDA tree kernel"; benchmarks/engine_kernels.py
 # --kda-tree-prepare times either).
